@@ -1,0 +1,141 @@
+"""What process_trace.py and visualize_trace.py share: flags, trace-dir lookup, all-or-nothing output files,
+and turning bad input into one stderr line with exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from .schema import TraceError
+
+EXIT_BAD_INPUT = 2
+DEFAULT_TRACE_DIR = "traces"
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (no usage dump) and exit code 2."""
+
+    def error(self, message: str):
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def iteration_choice(text: str) -> int | str:
+    if text in ("all", "last"):
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an iteration number, 'last' or 'all', got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"iteration must be >= 0, got {value}")
+    return value
+
+
+def base_parser(prog: str, description: str) -> OneLineArgumentParser:
+    parser = OneLineArgumentParser(prog=prog, description=description)
+    parser.add_argument("--pipeline_parallel", "--pipeline-parallel", dest="pipeline_parallel", type=positive_int,
+                        required=True, help="pipeline-parallel size P of the traced run")
+    parser.add_argument("--model_chunks", "--model-chunks", dest="model_chunks", type=positive_int, required=True,
+                        help="model chunks per rank V of the traced run")
+    parser.add_argument("--trace-dir", "--trace_dir", dest="trace_dir", default=None,
+                        help=f"directory of trace_rank<N>.jsonl files (default: ./{DEFAULT_TRACE_DIR}, or the "
+                             "current directory when it holds the files)")
+    parser.add_argument("--out-dir", "--out_dir", dest="out_dir", default=".",
+                        help="where to write the outputs (default: current directory)")
+    return parser
+
+
+def resolve_trace_dir(given: str | None) -> Path:
+    """--trace-dir if given; else ./traces; else the current directory when it holds trace files (seed usage)."""
+    if given is not None:
+        return Path(given)
+    default = Path(DEFAULT_TRACE_DIR)
+    for candidate in (default, Path(".")):
+        if candidate.is_dir() and any(candidate.glob("trace_rank*.jsonl")):
+            return candidate
+    if default.is_dir():
+        return default  # the reader names what is wrong with it
+    raise TraceError(f"no trace files: ./{DEFAULT_TRACE_DIR}/ does not exist and the current directory holds no "
+                     "trace_rank<N>.jsonl (use --trace-dir)")
+
+
+def output_stem(pipeline_parallel: int, model_chunks: int) -> str:
+    return f"trace_pipeline_{pipeline_parallel}_model_chunks_{model_chunks}"
+
+
+class OutputSet:
+    """Collects outputs as temp files in the out dir and renames them into place only on commit(), so a failure
+    leaves no half-written output. Use as a context manager; leftovers are removed on error."""
+
+    def __init__(self, out_dir: str | os.PathLike) -> None:
+        self.out_dir = Path(out_dir)
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TraceError(f"{self.out_dir}: cannot create output directory ({exc.strerror})") from None
+        self._pending: list[tuple[Path, Path]] = []
+
+    def temp_path(self, final_name: str) -> Path:
+        """A fresh temp file path in the out dir that commit() will rename to `final_name`."""
+        suffix = Path(final_name).suffix
+        try:
+            fd, temp = tempfile.mkstemp(prefix=f".{final_name}.", suffix=f".tmp{suffix}", dir=self.out_dir)
+        except OSError as exc:
+            raise TraceError(f"{self.out_dir}: cannot write ({exc.strerror})") from None
+        os.close(fd)
+        os.chmod(temp, 0o666 & ~_current_umask())  # mkstemp makes 0600; outputs should be like any new file
+        self._pending.append((Path(temp), self.out_dir / final_name))
+        return Path(temp)
+
+    def commit(self) -> list[Path]:
+        written = []
+        for temp, final in self._pending:
+            os.replace(temp, final)
+            written.append(final)
+        self._pending = []
+        return written
+
+    def discard(self) -> None:
+        for temp, _ in self._pending:
+            temp.unlink(missing_ok=True)
+        self._pending = []
+
+    def __enter__(self) -> "OutputSet":
+        return self
+
+    def __exit__(self, exc_type, *rest) -> None:
+        if exc_type is not None:
+            self.discard()
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def run_cli(prog: str, main, argv=None) -> int:
+    """Run main(argv) -> exit code; bad input becomes `prog: error: ...` on stderr and exit code 2."""
+    try:
+        return main(argv)
+    except TraceError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as exc:  # e.g. the out dir is not writable
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,45 @@
+"""Which task produced a traced task's input, by the schedule package's dependency rule (one source of truth)."""
+
+from __future__ import annotations
+
+from .schema import BACKWARD, FORWARD, TraceError, TraceEvent
+
+TaskKey = tuple[int, str, int, int]  # (pp_rank, kind, chunk, microbatch)
+
+
+class InputSources:
+    """Maps a forward/backward event on a pipeline rank to the key of the task whose output it consumes."""
+
+    def __init__(self, pipeline_parallel: int, model_chunks: int, microbatches: int) -> None:
+        from megatron_app.schedule import Kind, PipelineShape, ScheduleConfigError, Task
+
+        try:
+            self._shape = PipelineShape(num_stages=pipeline_parallel, num_chunks=model_chunks,
+                                        num_microbatches=microbatches)
+        except ScheduleConfigError as exc:
+            raise TraceError(f"trace shape P={pipeline_parallel} V={model_chunks} m={microbatches} is not a valid "
+                             f"pipeline: {exc}") from None
+        self._task = Task
+        self._to_kind = {FORWARD: Kind.FORWARD, BACKWARD: Kind.BACKWARD}
+        self._from_kind = {Kind.FORWARD: FORWARD, Kind.BACKWARD: BACKWARD}
+
+    def producer(self, pp_rank: int, kind: str, chunk: int, microbatch: int) -> TaskKey | None:
+        source = self._shape.input_source(pp_rank, self._task(self._to_kind[kind], chunk, microbatch))
+        if source is None:
+            return None
+        peer_rank, peer_task = source
+        return (peer_rank, self._from_kind[peer_task.kind], peer_task.chunk, peer_task.microbatch)
+
+    def producer_of(self, event: TraceEvent) -> TaskKey | None:
+        return self.producer(event.pp_rank, event.kind, event.chunk, event.microbatch)
+
+    @staticmethod
+    def local_forward_of(event: TraceEvent) -> TaskKey | None:
+        """A backward also needs the activations of its own forward on the same rank."""
+        if event.kind != BACKWARD:
+            return None
+        return (event.pp_rank, FORWARD, event.chunk, event.microbatch)
+
+
+def task_key(event: TraceEvent) -> TaskKey:
+    return (event.pp_rank, event.kind, event.chunk, event.microbatch)

@@ -1,0 +1,123 @@
+"""Per-rank and per-iteration pipeline metrics of one traced iteration.
+
+Window: from the first forward/backward start to the last forward/backward end over all ranks (the makespan).
+Per rank, idle (bubble) time is the part of that window not covered by its own forward/backward work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from .intervals import interval_deltas, max_concurrency, union_length
+from .reader import RankTrace, TraceRun
+from .schema import BACKWARD, COMPUTE_KINDS, FORWARD, ITERATION, OPTIMIZER, SEND, WAIT
+
+
+@dataclass(frozen=True)
+class RankMetrics:
+    global_rank: int
+    pp_rank: int
+    tp_rank: int
+    dp_rank: int
+    host: str
+    tasks: int
+    compute_us: float
+    forward_us: float
+    backward_us: float
+    idle_us: float
+    bubble_ratio: float
+    comm_wait_us: float
+    optimizer_us: float
+    max_sends_in_flight: int
+    sent_bytes: int
+    peak_activations: int
+
+
+@dataclass(frozen=True)
+class IterationMetrics:
+    iteration: int
+    start_us: float
+    end_us: float
+    makespan_us: float
+    ideal_us: float
+    makespan_over_ideal: float | None  # None when no rank did measurable work
+    mean_bubble_ratio: float
+    iteration_time_us: float | None  # span of the ranks' 'iteration' events, when they were recorded
+    ranks: list[RankMetrics] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def iteration_metrics(run: TraceRun, iteration: int) -> IterationMetrics:
+    per_rank = {rank.meta.global_rank: rank.events_of(iteration) for rank in run.ranks}
+    compute = [e for events in per_rank.values() for e in events if e.kind in COMPUTE_KINDS]
+    if not compute:
+        raise ValueError(f"iteration {iteration} has no forward/backward events")
+    start = min(e.start for e in compute)
+    end = max(e.end for e in compute)
+    makespan = end - start
+    ranks = [_rank_metrics(rank, per_rank[rank.meta.global_rank], makespan) for rank in run.ranks]
+    ideal = max(r.compute_us for r in ranks)
+    spans = [e for events in per_rank.values() for e in events if e.kind == ITERATION]
+    iteration_time = (max(e.end for e in spans) - min(e.start for e in spans)) if spans else None
+    return IterationMetrics(
+        iteration=iteration,
+        start_us=start,
+        end_us=end,
+        makespan_us=makespan,
+        ideal_us=ideal,
+        makespan_over_ideal=makespan / ideal if ideal > 0 else None,
+        mean_bubble_ratio=sum(r.bubble_ratio for r in ranks) / len(ranks),
+        iteration_time_us=iteration_time,
+        ranks=ranks,
+    )
+
+
+def _rank_metrics(rank: RankTrace, events: list, makespan: float) -> RankMetrics:
+    def spans(kind):
+        return [(e.start, e.end) for e in events if e.kind == kind]
+
+    compute = union_length([(e.start, e.end) for e in events if e.kind in COMPUTE_KINDS])
+    idle = max(0.0, makespan - compute)
+    sends = [e for e in events if e.kind == SEND]
+    # Activations held: +1 when a forward starts, -1 when the backward of the same task is done.
+    activation_deltas = [(e.start, 1) for e in events if e.kind == FORWARD]
+    activation_deltas += [(e.end, -1) for e in events if e.kind == BACKWARD]
+    meta = rank.meta
+    return RankMetrics(
+        global_rank=meta.global_rank,
+        pp_rank=meta.pp_rank,
+        tp_rank=meta.tp_rank,
+        dp_rank=meta.dp_rank,
+        host=meta.host,
+        tasks=sum(1 for e in events if e.kind in COMPUTE_KINDS),
+        compute_us=compute,
+        forward_us=union_length(spans(FORWARD)),
+        backward_us=union_length(spans(BACKWARD)),
+        idle_us=idle,
+        bubble_ratio=idle / makespan if makespan > 0 else 0.0,
+        comm_wait_us=union_length(spans(WAIT)),
+        optimizer_us=union_length(spans(OPTIMIZER)),
+        max_sends_in_flight=max_concurrency(interval_deltas((e.start, e.end) for e in sends)),
+        sent_bytes=sum(e.nbytes or 0 for e in sends),
+        peak_activations=max_concurrency(activation_deltas),
+    )
+
+
+CSV_COLUMNS = (
+    ["iteration", "makespan_us", "ideal_us", "makespan_over_ideal", "iteration_time_us"]
+    + [f for f in RankMetrics.__dataclass_fields__]
+)
+
+
+def csv_rows(all_metrics: list[IterationMetrics]) -> list[dict]:
+    """One row per (iteration, rank), run-level columns repeated, in CSV_COLUMNS order."""
+    rows = []
+    for it in all_metrics:
+        for rank in it.ranks:
+            row = {"iteration": it.iteration, "makespan_us": it.makespan_us, "ideal_us": it.ideal_us,
+                   "makespan_over_ideal": it.makespan_over_ideal, "iteration_time_us": it.iteration_time_us}
+            row.update(asdict(rank))
+            rows.append({k: row[k] for k in CSV_COLUMNS})
+    return rows
