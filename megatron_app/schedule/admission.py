@@ -1,0 +1,62 @@
+"""Memory admission for adaptive policies: may this rank start that forward without risking a deadlock?
+
+A naive "held < cap" test can hang the pipeline: a rank fills its cap with early-chunk forwards and can never run
+the later chunk whose backward would free memory, or it spends the cap on microbatches the rest of the pipeline is
+not ready to finish. The rule here keeps every rank able to finish its microbatches in ascending order:
+
+  (1) a rank starts microbatches (their first forward here) in ascending order only;
+  (2) after the forward, for every microbatch i in flight on the rank (forward started, backward not finished):
+          held(microbatches >= i) + remaining_forwards(i) <= cap
+      i.e. if the rank finished its in-flight microbatches one by one from the lowest, each would still find room
+      for all of its remaining forwards (all forwards of a microbatch precede any of its backwards on every rank).
+
+Why no deadlock (cap >= V on every rank): (2) holds initially, backwards only lower its left sides, and every
+forward a policy starts is checked. Let g be the lowest microbatch not finished everywhere; its tasks form one
+chain (F through the virtual stages, then B back). A rank that has not started g has, by (1), started no higher
+microbatch, and every lower one is finished there: it holds nothing, so it can admit g. On a rank that has
+started g no lower microbatch is in flight, so a forward of g only moves one activation from "remaining" to "held"
+within g's own check and leaves the checks of higher microbatches unchanged: (2) still holds, it is admitted.
+Backwards are always allowed. So g's next task can run as soon as its input arrives: the pipeline never stalls.
+"""
+
+from __future__ import annotations
+
+from .errors import ScheduleConfigError
+from .shape import PipelineShape
+from .state import RankState
+from .tasks import Kind, Task
+
+
+def minimum_memory_cap(shape: PipelineShape) -> int:
+    """Fewest activations a rank must be allowed to hold: one microbatch keeps all V chunks until its backward."""
+    return 1 if shape.forward_only else shape.num_chunks
+
+
+def check_memory_cap(shape: PipelineShape, memory_cap: int) -> None:
+    if isinstance(memory_cap, bool) or not isinstance(memory_cap, int):
+        raise ScheduleConfigError(f"memory_cap must be an int, got {memory_cap!r}")
+    needed = minimum_memory_cap(shape)
+    if memory_cap < needed:
+        raise ScheduleConfigError(
+            f"memory_cap={memory_cap} cannot finish: a rank must hold at least {needed} activations "
+            f"(all {shape.num_chunks} chunks of one microbatch until its backward)")
+
+
+def forward_fits(state: RankState, task: Task, memory_cap: int) -> bool:
+    """Whether starting forward `task` now keeps the rank deadlock-free under `memory_cap` (see module doc)."""
+    if task.kind is not Kind.FORWARD:
+        raise ScheduleConfigError(f"forward_fits is for forwards, got {task}")
+    if state.shape.forward_only:   # evaluation frees each activation right after its forward
+        return True
+    mb = task.microbatch
+    if state.forwards_started(mb) == 0 and mb != state.lowest_unstarted_microbatch:
+        return False
+    V = state.shape.num_chunks
+    held_above = 0   # activations of in-flight microbatches >= the one checked, after the forward
+    for i in sorted(set(state.in_flight_microbatches()) | {mb}, reverse=True):
+        held = state.activations_of(i) + (1 if i == mb else 0)
+        remaining = V - state.forwards_started(i) - (1 if i == mb else 0)
+        held_above += held
+        if held_above + remaining > memory_cap:
+            return False
+    return True

@@ -1,0 +1,172 @@
+"""RankState: what one pipeline rank has received, started and finished, and which of its tasks may run now.
+
+The driver (runtime or simulator) reports events; policies only read. A forward becomes ready when its remote input
+is here (or it needs none); a backward additionally needs this rank's own forward of the same chunk and microbatch.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Set
+
+from .errors import ScheduleStateError
+from .shape import PipelineShape
+from .tasks import Kind, Task
+
+
+def _task_order(task: Task):
+    return task.microbatch, task.chunk, task.kind.value
+
+
+class RankState:
+    def __init__(self, shape: PipelineShape, rank: int):
+        shape.check_rank(rank)
+        self.shape = shape
+        self.rank = rank
+        self._total = len(shape.tasks(rank))
+        self._arrived: Set[Task] = set()
+        self._ready: Set[Task] = set()
+        self._started: Set[Task] = set()
+        self._done: Set[Task] = set()
+        self._done_list: List[Task] = []
+        m = shape.num_microbatches
+        self._forwards_started = [0] * m        # per microbatch
+        self._held_by_microbatch = [0] * m
+        self._backwards_done = [0] * m
+        self._in_flight: Set[int] = set()      # microbatches with activations held or forwards still to come here
+        self._lowest_unstarted = 0
+        self._held = 0
+        self._peak = 0
+        for task in shape.tasks(rank):
+            if task.kind is Kind.FORWARD and shape.input_source(rank, task) is None:
+                self._ready.add(task)
+
+    # ---- events from the driver ------------------------------------------------------------------------------
+    def mark_arrived(self, task: Task) -> None:
+        """The remote input of `task` (activation for F, output gradient for B) is here."""
+        if self.shape.input_source(self.rank, task) is None:
+            raise ScheduleStateError(f"rank {self.rank}: {task} takes no remote input, so nothing can arrive for it")
+        if task in self._arrived:
+            raise ScheduleStateError(f"rank {self.rank}: input of {task} arrived twice")
+        self._arrived.add(task)
+        if self._deps_met(task):
+            self._ready.add(task)
+
+    def mark_started(self, task: Task) -> None:
+        if task not in self._ready:
+            why = "already started" if task in self._started else "not ready"
+            raise ScheduleStateError(f"rank {self.rank}: cannot start {task}: {why}")
+        self._ready.discard(task)
+        self._started.add(task)
+        if task.kind is Kind.FORWARD:
+            mb = task.microbatch
+            self._forwards_started[mb] += 1
+            self._held_by_microbatch[mb] += 1
+            self._in_flight.add(mb)
+            self._held += 1
+            self._peak = max(self._peak, self._held)
+            while (self._lowest_unstarted < self.shape.num_microbatches
+                   and self._forwards_started[self._lowest_unstarted] > 0):
+                self._lowest_unstarted += 1
+
+    def mark_done(self, task: Task) -> None:
+        if task not in self._started:
+            raise ScheduleStateError(f"rank {self.rank}: cannot finish {task}: it was never started")
+        if task in self._done:
+            raise ScheduleStateError(f"rank {self.rank}: {task} finished twice")
+        self._done.add(task)
+        self._done_list.append(task)
+        mb = task.microbatch
+        if task.kind is Kind.FORWARD:
+            if self.shape.forward_only:   # evaluation keeps no activation for a backward
+                self._release(mb)
+                if self._held_by_microbatch[mb] == 0 and self._forwards_started[mb] == self.shape.num_chunks:
+                    self._in_flight.discard(mb)
+            else:
+                backward = Task(Kind.BACKWARD, task.chunk, mb)
+                if self._deps_met(backward):
+                    self._ready.add(backward)
+        else:
+            self._release(mb)
+            self._backwards_done[mb] += 1
+            if self._backwards_done[mb] == self.shape.num_chunks:
+                self._in_flight.discard(mb)
+
+    def _release(self, mb: int) -> None:
+        self._held_by_microbatch[mb] -= 1
+        self._held -= 1
+
+    def _deps_met(self, task: Task) -> bool:
+        if task in self._started:
+            return False
+        if task.kind is Kind.BACKWARD and Task(Kind.FORWARD, task.chunk, task.microbatch) not in self._done:
+            return False
+        return task in self._arrived or self.shape.input_source(self.rank, task) is None
+
+    # ---- queries ---------------------------------------------------------------------------------------------
+    def ready(self) -> List[Task]:
+        """Tasks not started whose inputs are here and whose local dependencies are met (sorted, deterministic)."""
+        return sorted(self._ready, key=_task_order)
+
+    def is_ready(self, task: Task) -> bool:
+        return task in self._ready
+
+    def has_arrived(self, task: Task) -> bool:
+        return task in self._arrived
+
+    @property
+    def activations_held(self) -> int:
+        """Forwards started whose activations are still kept (until the backward ends; forward-only: until the
+        forward ends)."""
+        return self._held
+
+    @property
+    def peak_activations(self) -> int:
+        return self._peak
+
+    @property
+    def done_tasks(self) -> List[Task]:
+        return list(self._done_list)
+
+    @property
+    def started_count(self) -> int:
+        return len(self._started)
+
+    @property
+    def in_progress(self) -> List[Task]:
+        return sorted(self._started - self._done, key=_task_order)
+
+    @property
+    def remaining(self) -> int:
+        return self._total - len(self._done)
+
+    @property
+    def finished(self) -> bool:
+        return len(self._done) == self._total
+
+    # ---- per-microbatch bookkeeping for memory admission --------------------------------------------------
+    def forwards_started(self, microbatch: int) -> int:
+        return self._forwards_started[microbatch]
+
+    def activations_of(self, microbatch: int) -> int:
+        return self._held_by_microbatch[microbatch]
+
+    def in_flight_microbatches(self) -> List[int]:
+        """Microbatches with a forward started here and a backward still to do here, ascending."""
+        return sorted(self._in_flight)
+
+    @property
+    def lowest_unstarted_microbatch(self) -> Optional[int]:
+        """The lowest microbatch with no forward started on this rank; None once all have started."""
+        if self._lowest_unstarted == self.shape.num_microbatches:
+            return None
+        return self._lowest_unstarted
+
+    def describe(self) -> str:
+        """Multi-line dump for stall reports."""
+        waiting = sorted((t for t in self.shape.tasks(self.rank)
+                          if t not in self._started and t not in self._ready), key=_task_order)
+        return (f"rank {self.rank}: done {len(self._done)}/{self._total}, held {self._held} "
+                f"(peak {self._peak}), in flight mbs {self.in_flight_microbatches()}\n"
+                f"  ready: {[str(t) for t in self.ready()]}\n"
+                f"  in progress: {[str(t) for t in self.in_progress]}\n"
+                f"  blocked (first 8): {[str(t) for t in waiting[:8]]}")
