@@ -1,0 +1,97 @@
+"""A CPU-capable core attention for Megatron-Core layer specs.
+
+Megatron's local ``DotProductAttention`` takes its score buffer from a CUDA global memory buffer, so
+it cannot run on CPU. This module does the same job with ``scaled_dot_product_attention`` and plugs
+into the spec slot ``self_attention.submodules.core_attention``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import tensor_parallel
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+
+
+class SdpaCoreAttention(MegatronModule):
+    """Core attention on [s, b, heads, head_dim] inputs, returning [s, b, heads * head_dim].
+
+    Takes the constructor arguments Megatron passes to any core attention module (see
+    ``megatron.core.transformer.attention.Attention``); only the ones that matter here are used.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("SdpaCoreAttention does not support context parallelism")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        tp_size = config.tensor_model_parallel_size
+        if pg_collection is not None and getattr(pg_collection, "tp", None) is not None:
+            tp_size = pg_collection.tp.size()
+        self.heads_per_partition = divide(config.num_attention_heads, tp_size)
+        self.query_groups_per_partition = divide(config.num_query_groups, tp_size)
+        head_dim = divide(config.kv_channels * config.num_attention_heads, config.num_attention_heads)
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        if config.apply_query_key_layer_scaling:
+            self.softmax_scale /= self.layer_number
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("SdpaCoreAttention supports neither packed sequences nor attention bias")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+
+        # Grouped-query attention: repeat each key/value group for its queries, as Megatron does.
+        repeats = self.heads_per_partition // self.query_groups_per_partition
+        if repeats > 1:
+            key = key.repeat_interleave(repeats, dim=2)
+            value = value.repeat_interleave(repeats, dim=2)
+
+        # [s, b, h, d] -> [b, h, s, d], the layout SDPA expects.
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        is_causal = mask_type == AttnMaskType.causal
+        # Megatron masks mark positions to drop (True); SDPA boolean masks mark positions to keep.
+        keep_mask = None if is_causal or attention_mask is None else ~attention_mask
+        dropout_p = self.dropout_p if self.training else 0.0
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            # Attention dropout differs per TP rank, as in Megatron's DotProductAttention.
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                context = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=keep_mask, dropout_p=dropout_p, is_causal=is_causal,
+                    scale=self.softmax_scale,
+                )
+        else:
+            context = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=keep_mask, dropout_p=dropout_p, is_causal=is_causal,
+                scale=self.softmax_scale,
+            )
+        # [b, h, s, d] -> [s, b, h * d]
+        context = context.permute(2, 0, 1, 3).contiguous()
+        return context.view(context.size(0), context.size(1), -1)

@@ -1,0 +1,29 @@
+"""Run Megatron-Core code that names ``device="cuda"`` on a CPU-only machine.
+
+``forward_backward_no_pipelining`` (Megatron's schedule for P == 1, our loss reference) allocates its
+token counter with ``torch.zeros(..., device="cuda")``. Instead of forking Megatron, the call runs
+under a TorchFunctionMode that sends explicit CUDA device arguments to the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":", 1)[0] == "cuda"
+    return False
+
+
+class CudaDeviceToCpu(TorchFunctionMode):
+    """Rewrites ``device=cuda`` keyword arguments of torch functions to ``cpu``."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_cuda(kwargs.get("device")):
+            kwargs = dict(kwargs, device="cpu")
+        return func(*args, **kwargs)

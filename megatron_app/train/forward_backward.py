@@ -1,0 +1,77 @@
+"""Choosing the forward_backward function, and the few runtime hooks the loop needs.
+
+``megatron``: Megatron-Core's get_forward_backward_func(), untouched (for P == 1 that is
+forward_backward_no_pipelining, the loss reference). ``app`` / ``interleaved`` / ``1f1b``: call
+``megatron_app.install(...)``, after which the same get_forward_backward_func() returns the
+runtime's forward_backward_app.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Callable
+
+import megatron.core.pipeline_parallel as megatron_pp
+
+from .cpu_compat import CudaDeviceToCpu
+
+MEGATRON = "megatron"
+
+
+class RuntimeUnavailable(RuntimeError):
+    """megatron_app.runtime (and with it megatron_app.install) cannot be used yet."""
+
+
+def runtime_install() -> Callable:
+    """megatron_app.install, or RuntimeUnavailable with a one-line reason."""
+    import megatron_app
+
+    try:
+        import megatron_app.runtime as runtime
+    except ImportError as exc:
+        raise RuntimeUnavailable(
+            f"megatron_app.runtime cannot be imported ({exc}); use --schedule megatron") from None
+    install = getattr(megatron_app, "install", None) or getattr(runtime, "install", None)
+    if not callable(install) or not callable(getattr(runtime, "install", None)):
+        raise RuntimeUnavailable(
+            "megatron_app.runtime has no install() yet; use --schedule megatron")
+    return install
+
+
+def _on_cpu(func: Callable) -> Callable:
+    @functools.wraps(func)
+    def run(*args, **kwargs):
+        with CudaDeviceToCpu():
+            return func(*args, **kwargs)
+    return run
+
+
+def select_forward_backward_func(schedule: str, policy: str, trace_dir, tracing: bool,
+                                 device_type: str) -> Callable:
+    if schedule == MEGATRON:
+        func = megatron_pp.get_forward_backward_func()
+        return _on_cpu(func) if device_type == "cpu" else func
+    install = runtime_install()
+    install(schedule=schedule, policy=policy, trace_dir=trace_dir, tracing=tracing)
+    return megatron_pp.get_forward_backward_func()
+
+
+def optimizer_span(schedule: str, iteration: int):
+    """Trace the optimizer step in the runtime's per-rank trace (trace iterations count from 0)."""
+    if schedule == MEGATRON:
+        return contextlib.nullcontext()
+    from megatron_app.runtime import current_tracer
+    from megatron_app.trace.schema import OPTIMIZER
+
+    tracer = current_tracer()
+    return contextlib.nullcontext() if tracer is None else tracer.span(OPTIMIZER, iteration=iteration - 1)
+
+
+def close_schedule(schedule: str) -> None:
+    """Close the runtime's transport and flush its trace (before the process groups go away)."""
+    if schedule == MEGATRON:
+        return
+    from megatron_app.runtime import shutdown
+
+    shutdown()

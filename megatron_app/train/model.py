@@ -1,0 +1,86 @@
+"""Model provider: Megatron-Core GPTModel chunks for this pipeline rank.
+
+Only the layer spec changes on CPU (core attention -> SdpaCoreAttention); the model is stock
+Megatron-Core. Embedding and output weights are untied, so no embedding-group all-reduce is needed
+between the first and last pipeline stage.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import List
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from .attention import SdpaCoreAttention
+from .names import global_param_name, named_global_parameters  # noqa: F401 (re-exported API)
+from .weights import reinitialize_by_global_name
+
+
+def cpu_attention_spec() -> ModuleSpec:
+    """Megatron's local GPT layer spec with a CPU-capable core attention."""
+    spec = copy.deepcopy(get_gpt_layer_local_spec())
+    spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
+    return spec
+
+
+def layer_spec_for(device_type: str) -> ModuleSpec:
+    """Megatron's standard local spec on CUDA, the SDPA variant on CPU."""
+    return get_gpt_layer_local_spec() if device_type == "cuda" else cpu_attention_spec()
+
+
+def build_transformer_config(args) -> TransformerConfig:
+    """The one TransformerConfig shared by all chunks (the schedules read it from chunk.config)."""
+    model_chunks = args.model_chunks
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        tensor_model_parallel_size=args.tensor_parallel,
+        pipeline_model_parallel_size=args.pipeline_parallel,
+        virtual_pipeline_model_parallel_size=model_chunks if model_chunks > 1 else None,
+        pipeline_dtype=torch.float32,
+        params_dtype=torch.float32,
+        # Megatron's CPU init also tags TP-sharded params (partition_dim, stride); we then
+        # overwrite the values with layout-independent ones.
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        calculate_per_token_loss=False,
+        cuda_graph_scope=[],  # the default "full" is deprecated and warns
+    )
+
+
+def build_model_chunks(args) -> List[GPTModel]:
+    """The V chunks this pipeline rank owns, initialised independently of the layout.
+
+    ``args`` needs num_layers, hidden_size, num_attention_heads, seq_length, vocab_size,
+    tensor_parallel, pipeline_parallel, model_chunks, seed and device ('cpu' | 'cuda').
+    Model-parallel state must be initialised first.
+    """
+    config = build_transformer_config(args)
+    spec = layer_spec_for(args.device)
+    chunks = []
+    for vp_stage in range(args.model_chunks):
+        stage = vp_stage if args.model_chunks > 1 else None
+        chunks.append(GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=args.vocab_size,
+            max_sequence_length=args.seq_length,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            share_embeddings_and_output_weights=False,
+            parallel_output=True,
+            vp_stage=stage,
+        ))
+    reinitialize_by_global_name(chunks, config, args.seed)
+    device = torch.device(args.device)
+    return [chunk.to(device) for chunk in chunks]

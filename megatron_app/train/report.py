@@ -1,0 +1,71 @@
+"""Per-iteration loss reduction, the log line and the JSON log.
+
+The loss is Megatron's 'lm loss': per-microbatch [loss_sum, num_tokens] pairs summed over the
+microbatches and the data-parallel group, then divided (a token-weighted mean; with the default
+all-ones loss mask it equals the mean over microbatches).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+
+LOG_SCHEMA = "megatron_app.train.log/1"
+
+
+def reduce_lm_loss(losses_reduced: List[dict]) -> Optional[float]:
+    """Global-batch loss on last-stage ranks (collective over the DP group); None elsewhere."""
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    if not losses_reduced:
+        raise RuntimeError("the forward_backward function returned no losses on the last pipeline stage")
+    total = torch.stack([entry["lm loss"].float() for entry in losses_reduced]).sum(dim=0)
+    dist.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
+def is_reporting_rank() -> bool:
+    """Last pipeline stage, first tensor- and data-parallel rank."""
+    return (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+            and parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_data_parallel_rank() == 0)
+
+
+def write_json_atomic(path: str, payload: dict) -> None:
+    """Readers never see a half-written file: write a sibling then rename over."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as handle:
+        json.dump(payload, handle, indent=1)
+    os.replace(tmp, path)
+
+
+class IterationReporter:
+    """Prints one line per iteration and keeps the JSON log up to date (reporting rank only)."""
+
+    def __init__(self, run_config: dict, iters: int, tokens_per_iteration: int,
+                 log_json: Optional[str]):
+        self.enabled = is_reporting_rank()
+        self.iters = iters
+        self.tokens_per_iteration = tokens_per_iteration
+        self.log_json = log_json
+        self.payload = {"schema": LOG_SCHEMA, "config": run_config, "iterations": []}
+
+    def record(self, iteration: int, loss: Optional[float], seconds: float) -> None:
+        if not self.enabled:
+            return
+        tokens_per_s = self.tokens_per_iteration / seconds
+        print(f"iter {iteration}/{self.iters} | loss {loss:.4f} | {seconds * 1e3:.1f} ms | "
+              f"{tokens_per_s:.0f} tokens/s", flush=True)
+        self.payload["iterations"].append({
+            "iteration": iteration, "loss": loss, "time_ms": seconds * 1e3, "tokens_per_s": tokens_per_s,
+        })
+        if self.log_json:
+            write_json_atomic(self.log_json, self.payload)

@@ -1,0 +1,52 @@
+"""The Megatron-style forward step handed to a forward_backward function.
+
+``forward_step(data_iterator, model) -> (output_tensor, loss_func)``; on the last stage
+``loss_func(output_tensor)`` returns megatron-core 0.16's triple
+``(loss_sum, num_tokens, {'lm loss': tensor([loss_sum, num_tokens])})``. With
+``config.calculate_per_token_loss == False`` the schedule divides loss_sum by num_tokens and by the
+number of microbatches before backward (schedules.forward_step_calc_loss).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Iterator, Optional
+
+import torch
+
+from megatron.core.utils import get_attr_wrapped_model
+
+from .data import move_batch
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Masked sum of per-token losses, token count, and the pair Megatron reports as 'lm loss'."""
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.cat([loss_sum.detach().view(1), num_tokens.detach().view(1).float()])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator: Optional[Iterator[dict]], model: torch.nn.Module):
+    """Run one microbatch through one chunk.
+
+    A chunk draws a batch only when it needs one: the first stage for tokens, the last for labels
+    and loss mask. Middle chunks take their input from ``set_input_tensor`` (done by the schedule).
+    """
+    pre_process = get_attr_wrapped_model(model, "pre_process")
+    post_process = get_attr_wrapped_model(model, "post_process")
+    batch = None
+    if pre_process or post_process:
+        if data_iterator is None:
+            raise ValueError("this chunk needs data (first or last stage) but got no data iterator")
+        device = next(model.parameters()).device
+        batch = move_batch(next(data_iterator), device)
+
+    tokens = batch["tokens"] if pre_process else None
+    position_ids = batch["position_ids"] if pre_process else None
+    labels = batch["labels"] if post_process else None
+    output_tensor = model(tokens, position_ids, None, labels=labels)
+    loss_mask = batch["loss_mask"] if post_process else None
+    return output_tensor, partial(loss_func, loss_mask)
