@@ -15,19 +15,33 @@ def _fail(message: str) -> None:
     raise SystemExit(2)
 
 
+def check_schedule(args) -> None:
+    """The schedule package's own checks (Megatron's interleaving rules, the policy's memory cap) for every rank."""
+    if args.schedule == "megatron":
+        return
+    from megatron_app.schedule import PipelineShape, make_policy
+
+    shape = PipelineShape(num_stages=args.pipeline_parallel, num_chunks=args.model_chunks,
+                          num_microbatches=args.num_microbatches)
+    policy = args.policy if args.schedule == "app" else args.schedule
+    for rank in range(args.pipeline_parallel):
+        make_policy(policy, shape, rank)
+
+
 def main(argv=None) -> None:
     try:
         args = parse_args(argv)
     except UsageError as exc:
         _fail(str(exc))
-    # Heavy imports only once the flags are known to be good.
-    from .forward_backward import RuntimeUnavailable, runtime_install
-
-    if args.schedule != "megatron":
+    if args.check_config:
         try:
-            runtime_install()
-        except RuntimeUnavailable as exc:
+            check_schedule(args)
+        except ValueError as exc:
             _fail(str(exc))
+        print(f"megatron_app.train: config ok: {args.world_size} ranks, P={args.pipeline_parallel} "
+              f"V={args.model_chunks} T={args.tensor_parallel} D={args.data_parallel} m={args.num_microbatches}")
+        return
+    # Heavy imports only once the flags are known to be good.
     from .loop import train
 
     train(args)

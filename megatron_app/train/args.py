@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
               help="save each rank's gradients of iteration 1 (before the optimizer step)")
     _add_flag(out, "--dump-weights", default=None, metavar="DIR",
               help="save each rank's weights after the last iteration")
+    _add_flag(out, "--check-config", action="store_true",
+              help="only validate the flags for WORLD_SIZE ranks (launchers run this before starting ranks)")
     return parser
 
 
@@ -143,7 +145,7 @@ def _derive_layout(args: argparse.Namespace, environ: Mapping[str, str]) -> None
         raise UsageError(
             f"WORLD_SIZE={world} does not match pipeline_parallel({P}) x tensor_parallel({T}) x "
             f"data_parallel({D}) = {P * T * D}")
-    if world > 1 and "MASTER_ADDR" not in environ:
+    if world > 1 and "MASTER_ADDR" not in environ and not args.check_config:
         raise UsageError(f"WORLD_SIZE={world} but MASTER_ADDR is not set: launch one process per rank with torchrun")
     args.world_size = world
 

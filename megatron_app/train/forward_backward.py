@@ -19,26 +19,6 @@ from .cpu_compat import CudaDeviceToCpu
 MEGATRON = "megatron"
 
 
-class RuntimeUnavailable(RuntimeError):
-    """megatron_app.runtime (and with it megatron_app.install) cannot be used yet."""
-
-
-def runtime_install() -> Callable:
-    """megatron_app.install, or RuntimeUnavailable with a one-line reason."""
-    import megatron_app
-
-    try:
-        import megatron_app.runtime as runtime
-    except ImportError as exc:
-        raise RuntimeUnavailable(
-            f"megatron_app.runtime cannot be imported ({exc}); use --schedule megatron") from None
-    install = getattr(megatron_app, "install", None) or getattr(runtime, "install", None)
-    if not callable(install) or not callable(getattr(runtime, "install", None)):
-        raise RuntimeUnavailable(
-            "megatron_app.runtime has no install() yet; use --schedule megatron")
-    return install
-
-
 def _on_cpu(func: Callable) -> Callable:
     @functools.wraps(func)
     def run(*args, **kwargs):
@@ -52,7 +32,8 @@ def select_forward_backward_func(schedule: str, policy: str, trace_dir, tracing:
     if schedule == MEGATRON:
         func = megatron_pp.get_forward_backward_func()
         return _on_cpu(func) if device_type == "cpu" else func
-    install = runtime_install()
+    from megatron_app.runtime import install
+
     install(schedule=schedule, policy=policy, trace_dir=trace_dir, tracing=tracing)
     return megatron_pp.get_forward_backward_func()
 

@@ -1,0 +1,11 @@
+"""The Megatron-compatible runtime that executes a schedule policy."""
+
+from .executor import PipelineStallError, forward_backward_app
+from .install import add_arguments, install, install_from_args, is_installed, uninstall
+from .session import current_tracer, shutdown
+from .settings import AppConfigError, AppSettings
+
+__all__ = [
+    "AppConfigError", "AppSettings", "PipelineStallError", "add_arguments", "current_tracer", "forward_backward_app",
+    "install", "install_from_args", "is_installed", "shutdown", "uninstall",
+]

@@ -1,0 +1,369 @@
+"""forward_backward_app: Megatron's forward_backward contract, executed by a schedule policy.
+
+Loop per rank: take arrivals from the transport -> ask the policy -> run Megatron's forward_step/backward_step for
+the task -> post its output to the transport (asynchronous) -> record trace events. When the policy has nothing to
+run, block on the transport until one of this rank's awaited inputs arrives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel.schedules import (
+    backward_step,
+    check_first_val_step,
+    deallocate_output_tensor,
+    forward_step,
+)
+from megatron.core.utils import get_model_config, get_model_type
+
+from megatron_app.schedule import Kind, PipelineShape, RankState, Task, make_policy
+
+from .links import PipelineLinks, direction_of
+from .microbatch_data import MicrobatchReplay
+from .session import RuntimeSession, current_session
+from .tp_agreement import TaskAgreement
+
+
+class PipelineStallError(RuntimeError):
+    """The policy can run nothing and no input is awaited: a schedule bug, reported instead of hanging."""
+
+
+class _GradSync:
+    """Megatron's grad-sync protocol for model chunks: no_sync during the schedule, a chunk's sync when its last
+    backward on this rank is done, the remaining ones at the end (same hooks the interleaved schedule calls)."""
+
+    def __init__(self, config, models, forward_only: bool):
+        self.config = config
+        self.models = models
+        no_sync = config.no_sync_func
+        if isinstance(no_sync, list):
+            funcs = no_sync
+
+            def no_sync():
+                stack = contextlib.ExitStack()
+                for func in funcs:
+                    stack.enter_context(func())
+                return stack
+
+        self._no_sync_func = no_sync or contextlib.nullcontext
+        self._context = None
+        self._forward_only = forward_only
+        grad_sync = config.grad_sync_func
+        if grad_sync is not None and not isinstance(grad_sync, list):
+            grad_sync = [grad_sync for _ in models]
+        self._grad_sync = None if forward_only else grad_sync
+        self.synchronized = set()
+
+    def disable(self):
+        if self._context is None:
+            self._context = self._no_sync_func()
+            self._context.__enter__()
+
+    def enable(self):
+        if self._context is not None:
+            self._context.__exit__(None, None, None)
+            self._context = None
+
+    @contextlib.contextmanager
+    def around_last_backward(self, chunk: int):
+        """Megatron lets DDP's hooks reduce during a chunk's last backward when no grad_sync_func is given."""
+        if self._grad_sync is None and not self._forward_only:
+            self.enable()
+            self.synchronized.add(chunk)
+            try:
+                yield
+            finally:
+                self.disable()
+        else:
+            yield
+            if self._grad_sync is not None:
+                self.enable()
+                self._grad_sync[chunk](self.models[chunk].parameters())
+                self.synchronized.add(chunk)
+                self.disable()
+
+    def finish(self):
+        self.enable()
+        if self._grad_sync is not None:
+            for chunk, model in enumerate(self.models):
+                if chunk not in self.synchronized:
+                    self._grad_sync[chunk](model.parameters())
+                    self.synchronized.add(chunk)
+
+
+class PipelineStep:
+    """One forward_backward call on one rank."""
+
+    def __init__(self, session: RuntimeSession, *, forward_step_func, data_iterator, model, num_microbatches: int,
+                 forward_only: bool, collect_non_loss_data: bool, first_val_step, pg_collection,
+                 force_all_reduce: bool):
+        self.session = session
+        self.settings = session.settings
+        self.models = list(model) if isinstance(model, (list, tuple)) else [model]
+        V = len(self.models)
+        if isinstance(data_iterator, (list, tuple)):
+            if len(data_iterator) != V:
+                raise ValueError(f"got {len(data_iterator)} data iterators for {V} model chunks")
+            iterators = list(data_iterator)
+        elif V == 1:
+            iterators = [data_iterator]
+        else:
+            raise ValueError("with several model chunks, data_iterator must be a list with one iterator per chunk")
+        self.data = [None if it is None else MicrobatchReplay(it) for it in iterators]
+        self.forward_step_func = forward_step_func
+        self.forward_only = forward_only
+        self.collect_non_loss_data = collect_non_loss_data
+        self.first_val_step = first_val_step
+        self.pg_collection = pg_collection
+        self.force_all_reduce = force_all_reduce
+        self.num_microbatches = num_microbatches
+
+        self.config = get_model_config(self.models[0])
+        if getattr(self.config, "defer_embedding_wgrad_compute", False):
+            raise ValueError("megatron_app does not support defer_embedding_wgrad_compute yet")
+        self.model_type = get_model_type(self.models[0])
+        pp_group = pg_collection.pp if pg_collection is not None else \
+            parallel_state.get_pipeline_model_parallel_group()
+        tp_group = pg_collection.tp if pg_collection is not None else \
+            parallel_state.get_tensor_model_parallel_group()
+        self.cp_size = pg_collection.cp.size() if pg_collection is not None else \
+            parallel_state.get_context_parallel_world_size()
+        P = dist.get_world_size(pp_group)
+        self.pp_rank = dist.get_rank(pp_group)
+        pp_global = dist.get_process_group_ranks(pp_group)
+
+        self.shape = PipelineShape(num_stages=P, num_chunks=V, num_microbatches=num_microbatches,
+                                   forward_only=forward_only,
+                                   microbatch_group_size=getattr(self.config, "microbatch_group_size_per_vp_stage",
+                                                                 None) if V > 1 else None)
+        self.policy = make_policy(self.settings.policy_name, self.shape, self.pp_rank,
+                                  memory_cap=None if forward_only else self.settings.memory_cap)
+        self.state = RankState(self.shape, self.pp_rank)
+        self.links = PipelineLinks(self.shape, self.pp_rank, pp_global, session.calls)
+        self.transport = session.ensure_transport(pp_global)
+        self.agreement = TaskAgreement(tp_group)
+        self.device = next(self.models[0].parameters()).device
+        self.iteration = session.training_calls
+        self.tracer = None
+        if not forward_only:
+            tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
+            dp_rank = parallel_state.get_data_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
+            self.tracer = session.ensure_tracer(self.pp_rank, tp_rank, dp_rank, P, V, num_microbatches)
+
+        self.grad_sync = _GradSync(self.config, self.models, forward_only)
+        self._marked: set = set()                                  # keys already reported to the state
+        self._held: Dict[Tuple[int, int], list] = {}                # (chunk, mb) -> [input, output, send handle]
+        self._pending_sends: List[tuple] = []
+        self._stored: Dict[int, list] = {}                          # microbatch -> forward_data_store entries
+        self._first_forward_done = [False] * V
+        self._backwards_left = [num_microbatches] * V
+        self.total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)
+
+    # ---- the loop ---------------------------------------------------------------------------------------------
+    def run(self) -> List[Any]:
+        self.grad_sync.disable()
+        while not self.state.finished:
+            self._take_arrivals()
+            task = self._decide()
+            if task is None:
+                self._wait_for_input()
+                continue
+            if task.kind == Kind.FORWARD:
+                self._run_forward(task)
+            else:
+                self._run_backward(task)
+            self._reap_sends(block=False)
+        self._reap_sends(block=True)
+        self.grad_sync.finish()
+        if self.config.finalize_model_grads_func is not None and not self.forward_only:
+            self.config.finalize_model_grads_func(
+                self.models,
+                self.total_num_tokens if self.config.calculate_per_token_loss else None,
+                pg_collection=self.pg_collection,
+                force_all_reduce=self.force_all_reduce,
+            )
+        return [entry for mb in sorted(self._stored) for entry in self._stored[mb]]
+
+    def _decide(self) -> Optional[Task]:
+        if self.agreement.active and not self.agreement.is_leader:
+            task = self.agreement.follow()
+            key = self.links.input_key(task)
+            if key is not None and key not in self._marked:
+                self._block_until([key])
+                self._take_arrivals()
+            return task
+        task = self.policy.next(self.state)
+        if task is not None and self.agreement.active:
+            self.agreement.share(task)
+        return task
+
+    def _take_arrivals(self):
+        if self.transport is None:
+            return
+        for key in self.transport.poll():
+            task = self.links.expected.get(key)
+            if task is not None and key not in self._marked:
+                self._marked.add(key)
+                self.state.mark_arrived(task)
+
+    def _wait_for_input(self):
+        awaited = [key for key in self.links.expected if key not in self._marked]
+        if not awaited or self.transport is None:
+            raise PipelineStallError(
+                f"policy {self.policy.name!r} on pipeline rank {self.pp_rank} has nothing to run and awaits no "
+                f"input; done {len(self.state.done_tasks)} of {len(self.shape.tasks(self.pp_rank))} tasks")
+        self._block_until(awaited)
+
+    def _block_until(self, keys):
+        start = self._now()
+        self.transport.wait_any(keys, timeout=self.settings.timeout_s)
+        self._trace("wait", start, self._now())
+
+    # ---- tasks ------------------------------------------------------------------------------------------------
+    def _take_input(self, task: Task) -> Optional[torch.Tensor]:
+        key = self.links.input_key(task)
+        if key is not None:
+            start = self._now()
+            tensor = self.transport.try_recv(*key, device=self.device)
+            if tensor is None:  # polled as arrived, so this is a transport fault
+                raise RuntimeError(f"input of {task} from rank {key[0]} vanished after it arrived")
+            self._trace("recv", start, self._now(), task, peer=key[0], nbytes=tensor.numel() * tensor.element_size())
+            return tensor
+        return None
+
+    def _run_forward(self, task: Task):
+        c, i = task.chunk, task.microbatch
+        input_tensor = self._take_input(task)
+        if input_tensor is not None:
+            input_tensor.requires_grad_(not self.forward_only)
+        is_last = self.shape.output_target(self.pp_rank, task) is None
+        first = not self._first_forward_done[c]
+        self._first_forward_done[c] = True
+        store: list = []
+        self.state.mark_started(task)
+        start = self._now()
+        output_tensor, num_tokens = forward_step(
+            self.forward_step_func,
+            None if self.data[c] is None else self.data[c].select(i),
+            self.models[c],
+            self.num_microbatches,
+            input_tensor,
+            store,
+            self.config,
+            self.cp_size,
+            self.collect_non_loss_data,
+            is_first_microbatch=check_first_val_step(self.first_val_step, self.forward_only, first),
+            current_microbatch=i,
+            vp_stage=c if len(self.models) > 1 else None,
+            is_last_stage=is_last,
+        )
+        self._trace("forward", start, self._now(), task)
+        self.state.mark_done(task)
+        self.policy.observe(task, (self._now() - start) / 1e6)
+        if store:
+            self._stored.setdefault(i, []).extend(store)
+        if is_last:
+            self.total_num_tokens += num_tokens
+        handle = None if is_last else self._send_output(task, output_tensor)
+        if not self.forward_only:
+            self._held[(c, i)] = [input_tensor, output_tensor, handle]
+
+    def _run_backward(self, task: Task):
+        c, i = task.chunk, task.microbatch
+        output_grad = self._take_input(task)
+        input_tensor, output_tensor, handle = self._held.pop((c, i))
+        if self.config.deallocate_pipeline_outputs and handle is not None:
+            handle.wait(self.settings.timeout_s)   # the transport reads the output's memory until the send is done
+            deallocate_output_tensor(output_tensor, True)
+        self.state.mark_started(task)
+        self._backwards_left[c] -= 1
+        start = self._now()
+        sync = self.grad_sync.around_last_backward(c) if self._backwards_left[c] == 0 else contextlib.nullcontext()
+        with sync:
+            input_grad = backward_step(input_tensor, output_tensor, output_grad, self.model_type, self.config)
+        self._trace("backward", start, self._now(), task)
+        self.state.mark_done(task)
+        self.policy.observe(task, (self._now() - start) / 1e6)
+        if self.shape.output_target(self.pp_rank, task) is not None:
+            self._send_output(task, input_grad)
+
+    def _send_output(self, task: Task, tensor: torch.Tensor):
+        peer_pp, consumer = self.links.output_route(task)
+        peer, tag = self.links.key_for(consumer, peer_pp)
+        data = tensor.detach()
+        handle = self.transport.send(peer, tag, data)
+        self._pending_sends.append((handle, self._now(), peer, data.numel() * data.element_size(), task))
+        return handle
+
+    def _reap_sends(self, block: bool):
+        if not self._pending_sends:
+            return
+        if block:
+            self.transport.wait_sends(timeout=self.settings.timeout_s)
+        still = []
+        for entry in self._pending_sends:
+            handle, posted, peer, nbytes, task = entry
+            if handle.done():
+                self._trace("send", posted, self._now(), task, peer=peer, nbytes=nbytes,
+                            direction=direction_of(task).name.lower())
+            else:
+                still.append(entry)
+        self._pending_sends = still
+
+    # ---- tracing ----------------------------------------------------------------------------------------------
+    def _now(self) -> float:
+        return self.tracer.now_us() if self.tracer is not None else time.monotonic_ns() / 1e3
+
+    def _trace(self, kind: str, start: float, end: float, task: Optional[Task] = None, **fields):
+        if self.tracer is not None:
+            if task is not None:
+                fields["chunk"], fields["microbatch"] = task.chunk, task.microbatch
+            self.tracer.record(kind, start, end, iteration=self.iteration, **fields)
+
+
+def forward_backward_app(
+    *,
+    forward_step_func,
+    data_iterator,
+    model,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    decoder_seq_length: Optional[int] = None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step: Optional[bool] = None,
+    adjust_tensor_shapes_fn=None,
+    p2p_communicator=None,
+    pg_collection=None,
+    force_all_reduce: Optional[bool] = False,
+):
+    """Drop-in for megatron-core 0.16's forward_backward_pipelining_with_interleaving (and the other two).
+
+    Message shapes come with the messages, so seq_length / micro_batch_size / decoder_seq_length are accepted for
+    signature compatibility and not needed; p2p_communicator is replaced by our transport.
+    Returns the forward data store (loss dicts on the last stage, in microbatch order), like Megatron.
+    """
+    if adjust_tensor_shapes_fn is not None:
+        raise ValueError("adjust_tensor_shapes_fn is not supported by the megatron_app schedule")
+    session = current_session()
+    step = PipelineStep(session, forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                        num_microbatches=num_microbatches, forward_only=forward_only,
+                        collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
+                        pg_collection=pg_collection, force_all_reduce=bool(force_all_reduce))
+    session.calls += 1
+    if step.tracer is not None:
+        session.training_calls += 1
+        start = step.tracer.now_us()
+        result = step.run()
+        step.tracer.record("iteration", start, step.tracer.now_us(), iteration=step.iteration)
+        step.tracer.flush()   # a crash loses at most the iteration in flight
+        return result
+    return step.run()

@@ -1,0 +1,75 @@
+"""Make Megatron-Core's get_forward_backward_func() return forward_backward_app, and undo it.
+
+get_forward_backward_func looks its three schedule functions up in its module's globals at call time, so replacing
+those globals reaches every call site — also scripts that did `from ... import get_forward_backward_func` before
+install() ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Dict, Optional
+
+from .settings import AppSettings, SCHEDULES, ADAPTIVE_POLICIES
+from .session import current_session
+
+_REPLACED = (
+    "forward_backward_no_pipelining",
+    "forward_backward_pipelining_without_interleaving",
+    "forward_backward_pipelining_with_interleaving",
+)
+_originals: Optional[Dict[str, object]] = None
+
+
+def install(schedule: str = "app", policy: str = "dfc", trace_dir: Optional[str] = None, *,
+            memory_cap: Optional[int] = None, timeout_s: float = 300.0, job_id: Optional[str] = None,
+            tracing: bool = True) -> AppSettings:
+    """Route Megatron's forward_backward functions to ours. Idempotent; a second call updates the settings."""
+    global _originals
+    from megatron.core.pipeline_parallel import schedules
+
+    from .executor import forward_backward_app
+
+    settings = AppSettings(schedule=schedule, policy=policy, memory_cap=memory_cap,
+                           trace_dir=trace_dir if tracing else None, timeout_s=timeout_s, job_id=job_id).validate()
+    current_session(settings)
+    if _originals is None:
+        _originals = {name: getattr(schedules, name) for name in _REPLACED}
+        for name in _REPLACED:
+            setattr(schedules, name, forward_backward_app)
+    return settings
+
+
+def uninstall() -> None:
+    """Restore Megatron's own schedule functions exactly."""
+    global _originals
+    if _originals is None:
+        return
+    from megatron.core.pipeline_parallel import schedules
+
+    for name, func in _originals.items():
+        setattr(schedules, name, func)
+    _originals = None
+
+
+def is_installed() -> bool:
+    return _originals is not None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Flags for a Megatron-style argument parser (use as extra_args_provider)."""
+    group = parser.add_argument_group("megatron_app")
+    group.add_argument("--use-app", action="store_true", help="run pipeline parallelism with megatron_app's schedule")
+    group.add_argument("--app-schedule", default="app", choices=SCHEDULES)
+    group.add_argument("--app-policy", default="dfc", choices=ADAPTIVE_POLICIES)
+    group.add_argument("--app-memory-cap", type=int, default=None)
+    group.add_argument("--app-trace-dir", default=None)
+    return parser
+
+
+def install_from_args(args: argparse.Namespace) -> Optional[AppSettings]:
+    """install() when --use-app was given; returns the settings, or None when not requested."""
+    if not getattr(args, "use_app", False):
+        return None
+    return install(schedule=args.app_schedule, policy=args.app_policy, trace_dir=args.app_trace_dir,
+                   memory_cap=args.app_memory_cap)

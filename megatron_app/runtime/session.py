@@ -1,0 +1,101 @@
+"""Process-lifetime state of the runtime: the transport, the tracer and the call counter.
+
+Created on the first forward_backward call (every rank makes that call at the same time, so the collectives here
+— agreeing on a job id, measuring the clock offset — are safe), closed at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import socket
+import uuid
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .settings import AppSettings
+
+_JOB_ID_ENV = "MEGATRON_APP_JOB_ID"
+
+
+def agree_on_job_id(requested: Optional[str]) -> str:
+    """One job id for all ranks: the setting, else $MEGATRON_APP_JOB_ID, else rank 0's random pick."""
+    job_id = requested or os.environ.get(_JOB_ID_ENV)
+    if job_id:
+        return re.sub(r"[^A-Za-z0-9_-]", "_", job_id)
+    picked = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(picked, src=0)
+    return picked[0]
+
+
+class RuntimeSession:
+    def __init__(self, settings: AppSettings):
+        self.settings = settings
+        self.job_id: Optional[str] = None
+        self.transport = None
+        self.tracer = None
+        self.training_calls = 0     # forward_backward calls with backward (trace iterations)
+        self.calls = 0              # all calls, evaluation included (message tags)
+        self._closed = False
+
+    def ensure_transport(self, pp_global_ranks: List[int]):
+        if self.transport is None and len(pp_global_ranks) > 1:
+            from megatron_app.transport import Transport
+
+            self.job_id = self.job_id or agree_on_job_id(self.settings.job_id)
+            me = dist.get_rank()
+            peers = sorted({r for r in pp_global_ranks if r != me})
+            self.transport = Transport(me, dist.get_world_size(), self.job_id, peers=peers,
+                                       timeout_s=self.settings.timeout_s)
+        return self.transport
+
+    def ensure_tracer(self, pp_rank: int, tp_rank: int, dp_rank: int, P: int, V: int, m: int):
+        if self.tracer is None:
+            from megatron_app.trace import TraceMeta, Tracer, measure_clock_offset
+
+            enabled = self.settings.trace_dir is not None
+            offset = measure_clock_offset() if enabled and dist.get_world_size() > 1 else 0.0
+            meta = TraceMeta(dist.get_rank(), pp_rank, tp_rank, dp_rank, pipeline_parallel=P, model_chunks=V,
+                             microbatches=m, policy=self.settings.policy_name, host=socket.gethostname(),
+                             source="runtime", clock_offset_us=offset,
+                             extra={"torch": torch.__version__})
+            self.tracer = Tracer(self.settings.trace_dir or ".", meta, enabled=enabled)
+        return self.tracer
+
+    def close(self):
+        if self._closed:
+            return
+        self._closed = True
+        if self.tracer is not None:
+            self.tracer.close()
+        if self.transport is not None:
+            self.transport.close()
+
+
+_session: Optional[RuntimeSession] = None
+
+
+def current_session(settings: Optional[AppSettings] = None) -> RuntimeSession:
+    global _session
+    if _session is None:
+        _session = RuntimeSession(settings or AppSettings())
+        atexit.register(_session.close)
+    elif settings is not None:
+        _session.settings = settings
+    return _session
+
+
+def shutdown():
+    """Close the transport and flush the trace; the next call starts a new session."""
+    global _session
+    if _session is not None:
+        _session.close()
+        _session = None
+
+
+def current_tracer():
+    """The tracer of this process (a disabled one before the first call), for the trainer's optimizer events."""
+    return None if _session is None else _session.tracer

@@ -1,0 +1,39 @@
+"""What the installed forward_backward function should do: schedule, policy, tracing, timeouts."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+SCHEDULES = ("app", "interleaved", "1f1b")
+ADAPTIVE_POLICIES = ("dfc", "bfc")
+
+
+class AppConfigError(ValueError):
+    """A user-facing configuration mistake (bad flag value, impossible layout)."""
+
+
+@dataclasses.dataclass
+class AppSettings:
+    schedule: str = "app"            # app = adaptive policy; interleaved / 1f1b = Megatron's fixed orders
+    policy: str = "dfc"              # used when schedule == "app"
+    memory_cap: Optional[int] = None  # activations held per rank; None = Megatron's interleaved peak
+    trace_dir: Optional[str] = None   # None = no trace files
+    timeout_s: float = 300.0          # a peer silent this long is reported as stuck
+    job_id: Optional[str] = None      # names the shared-memory segments; agreed across ranks when None
+
+    def validate(self) -> "AppSettings":
+        if self.schedule not in SCHEDULES:
+            raise AppConfigError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        if self.schedule == "app" and self.policy not in ADAPTIVE_POLICIES:
+            raise AppConfigError(f"unknown policy {self.policy!r}; choose one of {', '.join(ADAPTIVE_POLICIES)}")
+        if self.memory_cap is not None and self.memory_cap < 1:
+            raise AppConfigError(f"memory cap must be >= 1 activation, got {self.memory_cap}")
+        if self.timeout_s <= 0:
+            raise AppConfigError(f"timeout must be positive, got {self.timeout_s}")
+        return self
+
+    @property
+    def policy_name(self) -> str:
+        """The schedule-package policy that runs: the adaptive rule, or the static order itself."""
+        return self.policy if self.schedule == "app" else self.schedule

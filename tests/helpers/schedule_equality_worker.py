@@ -1,0 +1,54 @@
+"""One rank of an equality run: train a few iterations under each schedule in turn, in one process group.
+
+Launched by tests/test_pipeline_equality.py through torchrun. For every schedule it rebuilds the model (same seed,
+so the same initial weights), trains --iters iterations, dumps the first iteration's gradients by global parameter
+name and, on the rank that reports losses, writes the per-iteration losses.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch.distributed as dist
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pipeline_parallel", type=int, required=True)
+    parser.add_argument("--model_chunks", type=int, default=1)
+    parser.add_argument("--tensor_parallel", type=int, default=1)
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--schedules", required=True, help="comma list of SCHEDULE[:POLICY]")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--trace-dir", default=None)
+    opts = parser.parse_args()
+
+    from megatron_app.train.args import parse_args
+    from megatron_app.train.forward_backward import close_schedule
+    from megatron_app.train.init import init_distributed, init_model_parallel, shutdown
+    from megatron_app.train.loop import build_trainer, train_step
+
+    init_distributed("cpu")
+    init_model_parallel(opts.tensor_parallel, opts.pipeline_parallel, opts.model_chunks, "cpu")
+    for spec in opts.schedules.split(","):
+        schedule, _, policy = spec.partition(":")
+        name = spec.replace(":", "-")
+        flags = ["--pipeline_parallel", str(opts.pipeline_parallel), "--model_chunks", str(opts.model_chunks),
+                 "--tensor_parallel", str(opts.tensor_parallel), "--iters", str(opts.iters),
+                 "--schedule", schedule, "--policy", policy or "dfc",
+                 "--dump-grads", os.path.join(opts.out, f"grads_{name}")]
+        flags += ["--trace-dir", opts.trace_dir] if opts.trace_dir else ["--no-trace"]
+        args = parse_args(flags)
+        trainer = build_trainer(args)
+        losses = [train_step(trainer, it) for it in range(1, opts.iters + 1)]
+        if losses[0] is not None and trainer.reporter.enabled:
+            with open(os.path.join(opts.out, f"losses_{name}.json"), "w") as f:
+                json.dump(losses, f)
+        dist.barrier()
+    close_schedule(schedule)
+    shutdown(destroy_process_group=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

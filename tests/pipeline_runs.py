@@ -1,0 +1,23 @@
+"""Launching multi-rank runs from tests (torchrun in a subprocess, bounded in time)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+HELPERS = REPO / "tests" / "helpers"
+
+
+def run_env(**extra):
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)})
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def torchrun(nproc: int, script_and_args, timeout: float = 300, **env):
+    """Run `script_and_args` on nproc ranks; returns the CompletedProcess (output captured)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "--max_restarts", "0", *map(str, script_and_args)]
+    return subprocess.run(cmd, cwd=REPO, env=run_env(**env), capture_output=True, text=True, timeout=timeout)
