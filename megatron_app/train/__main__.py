@@ -42,9 +42,17 @@ def main(argv=None) -> None:
               f"V={args.model_chunks} T={args.tensor_parallel} D={args.data_parallel} m={args.num_microbatches}")
         return
     # Heavy imports only once the flags are known to be good.
+    from megatron_app.runtime import PipelineStallError
+    from megatron_app.transport import PeerDied, TransportTimeout
+
     from .loop import train
 
-    train(args)
+    try:
+        train(args)
+    except (PeerDied, TransportTimeout, PipelineStallError) as exc:
+        # A fault of another rank, not of this one: name it in one line instead of a traceback.
+        print(f"megatron_app.train: rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

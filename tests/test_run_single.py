@@ -1,0 +1,62 @@
+"""run_single.sh end to end: bad configs fail before any rank starts; a P=2 V=2 run feeds both trace tools."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from pipeline_runs import REPO, run_env
+
+
+def _run_single(*flags, timeout=300, cwd=REPO, **env):
+    return subprocess.run(["bash", str(REPO / "run_single.sh"), *map(str, flags)], cwd=cwd,
+                          env=run_env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--pipeline_parallel", "3", "--model_chunks", "2"], "divisible"),
+    (["--pipeline_parallel", "4", "--model_chunks", "2", "--global-batch-size", "6", "--micro-batch-size", "2"],
+     "microbatch"),
+    (["--pipeline_parallel", "2", "--policy", "fastest"], "policy"),
+    (["--pipeline_parallel", "two"], "positive integer"),
+    (["--pipeline_parallel", "2", "--no-such-flag"], "no-such-flag"),
+])
+def test_bad_config_fails_in_one_line_before_any_rank_starts(flags, message):
+    result = _run_single(*flags, timeout=120)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if not line.startswith("[setup]")]
+    assert len(errors) == 1 and message in errors[0].lower(), result.stderr
+    assert "Traceback" not in result.stderr
+    assert "ranks:" not in result.stderr, "ranks were started for a bad config"
+
+
+@pytest.mark.slow
+def test_run_single_p2_v2_traces_through_process_and_visualize(tmp_path):
+    from openpyxl import load_workbook
+
+    traces, out = tmp_path / "traces", tmp_path / "out"
+    result = _run_single("--pipeline_parallel", 2, "--model_chunks", 2, "--iters", 2, "--trace-dir", traces,
+                         LOG_DIR=tmp_path / "logs")
+    assert result.returncode == 0, result.stderr[-3000:]
+    iteration_lines = re.findall(r"iter (\d+)/2 \| loss ([0-9.]+) \| ([0-9.]+) ms \| (\d+) tokens/s", result.stdout)
+    assert [int(i) for i, *_ in iteration_lines] == [1, 2]
+
+    m = 8
+    for tool in ("process_trace.py", "visualize_trace.py"):
+        run = subprocess.run([sys.executable, str(REPO / "tools" / tool), "--pipeline_parallel", "2",
+                              "--model_chunks", "2", "--trace-dir", str(traces), "--out-dir", str(out), "--strict"]
+                             if tool == "process_trace.py" else
+                             [sys.executable, str(REPO / "tools" / tool), "--pipeline_parallel", "2",
+                              "--model_chunks", "2", "--trace-dir", str(traces), "--out-dir", str(out)],
+                             capture_output=True, text=True, timeout=120, env=run_env())
+        assert run.returncode == 0, run.stderr
+    assert "causality: ok" in subprocess.run(
+        [sys.executable, str(REPO / "tools" / "process_trace.py"), "--pipeline_parallel", "2", "--model_chunks", "2",
+         "--trace-dir", str(traces), "--out-dir", str(out)], capture_output=True, text=True, env=run_env()).stdout
+    sheet = load_workbook(out / "trace_pipeline_2_model_chunks_2.xlsx").active
+    label = re.compile(r"^\d+-\d+$")
+    for row in (4, 5):   # pipeline ranks 0 and 1, rank 0 on top
+        cells = [c.value for c in sheet[row] if isinstance(c.value, str) and label.match(c.value)]
+        assert len(cells) == 2 * 2 * m, f"row {row}: {len(cells)} task cells"
+    assert (out / "trace_pipeline_2_model_chunks_2.png").stat().st_size > 10_000
