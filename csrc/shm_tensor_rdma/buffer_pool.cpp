@@ -1,0 +1,109 @@
+#include "buffer_pool.h"
+
+#include <sys/mman.h>
+
+#include <cstdlib>
+#include <new>
+#include <utility>
+
+namespace mapp {
+namespace {
+
+constexpr size_t kPageBytes = 4096;
+// Above this, buffers come straight from mmap with MAP_POPULATE: one kernel call maps every page instead of
+// one page fault per 4 KiB on first touch.
+constexpr size_t kMmapThreshold = 256 * 1024;
+
+size_t capacity_for(size_t size) { return (size + kPageBytes - 1) / kPageBytes * kPageBytes; }
+
+uint8_t* allocate(size_t capacity) {
+  if (capacity >= kMmapThreshold) {
+    void* address = ::mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE,
+                           -1, 0);
+    if (address == MAP_FAILED) throw std::bad_alloc();
+    return static_cast<uint8_t*>(address);
+  }
+  void* address = std::aligned_alloc(kPageBytes, capacity);
+  if (address == nullptr) throw std::bad_alloc();
+  return static_cast<uint8_t*>(address);
+}
+
+void release(uint8_t* data, size_t capacity) {
+  if (capacity >= kMmapThreshold) {
+    ::munmap(data, capacity);
+  } else {
+    std::free(data);
+  }
+}
+
+}  // namespace
+
+PooledBuffer::PooledBuffer(std::shared_ptr<BufferPool> pool, uint8_t* data, size_t size, size_t capacity)
+    : pool_(std::move(pool)), data_(data), size_(size), capacity_(capacity) {}
+
+PooledBuffer::~PooledBuffer() { reset(); }
+
+PooledBuffer::PooledBuffer(PooledBuffer&& other) noexcept
+    : pool_(std::move(other.pool_)), data_(other.data_), size_(other.size_), capacity_(other.capacity_) {
+  other.data_ = nullptr;
+  other.size_ = other.capacity_ = 0;
+}
+
+PooledBuffer& PooledBuffer::operator=(PooledBuffer&& other) noexcept {
+  if (this != &other) {
+    reset();
+    pool_ = std::move(other.pool_);
+    data_ = other.data_;
+    size_ = other.size_;
+    capacity_ = other.capacity_;
+    other.data_ = nullptr;
+    other.size_ = other.capacity_ = 0;
+  }
+  return *this;
+}
+
+void PooledBuffer::reset() {
+  if (data_ != nullptr && pool_) pool_->give_back(data_, capacity_);
+  pool_.reset();
+  data_ = nullptr;
+  size_ = capacity_ = 0;
+}
+
+std::shared_ptr<BufferPool> BufferPool::create(size_t max_cached_bytes) {
+  return std::shared_ptr<BufferPool>(new BufferPool(max_cached_bytes));
+}
+
+BufferPool::~BufferPool() {
+  for (auto& [capacity, data] : free_by_capacity_) release(data, capacity);
+}
+
+PooledBuffer BufferPool::acquire(size_t size) {
+  if (size == 0) return PooledBuffer();
+  const size_t capacity = capacity_for(size);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    // Reuse a cached buffer at most 25% larger than needed.
+    auto found = free_by_capacity_.lower_bound(capacity);
+    if (found != free_by_capacity_.end() && found->first <= capacity + capacity / 4) {
+      PooledBuffer buffer(shared_from_this(), found->second, size, found->first);
+      cached_bytes_ -= found->first;
+      free_by_capacity_.erase(found);
+      return buffer;
+    }
+  }
+  return PooledBuffer(shared_from_this(), allocate(capacity), size, capacity);
+}
+
+void BufferPool::give_back(uint8_t* data, size_t capacity) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (cached_bytes_ + capacity <= max_cached_bytes_) {
+      free_by_capacity_.emplace(capacity, data);
+      cached_bytes_ += capacity;
+      return;
+    }
+  }
+  release(data, capacity);
+}
+
+}  // namespace mapp

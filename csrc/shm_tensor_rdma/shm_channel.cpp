@@ -1,0 +1,146 @@
+#include "shm_channel.h"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+
+#include "doorbell.h"
+#include "errors.h"
+#include "shm_names.h"
+#include "tag.h"
+#include "wait_tick.h"
+
+namespace mapp {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+// How often a sender blocked on a full ring re-checks that the receiver is alive.
+constexpr auto kLivenessInterval = kWaitTick;
+
+}  // namespace
+
+std::unique_ptr<ShmChannel> ShmChannel::attach(const std::string& job_id, int my_rank, int world_size,
+                                               int peer_rank) {
+  std::unique_ptr<ShmSegment> segment = ShmSegment::open_existing(segment_name(job_id, peer_rank));
+  if (!segment) return nullptr;
+  std::optional<SegmentView> view = SegmentView::validate(segment->data(), segment->size());
+  if (!view || !view->owner().alive()) return nullptr;  // stale leftover; its new owner will replace it
+  if (view->header().owner_rank != peer_rank) {
+    throw std::runtime_error("segment " + segment->name() + " belongs to rank " +
+                             std::to_string(view->header().owner_rank) + ", not rank " + std::to_string(peer_rank));
+  }
+  if (view->header().world_size != world_size) {
+    throw std::runtime_error("rank " + std::to_string(peer_rank) + " was started with world_size " +
+                             std::to_string(view->header().world_size) + " but rank " + std::to_string(my_rank) +
+                             " with world_size " + std::to_string(world_size));
+  }
+  const int ring_index = view->ring_of(my_rank);
+  if (ring_index < 0) {
+    throw std::runtime_error("rank " + std::to_string(peer_rank) + " does not list rank " + std::to_string(my_rank) +
+                             " among its peers (peers must be listed symmetrically)");
+  }
+  RingControl& ring = view->ring(static_cast<uint32_t>(ring_index));
+  const ProcessIdentity me = ProcessIdentity::self();
+  ring.producer_start_time.store(me.start_time, std::memory_order_release);
+  ring.producer_pid.store(me.pid, std::memory_order_release);
+  // Once every expected producer holds a mapping the name is no longer needed: removing it now means the kernel
+  // frees the memory even if every process of the job is killed.
+  const uint32_t attached = view->header().attached.fetch_add(1, std::memory_order_acq_rel) + 1;
+  if (attached >= view->header().expected_attach) segment->unlink_name();
+  return std::unique_ptr<ShmChannel>(
+      new ShmChannel(std::move(segment), *view, static_cast<uint32_t>(ring_index), peer_rank));
+}
+
+ShmChannel::ShmChannel(std::unique_ptr<ShmSegment> segment, SegmentView view, uint32_t ring_index, int peer_rank)
+    : segment_(std::move(segment)),
+      view_(view),
+      ring_(view.ring(ring_index)),
+      ring_index_(ring_index),
+      peer_rank_(peer_rank),
+      owner_(view.owner()) {}
+
+uint64_t ShmChannel::chunks_for(uint64_t nbytes) const {
+  const uint64_t slot_bytes = view_.slot_bytes();
+  return std::max<uint64_t>(1, (nbytes + slot_bytes - 1) / slot_bytes);
+}
+
+void ShmChannel::write_chunk(const OutgoingMessage& message, uint64_t offset, uint64_t length, uint64_t head) {
+  const uint64_t slot = head % view_.slots_per_ring();
+  ChunkHeader& chunk = view_.chunk(ring_index_, slot);
+  chunk.message = message.header;
+  chunk.offset = offset;
+  chunk.length = length;
+  if (length > 0) std::memcpy(view_.slot_data(ring_index_, slot), message.data + offset, length);
+}
+
+bool ShmChannel::try_send_now(const OutgoingMessage& message) {
+  const uint64_t chunks = chunks_for(message.header.nbytes);
+  const uint64_t head = ring_.head.load(std::memory_order_relaxed);
+  const uint64_t tail = ring_.tail.load(std::memory_order_acquire);
+  if (head - tail + chunks > view_.slots_per_ring() || owner_closed()) return false;
+  const uint64_t slot_bytes = view_.slot_bytes();
+  for (uint64_t i = 0; i < chunks; ++i) {
+    const uint64_t offset = i * slot_bytes;
+    write_chunk(message, offset, std::min(slot_bytes, message.header.nbytes - offset), head + i);
+  }
+  ring_.head.store(head + chunks, std::memory_order_seq_cst);
+  notify_chunk_published(view_.header());
+  return true;
+}
+
+void ShmChannel::send(const OutgoingMessage& message, const SendLimits& limits) {
+  const uint64_t nbytes = message.header.nbytes;
+  const uint64_t slot_bytes = view_.slot_bytes();
+  uint64_t offset = 0;
+  do {
+    wait_for_free_slot(message, limits);
+    const uint64_t length = std::min(slot_bytes, nbytes - offset);
+    const uint64_t head = ring_.head.load(std::memory_order_relaxed);
+    write_chunk(message, offset, length, head);
+    ring_.head.store(head + 1, std::memory_order_seq_cst);
+    notify_chunk_published(view_.header());  // per chunk: the receiver copies out while we copy in the next
+    offset += length;
+  } while (offset < nbytes);
+}
+
+void ShmChannel::wait_for_free_slot(const OutgoingMessage& message, const SendLimits& limits) {
+  Doorbell space(&ring_.space);
+  const auto give_up_at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                             std::chrono::duration<double>(limits.timeout_s));
+  auto next_liveness_check = Clock::now();  // check at once: queued sends to a dead peer fail without delay
+  const auto what = [&] {
+    return "rank " + std::to_string(limits.my_rank) + " was sending " + describe_tag(message.header.tag) +
+           " to peer rank " + std::to_string(peer_rank_);
+  };
+  for (;;) {
+    const uint32_t seen = space.snapshot();
+    const uint64_t head = ring_.head.load(std::memory_order_relaxed);
+    if (head - ring_.tail.load(std::memory_order_acquire) < view_.slots_per_ring()) return;
+    if (limits.stopping->load(std::memory_order_acquire)) throw ClosedError("transport closed while " + what());
+    if (owner_closed()) {
+      throw ClosedError("peer rank " + std::to_string(peer_rank_) + " closed its transport while " + what());
+    }
+    const auto now = Clock::now();
+    if (now >= next_liveness_check) {
+      if (!owner_.alive()) {
+        throw PeerDiedError("peer rank " + std::to_string(peer_rank_) + " (pid " + std::to_string(owner_.pid) +
+                            ") died while " + what());
+      }
+      next_liveness_check = now + kLivenessInterval;
+    }
+    if (now >= give_up_at) {
+      throw TimeoutError("timed out after " + format_seconds(limits.timeout_s) + " waiting for free slots while " +
+                         what());
+    }
+    space.wait(seen, std::min<Clock::duration>(next_liveness_check - now, give_up_at - now));
+  }
+}
+
+void ShmChannel::wake_sender() { Doorbell(&ring_.space).ring(); }
+
+void ShmChannel::mark_producer_closed() {
+  ring_.producer_closed.store(1, std::memory_order_seq_cst);
+  Doorbell(&view_.header().foreground).ring();  // a receiver blocked on us re-checks now
+}
+
+}  // namespace mapp

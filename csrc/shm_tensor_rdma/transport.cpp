@@ -1,0 +1,339 @@
+#include "transport.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "errors.h"
+#include "shm_names.h"
+#include "transport_options.h"
+#include "tag.h"
+
+namespace mapp {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Messages up to this size are copied on the caller's thread when the ring has room (no worker hand-off).
+constexpr uint64_t kInlineSendBytes = 64 * 1024;
+// Received buffers kept for reuse once Python drops them.
+constexpr size_t kMaxCachedReceiveBytes = size_t{256} << 20;
+constexpr size_t kKeysNamedInErrors = 4;
+
+std::string rank_list(const std::vector<int>& ranks) {
+  std::string text = "[";
+  for (size_t i = 0; i < ranks.size(); ++i) text += (i ? ", " : "") + std::to_string(ranks[i]);
+  return text + "]";
+}
+
+std::string describe_key(const MessageKey& key) {
+  return describe_tag(key.second) + " from peer rank " + std::to_string(key.first);
+}
+
+std::string describe_keys(const std::vector<MessageKey>& keys) {
+  if (keys.size() == 1) return describe_key(keys[0]);
+  std::string text = "any of " + std::to_string(keys.size()) + " messages (";
+  for (size_t i = 0; i < keys.size() && i < kKeysNamedInErrors; ++i) text += (i ? "; " : "") + describe_key(keys[i]);
+  if (keys.size() > kKeysNamedInErrors) text += "; ...";
+  return text + ")";
+}
+
+std::string describe_tags_of(int peer, const std::vector<MessageKey>& keys) {
+  std::vector<std::string> tags;
+  for (const MessageKey& key : keys) {
+    if (key.first == peer) tags.push_back(describe_tag(key.second));
+  }
+  std::string text;
+  for (size_t i = 0; i < tags.size() && i < kKeysNamedInErrors; ++i) text += (i ? ", " : "") + tags[i];
+  if (tags.size() > kKeysNamedInErrors) text += ", ...";
+  return text;
+}
+
+Clock::duration seconds(double value) {
+  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(value));
+}
+
+}  // namespace
+
+Transport::Transport(TransportOptions options)
+    : options_(validate_options(std::move(options))),
+      creator_pid_(static_cast<int>(::getpid())),
+      peers_(resolve_peers(options_)),
+      is_peer_(options_.world_size, false),
+      pool_(BufferPool::create(kMaxCachedReceiveBytes)) {
+  for (int peer : peers_) is_peer_[peer] = true;
+  if (peers_.empty()) return;  // nothing to exchange with: no segment, no threads
+  ReceiverConfig config{options_.job_id, options_.rank,       options_.world_size,
+                        peers_,          options_.slot_bytes, options_.num_slots};
+  receiver_ = std::make_unique<ShmReceiver>(config, &inbox_, pool_);
+  connector_ = std::make_unique<PeerConnector>(options_.job_id, options_.rank, options_.world_size, peers_);
+  workers_ = std::make_unique<WorkerPool>(static_cast<size_t>(options_.send_workers));
+}
+
+Transport::~Transport() {
+  if (static_cast<int>(::getpid()) != creator_pid_) {
+    // Forked child: the threads are not ours and the names are the parent's. Leave everything alone.
+    (void)workers_.release();
+    (void)connector_.release();
+    (void)receiver_.release();
+    return;
+  }
+  close();
+}
+
+void Transport::close() {
+  if (static_cast<int>(::getpid()) != creator_pid_) return;
+  std::lock_guard<std::mutex> lock(close_mutex_);
+  if (closing_.exchange(true)) return;
+  if (connector_) connector_->wake_senders();  // workers blocked on full rings see closing_ and give up
+  if (workers_) workers_->shutdown();           // queued sends fail fast with ClosedError
+  if (connector_) connector_->stop();
+  if (receiver_) receiver_->close();  // also wakes threads blocked in wait_any; they see closing_
+  try {
+    remove_dead_job_segments(options_.job_id);
+  } catch (const std::exception&) {
+    // Best effort: a leftover of a dead process is removed by the next close() or cleanup_job().
+  }
+}
+
+std::vector<std::string> Transport::cleanup_job(const std::string& job_id) { return remove_dead_job_segments(job_id); }
+
+void Transport::check_usable() {
+  if (closing_.load()) throw ClosedError("transport of rank " + std::to_string(options_.rank) + " is closed");
+  if (static_cast<int>(::getpid()) != creator_pid_) {
+    throw std::runtime_error("the transport of rank " + std::to_string(options_.rank) + " belongs to pid " +
+                             std::to_string(creator_pid_) + "; a forked child cannot use it");
+  }
+  report_pending_failure();
+}
+
+void Transport::validate_peer(int peer, const char* action) const {
+  if (peer < 0 || peer >= options_.world_size) {
+    throw std::invalid_argument("peer " + std::to_string(peer) + " is out of range for world_size " +
+                                std::to_string(options_.world_size));
+  }
+  if (peer == options_.rank) {
+    throw std::invalid_argument("rank " + std::to_string(peer) + " cannot " + action + " itself");
+  }
+  if (!is_peer_[peer]) {
+    throw std::invalid_argument("rank " + std::to_string(peer) + " is not among the peers " + rank_list(peers_) +
+                                " of rank " + std::to_string(options_.rank));
+  }
+}
+
+void Transport::report_pending_failure() {
+  std::vector<std::shared_ptr<SendRequest>> failed;
+  {
+    std::lock_guard<std::mutex> lock(requests_mutex_);
+    for (const auto& request : failures_) {
+      if (request->claim_failure_report()) failed.push_back(request);
+    }
+    failures_.clear();
+  }
+  raise_first_failure(failed);
+}
+
+void Transport::raise_first_failure(const std::vector<std::shared_ptr<SendRequest>>& failed) {
+  if (failed.empty()) return;
+  if (failed.size() == 1) std::rethrow_exception(failed[0]->error());
+  // One exception for a batch of failures (typically one dead peer), of the first failure's type.
+  const std::string note = " (and " + std::to_string(failed.size() - 1) + " more failed sends)";
+  try {
+    std::rethrow_exception(failed[0]->error());
+  } catch (const PeerDiedError& error) {
+    throw PeerDiedError(error.what() + note);
+  } catch (const ClosedError& error) {
+    throw ClosedError(error.what() + note);
+  } catch (const TimeoutError& error) {
+    throw TimeoutError(error.what() + note);
+  } catch (const std::invalid_argument& error) {
+    throw std::invalid_argument(error.what() + note);
+  } catch (const std::exception& error) {
+    throw std::runtime_error(error.what() + note);
+  }
+}
+
+std::shared_ptr<SendRequest> Transport::send(int peer, uint64_t tag, uint32_t dtype_code,
+                                             const std::vector<int64_t>& shape, const void* data, uint64_t nbytes) {
+  check_usable();
+  validate_peer(peer, "send to");
+  if (nbytes > options_.max_message_bytes) {
+    throw std::invalid_argument("message of " + std::to_string(nbytes) + " bytes exceeds max_message_bytes=" +
+                                std::to_string(options_.max_message_bytes));
+  }
+  if (nbytes > 0 && data == nullptr) throw std::invalid_argument("null data pointer for a non-empty message");
+  const OutgoingMessage message{make_message_header(tag, dtype_code, shape, nbytes),
+                                static_cast<const uint8_t*>(data)};
+  if (nbytes <= kInlineSendBytes) {
+    const bool sent = workers_->run_inline_if_idle(peer, [&] {
+      ShmChannel* channel = connector_->channel_if_ready(peer);
+      return channel != nullptr && channel->try_send_now(message);
+    });
+    if (sent) return nullptr;
+  }
+  auto request = std::make_shared<SendRequest>();
+  workers_->submit(peer, [this, request, peer, message] { perform_send(request, peer, message); });
+  track(request);
+  return request;
+}
+
+void Transport::perform_send(const std::shared_ptr<SendRequest>& request, int peer, const OutgoingMessage& message) {
+  try {
+    if (closing_.load()) {
+      throw ClosedError("transport closed before " + describe_tag(message.header.tag) + " to peer rank " +
+                        std::to_string(peer) + " was sent");
+    }
+    ShmChannel& channel = connector_->wait_channel(peer, message.header.tag, options_.timeout_s, closing_);
+    channel.send(message, SendLimits{options_.rank, options_.timeout_s, &closing_});
+    request->complete();
+  } catch (...) {
+    request->fail(std::current_exception());
+    note_failure(request);
+  }
+}
+
+void Transport::note_failure(const std::shared_ptr<SendRequest>& request) {
+  {
+    std::lock_guard<std::mutex> lock(requests_mutex_);
+    failures_.push_back(request);
+  }
+  if (!closing_.load()) receiver_->arrivals().ring();  // a thread blocked in wait_any reports it now
+}
+
+void Transport::track(const std::shared_ptr<SendRequest>& request) {
+  std::lock_guard<std::mutex> lock(requests_mutex_);
+  if (outstanding_.size() >= 64) {
+    outstanding_.erase(std::remove_if(outstanding_.begin(), outstanding_.end(),
+                                      [](const std::shared_ptr<SendRequest>& r) { return r->done() && !r->error(); }),
+                       outstanding_.end());
+  }
+  outstanding_.push_back(request);
+}
+
+void Transport::wait_sends(std::optional<double> timeout_s) {
+  if (timeout_s && *timeout_s < 0) throw std::invalid_argument("timeout must be >= 0");
+  check_usable();
+  std::vector<std::shared_ptr<SendRequest>> waiting;
+  {
+    std::lock_guard<std::mutex> lock(requests_mutex_);
+    waiting.swap(outstanding_);
+  }
+  const auto give_up_at = timeout_s ? Clock::now() + seconds(*timeout_s) : Clock::time_point::max();
+  for (size_t i = 0; i < waiting.size(); ++i) {
+    std::optional<double> remaining;
+    if (timeout_s) remaining = std::max(0.0, std::chrono::duration<double>(give_up_at - Clock::now()).count());
+    if (!waiting[i]->wait_done(remaining, interrupt_check_)) {
+      size_t pending = 0;
+      for (const auto& request : waiting) pending += request->done() ? 0 : 1;
+      std::lock_guard<std::mutex> lock(requests_mutex_);
+      outstanding_.insert(outstanding_.begin(), waiting.begin(), waiting.end());
+      throw TimeoutError("wait_sends timed out after " + format_seconds(*timeout_s) + " with " +
+                         std::to_string(pending) + " sends of rank " + std::to_string(options_.rank) +
+                         " still in flight");
+    }
+  }
+  std::vector<std::shared_ptr<SendRequest>> failed;
+  for (const auto& request : waiting) {
+    if (request->claim_failure_report()) failed.push_back(request);
+  }
+  raise_first_failure(failed);
+}
+
+std::vector<MessageKey> Transport::poll() {
+  check_usable();
+  if (receiver_) receiver_->drain_available(/*wait_for_lock=*/false);
+  return inbox_.ready();
+}
+
+std::optional<MessageHeader> Transport::peek(int peer, uint64_t tag) {
+  check_usable();
+  validate_peer(peer, "receive from");
+  receiver_->drain_available(/*wait_for_lock=*/false);
+  return inbox_.peek(MessageKey(peer, tag));
+}
+
+std::optional<Message> Transport::try_take(int peer, uint64_t tag) {
+  check_usable();
+  validate_peer(peer, "receive from");
+  receiver_->drain_available(/*wait_for_lock=*/false);
+  return inbox_.take(MessageKey(peer, tag));
+}
+
+MessageKey Transport::wait_any(const std::vector<MessageKey>& keys, std::optional<double> timeout_s) {
+  check_usable();
+  if (keys.empty()) throw std::invalid_argument("wait_any needs at least one (peer, tag) key");
+  for (const MessageKey& key : keys) validate_peer(key.first, "receive from");
+  return wait_for_keys(keys, timeout_s);
+}
+
+Message Transport::recv(int peer, uint64_t tag, std::optional<double> timeout_s) {
+  check_usable();
+  validate_peer(peer, "receive from");
+  const std::vector<MessageKey> keys{MessageKey(peer, tag)};
+  for (;;) {
+    wait_for_keys(keys, timeout_s);
+    if (std::optional<Message> message = inbox_.take(keys[0])) return std::move(*message);
+    // Another thread took it first; wait for the next one.
+  }
+}
+
+MessageKey Transport::wait_for_keys(const std::vector<MessageKey>& keys, std::optional<double> timeout_s) {
+  if (timeout_s && *timeout_s < 0) throw std::invalid_argument("timeout must be >= 0");
+  const double limit_s = timeout_s ? *timeout_s : options_.timeout_s;
+  const auto start = Clock::now();
+  const auto give_up_at = start + seconds(limit_s);
+  auto next_liveness_check = start + kWaitTick;
+  Doorbell& arrivals = receiver_->arrivals();
+  ShmReceiver::ForegroundWait drain_here(*receiver_);
+  for (;;) {
+    const uint32_t seen = arrivals.snapshot();
+    receiver_->drain_available();
+    if (std::optional<MessageKey> key = inbox_.find_any(keys)) return *key;
+    if (closing_.load()) {
+      throw ClosedError("transport of rank " + std::to_string(options_.rank) + " closed while it waited for " +
+                        describe_keys(keys));
+    }
+    report_pending_failure();
+    const auto now = Clock::now();
+    if (now >= next_liveness_check) {
+      if (interrupt_check_) interrupt_check_();
+      if (std::optional<MessageKey> key = check_senders(keys)) return *key;
+      next_liveness_check = now + kWaitTick;
+    }
+    if (now >= give_up_at) {
+      throw TimeoutError("rank " + std::to_string(options_.rank) + " timed out after " + format_seconds(limit_s) +
+                         " waiting for " + describe_keys(keys));
+    }
+    arrivals.wait(seen, std::min(next_liveness_check, give_up_at) - now);
+  }
+}
+
+std::optional<MessageKey> Transport::check_senders(const std::vector<MessageKey>& keys) {
+  std::vector<int> checked;
+  for (const MessageKey& key : keys) {
+    const int peer = key.first;
+    if (std::find(checked.begin(), checked.end(), peer) != checked.end()) continue;
+    checked.push_back(peer);
+    std::optional<ProcessIdentity> identity = connector_->owner_of(peer);
+    if (!identity) identity = receiver_->producer(peer);
+    const bool closed = receiver_->producer_closed(peer) || connector_->peer_closed(peer);
+    const bool died = !closed && identity && !identity->alive();
+    if (!died && !closed) continue;
+    // Whatever the peer published before it went away is still ours to collect.
+    receiver_->drain_available();
+    if (std::optional<MessageKey> found = inbox_.find_any(keys)) return found;
+    const std::string waited = "rank " + std::to_string(options_.rank) + " waited for " + describe_tags_of(peer, keys);
+    if (died) {
+      throw PeerDiedError("peer rank " + std::to_string(peer) + " (pid " + std::to_string(identity->pid) +
+                          ") died while " + waited);
+    }
+    throw ClosedError("peer rank " + std::to_string(peer) + " closed its transport while " + waited);
+  }
+  return std::nullopt;
+}
+
+}  // namespace mapp

@@ -1,0 +1,28 @@
+// Settings of one rank's transport, and their validation (std::invalid_argument with a clear message).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace mapp {
+
+struct TransportOptions {
+  int rank = 0;
+  int world_size = 1;
+  std::string job_id;
+  uint64_t slot_bytes = uint64_t{1} << 20;
+  uint32_t num_slots = 64;
+  uint64_t max_message_bytes = uint64_t{1} << 30;
+  int send_workers = 2;
+  std::optional<std::vector<int>> peers;  // default: every other rank
+  double timeout_s = 300.0;
+};
+
+// Returns the options unchanged, or throws std::invalid_argument naming the bad setting.
+TransportOptions validate_options(TransportOptions options);
+// The sorted peer ranks: options.peers checked, or every other rank by default.
+std::vector<int> resolve_peers(const TransportOptions& options);
+
+}  // namespace mapp

@@ -1,0 +1,50 @@
+"""Tensor <-> (dtype code, shape, bytes) for the core: one copy in on send, zero copies out on receive."""
+
+import torch
+
+from .dtypes import CODE_TO_DTYPE, dtype_code, dtype_from_code
+
+
+def encode(tensor) -> tuple:
+    """(dtype_code, shape, data_ptr, nbytes, host_tensor): a host-contiguous view of `tensor` for the core.
+    The core reads host_tensor's memory until the send completes. CUDA tensors are staged via pinned memory."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"can only send torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided or tensor.is_quantized:
+        raise ValueError(f"can only send dense tensors, got layout {tensor.layout}")
+    code = dtype_code(tensor.dtype)
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if tensor.is_conj():
+        tensor = tensor.resolve_conj()
+    if tensor.is_neg():
+        tensor = tensor.resolve_neg()
+    if tensor.is_cuda:
+        tensor = _stage_on_host(tensor)
+    elif not tensor.is_cpu:
+        raise ValueError(f"cannot send a tensor on device {tensor.device}")
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    nbytes = tensor.nbytes
+    return code, tensor.shape, tensor.data_ptr() if nbytes else 0, nbytes, tensor
+
+
+def _stage_on_host(tensor: torch.Tensor) -> torch.Tensor:
+    staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    staged.copy_(tensor, non_blocking=True)
+    torch.cuda.current_stream(tensor.device).synchronize()
+    return staged
+
+
+def decode(code: int, shape: tuple, nbytes: int, payload, device=None) -> torch.Tensor:
+    """Rebuild a received tensor on top of the core's buffer (no copy), then move it to `device` if given."""
+    dtype = CODE_TO_DTYPE.get(code) or dtype_from_code(code)
+    if nbytes == 0:
+        tensor = torch.empty(shape, dtype=dtype)
+    else:
+        tensor = torch.frombuffer(payload, dtype=dtype)
+        if len(shape) != 1:  # 1-D: frombuffer's shape already is the message's
+            tensor = tensor.view(*shape) if shape else tensor.view(())  # view() checks the element count
+    if device is not None:
+        tensor = tensor.to(device)
+    return tensor

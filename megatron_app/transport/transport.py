@@ -1,0 +1,233 @@
+"""Transport: send and receive tensors between the ranks of a job (shared memory within a node).
+
+    with Transport(rank, world_size, job_id) as t:
+        h = t.send(peer, make_tag(Direction.FORWARD, vmb), tensor)    # returns at once
+        x = t.recv(peer, make_tag(Direction.FORWARD, vmb))            # blocks, ~0% CPU
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from typing import Iterable, Optional
+
+import torch
+
+from . import codec
+from ._core import core
+from .dtypes import dtype_from_code
+from .tags import MAX_TAG, describe_tag, validate_tag
+
+TransportTimeout = core.TransportTimeout
+PeerDied = core.PeerDied
+TransportClosed = core.TransportClosed
+
+
+def _int_arg(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    return value
+
+
+def _timeout_arg(timeout) -> Optional[float]:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds or None, got {type(timeout).__name__}")
+    if not timeout >= 0 or math.isnan(timeout):
+        raise ValueError(f"timeout must be >= 0 seconds, got {timeout}")
+    return float(timeout)
+
+
+def _key_arg(key) -> tuple[int, int]:
+    try:
+        peer, tag = key
+    except (TypeError, ValueError):
+        raise TypeError(f"keys must be (peer, tag) pairs, got {key!r}") from None
+    return _int_arg(peer, "peer"), validate_tag(tag)
+
+
+class SendHandle:
+    """Completion of one send. Holds the sent tensor until the copy into shared memory is done."""
+
+    __slots__ = ("_request", "_tensor", "peer", "tag")
+
+    def __init__(self, request, tensor: Optional[torch.Tensor], peer: int, tag: int):
+        # request is None for a send that completed inside Transport.send().
+        self._request = request
+        self._tensor = tensor
+        self.peer = peer
+        self.tag = tag
+
+    def done(self) -> bool:
+        if self._request is None:
+            return True
+        finished = self._request.done()
+        if finished:
+            self._tensor = None
+        return finished
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Blocks until the send completed; raises its error, or TransportTimeout after `timeout` seconds."""
+        if self._request is not None:
+            self._request.wait(_timeout_arg(timeout))
+            self._tensor = None
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"SendHandle(peer={self.peer}, {describe_tag(self.tag)}, {state})"
+
+
+class Transport:
+    """One rank's endpoint. See the package docstring for the semantics of each call."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        job_id: str,
+        *,
+        slot_bytes: int = 1 << 20,
+        num_slots: int = 64,
+        max_message_bytes: int = 1 << 30,
+        send_workers: int = 2,
+        peers: Optional[Iterable[int]] = None,
+        timeout_s: float = 300.0,
+    ):
+        if not isinstance(job_id, str):
+            raise TypeError(f"job_id must be a str, got {type(job_id).__name__}")
+        sizes = {"slot_bytes": slot_bytes, "num_slots": num_slots, "max_message_bytes": max_message_bytes}
+        for name, value in sizes.items():
+            if _int_arg(value, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if num_slots >= 1 << 32:
+            raise ValueError(f"num_slots must be between 2 and 2**20, got {num_slots}")
+        if peers is not None:
+            peers = [_int_arg(peer, "peer") for peer in peers]
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+            raise TypeError(f"timeout_s must be a number of seconds, got {type(timeout_s).__name__}")
+        self._core = core.Transport(
+            rank=_int_arg(rank, "rank"),
+            world_size=_int_arg(world_size, "world_size"),
+            job_id=job_id,
+            slot_bytes=slot_bytes,
+            num_slots=num_slots,
+            max_message_bytes=max_message_bytes,
+            send_workers=_int_arg(send_workers, "send_workers"),
+            peers=peers,
+            timeout_s=float(timeout_s),
+        )
+        self.rank = rank
+        self.world_size = world_size
+        self.job_id = job_id
+        self.peers = tuple(self._core.peers)
+        self._pending: dict[int, collections.deque] = {}  # per peer: handles keeping unfinished sends' tensors
+
+    # -- sending -----------------------------------------------------------------------------------------------
+    def send(self, peer: int, tag: int, tensor: torch.Tensor) -> SendHandle:
+        """Posts `tensor` to `peer` under `tag` and returns at once; background workers do the copy."""
+        if type(peer) is not int:
+            peer = _int_arg(peer, "peer")
+        if type(tag) is not int or not 0 <= tag <= MAX_TAG:
+            tag = validate_tag(tag)
+        code, shape, data_ptr, nbytes, host_tensor = codec.encode(tensor)
+        request = self._core.send(peer, tag, code, shape, data_ptr, nbytes)
+        if request is None:  # already copied into the peer's ring
+            return SendHandle(None, None, peer, tag)
+        handle = SendHandle(request, host_tensor, peer, tag)
+        self._forget_finished_sends()
+        self._pending.setdefault(peer, collections.deque()).append(handle)
+        return handle
+
+    def _forget_finished_sends(self) -> None:
+        """Drops the transport's references to tensors whose sends completed. Sends to one peer complete in
+        order, so only the oldest pending send per peer needs checking (amortised O(1) per send)."""
+        for queue in self._pending.values():
+            while queue and queue[0].done():
+                queue.popleft()
+
+    def wait_sends(self, timeout: Optional[float] = None) -> None:
+        """Blocks until every send posted so far completed; raises the first failure not reported yet."""
+        self._core.wait_sends(_timeout_arg(timeout))
+        self._forget_finished_sends()
+
+    # -- receiving ---------------------------------------------------------------------------------------------
+    def poll(self) -> list[tuple[int, int]]:
+        """(peer, tag) of every message fully arrived and not yet taken, oldest first. Never blocks."""
+        return self._core.poll()
+
+    def try_recv(self, peer: int, tag: int, dtype: Optional[torch.dtype] = None, device=None):
+        """Takes the message (peer, tag) if it has arrived, else returns None. Never blocks."""
+        peer, tag = _key_arg((peer, tag))
+        if dtype is not None and not self._has_dtype(peer, tag, dtype):
+            return None
+        message = self._core.try_take(peer, tag)
+        return None if message is None else codec.decode(*message, device=device)
+
+    def recv(self, peer: int, tag: int, timeout: Optional[float] = None, dtype: Optional[torch.dtype] = None,
+             device=None) -> torch.Tensor:
+        """Blocks until (peer, tag) arrives and takes it. timeout=None waits up to the transport's timeout_s."""
+        if type(peer) is not int or type(tag) is not int or not 0 <= tag <= MAX_TAG:
+            peer, tag = _key_arg((peer, tag))
+        if timeout is not None:
+            timeout = _timeout_arg(timeout)
+        if dtype is None:
+            return codec.decode(*self._core.recv(peer, tag, timeout), device=device)
+        while True:
+            self._core.wait_any([(peer, tag)], timeout)
+            if self._has_dtype(peer, tag, dtype):
+                message = self._core.try_take(peer, tag)
+                if message is not None:
+                    return codec.decode(*message, device=device)
+
+    def wait_any(self, keys: Iterable[tuple[int, int]], timeout: Optional[float] = None) -> tuple[int, int]:
+        """Blocks until one of `keys` has arrived and returns that key (without taking the message)."""
+        return tuple(self._core.wait_any([_key_arg(key) for key in keys], _timeout_arg(timeout)))
+
+    def _has_dtype(self, peer: int, tag: int, dtype: torch.dtype) -> bool:
+        """False if the message has not arrived; ValueError (message kept) if it carries another dtype."""
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+        header = self._core.peek(peer, tag)
+        if header is None:
+            return False
+        carried = dtype_from_code(header[0])
+        if carried != dtype:
+            raise ValueError(
+                f"requested dtype {dtype} but the message from peer rank {peer} ({describe_tag(tag)}) "
+                f"carries {carried}"
+            )
+        return True
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._core.closed
+
+    def close(self) -> None:
+        """Stops the transport. Sends not completed yet fail with TransportClosed: call wait_sends() first to
+        flush them. Idempotent."""
+        self._core.close()
+        self._pending.clear()
+
+    def __enter__(self) -> "Transport":
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        try:
+            if exc_type is None and not self.closed:
+                self.wait_sends()
+        finally:
+            self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"Transport(rank={self.rank}, world_size={self.world_size}, job_id={self.job_id!r}, {state})"
+
+
+def cleanup_job(job_id: str) -> list[str]:
+    """Removes shared-memory segments of `job_id` whose owner process has exited; returns their names.
+    Segments of live processes and of other jobs are never touched."""
+    if not isinstance(job_id, str):
+        raise TypeError(f"job_id must be a str, got {type(job_id).__name__}")
+    return core.cleanup_job(job_id)
