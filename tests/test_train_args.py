@@ -94,20 +94,3 @@ def test_cli_bad_flag_exits_2_with_one_stderr_line(argv, world):
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("megatron_app.train: error: ")
     assert result.stdout == ""
-
-
-def test_app_schedule_without_runtime_is_one_line(monkeypatch, capsys):
-    import megatron_app
-    from megatron_app.train.__main__ import main
-
-    # Simulate a checkout where megatron_app.runtime is not importable yet.
-    monkeypatch.setitem(sys.modules, "megatron_app.runtime", None)
-    monkeypatch.delattr(megatron_app, "runtime", raising=False)
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    with pytest.raises(SystemExit) as info:
-        main(["--schedule", "app", "--iters", "1"])
-    assert info.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1
-    assert lines[0].startswith("megatron_app.train: error: megatron_app.runtime cannot be imported")
-    assert "use --schedule megatron" in lines[0]

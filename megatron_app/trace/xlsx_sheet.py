@@ -41,6 +41,11 @@ def write_pipeline_xlsx(path, rows: list[list[PlacedTask]], info: dict, metrics:
     book = Workbook()
     sheet = book.active
     sheet.title = "pipeline"
+    # Printed or exported to PDF, the whole pipeline fits one landscape page instead of being cut into strips.
+    sheet.page_setup.orientation = "landscape"
+    sheet.sheet_properties.pageSetUpPr.fitToPage = True
+    sheet.page_setup.fitToWidth = 1
+    sheet.page_setup.fitToHeight = 1
     sheet.cell(row=TITLE_ROW, column=1, value="MegatronAPP pipeline trace").font = Font(bold=True, size=12)
     sheet.cell(row=INFO_ROW, column=1, value="   ".join(f"{k}={v}" for k, v in info.items()))
 
