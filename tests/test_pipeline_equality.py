@@ -40,7 +40,7 @@ LAYOUTS = [(2, 1, 1), (2, 2, 1), (4, 1, 1), (4, 2, 1), (2, 1, 2), (2, 2, 2), (4,
 @pytest.mark.parametrize("P,V,T", LAYOUTS, ids=[f"P{p}-V{v}-T{t}" for p, v, t in LAYOUTS])
 def test_every_schedule_matches_unpipelined_training(tmp_path, reference, P, V, T):
     ref_losses, ref_grads = reference
-    schedules = ["app:dfc", "app:bfc", "interleaved"] + (["1f1b"] if V == 1 else [])
+    schedules = ["app:dfc", "app:bfc", "app:adaptive", "interleaved"] + (["1f1b"] if V == 1 else [])
     out = _run(tmp_path, P, V, T, schedules)
     for spec in schedules:
         name = spec.replace(":", "-")

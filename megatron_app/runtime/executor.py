@@ -23,7 +23,7 @@ from megatron.core.pipeline_parallel.schedules import (
 )
 from megatron.core.utils import get_model_config, get_model_type
 
-from megatron_app.schedule import Kind, PipelineShape, RankState, Task, make_policy
+from megatron_app.schedule import Kind, PipelineShape, RankState, Task
 
 from .links import PipelineLinks, direction_of
 from .microbatch_data import MicrobatchReplay
@@ -143,8 +143,8 @@ class PipelineStep:
                                    forward_only=forward_only,
                                    microbatch_group_size=getattr(self.config, "microbatch_group_size_per_vp_stage",
                                                                  None) if V > 1 else None)
-        self.policy = make_policy(self.settings.policy_name, self.shape, self.pp_rank,
-                                  memory_cap=None if forward_only else self.settings.memory_cap)
+        self.policy = session.policy_for(self.shape, self.pp_rank,
+                                         None if forward_only else self.settings.memory_cap)
         self.state = RankState(self.shape, self.pp_rank)
         self.links = PipelineLinks(self.shape, self.pp_rank, pp_global, session.calls)
         self.transport = session.ensure_transport(pp_global)

@@ -37,9 +37,18 @@ class RuntimeSession:
         self.job_id: Optional[str] = None
         self.transport = None
         self.tracer = None
+        self._policies = {}         # kept across calls so learning policies (adaptive) remember task durations
         self.training_calls = 0     # forward_backward calls with backward (trace iterations)
         self.calls = 0              # all calls, evaluation included (message tags)
         self._closed = False
+
+    def policy_for(self, shape, rank: int, memory_cap):
+        from megatron_app.schedule import make_policy
+
+        key = (self.settings.policy_name, shape, rank, memory_cap)
+        if key not in self._policies:
+            self._policies[key] = make_policy(self.settings.policy_name, shape, rank, memory_cap=memory_cap)
+        return self._policies[key]
 
     def ensure_transport(self, pp_global_ranks: List[int]):
         if self.transport is None and len(pp_global_ranks) > 1:

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Optional
 
 SCHEDULES = ("app", "interleaved", "1f1b")
-ADAPTIVE_POLICIES = ("dfc", "bfc")
+ADAPTIVE_POLICIES = ("dfc", "bfc", "adaptive")
 
 
 class AppConfigError(ValueError):

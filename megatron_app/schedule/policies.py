@@ -16,7 +16,7 @@ from .shape import PipelineShape
 from .state import RankState
 from .tasks import Kind, Task
 
-POLICY_NAMES = ("dfc", "bfc", "1f1b", "interleaved")
+POLICY_NAMES = ("dfc", "bfc", "1f1b", "interleaved", "adaptive")
 
 
 class Policy:
@@ -123,11 +123,18 @@ def _make_greedy(name: str, shape: PipelineShape, rank: int, memory_cap: Optiona
     return GreedyPolicy(shape, rank, memory_cap, name, priority)
 
 
+def _make_adaptive(name: str, shape: PipelineShape, rank: int, memory_cap: Optional[int]) -> Policy:
+    from .adaptive import make_adaptive   # adaptive.py builds on this module's Policy
+
+    return make_adaptive(shape, rank, memory_cap)
+
+
 _FACTORIES: Dict[str, Callable[..., Policy]] = {
     "dfc": _make_greedy,
     "bfc": _make_greedy,
     "1f1b": _make_static,
     "interleaved": _make_static,
+    "adaptive": _make_adaptive,
 }
 
 

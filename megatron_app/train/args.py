@@ -11,7 +11,7 @@ import os
 from typing import Mapping, Optional, Sequence
 
 SCHEDULES = ("app", "interleaved", "1f1b", "megatron")
-POLICIES = ("dfc", "bfc")
+POLICIES = ("dfc", "bfc", "adaptive")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_MICROBATCHES = 8
 

@@ -26,9 +26,13 @@ def init_distributed(device_type: str) -> torch.device:
     """
     if device_type == "cuda":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        backend = "nccl"
+        gpus = torch.cuda.device_count()
+        torch.cuda.set_device(local_rank % gpus)
+        device = torch.device("cuda", local_rank % gpus)
+        # NCCL refuses two ranks on one GPU; ranks sharing GPUs use gloo for collectives (pipeline tensors go
+        # through our transport either way).
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        backend = "nccl" if local_ranks <= gpus else "gloo"
     else:
         device = torch.device("cpu")
         backend = "gloo"

@@ -1,0 +1,45 @@
+"""Lower bounds on one iteration's makespan that hold for every schedule, given the drawn task durations.
+
+work:  no schedule beats the busiest rank's own work (a rank runs one task at a time).
+path:  tighter. On rank r the first task is some chunk-0 forward F(0, i) and the last some chunk-0 backward
+       B(0, j) (every other task has a successor on the same rank). F(0, i) waits for microbatch i's forwards on
+       ranks 0..r-1 and B(0, j) is followed by microbatch j's backwards on ranks r-1..0, each hop at least the
+       fastest transfer. So makespan >= min_i head_r(i) + work_r + min_j tail_r(j) for every r. Also no schedule
+       beats one microbatch's whole dependency chain (matters when m is small).
+For uniform costs and free communication the path bound equals 1F1B's (m+P-1)(f+b) and interleaved's
+V*m*(f+b)+(P-1)(f+b) (per-chunk f, b): both static schedules are optimal there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_app.schedule import PipelineShape
+
+from .costs import BACKWARD_INDEX, FORWARD_INDEX, Durations
+
+
+@dataclass(frozen=True)
+class LowerBounds:
+    work_us: float
+    path_us: float
+
+    @property
+    def best_us(self) -> float:
+        return max(self.work_us, self.path_us)
+
+
+def lower_bounds(shape: PipelineShape, durations: Durations, min_transfer_us: float) -> LowerBounds:
+    times = np.asarray(durations, dtype=float)              # (P, 2, V, m)
+    P = shape.num_stages
+    work = times.sum(axis=(1, 2, 3))                         # per rank
+    # Prefix sums over ranks 0..r-1 of chunk-0 forward / backward times, per microbatch: row r = ranks before r.
+    zeros = np.zeros((1, shape.num_microbatches))
+    before_f = np.concatenate([zeros, np.cumsum(times[:, FORWARD_INDEX, 0, :], axis=0)[:-1]])
+    before_b = np.concatenate([zeros, np.cumsum(times[:, BACKWARD_INDEX, 0, :], axis=0)[:-1]])
+    hops = np.arange(P) * min_transfer_us
+    per_rank = before_f.min(axis=1) + hops + work + before_b.min(axis=1) + hops
+    chain = times.sum(axis=(0, 1, 2)) + 2 * (shape.num_virtual_stages - 1) * min_transfer_us
+    return LowerBounds(work_us=float(work.max()), path_us=float(max(per_rank.max(), chain.max())))

@@ -1,0 +1,179 @@
+"""python -m megatron_app.sim: simulate schedule policies under a cost model and print a comparison table.
+
+    python -m megatron_app.sim --pipeline_parallel 4 --model_chunks 2 --microbatches 8 --policy all \
+        --fwd-ms 10 --bwd-ms 20 [--slow-rank 1 --slow-factor 1.5] [--jitter 0.3] \
+        [--straggler-prob 0.1 --straggler-factor 3] [--link-latency-us 20 --link-gbps 100 --tensor-bytes 16777216] \
+        [--slow-link 1-2:0-300:10] [--memory-cap N] [--iterations 3] [--seed 0] [--trace-dir D] [--json FILE]
+
+Bad options print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import warnings
+from pathlib import Path
+from typing import List, Optional
+
+from megatron_app.schedule import POLICY_NAMES, PipelineShape, ScheduleConfigError
+from megatron_app.trace.cli import EXIT_BAD_INPUT, OneLineArgumentParser, positive_int
+
+from .costs import ComputeCosts, ComputePerturbations
+from .network import US_PER_MS, LinkCosts, SlowLink
+from .simulator import SimConfig, SimResult, simulate
+
+PROG = "python -m megatron_app.sim"
+ALL = "all"
+# Up to this many ranks the table lists every rank's peak activations; beyond, only the largest.
+MAX_LISTED_RANKS = 8
+
+
+def _number(minimum: float, inclusive: bool = True):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if math.isnan(value) or (value < minimum if inclusive else value <= minimum):
+            raise argparse.ArgumentTypeError(f"expected a number {'>=' if inclusive else '>'} {minimum:g}, "
+                                             f"got {text!r}")
+        return value
+    return parse
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _slow_link(text: str) -> SlowLink:
+    try:
+        return SlowLink.parse(text)
+    except ScheduleConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
+    parser = OneLineArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add("--pipeline_parallel", "--pipeline-parallel", dest="pipeline_parallel", type=positive_int, required=True,
+        help="pipeline stages P")
+    add("--model_chunks", "--model-chunks", dest="model_chunks", type=positive_int, default=1,
+        help="model chunks per rank V (default 1)")
+    add("--microbatches", type=positive_int, required=True, help="microbatches per iteration m")
+    add("--microbatch-group-size", "--microbatch_group_size", dest="microbatch_group_size", type=positive_int,
+        default=None, help="Megatron's microbatch_group_size_per_vp_stage (default P)")
+    add("--policy", choices=POLICY_NAMES + (ALL,), default=ALL, help="policy to simulate (default all)")
+    add("--fwd-ms", "--fwd_ms", dest="fwd_ms", type=_number(0.0), default=10.0,
+        help="forward time of one chunk, ms (default 10)")
+    add("--bwd-ms", "--bwd_ms", dest="bwd_ms", type=_number(0.0), default=20.0,
+        help="backward time of one chunk, ms (default 20)")
+    add("--slow-rank", "--slow_rank", dest="slow_rank", type=_non_negative_int, default=None,
+        help="rank whose every task is --slow-factor times longer")
+    add("--slow-factor", "--slow_factor", dest="slow_factor", type=_number(1.0), default=None,
+        help="slowdown of --slow-rank (>= 1, default 1.5)")
+    add("--jitter", type=_number(0.0), default=0.0, help="each task takes U(1-x, 1+x) times its cost, 0 <= x < 1")
+    add("--straggler-prob", "--straggler_prob", dest="straggler_prob", type=_number(0.0), default=0.0,
+        help="probability that a task is a straggler")
+    add("--straggler-factor", "--straggler_factor", dest="straggler_factor", type=_number(1.0), default=3.0,
+        help="slowdown of a straggler task (default 3)")
+    add("--link-latency-us", "--link_latency_us", dest="link_latency_us", type=_number(0.0), default=0.0,
+        help="latency of every message, us (default 0)")
+    add("--link-gbps", "--link_gbps", dest="link_gbps", type=_number(0.0, inclusive=False), default=math.inf,
+        help="link bandwidth, gigabits/s (default: unlimited)")
+    add("--tensor-bytes", "--tensor_bytes", dest="tensor_bytes", type=_non_negative_int, default=0,
+        help="bytes per message (default 0)")
+    add("--slow-link", "--slow_link", dest="slow_links", type=_slow_link, action="append", default=[],
+        help="A-B:START_MS-END_MS:FACTOR, both directions between ranks A and B; repeatable")
+    add("--memory-cap", "--memory_cap", dest="memory_cap", type=positive_int, default=None,
+        help="activations a rank may hold (default: Megatron's interleaved peak per rank)")
+    add("--iterations", type=positive_int, default=1, help="iterations, separated by a barrier (default 1)")
+    add("--seed", type=_non_negative_int, default=0, help="seed of the random perturbations (default 0)")
+    add("--trace-dir", "--trace_dir", dest="trace_dir", default=None,
+        help="write trace_rank<r>.jsonl files here (with --policy all: one sub-directory per policy)")
+    add("--json", dest="json_path", default=None, help="also write the results as JSON to this file")
+    args = parser.parse_args(argv)
+    if args.slow_factor is not None and args.slow_rank is None:
+        parser.error("--slow-factor needs --slow-rank")
+    if args.straggler_prob > 1:
+        parser.error(f"argument --straggler-prob: expected a probability in [0, 1], got {args.straggler_prob:g}")
+    return args
+
+
+def build_config(args: argparse.Namespace) -> SimConfig:
+    shape = PipelineShape(args.pipeline_parallel, args.model_chunks, args.microbatches,
+                          microbatch_group_size=args.microbatch_group_size)
+    perturbations = ComputePerturbations(
+        slow_rank=args.slow_rank, slow_factor=1.5 if args.slow_factor is None else args.slow_factor,
+        jitter=args.jitter, straggler_prob=args.straggler_prob, straggler_factor=args.straggler_factor)
+    links = LinkCosts(latency_us=args.link_latency_us, gbps=args.link_gbps, tensor_bytes=args.tensor_bytes,
+                      slow_links=tuple(args.slow_links))
+    return SimConfig(shape, ComputeCosts.uniform(shape, args.fwd_ms * US_PER_MS, args.bwd_ms * US_PER_MS),
+                     links=links, perturbations=perturbations, iterations=args.iterations, seed=args.seed,
+                     memory_cap=args.memory_cap)
+
+
+def policies_to_run(choice: str, shape: PipelineShape) -> List[str]:
+    if choice != ALL:
+        return [choice]
+    return [name for name in POLICY_NAMES if not (name == "1f1b" and shape.num_chunks > 1)]
+
+
+def format_table(config: SimConfig, results: List[SimResult]) -> str:
+    shape = config.shape
+    lines = [f"P={shape.num_stages} V={shape.num_chunks} m={shape.num_microbatches} "
+             f"iterations={config.iterations} seed={config.seed}"]
+    header = (f"{'policy':<12} {'makespan ms':>12} {'lower bound ms':>15} {'x bound':>8} {'bubble':>7}  "
+              f"peak activations per rank")
+    lines.append(header)
+    for result in results:
+        peaks = result.peak_activations
+        peak_text = (",".join(map(str, peaks)) if len(peaks) <= MAX_LISTED_RANKS
+                     else f"max {max(peaks)} (rank {peaks.index(max(peaks))})")
+        ratio = result.makespan_us / result.lower_bound_us if result.lower_bound_us > 0 else math.nan
+        lines.append(f"{result.policy:<12} {result.makespan_us / US_PER_MS:>12.3f} "
+                     f"{result.lower_bound_us / US_PER_MS:>15.3f} {ratio:>8.3f} {result.bubble_ratio:>7.1%}  "
+                     f"{peak_text}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    with warnings.catch_warnings():
+        # megatron-core (imported for its static orders) warns that optional CUDA extensions are missing.
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        config = build_config(args)
+        names = policies_to_run(args.policy, config.shape)
+        results, skipped = [], []
+        for name in names:
+            trace_dir = None
+            if args.trace_dir is not None:
+                trace_dir = Path(args.trace_dir) / name if args.policy == ALL else Path(args.trace_dir)
+            try:
+                results.append(simulate(config, name, trace_dir=trace_dir))
+            except ScheduleConfigError as exc:
+                if args.policy != ALL:
+                    raise
+                skipped.append(f"{name}: skipped ({exc})")   # e.g. a static order above --memory-cap
+        print("\n".join([format_table(config, results)] + skipped))
+        if args.json_path is not None:
+            with open(args.json_path, "w", encoding="utf-8") as handle:
+                json.dump({"config": config.describe(), "results": [r.to_dict() for r in results]}, handle,
+                          indent=1)
+    except (ScheduleConfigError, OSError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return 0

@@ -1,0 +1,106 @@
+"""Compute cost model: base forward/backward time per (rank, chunk), and the perturbations applied to it.
+
+Random perturbations are drawn per task from a stream keyed by (seed, iteration, rank), never in execution order,
+so every policy meets exactly the same task durations: comparisons between policies are paired, and the lower
+bound (which depends only on the durations) is the same for all of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from megatron_app.schedule import PipelineShape, ScheduleConfigError
+
+from .checks import check_number
+
+# durations[rank][kind][chunk][microbatch] in microseconds; kind 0 = forward, 1 = backward
+Durations = List[List[List[List[float]]]]
+FORWARD_INDEX, BACKWARD_INDEX = 0, 1
+
+_JITTER_STREAM, _STRAGGLER_STREAM = 1, 2
+
+
+@dataclass(frozen=True)
+class ComputeCosts:
+    """Unperturbed task times in microseconds, one row per rank, one column per model chunk."""
+
+    forward_us: tuple
+    backward_us: tuple
+
+    def __post_init__(self):
+        tables = [tuple(tuple(check_number(f"{name}[{r}][{c}]", v, 0.0) for c, v in enumerate(row))
+                        for r, row in enumerate(getattr(self, name))) for name in ("forward_us", "backward_us")]
+        widths = {len(row) for table in tables for row in table}
+        if not tables[0] or len(tables[0]) != len(tables[1]) or len(widths) != 1 or 0 in widths:
+            raise ScheduleConfigError("forward_us and backward_us must be non-empty ranks x chunks tables of the "
+                                      "same shape")
+        object.__setattr__(self, "forward_us", tables[0])
+        object.__setattr__(self, "backward_us", tables[1])
+
+    @classmethod
+    def uniform(cls, shape: PipelineShape, forward_us: float, backward_us: float) -> "ComputeCosts":
+        return cls.per_chunk(shape, [forward_us] * shape.num_chunks, [backward_us] * shape.num_chunks)
+
+    @classmethod
+    def per_chunk(cls, shape: PipelineShape, forward_us: Sequence[float], backward_us: Sequence[float]
+                  ) -> "ComputeCosts":
+        """Same per-chunk times on every rank."""
+        return cls(tuple(tuple(forward_us) for _ in range(shape.num_stages)),
+                   tuple(tuple(backward_us) for _ in range(shape.num_stages)))
+
+    def check_shape(self, shape: PipelineShape) -> None:
+        expected = (shape.num_stages, shape.num_chunks)
+        if (len(self.forward_us), len(self.forward_us[0])) != expected:
+            raise ScheduleConfigError(f"cost tables are {len(self.forward_us)} ranks x {len(self.forward_us[0])} "
+                                      f"chunks, the pipeline is {expected[0]} x {expected[1]}")
+
+
+@dataclass(frozen=True)
+class ComputePerturbations:
+    """slow_rank runs every task slow_factor times longer; jitter scales each task by U(1-jitter, 1+jitter);
+    each task independently becomes a straggler (straggler_factor times longer) with straggler_prob."""
+
+    slow_rank: Optional[int] = None
+    slow_factor: float = 1.0
+    jitter: float = 0.0
+    straggler_prob: float = 0.0
+    straggler_factor: float = 1.0
+
+    def __post_init__(self):
+        if self.slow_rank is not None and (isinstance(self.slow_rank, bool) or not isinstance(self.slow_rank, int)
+                                           or self.slow_rank < 0):
+            raise ScheduleConfigError(f"slow_rank must be a rank number >= 0, got {self.slow_rank!r}")
+        check_number("slow_factor", self.slow_factor, 1.0)
+        check_number("jitter", self.jitter, 0.0, maximum=1.0, max_inclusive=False)
+        check_number("straggler_prob", self.straggler_prob, 0.0, maximum=1.0)
+        check_number("straggler_factor", self.straggler_factor, 1.0)
+
+    def check_shape(self, shape: PipelineShape) -> None:
+        if self.slow_rank is not None and self.slow_rank >= shape.num_stages:
+            raise ScheduleConfigError(f"slow_rank {self.slow_rank} is outside 0..{shape.num_stages - 1}")
+
+
+def draw_durations(shape: PipelineShape, costs: ComputeCosts, perturbations: ComputePerturbations, seed: int,
+                   iteration: int) -> Durations:
+    """Every task's duration for one iteration (see the module doc for why draws are keyed per rank)."""
+    costs.check_shape(shape)
+    perturbations.check_shape(shape)
+    V, m = shape.num_chunks, shape.num_microbatches
+    result = []
+    for rank in range(shape.num_stages):
+        base = np.array([costs.forward_us[rank], costs.backward_us[rank]], dtype=float)     # (2, V)
+        times = np.broadcast_to(base[:, :, None], (2, V, m)).copy()
+        if rank == perturbations.slow_rank:
+            times *= perturbations.slow_factor
+        if perturbations.jitter > 0:
+            rng = np.random.default_rng([seed, _JITTER_STREAM, iteration, rank])
+            times *= rng.uniform(1.0 - perturbations.jitter, 1.0 + perturbations.jitter, size=times.shape)
+        if perturbations.straggler_prob > 0:
+            rng = np.random.default_rng([seed, _STRAGGLER_STREAM, iteration, rank])
+            times = np.where(rng.random(times.shape) < perturbations.straggler_prob,
+                             times * perturbations.straggler_factor, times)
+        result.append(times.tolist())
+    return result
