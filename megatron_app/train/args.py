@@ -1,7 +1,9 @@
 """Command-line flags of ``python -m megatron_app.train`` and their validation.
 
 Everything here runs before torch.distributed starts, so a user mistake costs one line on stderr and
-exit status 2, never a traceback or a hung job. Only the device check imports torch.
+exit status 2, never a traceback or a hung job. Only the device check and the --data-path checks
+(megatron-core's dataset reader) import torch; --load's manifest is checked here too, so a checkpoint of
+another layout is refused before any rank starts.
 """
 
 from __future__ import annotations
@@ -10,10 +12,14 @@ import argparse
 import os
 from typing import Mapping, Optional, Sequence
 
+from .text_tokenizers import TOKENIZER_TYPES
+
 SCHEDULES = ("app", "interleaved", "1f1b", "megatron")
 POLICIES = ("dfc", "bfc", "adaptive")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_MICROBATCHES = 8
+DEFAULT_VOCAB_SIZE = 1024  # mock data; with --data-path the size comes from the tokenizer or the data
+DEFAULT_SPLIT = "949,50,1"
 
 
 class UsageError(ValueError):
@@ -56,7 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(model, "--hidden-size", type=int, default=64)
     _add_flag(model, "--num-attention-heads", type=int, default=4)
     _add_flag(model, "--seq-length", type=int, default=64)
-    _add_flag(model, "--vocab-size", type=int, default=1024, help="total vocabulary, end-of-document token included")
+    _add_flag(model, "--vocab-size", type=int, default=None,
+              help=f"total vocabulary, end-of-document token included (default: {DEFAULT_VOCAB_SIZE} on mock data; "
+                   "with --data-path the tokenizer's or the data's size, padded like Megatron)")
+    _add_flag(model, "--make-vocab-size-divisible-by", type=int, default=128, metavar="N",
+              help="pad a derived vocabulary size to a multiple of N x tensor_parallel (Megatron's rule)")
 
     train = parser.add_argument_group("training")
     _add_flag(train, "--micro-batch-size", type=int, default=2)
@@ -67,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(train, "--lr", type=float, default=1e-3)
     _add_flag(train, "--data-path", nargs="+", default=None, metavar="PREFIX",
               help="Megatron indexed dataset prefix(es) [weight prefix ...]; default: mock data")
+    _add_flag(train, "--split", default=DEFAULT_SPLIT, metavar="TRAIN,VALID,TEST",
+              help=f"document shares of the splits of each --data-path dataset (default: {DEFAULT_SPLIT})")
+    _add_flag(train, "--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
+              help="with --vocab-file/--merge-file or --tokenizer-json: the vocabulary size comes from it")
+    _add_flag(train, "--vocab-file", default=None, help="GPT-2 vocab.json (vocabulary size only)")
+    _add_flag(train, "--merge-file", default=None, help="GPT-2 merges.txt")
+    _add_flag(train, "--tokenizer-json", default=None, help="a Hugging Face tokenizer.json (vocabulary size only)")
     _add_flag(train, "--device", choices=DEVICES, default="auto")
 
     sched = parser.add_argument_group("schedule")
@@ -74,6 +91,47 @@ def build_parser() -> argparse.ArgumentParser:
               help="app: adaptive runtime; interleaved/1f1b: static orders run by the runtime; "
                    "megatron: Megatron-Core's own forward_backward function")
     _add_flag(sched, "--policy", choices=POLICIES, default="dfc", help="task policy of the app schedule")
+
+    emulation = parser.add_argument_group("compute emulation (timed waits instead of the model; see train/emulation.py)")
+    _add_flag(emulation, "--emulate-compute", default=None, metavar="FWD_MS,BWD_MS[,JITTER]",
+              help="each chunk's forward/backward of a microbatch waits this long instead of computing")
+    _add_flag(emulation, "--slow-rank", type=int, default=None, metavar="R", help="pipeline rank R runs slower")
+    _add_flag(emulation, "--slow-factor", type=float, default=1.5, metavar="F", help="slowdown of --slow-rank (1.5)")
+    _add_flag(emulation, "--straggler-prob", type=float, default=0.0, metavar="P",
+              help="each task independently takes --straggler-factor times longer with probability P")
+    _add_flag(emulation, "--straggler-factor", type=float, default=3.0, metavar="K")
+    _add_flag(emulation, "--slow-link", default=None, metavar="A-B:START_MS-END_MS:DELAY_MS",
+              help="messages between pipeline ranks A and B posted START..END ms into an iteration arrive DELAY ms late")
+
+    evaluation = parser.add_argument_group("evaluation")
+    _add_flag(evaluation, "--eval-interval", type=int, default=None, metavar="N",
+              help="every N iterations, report the validation loss (forward only, through the chosen schedule)")
+    _add_flag(evaluation, "--eval-iters", type=int, default=10, metavar="K",
+              help="global batches per evaluation; every evaluation reads the same first K (default: 10)")
+
+    ckpt = parser.add_argument_group("checkpoints")
+    _add_flag(ckpt, "--save", default=None, metavar="DIR",
+              help="save model, optimizer, RNG and data position here (every --save-interval and at the end)")
+    _add_flag(ckpt, "--save-interval", type=int, default=None, metavar="N", help="save every N iterations")
+    _add_flag(ckpt, "--load", default=None, metavar="DIR",
+              help="resume from DIR's latest checkpoint (or DIR itself when it is one iteration's directory); "
+                   "a DIR with no checkpoint yet starts from scratch")
+    _add_flag(ckpt, "--exit-interval", type=int, default=None, metavar="N",
+              help="stop after an iteration that is a multiple of N (saving first when --save is given)")
+
+    lossy = parser.add_argument_group("packet loss (lossy-network research; see megatron_app/lossy/config.py)")
+    _add_flag(lossy, "--loss-model", default="none", metavar="MODEL",
+              help="none | bernoulli | gilbert-elliott[:P,R,1-H,1-K] | replay:FILE | python:MOD.OBJ")
+    _add_flag(lossy, "--loss-rate", type=float, default=None, metavar="P",
+              help="bernoulli: loss probability; gilbert-elliott: stationary loss rate (with --burst-length)")
+    _add_flag(lossy, "--burst-length", type=float, default=None, metavar="L",
+              help="gilbert-elliott: mean number of consecutive lost packets (>= 1)")
+    _add_flag(lossy, "--loss-on", default="forward,backward,tp", metavar="TRAFFIC",
+              help="comma list: forward, backward (pipeline), tp (tensor-parallel), tp-forward, tp-backward")
+    _add_flag(lossy, "--loss-fill", default="zeros", metavar="FILL",
+              help="what a lost packet becomes: zeros | stale (last value there) | rescale (zeros, survivors / (1-p))")
+    _add_flag(lossy, "--loss-seed", type=int, default=None, metavar="N", help="seed of the loss models (default --seed)")
+    _add_flag(lossy, "--loss-packet-bytes", type=int, default=4096, metavar="B", help="packet size (4096)")
 
     out = parser.add_argument_group("output")
     _add_flag(out, "--trace-dir", default="traces/")
@@ -91,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
 _POSITIVE_INT_FLAGS = (
     "pipeline_parallel", "model_chunks", "tensor_parallel", "num_layers", "hidden_size",
     "num_attention_heads", "seq_length", "vocab_size", "micro_batch_size", "iters",
+    "make_vocab_size_divisible_by", "eval_interval", "eval_iters", "save_interval", "exit_interval",
 )
 
 
@@ -121,7 +180,7 @@ def _resolve_device(requested: str) -> str:
 
 def _check_scalars(args: argparse.Namespace) -> None:
     for dest in _POSITIVE_INT_FLAGS:
-        if getattr(args, dest) < 1:
+        if getattr(args, dest) is not None and getattr(args, dest) < 1:
             raise UsageError(f"{_flag(dest)} must be a positive integer, got {getattr(args, dest)}")
     if args.seed < 0:
         raise UsageError(f"--seed must be non-negative, got {args.seed}")
@@ -188,10 +247,82 @@ def _derive_microbatches(args: argparse.Namespace) -> None:
     args.num_microbatches = m
 
 
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _tokenizer_vocab_size(args: argparse.Namespace) -> Optional[int]:
+    if not (args.vocab_file or args.merge_file or args.tokenizer_json or args.tokenizer_type):
+        return None
+    from .text_tokenizers import TokenizerError, load_tokenizer
+
+    try:
+        return load_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
+                              tokenizer_json=args.tokenizer_json).vocab_size
+    except TokenizerError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _check_data_path(args: argparse.Namespace) -> int:
+    """Megatron's convention: an odd-length list is prefixes, an even-length one WEIGHT PREFIX pairs.
+    Checks each dataset (see indexed_data.check_blend); returns the largest token id in the data."""
+    items = args.data_path
+    if len(items) % 2 == 0:
+        for weight in items[0::2]:
+            try:
+                float(weight)
+            except ValueError:
+                raise UsageError(f"--data-path weight {weight!r} is not a number "
+                                 "(give one PREFIX, or WEIGHT PREFIX pairs)") from None
+    from .indexed_data import DataError, check_blend
+
+    try:
+        return check_blend(items, args.split, need_validation=args.eval_interval is not None)
+    except DataError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _resolve_vocab_size(args: argparse.Namespace) -> None:
+    """--vocab-size given: it must cover the tokenizer and every token id of the data. Not given: the
+    tokenizer's size (or the data's largest id + 1), padded to a multiple of make_vocab_size_divisible_by x T
+    as Megatron does; the mock-data default otherwise."""
+    needed = _tokenizer_vocab_size(args) or 0
+    source = "the tokenizer's vocabulary" if needed else ""
+    if args.data_path is not None:
+        largest = _check_data_path(args)
+        if largest + 1 > needed:
+            needed, source = largest + 1, f"the data's largest token id {largest} + 1"
+    if args.vocab_size is not None:
+        if args.vocab_size < needed:
+            raise UsageError(f"--vocab-size {args.vocab_size} is smaller than {source} ({needed})")
+        return
+    if not needed:
+        args.vocab_size = DEFAULT_VOCAB_SIZE
+        return
+    args.vocab_size = _round_up(needed, args.make_vocab_size_divisible_by * args.tensor_parallel)
+
+
+def _check_checkpointing(args: argparse.Namespace) -> None:
+    """Refuse a --load checkpoint of another layout or model before any rank starts."""
+    if args.save_interval is not None and args.save is None:
+        raise UsageError("--save-interval needs --save DIR")
+    if args.load is None:
+        return
+    from .checkpoint_manifest import CheckpointError, check_compatible, find_checkpoint
+
+    try:
+        found = find_checkpoint(args.load)
+        if found is not None:
+            check_compatible(found, args)
+    except CheckpointError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def validate(args: argparse.Namespace, environ: Mapping[str, str]) -> argparse.Namespace:
-    """Check flag combinations; derive world_size, data_parallel, num_microbatches and the device."""
+    """Check flag combinations; derive world_size, data_parallel, vocab_size, num_microbatches and the device."""
     _check_scalars(args)
     _derive_layout(args, environ)
+    _resolve_vocab_size(args)
     _check_model_split(args)
     _derive_microbatches(args)
     args.device = _resolve_device(args.device)
@@ -199,26 +330,49 @@ def validate(args: argparse.Namespace, environ: Mapping[str, str]) -> argparse.N
         raise UsageError(
             "--schedule megatron with --pipeline_parallel > 1 needs CUDA (Megatron's p2p code is CUDA-only); "
             "use --schedule app|interleaved|1f1b on CPU")
-    if args.data_path is not None:
-        _check_data_path(args.data_path)
+    _check_checkpointing(args)
+    _check_emulation(args)
+    _check_loss(args)
     return args
 
 
-def _check_data_path(items: Sequence[str]) -> None:
-    """Megatron's convention: an odd-length list is prefixes, an even-length one WEIGHT PREFIX pairs."""
-    prefixes = items
-    if len(items) % 2 == 0:
-        weights, prefixes = items[0::2], items[1::2]
-        for weight in weights:
-            try:
-                float(weight)
-            except ValueError:
-                raise UsageError(f"--data-path weight {weight!r} is not a number "
-                                 "(give one PREFIX, or WEIGHT PREFIX pairs)") from None
-    for prefix in prefixes:
-        for suffix in (".bin", ".idx"):
-            if not os.path.isfile(prefix + suffix):
-                raise UsageError(f"--data-path: {prefix + suffix} does not exist")
+def _check_loss(args: argparse.Namespace) -> None:
+    """--loss-* flags -> args.loss_config (a megatron_app.lossy.LossConfig), or one line on what is wrong."""
+    from megatron_app.lossy.config import LossConfigError
+    from megatron_app.lossy.training import loss_config_from_args
+
+    try:
+        args.loss_config = loss_config_from_args(args)
+    except LossConfigError as exc:
+        raise UsageError(str(exc)) from None
+    if args.loss_config.pipeline and args.schedule == "megatron" and args.pipeline_parallel > 1:
+        raise UsageError("pipeline packet loss (--loss-on forward/backward) needs megatron_app's transport: "
+                         "use --schedule app|interleaved|1f1b, or --loss-on tp")
+
+
+def _check_emulation(args: argparse.Namespace) -> None:
+    """The emulation flags parse, fit the pipeline, and come with --emulate-compute."""
+    from megatron_app.schedule import PipelineShape, ScheduleConfigError
+
+    from .emulation_spec import spec_from_args
+    from .link_delay import SlowLinkSpec
+
+    emulating = getattr(args, "emulate_compute", None) is not None
+    if not emulating:
+        for dest, default in (("slow_rank", None), ("straggler_prob", 0.0), ("slow_link", None)):
+            if getattr(args, dest, default) != default:
+                raise UsageError(f"{_flag(dest)} needs --emulate-compute")
+        return
+    for dest in ("data_path", "eval_interval"):
+        if getattr(args, dest, None) is not None:
+            raise UsageError(f"--emulate-compute replaces the model and its data; drop {_flag(dest)}")
+    try:
+        spec = spec_from_args(args)
+        spec.check_shape(PipelineShape(args.pipeline_parallel, args.model_chunks, args.num_microbatches))
+        if args.slow_link is not None:
+            SlowLinkSpec.parse(args.slow_link).check_ranks(args.pipeline_parallel)
+    except ScheduleConfigError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def parse_args(argv: Optional[Sequence[str]] = None,

@@ -1,14 +1,15 @@
 """Training data: Megatron-Core GPT datasets and Megatron-ordered microbatch iterators.
 
 Mock data (MockGPTDataset) unless ``--data-path`` names Megatron indexed datasets (.bin/.idx), in
-which case the same builder makes a GPTDataset over them. Every rank builds the same dataset and
-the same sample order; a data-parallel rank keeps only its slice of each microbatch.
+which case the same builder makes GPTDatasets (train and, with evaluation, validation splits per
+``--split``) over them. Every rank builds the same datasets and the same sample order; a
+data-parallel rank keeps only its slice of each microbatch.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Iterator, List, Optional, Sequence, Union
+from typing import Iterator, List, Optional, Union
 
 import torch
 from torch.utils.data import DataLoader
@@ -18,36 +19,68 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.tokenizers import MegatronTokenizer
 
+DEFAULT_SPLIT = "949,50,1"
+
 # "Unable to save MockGPTDataset indexes because path_to_cache is None", once per split and rank.
 logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)
 
 
 def build_tokenizer(vocab_size: int):
-    """Megatron's null tokenizer: ids 0..vocab_size-2 plus end-of-document id vocab_size-1."""
+    """Megatron's null tokenizer: ids 0..vocab_size-2 plus end-of-document id vocab_size-1.
+
+    The GPT datasets read only its vocabulary size and end-of-document id, and the id matters only with
+    reset_position_ids / reset_attention_mask / eod_mask_loss, all off here.
+    """
     return MegatronTokenizer.from_pretrained(metadata_path={"library": "null"}, vocab_size=vocab_size - 1)
 
 
-def build_train_dataset(seq_length: int, vocab_size: int, num_samples: int, seed: int,
-                        data_path: Optional[Sequence[str]] = None):
-    """The training split; call on every rank (the builder synchronises ranks when distributed)."""
-    tokenizer = build_tokenizer(vocab_size)
+def train_samples(args) -> int:
+    """Samples of the whole run (--iters is the total, also when resuming), as in Megatron-LM; the dataset's
+    sample order depends on it, so a resumed run must build the same number."""
+    return args.iters * args.global_batch_size
+
+
+def validation_samples(args) -> int:
+    """Each evaluation reads the same first eval_iters global batches of the validation split."""
+    return args.eval_iters * args.global_batch_size if wants_validation(args) else 0
+
+
+def wants_validation(args) -> bool:
+    return bool(getattr(args, "eval_interval", None))
+
+
+def build_datasets(args):
+    """(train, validation or None) GPT datasets; call on every rank (the builder synchronises ranks).
+
+    ``args`` needs seq_length, vocab_size, seed, iters, global_batch_size, data_path and, for validation,
+    split, eval_interval and eval_iters. Mock data (MockGPTDataset) when data_path is None.
+    """
+    data_path = getattr(args, "data_path", None)
     config = GPTDatasetConfig(
-        random_seed=seed,
-        sequence_length=seq_length,
-        tokenizer=tokenizer,
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        tokenizer=build_tokenizer(args.vocab_size),
         blend=get_blend_from_list(list(data_path)) if data_path else None,
-        split="100,0,0" if data_path else None,
+        split=getattr(args, "split", DEFAULT_SPLIT) if data_path else None,
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,
         create_attention_mask=False,  # the causal mask is built inside attention
     )
+    need_validation = wants_validation(args)
+    # Splits this run never reads are not built: Megatron's GPTDataset never returns on a split without tokens,
+    # which a small corpus's 0.1% test share easily is.
+    config.split_matrix[2] = None
+    if not need_validation:
+        config.split_matrix[1] = None
+    sizes = [train_samples(args), validation_samples(args), 0]
     dataset_class = GPTDataset if data_path else MockGPTDataset
-    train, _valid, _test = BlendedMegatronDatasetBuilder(
-        dataset_class, [num_samples, 0, 0], lambda: True, config).build()
-    if len(train) < num_samples:
-        raise ValueError(f"dataset has {len(train)} samples, the run needs {num_samples}")
-    return train
+    train, valid, _test = BlendedMegatronDatasetBuilder(dataset_class, sizes, lambda: True, config).build()
+    if len(train) < sizes[0]:
+        raise ValueError(f"dataset has {len(train)} training samples, the run needs {sizes[0]}")
+    if need_validation and len(valid) < sizes[1]:
+        raise ValueError(f"dataset has {len(valid)} validation samples, evaluation needs {sizes[1]}")
+    return train, (valid if need_validation else None)
 
 
 class MicrobatchSampler:
@@ -81,12 +114,17 @@ def microbatch_iterator(dataset, sampler: MicrobatchSampler) -> Iterator[dict]:
     return iter(DataLoader(dataset, batch_sampler=sampler, num_workers=0))
 
 
-def build_data_iterators(args, num_chunks: int, dp_rank: int,
-                         consumed_samples: int = 0) -> Union[Iterator[dict], List[Iterator[dict]]]:
-    """One iterator (V == 1) or one per model chunk (V > 1, Megatron's convention), all yielding
-    the same microbatches in the same order; a chunk only draws from its own iterator."""
-    total = consumed_samples + args.iters * args.global_batch_size
-    dataset = build_train_dataset(args.seq_length, args.vocab_size, total, args.seed, args.data_path)
+def build_data_iterators(args, num_chunks: int, dp_rank: int, consumed_samples: int = 0,
+                         dataset=None, num_samples: Optional[int] = None
+                         ) -> Union[Iterator[dict], List[Iterator[dict]]]:
+    """One iterator (V == 1) or one per model chunk (V > 1, Megatron's convention), all yielding the same
+    microbatches in the same order; a chunk only draws from its own iterator.
+
+    Defaults: the training split, all of the run's samples, starting after ``consumed_samples`` (a resumed run).
+    """
+    if dataset is None:
+        dataset = build_datasets(args)[0]
+    total = train_samples(args) if num_samples is None else num_samples
 
     def make() -> Iterator[dict]:
         sampler = MicrobatchSampler(total, args.micro_batch_size, dp_rank, args.data_parallel,

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from .data import build_data_iterators
+from megatron_app.lossy.training import start_loss_layer
+
+from .checkpoint import load_checkpoint, save_checkpoint
+from .data import build_data_iterators, build_datasets
 from .dumps import dump_grads, dump_weights
 from .forward_backward import close_schedule, optimizer_span, select_forward_backward_func
 from .init import init_distributed, init_model_parallel, seed_all, shutdown
 from .model import build_model_chunks
 from .optim import build_optimizer, finalize_model_grads
+from .evaluate import evaluate
 from .report import IterationReporter, reduce_lm_loss
 from .step import forward_step
 
@@ -23,11 +27,13 @@ _RUN_CONFIG_KEYS = (
     "pipeline_parallel", "model_chunks", "tensor_parallel", "data_parallel", "world_size",
     "num_microbatches", "num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
     "micro_batch_size", "global_batch_size", "iters", "seed", "lr", "schedule", "policy", "device",
+    "data_path", "split", "eval_interval", "eval_iters", "save", "save_interval", "load", "start_iteration",
 )
 
 
 def run_config(args) -> dict:
-    return {key: getattr(args, key) for key in _RUN_CONFIG_KEYS}
+    # Drivers that build args by hand (tests, embedding scripts) may leave out the newer, optional keys.
+    return {key: getattr(args, key, None) for key in _RUN_CONFIG_KEYS}
 
 
 @dataclass
@@ -38,28 +44,64 @@ class Trainer:
     data_iterator: object  # one iterator, or one per chunk when V > 1
     forward_backward: Callable
     reporter: IterationReporter
+    valid_dataset: object = None    # None: no evaluation
+    start_iteration: int = 0        # iterations already done (from a checkpoint)
+    forward_step_func: Callable = forward_step
+    emulation: object = None        # a ComputeEmulation under --emulate-compute
+
+
+def _resume(args, chunks, optimizer) -> Tuple[int, str]:
+    """Load --load's checkpoint into the model and optimizer; returns (iteration reached, note for the user)."""
+    if not getattr(args, "load", None):
+        return 0, ""
+    found, rng_restored = load_checkpoint(args.load, args, chunks, optimizer)
+    if found is None:
+        return 0, f"no checkpoint in {args.load} yet: starting from iteration 0"
+    note = f"resumed from {found.directory} (iteration {found.iteration}, {found.consumed_samples} samples)"
+    if not rng_restored:
+        note += f"; data_parallel changed from {found.manifest['layout']['data_parallel']}, RNG streams re-seeded"
+    return found.iteration, note
 
 
 def build_trainer(args) -> Trainer:
-    """Model chunks, optimizer, data and schedule; process groups must already exist."""
+    """Model chunks, optimizer (restored from --load when given), data and schedule; process groups must exist."""
     seed_all(args.seed, args.device)
-    chunks = build_model_chunks(args)
+    emulation = None
+    if getattr(args, "emulate_compute", None) is not None:
+        from .emulation import ComputeEmulation
+
+        emulation = ComputeEmulation.from_args(args)
+    chunks = build_model_chunks(args) if emulation is None else emulation.build_chunks()
     chunks[0].config.finalize_model_grads_func = finalize_model_grads  # shared by all chunks
     optimizer = build_optimizer(chunks, args.lr)
-    data_iterator = build_data_iterators(args, args.model_chunks, parallel_state.get_data_parallel_rank())
+    start_iteration, resume_note = _resume(args, chunks, optimizer)
+    args.start_iteration = start_iteration
+    if emulation is None:
+        train_dataset, valid_dataset = build_datasets(args)
+        data_iterator = build_data_iterators(args, args.model_chunks, parallel_state.get_data_parallel_rank(),
+                                             consumed_samples=start_iteration * args.global_batch_size,
+                                             dataset=train_dataset)
+    else:
+        valid_dataset, data_iterator = None, emulation.data_iterators()
     forward_backward = select_forward_backward_func(
         args.schedule, args.policy, None if args.no_trace else args.trace_dir, not args.no_trace, args.device)
     reporter = IterationReporter(run_config(args), args.iters, args.global_batch_size * args.seq_length,
                                  args.log_json)
-    return Trainer(args, chunks, optimizer, data_iterator, forward_backward, reporter)
+    if resume_note:
+        reporter.note(resume_note)
+    return Trainer(args, chunks, optimizer, data_iterator, forward_backward, reporter, valid_dataset,
+                   start_iteration, forward_step_func=forward_step if emulation is None else emulation.forward_step,
+                   emulation=emulation)
 
 
 def train_step(trainer: Trainer, iteration: int) -> Optional[float]:
     """One iteration (1-based); returns the global-batch loss on the last stage, None elsewhere."""
     args = trainer.args
     trainer.optimizer.zero_grad(set_to_none=True)
+    if trainer.emulation is not None:
+        trainer.emulation.begin_iteration(iteration - 1)
     losses_reduced = trainer.forward_backward(
-        forward_step_func=forward_step,
+        forward_step_func=trainer.forward_step_func,
         data_iterator=trainer.data_iterator,
         model=trainer.chunks,
         num_microbatches=args.num_microbatches,
@@ -72,29 +114,63 @@ def train_step(trainer: Trainer, iteration: int) -> Optional[float]:
         dump_grads(trainer.chunks, args.dump_grads)
     with optimizer_span(args.schedule, iteration):
         trainer.optimizer.step()
+    if trainer.emulation is not None:
+        trainer.emulation.end_iteration()
     return reduce_lm_loss(losses_reduced)
 
 
+def _due(iteration: int, interval: Optional[int]) -> bool:
+    return bool(interval) and iteration % interval == 0
+
+
+def after_iteration(trainer: Trainer, iteration: int) -> bool:
+    """Evaluation and checkpointing after ``iteration``; returns False when the run should stop here."""
+    args = trainer.args
+    if trainer.valid_dataset is not None and _due(iteration, args.eval_interval):
+        loss = evaluate(args, trainer.chunks, trainer.forward_backward, trainer.valid_dataset)
+        trainer.reporter.record_validation(iteration, loss)
+    stop = _due(iteration, getattr(args, "exit_interval", None))
+    save_dir = getattr(args, "save", None)
+    if save_dir and (_due(iteration, args.save_interval) or stop or iteration == args.iters):
+        directory = save_checkpoint(save_dir, args, trainer.chunks, trainer.optimizer, iteration,
+                                    iteration * args.global_batch_size)
+        trainer.reporter.note(f"saved checkpoint {directory}")
+    if stop and iteration < args.iters:
+        trainer.reporter.note(f"stopping after iteration {iteration} (--exit-interval {args.exit_interval})")
+    return not stop
+
+
 def train(args) -> None:
-    """Run ``args.iters`` iterations on this rank (one process per rank, launched by torchrun).
+    """Run iterations start+1 .. ``args.iters`` on this rank (one process per rank, launched by torchrun);
+    start is 0, or the iteration of the checkpoint ``--load`` names.
 
     ``args`` comes from args.parse_args. An existing default process group is used and left open.
     """
     owns_process_group = not dist.is_initialized()
     init_distributed(args.device)
     trainer = None
+    loss_layer = None
     try:
         init_model_parallel(args.tensor_parallel, args.pipeline_parallel, args.model_chunks, args.device)
         trainer = build_trainer(args)
+        loss_layer = start_loss_layer(args, dist.get_rank())  # before the first step creates the transport
         if trainer.reporter.enabled:
             print("megatron_app.train: " + " ".join(f"{k}={v}" for k, v in run_config(args).items()), flush=True)
-        for iteration in range(1, args.iters + 1):
+        for iteration in range(trainer.start_iteration + 1, args.iters + 1):
             start = time.perf_counter()
             loss = train_step(trainer, iteration)
             trainer.reporter.record(iteration, loss, time.perf_counter() - start)
+            if loss_layer is not None:
+                loss_layer.end_iteration(iteration)
+            if not after_iteration(trainer, iteration):
+                break
         if args.dump_weights:
             dump_weights(trainer.chunks, args.dump_weights)
     finally:
+        if loss_layer is not None:
+            loss_layer.close()
         if trainer is not None:
+            if trainer.emulation is not None:
+                trainer.emulation.close()
             close_schedule(args.schedule)
         shutdown(destroy_process_group=owns_process_group)

@@ -8,6 +8,7 @@ all-ones loss mask it equals the mean over microbatches).
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import List, Optional
 
@@ -56,7 +57,7 @@ class IterationReporter:
         self.iters = iters
         self.tokens_per_iteration = tokens_per_iteration
         self.log_json = log_json
-        self.payload = {"schema": LOG_SCHEMA, "config": run_config, "iterations": []}
+        self.payload = {"schema": LOG_SCHEMA, "config": run_config, "iterations": [], "validation": []}
 
     def record(self, iteration: int, loss: Optional[float], seconds: float) -> None:
         if not self.enabled:
@@ -67,5 +68,21 @@ class IterationReporter:
         self.payload["iterations"].append({
             "iteration": iteration, "loss": loss, "time_ms": seconds * 1e3, "tokens_per_s": tokens_per_s,
         })
+        self._write()
+
+    def record_validation(self, iteration: int, loss: Optional[float]) -> None:
+        if not self.enabled:
+            return
+        perplexity = math.exp(min(loss, 700.0))
+        print(f"validation at iter {iteration} | loss {loss:.4f} | ppl {perplexity:.2f}", flush=True)
+        self.payload["validation"].append({"iteration": iteration, "loss": loss, "ppl": perplexity})
+        self._write()
+
+    def note(self, text: str) -> None:
+        """One line for the user (resume, checkpoint, early exit)."""
+        if self.enabled:
+            print(f"megatron_app.train: {text}", flush=True)
+
+    def _write(self) -> None:
         if self.log_json:
             write_json_atomic(self.log_json, self.payload)

@@ -1,0 +1,156 @@
+"""Where checkpoints live on disk and how a complete one is recognised (no torch here: the flag checks use it).
+
+    SAVE_DIR/latest_iteration.txt              the newest complete checkpoint's iteration, written last
+    SAVE_DIR/iter_0000020/manifest.json        iteration, layout, model shape, files; written after every rank file
+    SAVE_DIR/iter_0000020/model_optim_rng_pp000_tp00.pt    one per (pipeline rank, tensor rank)
+
+A directory without manifest.json is an unfinished save and is never loaded. Every file is written under a
+temporary name and renamed into place, so a reader sees either the old file or the whole new one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+SCHEMA = "megatron_app.checkpoint/1"
+MANIFEST = "manifest.json"
+TRACKER = "latest_iteration.txt"
+LAYOUT_KEYS = ("pipeline_parallel", "model_chunks", "tensor_parallel")
+MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used for this run; the message is one line meant for the user."""
+
+
+RANK_FILE_STEM = "model_optim_rng_"
+_ITERATION_DIR = re.compile(r"^iter_\d{7}$")
+
+
+def iteration_dir(save_dir: str, iteration: int) -> str:
+    return os.path.join(save_dir, f"iter_{iteration:07d}")
+
+
+def rank_file_name(pp_rank: int, tp_rank: int) -> str:
+    return f"{RANK_FILE_STEM}pp{pp_rank:03d}_tp{tp_rank:02d}.pt"
+
+
+def describe_layout(values: dict) -> str:
+    return " ".join(f"{key}={values[key]}" for key in LAYOUT_KEYS)
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Write a sibling temporary file, flush it to disk, rename it over ``path``."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def manifest_for(args, iteration: int, consumed_samples: int, files) -> dict:
+    return {
+        "schema": SCHEMA,
+        "iteration": iteration,
+        "consumed_samples": consumed_samples,
+        "layout": {key: getattr(args, key) for key in LAYOUT_KEYS + ("data_parallel",)},
+        "model": {key: getattr(args, key) for key in MODEL_KEYS},
+        "training": {"global_batch_size": args.global_batch_size, "micro_batch_size": args.micro_batch_size,
+                     "seed": args.seed, "iters": args.iters, "data_path": args.data_path},
+        "files": sorted(files),
+    }
+
+
+def commit(save_dir: str, manifest: dict) -> None:
+    """Make a save visible: its manifest (all rank files must exist), then the tracker. Rank 0 only."""
+    directory = iteration_dir(save_dir, manifest["iteration"])
+    missing = [name for name in manifest["files"] if not os.path.isfile(os.path.join(directory, name))]
+    if missing:
+        raise CheckpointError(f"cannot commit {directory}: rank files missing: {', '.join(missing)}")
+    write_atomic(os.path.join(directory, MANIFEST), json.dumps(manifest, indent=1).encode())
+    write_atomic(os.path.join(save_dir, TRACKER), f"{manifest['iteration']}\n".encode())
+
+
+@dataclass(frozen=True)
+class FoundCheckpoint:
+    directory: str
+    manifest: dict
+
+    @property
+    def iteration(self) -> int:
+        return int(self.manifest["iteration"])
+
+    @property
+    def consumed_samples(self) -> int:
+        return int(self.manifest["consumed_samples"])
+
+
+def _read_manifest(directory: str) -> dict:
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{directory} has no {MANIFEST}: its save never finished; it cannot be loaded")
+    try:
+        with open(path) as handle:
+            manifest = json.load(handle)
+        schema = manifest["schema"]
+        for key in ("iteration", "consumed_samples", "layout", "model", "files"):
+            manifest[key]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path} is not a megatron_app checkpoint manifest ({exc})") from None
+    name, _, version = str(schema).partition("/")
+    if (name, version.split(".")[0]) != tuple(SCHEMA.split("/")):
+        raise CheckpointError(f"{path} has schema {schema!r}; this version reads {SCHEMA}")
+    return manifest
+
+
+def find_checkpoint(load_dir: str) -> Optional[FoundCheckpoint]:
+    """The checkpoint ``--load DIR`` means: DIR itself when it holds a manifest (one iteration's directory),
+    else the iteration DIR's tracker names; None when DIR has neither (nothing saved there yet)."""
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(f"--load {load_dir} is not a directory")
+    if os.path.isfile(os.path.join(load_dir, MANIFEST)):
+        return FoundCheckpoint(load_dir, _read_manifest(load_dir))
+    tracker = os.path.join(load_dir, TRACKER)
+    if not os.path.isfile(tracker):
+        if _ITERATION_DIR.match(os.path.basename(os.path.normpath(load_dir))) or \
+                any(name.startswith(RANK_FILE_STEM) for name in os.listdir(load_dir)):
+            _read_manifest(load_dir)  # one iteration's directory without its manifest: refused, not skipped
+        return None
+    with open(tracker) as handle:
+        text = handle.read().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{tracker} should hold an iteration number, found {text[:40]!r}")
+    directory = iteration_dir(load_dir, int(text))
+    return FoundCheckpoint(directory, _read_manifest(directory))
+
+
+def check_compatible(found: FoundCheckpoint, args) -> None:
+    """Refuse a checkpoint of another parallel layout or model shape (resharding is not supported)."""
+    saved = found.manifest["layout"]
+    here = {key: getattr(args, key) for key in LAYOUT_KEYS}
+    if any(saved.get(key) != here[key] for key in LAYOUT_KEYS):
+        raise CheckpointError(
+            f"checkpoint {found.directory} was saved with {describe_layout(saved)} but this run has "
+            f"{describe_layout(here)}; resume with the checkpoint's layout")
+    for key in MODEL_KEYS:
+        if found.manifest["model"].get(key) != getattr(args, key):
+            raise CheckpointError(
+                f"checkpoint {found.directory} has {key}={found.manifest['model'].get(key)} but this run has "
+                f"--{key.replace('_', '-')} {getattr(args, key)}")
+    if found.iteration >= args.iters:
+        raise CheckpointError(f"checkpoint {found.directory} is at iteration {found.iteration}, and --iters is "
+                              f"{args.iters}: nothing left to train (raise --iters)")

@@ -1,0 +1,137 @@
+"""Checks on Megatron indexed datasets (.bin/.idx pairs) before training starts.
+
+Megatron's reader asserts on a bad header and trusts the .idx to describe the .bin; a mismatched pair then
+fails deep inside a data-loader worker or, worse, reads garbage tokens. Here each prefix is opened with
+Megatron's own IndexedDataset, the byte count the .idx implies is compared with the .bin's size, and the
+largest token id is found so the model's vocabulary can be sized from (or checked against) the data.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy
+
+_SCAN_CHUNK = 1 << 24  # tokens per step of the max-id scan (64 MiB of int32)
+
+
+class DataError(ValueError):
+    """An indexed dataset that cannot be trained on; the message is one line meant for the user."""
+
+
+@dataclass(frozen=True, eq=False)
+class IndexedDataInfo:
+    prefix: str
+    documents: int
+    sequences: int
+    tokens: int
+    dtype: str
+    max_token_id: int            # -1 when not scanned
+    document_offsets: numpy.ndarray  # token offset of each document's start, plus the total at the end
+
+    def tokens_in_documents(self, begin: int, end: int) -> int:
+        return int(self.document_offsets[end] - self.document_offsets[begin])
+
+    def split_ranges(self, split_matrix) -> list:
+        """[(first document, end document) or None] per split, with the rounding of Megatron's builder
+        (BlendedMegatronDatasetBuilder._build_megatron_dataset_splits)."""
+        return [None if bookends is None else
+                (int(round(bookends[0] * self.documents)), int(round(bookends[1] * self.documents)))
+                for bookends in split_matrix]
+
+
+def _open(prefix: str):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    for suffix in (".bin", ".idx"):
+        if not os.path.isfile(prefix + suffix):
+            raise DataError(f"--data-path: {prefix + suffix} does not exist")
+    try:
+        return IndexedDataset(prefix, mmap=True)
+    except (AssertionError, ValueError, OSError, KeyError, IndexError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DataError(f"--data-path: {prefix}.idx is not a readable Megatron index ({reason})") from None
+
+
+def _token_id_range(bin_path: str, dtype, count: int):
+    """(smallest, largest) token id, read in chunks so memory stays bounded."""
+    tokens = numpy.memmap(bin_path, dtype=dtype, mode="r", shape=(count,))
+    low, high = None, None
+    for start in range(0, count, _SCAN_CHUNK):
+        chunk = tokens[start:start + _SCAN_CHUNK]
+        low = int(chunk.min()) if low is None else min(low, int(chunk.min()))
+        high = int(chunk.max()) if high is None else max(high, int(chunk.max()))
+    del tokens
+    return low, high
+
+
+def inspect_indexed_dataset(prefix: str, scan_tokens: bool = True) -> IndexedDataInfo:
+    """Validate one prefix; raises DataError naming the file and what is wrong."""
+    dataset = _open(prefix)
+    index = dataset.index
+    lengths, pointers = index.sequence_lengths, index.sequence_pointers
+    itemsize = numpy.dtype(index.dtype).itemsize
+    expected_bytes = int(pointers[-1]) + int(lengths[-1]) * itemsize if len(lengths) else 0
+    actual_bytes = os.path.getsize(prefix + ".bin")
+    documents = len(index.document_indices) - 1
+    if actual_bytes != expected_bytes:
+        raise DataError(
+            f"--data-path: {prefix}.idx describes {expected_bytes} bytes of {numpy.dtype(index.dtype).name} tokens "
+            f"but {prefix}.bin has {actual_bytes} bytes: the pair does not belong together "
+            f"(re-run tools/preprocess_data.py)")
+    if documents < 1 or len(lengths) == 0:
+        raise DataError(f"--data-path: {prefix} holds no documents")
+    tokens = expected_bytes // itemsize
+    max_id = -1
+    if scan_tokens and tokens:
+        min_id, max_id = _token_id_range(prefix + ".bin", index.dtype, tokens)
+        if min_id < 0:
+            raise DataError(f"--data-path: {prefix}.bin holds a negative token id ({min_id})")
+    sequence_offsets = numpy.concatenate([[0], numpy.cumsum(lengths, dtype=numpy.int64)])
+    document_offsets = sequence_offsets[numpy.asarray(index.document_indices)]
+    return IndexedDataInfo(prefix, documents, len(lengths), tokens, numpy.dtype(index.dtype).name, max_id,
+                           document_offsets)
+
+
+_SPLIT_NAMES = ("train", "validation", "test")
+
+
+def split_matrix_of(split: str):
+    """Megatron's split matrix for a '--split' string like '949,50,1' (checked here, computed by Megatron)."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix, parse_and_normalize_split)
+
+    parts = [part.strip() for part in split.replace("/", ",").split(",")]
+    try:
+        weights = [float(part) for part in parts]
+    except ValueError:
+        weights = []
+    if not 1 <= len(weights) <= 3 or any(not w >= 0 for w in weights) or not weights[0] > 0:
+        raise DataError(f"--split {split!r} must be up to three non-negative numbers TRAIN,VALID,TEST "
+                        "with TRAIN > 0, e.g. 949,50,1")
+    return convert_split_vector_to_split_matrix(parse_and_normalize_split(",".join(parts)))
+
+
+def check_blend(data_path, split: str, need_validation: bool) -> int:
+    """Check every dataset of a --data-path blend and that the splits the run reads hold tokens (Megatron's
+    dataset loops forever on an empty split). Returns the largest token id in the blend."""
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    matrix = split_matrix_of(split)
+    if need_validation and matrix[1] is None:
+        raise DataError(f"--split {split} gives the validation split no share, but --eval-interval asks for "
+                        "evaluation")
+    prefixes, _weights = get_blend_from_list(list(data_path))
+    largest = -1
+    for prefix in prefixes:
+        info = inspect_indexed_dataset(prefix)
+        largest = max(largest, info.max_token_id)
+        for which, bounds in enumerate(info.split_ranges(matrix)):
+            if which == 2 or (which == 1 and not need_validation):
+                continue  # splits this run never reads are not built
+            if bounds is None or info.tokens_in_documents(*bounds) == 0:
+                raise DataError(
+                    f"--split {split} leaves the {_SPLIT_NAMES[which]} split of {prefix} without tokens "
+                    f"({info.documents} documents in all); give that split a larger share or add data")
+    return largest

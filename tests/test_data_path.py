@@ -1,0 +1,133 @@
+"""The trainer's --data-path side: dataset checks, vocabulary size from the tokenizer or the data, --split, and the
+train/validation datasets built by megatron-core's BlendedMegatronDatasetBuilder."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy
+import pytest
+
+from megatron_app.train.args import UsageError, parse_args
+from test_preprocess_data import build_tiny_corpus
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*not installed", "ignore::UserWarning")
+
+DOCUMENTS = 200
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """The tiny corpus, preprocessed with its own BPE (vocabulary 300, ids < 300)."""
+    from megatron_app.train.preprocess import TokenizerSpec, preprocess
+
+    directory = tmp_path_factory.mktemp("data")
+    corpus = build_tiny_corpus(directory, documents=DOCUMENTS)
+    spec = TokenizerSpec(vocab_file=str(corpus["vocab"]), merge_file=str(corpus["merges"]))
+    _, prefixes = preprocess(str(corpus["corpus"]), str(directory / "tiny"), spec, append_eod=True)
+    corpus["prefix"] = prefixes["text"]
+    return corpus
+
+
+def _parse(*argv, world="1"):
+    return parse_args([str(a) for a in argv], environ={"WORLD_SIZE": world, "MASTER_ADDR": "127.0.0.1"})
+
+
+def _bad(*argv, world="1"):
+    with pytest.raises(UsageError) as info:
+        _parse(*argv, world=world)
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+def test_vocab_size_comes_from_the_data_or_the_tokenizer_padded_like_megatron(data):
+    from megatron_app.train.indexed_data import inspect_indexed_dataset
+
+    info = inspect_indexed_dataset(data["prefix"])
+    assert info.documents == DOCUMENTS and 250 < info.max_token_id < 300
+    assert _parse("--data-path", data["prefix"]).vocab_size == 384           # max id + 1, up to 128
+    assert _parse("--data-path", data["prefix"], "--tensor_parallel", "2", "--num-attention-heads", "4",
+                  world="2").vocab_size == 512                               # up to 128 x T
+    assert _parse("--data-path", data["prefix"], "--make-vocab-size-divisible-by", "1").vocab_size == \
+        info.max_token_id + 1
+    from_tokenizer = _parse("--data-path", data["prefix"], "--vocab-file", data["vocab"], "--merge-file",
+                            data["merges"], "--make-vocab-size-divisible-by", "1")
+    assert from_tokenizer.vocab_size == 300                                  # the tokenizer's size wins
+    assert _parse("--tokenizer-json", data["tokenizer_json"]).vocab_size == 384  # mock data, real vocabulary
+    assert _parse().vocab_size == 1024                                       # mock data default
+    assert _parse("--data-path", data["prefix"], "--vocab-size", "300").vocab_size == 300
+
+
+def test_a_vocab_size_below_the_data_is_refused(data):
+    message = _bad("--data-path", data["prefix"], "--vocab-size", "256")
+    assert "--vocab-size 256 is smaller than the data's largest token id" in message
+    message = _bad("--vocab-file", data["vocab"], "--merge-file", data["merges"], "--vocab-size", "64")
+    assert message == "--vocab-size 64 is smaller than the tokenizer's vocabulary (300)"
+    assert "--merge-file" in _bad("--vocab-file", data["vocab"])
+
+
+def _copy_dataset(data, tmp_path, name):
+    target = tmp_path / name
+    for suffix in (".bin", ".idx"):
+        shutil.copy(data["prefix"] + suffix, str(target) + suffix)
+    return target
+
+
+def test_an_idx_and_bin_that_disagree_are_refused(data, tmp_path):
+    truncated = _copy_dataset(data, tmp_path, "truncated")
+    with open(f"{truncated}.bin", "r+b") as handle:
+        handle.truncate(1000)
+    message = _bad("--data-path", truncated)
+    assert f"{truncated}.bin has 1000 bytes" in message and "does not belong together" in message
+
+    garbage = _copy_dataset(data, tmp_path, "garbage")
+    with open(f"{garbage}.idx", "r+b") as handle:
+        handle.write(b"NOTANIDX!")
+    assert f"{garbage}.idx is not a readable Megatron index" in _bad("--data-path", garbage)
+
+    (tmp_path / "half.idx").write_bytes(open(data["prefix"] + ".idx", "rb").read())
+    assert "half.bin does not exist" in _bad("--data-path", tmp_path / "half")
+
+
+def test_split_is_checked_against_the_data(data):
+    assert "must be up to three non-negative numbers" in _bad("--data-path", data["prefix"], "--split", "a,b")
+    assert "TRAIN > 0" in _bad("--data-path", data["prefix"], "--split", "0,1,0")
+    message = _bad("--data-path", data["prefix"], "--split", "1,0,0", "--eval-interval", "5")
+    assert "gives the validation split no share" in message
+    # 0.1% of 200 documents rounds to none: Megatron's dataset would spin forever on that split.
+    message = _bad("--data-path", data["prefix"], "--split", "999,1,0", "--eval-interval", "5")
+    assert "leaves the validation split of" in message and "200 documents" in message
+    # Without evaluation the validation split is never read, so it may be empty.
+    assert _parse("--data-path", data["prefix"], "--split", "999,1,0").split == "999,1,0"
+    assert "--eval-iters must be a positive integer" in _bad("--eval-interval", "2", "--eval-iters", "0")
+    assert "--save-interval needs --save DIR" in _bad("--save-interval", "5")
+
+
+def test_train_and_validation_datasets_come_from_their_own_documents(data):
+    from megatron_app.train.data import build_data_iterators, build_datasets
+
+    args = _parse("--data-path", data["prefix"], "--seq-length", "32", "--global-batch-size", "8",
+                  "--micro-batch-size", "2", "--iters", "20", "--eval-interval", "10", "--eval-iters", "3")
+    train, valid = build_datasets(args)
+    assert len(train) >= 20 * 8 and len(valid) >= 3 * 8
+    # Megatron's builder rounds the split bookends: documents [0, 190) train, [190, 200) validate.
+    assert (train.indices.min(), train.indices.max()) == (0, 189)
+    assert (valid.indices.min(), valid.indices.max()) == (190, 199)
+    batch = next(build_data_iterators(args, 1, dp_rank=0, dataset=valid, num_samples=24))
+    assert batch["tokens"].shape == (2, 32) and int(batch["tokens"].max()) < args.vocab_size
+    assert (batch["labels"][:, :-1] == batch["tokens"][:, 1:]).all()
+
+    no_eval = _parse("--data-path", data["prefix"], "--seq-length", "32", "--iters", "2")
+    assert build_datasets(no_eval)[1] is None
+
+
+def test_weighted_blend_draws_from_both_datasets(data, tmp_path):
+    from megatron_app.train.data import build_datasets
+
+    other = _copy_dataset(data, tmp_path, "other")
+    args = _parse("--data-path", "1", data["prefix"], "3", other, "--seq-length", "32", "--global-batch-size", "8",
+                  "--micro-batch-size", "2", "--iters", "50")
+    train, _ = build_datasets(args)
+    shares = numpy.bincount(train.dataset_index[:400], minlength=2) / 400
+    assert shares[1] == pytest.approx(0.75, abs=0.05)
+    assert "weight 'x' is not a number" in _bad("--data-path", "x", data["prefix"], "1", other)
