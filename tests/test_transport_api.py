@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from transport_helpers.common import job_id  # noqa: F401  (fixture)
+from transport_helpers.common import job_id_fixture  # noqa: F401  (provides the job_id fixture)
 
 from megatron_app.transport import (
     Direction,

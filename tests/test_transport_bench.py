@@ -18,7 +18,8 @@ def test_quick_run_prints_table_and_writes_json(tmp_path):
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
     assert lines[0].split()[:3] == ["size", "ours", "med"]
-    assert [line.split()[0] for line in lines[2:]] == ["4K", "1M"]
+    assert [line.split()[0] for line in lines[2:4]] == ["4K", "1M"]
+    assert lines[4].startswith("load average")
     document = json.loads(out.read_text())
     assert [row["size"] for row in document["rows"]] == [4096, 1 << 20]
     for row in document["rows"]:

@@ -4,15 +4,16 @@ The test process is one rank (an in-process Transport); the others run tests/tra
 """
 
 import gc
+import json
 import os
 import signal
 import time
 
 import pytest
 import torch
-from transport_helpers.common import (  # noqa: F401  (job_id is a fixture)
+from transport_helpers.common import (
     RankProcess,
-    job_id,
+    job_id_fixture,  # noqa: F401  (provides the job_id fixture)
     job_segments,
     message_for,
     process_cpu_seconds,
@@ -45,7 +46,8 @@ def test_stress_two_senders_one_receiver(job_id, ranks):
         next_index = {1: 0, 2: 0}
         window = 16
         while any(index < count for index in next_index.values()):
-            keys = [(peer, tag(i)) for peer, start in next_index.items() for i in range(start, min(start + window, count))]
+            keys = [(peer, tag(i)) for peer, start in next_index.items()
+                    for i in range(start, min(start + window, count))]
             peer, arrived = receiver.wait_any(keys, timeout=60)
             index = arrived & 0xFFFFFFFF
             received = receiver.try_recv(peer, arrived)
@@ -78,7 +80,7 @@ def test_full_rings_make_the_worker_wait_not_the_caller(job_id, ranks):
                 del tensor  # the transport keeps it alive until the copy is done
             gc.collect()
             garbage = [torch.full((10_000,), 7.0) for _ in range(50)]  # reuse freed memory, if any was freed
-            assert slowest < 0.1, f"send() blocked for {slowest:.3f} s"
+            assert slowest < 0.25, f"send() blocked for {slowest:.3f} s"
             cpu_before = process_cpu_seconds()
             time.sleep(1.0)
             cpu_used = process_cpu_seconds() - cpu_before
@@ -99,12 +101,12 @@ def test_messages_sent_before_a_crash_are_delivered_then_peer_died(job_id, ranks
         crasher.expect("SENT")
         assert crasher.wait() == 0  # exited without closing its transport
         for index in range(20):
-            assert same_bits(receiver.recv(0 + 1, tag(index), timeout=10), message_for(seed=9, index=index))
+            assert same_bits(receiver.recv(1, tag(index), timeout=10), message_for(seed=9, index=index))
         start = time.monotonic()
         with pytest.raises(PeerDied, match=rf"peer rank 1 \(pid {crasher.pid}\) died while rank 0 waited for "
                                            r"tag FORWARD vmb=20 iter=0"):
             receiver.recv(1, tag(20), timeout=30)
-        assert time.monotonic() - start < 1.0
+        assert time.monotonic() - start < 2.0  # detection takes ~0.1-0.2 s; slack for a loaded machine
 
 
 def test_kill_9_mid_transfer_then_same_job_id_starts_cleanly(job_id, ranks):
@@ -141,7 +143,7 @@ def test_kill_9_receiver_fails_the_blocked_send(job_id, ranks):
         with pytest.raises(PeerDied, match=rf"peer rank 1 \(pid {receiver.pid}\) died while rank 0 was sending "
                                            r"tag FORWARD vmb=\d+ iter=0 to peer rank 1"):
             handles[-1].wait(timeout=30)
-        assert time.monotonic() - start < 1.0
+        assert time.monotonic() - start < 2.0  # detection takes ~0.1-0.2 s; slack for a loaded machine
         with pytest.raises(PeerDied, match=r"died while rank 0 was sending .* \(and \d+ more failed sends\)"):
             sender.poll()  # the other failed sends, reported together by the next call
         sender.wait_sends(timeout=10)  # each failure is reported once
@@ -164,8 +166,6 @@ def test_blocked_rank_uses_no_cpu(job_id, ranks):
         waiter = ranks("idle-wait", job_id, 1, 2, 0, 1.5)
         waiter.expect("READY")
         line = waiter.expect("RESULT", timeout=30)
-    import json
-
     result = json.loads(line.split(" ", 1)[1])
     assert result["outcome"] == "timeout" and result["wall_s"] >= 1.4
     assert result["cpu_s"] <= 0.05 * result["wall_s"], result

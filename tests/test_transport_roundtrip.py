@@ -1,11 +1,18 @@
 """Round trips between two transports in one process: bit-exact tensors of every dtype and shape, chunking,
 ordering, wait_any/poll/try_recv semantics and the receive-side dtype check."""
 
+import gc
 import random
 
 import pytest
 import torch
-from transport_helpers.common import ALL_DTYPES, job_id, message_for, random_tensor, same_bits  # noqa: F401
+from transport_helpers.common import (
+    ALL_DTYPES,
+    job_id_fixture,  # noqa: F401  (provides the job_id fixture)
+    message_for,
+    random_tensor,
+    same_bits,
+)
 
 from megatron_app.transport import Direction, Transport, make_tag
 
@@ -157,3 +164,23 @@ def test_cuda_tensors_are_staged_through_host_memory(pair):
     sender.send(1, 1, tensor)
     received = receiver.recv(0, 1, device="cuda")
     assert received.device.type == "cuda" and torch.equal(received, tensor)
+
+
+def test_received_tensors_outlive_the_transport(job_id):
+    sender, receiver = Transport(0, 2, job_id), Transport(1, 2, job_id)
+    sender.send(1, 1, torch.arange(100_000))
+    received = receiver.recv(0, 1, timeout=10)
+    sender.close()
+    receiver.close()
+    del sender, receiver
+    gc.collect()
+    assert torch.equal(received, torch.arange(100_000))
+
+
+@pytest.mark.parametrize("nbytes", [256 * 1024 - 1, 1_000_003, 3 * (1 << 20) + 5], ids=str)
+def test_large_odd_sized_messages_with_default_slots(job_id, nbytes):
+    """Large chunks take the receive side's cache-bypassing copy; odd sizes exercise its tail."""
+    with Transport(0, 2, job_id) as sender, Transport(1, 2, job_id) as receiver:
+        tensor = random_tensor(torch.Generator().manual_seed(nbytes), torch.uint8, (nbytes,))
+        sender.send(1, 1, tensor)
+        assert same_bits(receiver.recv(0, 1, timeout=20), tensor)

@@ -56,6 +56,9 @@ def parse_args(argv):
     parser.add_argument("--quick", action="store_true", help="short run with two sizes (smoke test)")
     parser.add_argument("--json", metavar="FILE", help="also write the numbers to FILE")
     parser.add_argument("--seconds", type=float, default=None, help="time budget per size and method")
+    parser.add_argument("--loss-model", default="none",
+                        help="run our transport with this packet-loss model on the receive side (e.g. bernoulli)")
+    parser.add_argument("--loss-rate", type=float, default=None, help="loss rate for --loss-model (e.g. 0)")
     args = parser.parse_args(argv)
     if args.sizes is None:
         args.sizes = QUICK_SIZES if args.quick else FULL_SIZES
@@ -65,6 +68,12 @@ def parse_args(argv):
         args.seconds = 0.05 if args.quick else 0.6
     if args.seconds <= 0:
         parser.error("--seconds must be > 0")
+    from megatron_app.lossy import LossConfigError, make_loss_config
+
+    try:
+        args.loss_config = make_loss_config(args.loss_model, loss_rate=args.loss_rate)
+    except LossConfigError as exc:
+        parser.error(str(exc))
     return args
 
 
@@ -81,23 +90,29 @@ def percentile(values, fraction):
 class OursLink:
     """Blocking send/recv over megatron_app.transport for the benchmark loops."""
 
-    def __init__(self, rank, job_id):
-        from megatron_app.transport import Transport
+    def __init__(self, rank, job_id, loss_config=None):
+        from megatron_app.transport import Direction, Transport
 
         self.transport = Transport(rank, 2, job_id)
         self.peer = 1 - rank
         self.counter = 0
+        self.direction = Direction.CONTROL
+        if loss_config is not None and loss_config.enabled:
+            from megatron_app.lossy.pipeline import PipelineLoss
+
+            PipelineLoss(self.transport, loss_config)  # the loss layer sees forward traffic, not control
+            self.direction = Direction.FORWARD
 
     def send(self, tensor):
-        from megatron_app.transport import Direction, make_tag
+        from megatron_app.transport import make_tag
 
-        self.transport.send(self.peer, make_tag(Direction.CONTROL, self.counter % (1 << 32)), tensor)
+        self.transport.send(self.peer, make_tag(self.direction, self.counter % (1 << 32)), tensor)
         self.counter += 1
 
     def recv(self, like):
-        from megatron_app.transport import Direction, make_tag
+        from megatron_app.transport import make_tag
 
-        tensor = self.transport.recv(self.peer, make_tag(Direction.CONTROL, self.counter % (1 << 32)))
+        tensor = self.transport.recv(self.peer, make_tag(self.direction, self.counter % (1 << 32)))
         self.counter += 1
         return tensor
 
@@ -202,7 +217,7 @@ def rank_main(rank, args, job_id, store_path, results):
 
         torch.set_num_threads(1)  # single-thread copies everywhere: the reference is a single-thread memcpy
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
-        ours = OursLink(rank, job_id)
+        ours = OursLink(rank, job_id, args.loss_config)
         gloo = GlooLink(rank)
         rows = []
         for size in args.sizes:
@@ -252,7 +267,8 @@ def print_table(rows):
     print(header)
     print("-" * len(header))
     for row in rows:
-        print(f"{format_size(row['size']):>6} {row['ours_latency_median_us']:>11.1f} {row['ours_latency_p99_us']:>11.1f} "
+        print(f"{format_size(row['size']):>6} {row['ours_latency_median_us']:>11.1f} "
+              f"{row['ours_latency_p99_us']:>11.1f} "
               f"{row['gloo_latency_median_us']:>11.1f} {row['gloo_latency_p99_us']:>11.1f} {row['ours_gbs']:>9.2f} "
               f"{row['gloo_gbs']:>9.2f} {row['memcpy_gbs']:>11.2f} {row['ours_over_memcpy']:>11.2f} "
               f"{row['ours_over_gloo']:>9.2f} {row['latency_ours_over_gloo']:>13.2f}")
@@ -260,6 +276,7 @@ def print_table(rows):
 
 def main(argv=None):
     args = parse_args(argv)
+    load_before = os.getloadavg()[0]
     job_id = f"bench{uuid.uuid4().hex[:10]}"
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
@@ -280,12 +297,16 @@ def main(argv=None):
         print(f"bench_transport: benchmark failed in {payload.strip().splitlines()[-1]}", file=sys.stderr)
         return 1
     rows = add_ratios(payload)
+    load_after = os.getloadavg()[0]
     print_table(rows)
+    # Other processes competing for the cores skew every number: say how busy the machine was.
+    print(f"load average (1 min) before/after: {load_before:.2f} / {load_after:.2f} on {os.cpu_count()} CPUs")
     if args.json:
         document = {
             "benchmark": "bench_transport",
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()},
+            "load_average_before_after": [load_before, load_after],
             "quick": args.quick,
             "seconds_per_measurement": args.seconds,
             "rows": rows,

@@ -3,11 +3,14 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "errors.h"
+#include "loss_bindings.h"
+#include "rdma_backend.h"
 #include "tag.h"
 #include "transport.h"
 
@@ -71,6 +74,10 @@ PYBIND11_MODULE(_shm_tensor_rdma, m) {
       },
       py::arg("tag"));
   m.def("describe_tag", &describe_tag, py::arg("tag"));
+  m.def("rdma_status", [] {
+    const RdmaStatus status = rdma_status();
+    return py::make_tuple(status.built, status.usable, status.detail);
+  });
   m.def("cleanup_job", &Transport::cleanup_job, py::arg("job_id"), py::call_guard<py::gil_scoped_release>());
 
   py::class_<ReceivedBuffer>(m, "ReceivedBuffer", py::buffer_protocol())
@@ -94,7 +101,8 @@ PYBIND11_MODULE(_shm_tensor_rdma, m) {
   py::class_<Transport>(m, "Transport")
       .def(py::init([](int rank, int world_size, const std::string& job_id, uint64_t slot_bytes, uint32_t num_slots,
                        uint64_t max_message_bytes, int send_workers, std::optional<std::vector<int>> peers,
-                       double timeout_s) {
+                       double timeout_s, std::map<int, std::string> backends, const std::string& listen_host,
+                       int listen_port) {
              TransportOptions options;
              options.rank = rank;
              options.world_size = world_size;
@@ -105,13 +113,22 @@ PYBIND11_MODULE(_shm_tensor_rdma, m) {
              options.send_workers = send_workers;
              options.peers = std::move(peers);
              options.timeout_s = timeout_s;
+             options.peer_backends = std::move(backends);
+             options.listen_host = listen_host;
+             options.listen_port = listen_port;
              py::gil_scoped_release release;
              auto transport = std::make_unique<Transport>(std::move(options));
              transport->set_interrupt_check(raise_pending_python_signal);
              return transport;
            }),
            py::arg("rank"), py::arg("world_size"), py::arg("job_id"), py::arg("slot_bytes"), py::arg("num_slots"),
-           py::arg("max_message_bytes"), py::arg("send_workers"), py::arg("peers"), py::arg("timeout_s"))
+           py::arg("max_message_bytes"), py::arg("send_workers"), py::arg("peers"), py::arg("timeout_s"),
+           py::arg("backends") = std::map<int, std::string>(), py::arg("listen_host") = "127.0.0.1",
+           py::arg("listen_port") = 0)
+      .def("backend_of", &Transport::backend_of, py::arg("peer"))
+      .def("local_address", &Transport::local_address, py::arg("backend"))
+      .def("set_peer_address", &Transport::set_peer_address, py::arg("peer"), py::arg("address"),
+           py::call_guard<py::gil_scoped_release>())
       .def(
           "send",
           [](Transport& transport, int peer, uint64_t tag, uint32_t dtype_code, const std::vector<int64_t>& shape,
@@ -165,4 +182,6 @@ PYBIND11_MODULE(_shm_tensor_rdma, m) {
       .def_property_readonly("closed", &Transport::closed)
       .def_property_readonly("peers", &Transport::peers)
       .def_property_readonly("rank", &Transport::rank);
+
+  bind_loss(m);
 }

@@ -1,11 +1,17 @@
 #include "inbox.h"
 
 #include <algorithm>
+#include <memory>
 #include <utility>
 
 namespace mapp {
 
+void Inbox::set_arrival_filter(std::shared_ptr<ArrivalFilter> filter) { std::atomic_store(&filter_, std::move(filter)); }
+
 void Inbox::put(int peer, Message message) {
+  if (std::shared_ptr<ArrivalFilter> filter = std::atomic_load(&filter_)) {
+    filter->on_arrival(peer, message.header, message.payload.data());
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   const MessageKey key(peer, message.header.tag);
   by_key_[key].push_back(Arrival{next_sequence_++, std::move(message)});

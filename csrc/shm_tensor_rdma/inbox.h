@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <unordered_map>
@@ -20,9 +21,18 @@ struct Message {
   PooledBuffer payload;
 };
 
+// Sees, and may change in place, every complete payload before it is published: the loss layer's hook point.
+class ArrivalFilter {
+ public:
+  virtual ~ArrivalFilter() = default;
+  virtual void on_arrival(int peer, const MessageHeader& header, uint8_t* payload) = 0;
+};
+
 class Inbox {
  public:
   void put(int peer, Message message);
+  // Installs (or, with nullptr, removes) the filter every later put() runs first, on the putting thread.
+  void set_arrival_filter(std::shared_ptr<ArrivalFilter> filter);
   // Removes and returns the oldest message with this key.
   std::optional<Message> take(const MessageKey& key);
   std::optional<MessageHeader> peek(const MessageKey& key) const;
@@ -38,6 +48,7 @@ class Inbox {
     Message message;
   };
 
+  std::shared_ptr<ArrivalFilter> filter_;  // read and written with std::atomic_load/atomic_store
   mutable std::mutex mutex_;
   std::unordered_map<MessageKey, std::deque<Arrival>, MessageKeyHash> by_key_;
   uint64_t next_sequence_ = 0;

@@ -11,6 +11,7 @@
 #include "errors.h"
 #include "shm_segment.h"
 #include "tag.h"
+#include "wait_tick.h"
 
 namespace mapp {
 namespace {
@@ -115,8 +116,7 @@ ShmChannel* PeerConnector::channel_if_ready(int peer) {
 
 ShmChannel& PeerConnector::wait_channel(int peer, uint64_t tag, double timeout_s, const std::atomic<bool>& stopping) {
   using Clock = std::chrono::steady_clock;
-  const auto give_up_at =
-      Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+  const auto give_up_at = deadline_after(timeout_s);
   std::unique_lock<std::mutex> lock(mutex_);
   Link& link = links_.at(peer);
   for (;;) {

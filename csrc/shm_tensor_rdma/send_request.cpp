@@ -31,8 +31,7 @@ bool SendRequest::done() const {
 bool SendRequest::wait_done(std::optional<double> timeout_s, const InterruptCheck& interrupt) {
   using Clock = std::chrono::steady_clock;
   const auto give_up_at =
-      timeout_s ? Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(*timeout_s))
-                : Clock::time_point::max();
+      timeout_s ? deadline_after(*timeout_s) : Clock::time_point::max();
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
     const auto now = Clock::now();

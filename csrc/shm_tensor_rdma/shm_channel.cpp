@@ -89,6 +89,10 @@ bool ShmChannel::try_send_now(const OutgoingMessage& message) {
 }
 
 void ShmChannel::send(const OutgoingMessage& message, const SendLimits& limits) {
+  if (owner_closed()) {
+    throw ClosedError("peer rank " + std::to_string(peer_rank_) + " closed its transport before rank " +
+                      std::to_string(limits.my_rank) + " sent " + describe_tag(message.header.tag));
+  }
   const uint64_t nbytes = message.header.nbytes;
   const uint64_t slot_bytes = view_.slot_bytes();
   uint64_t offset = 0;
@@ -105,8 +109,7 @@ void ShmChannel::send(const OutgoingMessage& message, const SendLimits& limits) 
 
 void ShmChannel::wait_for_free_slot(const OutgoingMessage& message, const SendLimits& limits) {
   Doorbell space(&ring_.space);
-  const auto give_up_at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                             std::chrono::duration<double>(limits.timeout_s));
+  const auto give_up_at = deadline_after(limits.timeout_s);
   auto next_liveness_check = Clock::now();  // check at once: queued sends to a dead peer fail without delay
   const auto what = [&] {
     return "rank " + std::to_string(limits.my_rank) + " was sending " + describe_tag(message.header.tag) +

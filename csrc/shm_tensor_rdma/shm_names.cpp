@@ -59,13 +59,15 @@ std::vector<JobEntry> list_job_entries(const std::string& job_id) {
 }
 
 // The live owner of a published segment, or nullopt if it is gone (or the segment is not a valid one).
-std::optional<ProcessIdentity> live_owner(const std::string& name) {
+// With open_only, an owner that already closed its transport does not count.
+std::optional<ProcessIdentity> live_owner(const std::string& name, bool open_only = false) {
   std::unique_ptr<ShmSegment> segment = ShmSegment::open_existing(name);
   if (!segment) return std::nullopt;
   std::optional<SegmentView> view = SegmentView::validate(segment->data(), segment->size());
   if (!view) return std::nullopt;
   const ProcessIdentity owner = view->owner();
   if (!owner.alive()) return std::nullopt;
+  if (open_only && view->header().closed.load() != 0) return std::nullopt;
   return owner;
 }
 
@@ -105,11 +107,9 @@ std::vector<std::string> remove_dead_job_segments(const std::string& job_id) {
 
 void reclaim_segment_name(const std::string& job_id, int rank) {
   const std::string name = segment_name(job_id, rank);
-  if (std::optional<ProcessIdentity> owner = live_owner(name)) {
-    if (owner->pid != ProcessIdentity::self().pid) {
-      throw std::runtime_error("rank " + std::to_string(rank) + " of job '" + job_id +
-                               "' is already running as pid " + std::to_string(owner->pid));
-    }
+  if (std::optional<ProcessIdentity> owner = live_owner(name, /*open_only=*/true)) {
+    throw std::runtime_error("rank " + std::to_string(rank) + " of job '" + job_id + "' is already running as pid " +
+                             std::to_string(owner->pid));
   }
   unlink_shm_name(name);
   for (const JobEntry& entry : list_job_entries(job_id)) {

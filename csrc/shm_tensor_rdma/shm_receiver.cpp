@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "shm_names.h"
+#include "stream_copy.h"
 
 namespace mapp {
 namespace {
@@ -90,7 +91,7 @@ void ShmReceiver::drain_ring(uint32_t ring_index) {
         partial.payload = pool_->acquire(chunk.message.nbytes);
       }
       if (partial.active && chunk.length > 0) {
-        std::memcpy(partial.payload.data() + chunk.offset, view_.slot_data(ring_index, slot), chunk.length);
+        copy_bypassing_cache(partial.payload.data() + chunk.offset, view_.slot_data(ring_index, slot), chunk.length);
       }
     }
     ring.tail.store(tail + 1, std::memory_order_release);

@@ -95,7 +95,8 @@ ShmSegment::~ShmSegment() {
 void ShmSegment::publish() {
   if (temporary_name_.empty()) return;
   if (::rename(shm_path(temporary_name_).c_str(), shm_path(name_).c_str()) != 0) {
-    throw std::runtime_error(system_error_text("rename " + shm_path(temporary_name_) + " to " + shm_path(name_), errno));
+    throw std::runtime_error(
+        system_error_text("rename " + shm_path(temporary_name_) + " to " + shm_path(name_), errno));
   }
   temporary_name_.clear();
 }

@@ -4,14 +4,14 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <stdexcept>
 #include <string>
 
 #include "errors.h"
+#include "rdma_backend.h"
 #include "shm_names.h"
-#include "transport_options.h"
 #include "tag.h"
+#include "tcp_backend.h"
 
 namespace mapp {
 namespace {
@@ -53,10 +53,6 @@ std::string describe_tags_of(int peer, const std::vector<MessageKey>& keys) {
   return text;
 }
 
-Clock::duration seconds(double value) {
-  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(value));
-}
-
 }  // namespace
 
 Transport::Transport(TransportOptions options)
@@ -66,11 +62,39 @@ Transport::Transport(TransportOptions options)
       is_peer_(options_.world_size, false),
       pool_(BufferPool::create(kMaxCachedReceiveBytes)) {
   for (int peer : peers_) is_peer_[peer] = true;
+  remote_of_.assign(options_.world_size, nullptr);
   if (peers_.empty()) return;  // nothing to exchange with: no segment, no threads
-  ReceiverConfig config{options_.job_id, options_.rank,       options_.world_size,
-                        peers_,          options_.slot_bytes, options_.num_slots};
-  receiver_ = std::make_unique<ShmReceiver>(config, &inbox_, pool_);
-  connector_ = std::make_unique<PeerConnector>(options_.job_id, options_.rank, options_.world_size, peers_);
+  std::vector<int> shm_peers, tcp_peers, rdma_peers;
+  for (int peer : peers_) {
+    auto named = options_.peer_backends.find(peer);
+    const std::string backend = named == options_.peer_backends.end() ? "shm" : named->second;
+    (backend == "tcp" ? tcp_peers : backend == "rdma" ? rdma_peers : shm_peers).push_back(peer);
+  }
+  for (const auto& [peer, backend] : options_.peer_backends) {
+    if (peer < 0 || peer >= options_.world_size || !is_peer_[peer]) {
+      throw std::invalid_argument("a backend is given for rank " + std::to_string(peer) +
+                                  ", which is not among the peers " + rank_list(peers_));
+    }
+  }
+  if (!shm_peers.empty()) {
+    ReceiverConfig config{options_.job_id, options_.rank,       options_.world_size,
+                          shm_peers,       options_.slot_bytes, options_.num_slots};
+    receiver_ = std::make_unique<ShmReceiver>(config, &inbox_, pool_);
+    connector_ = std::make_unique<PeerConnector>(options_.job_id, options_.rank, options_.world_size, shm_peers);
+  }
+  auto context_for = [this](const std::vector<int>& peers) {
+    return RemoteContext{options_.rank, options_.job_id, peers, options_.max_message_bytes, &inbox_, &arrivals(),
+                         pool_};
+  };
+  if (!tcp_peers.empty()) {
+    remote_backends_.push_back(
+        std::make_unique<TcpBackend>(context_for(tcp_peers), options_.listen_host, options_.listen_port));
+    for (int peer : tcp_peers) remote_of_[peer] = remote_backends_.back().get();
+  }
+  if (!rdma_peers.empty()) {
+    remote_backends_.push_back(make_rdma_backend(context_for(rdma_peers), options_.listen_host));
+    for (int peer : rdma_peers) remote_of_[peer] = remote_backends_.back().get();
+  }
   workers_ = std::make_unique<WorkerPool>(static_cast<size_t>(options_.send_workers));
 }
 
@@ -78,6 +102,7 @@ Transport::~Transport() {
   if (static_cast<int>(::getpid()) != creator_pid_) {
     // Forked child: the threads are not ours and the names are the parent's. Leave everything alone.
     (void)workers_.release();
+    for (auto& backend : remote_backends_) (void)backend.release();
     (void)connector_.release();
     (void)receiver_.release();
     return;
@@ -91,13 +116,35 @@ void Transport::close() {
   if (closing_.exchange(true)) return;
   if (connector_) connector_->wake_senders();  // workers blocked on full rings see closing_ and give up
   if (workers_) workers_->shutdown();           // queued sends fail fast with ClosedError
+  for (auto& backend : remote_backends_) backend->close();  // goodbye to remote peers, join their threads
   if (connector_) connector_->stop();
   if (receiver_) receiver_->close();  // also wakes threads blocked in wait_any; they see closing_
+  if (!receiver_) own_arrivals_.ring();
   try {
     remove_dead_job_segments(options_.job_id);
   } catch (const std::exception&) {
     // Best effort: a leftover of a dead process is removed by the next close() or cleanup_job().
   }
+}
+
+std::string Transport::backend_of(int peer) const {
+  validate_peer(peer, "reach");
+  return remote_of_[peer] ? remote_of_[peer]->name() : "shm";
+}
+
+std::string Transport::local_address(const std::string& backend) const {
+  for (const auto& remote : remote_backends_) {
+    if (backend == remote->name()) return remote->local_address();
+  }
+  throw std::invalid_argument("rank " + std::to_string(options_.rank) + " has no " + backend + " peers");
+}
+
+void Transport::set_peer_address(int peer, const std::string& address) {
+  validate_peer(peer, "reach");
+  if (!remote_of_[peer]) {
+    throw std::invalid_argument("peer rank " + std::to_string(peer) + " is reached through shared memory");
+  }
+  remote_of_[peer]->set_peer_address(peer, address);
 }
 
 std::vector<std::string> Transport::cleanup_job(const std::string& job_id) { return remove_dead_job_segments(job_id); }
@@ -168,7 +215,7 @@ std::shared_ptr<SendRequest> Transport::send(int peer, uint64_t tag, uint32_t dt
   if (nbytes > 0 && data == nullptr) throw std::invalid_argument("null data pointer for a non-empty message");
   const OutgoingMessage message{make_message_header(tag, dtype_code, shape, nbytes),
                                 static_cast<const uint8_t*>(data)};
-  if (nbytes <= kInlineSendBytes) {
+  if (nbytes <= kInlineSendBytes && remote_of_[peer] == nullptr) {
     const bool sent = workers_->run_inline_if_idle(peer, [&] {
       ShmChannel* channel = connector_->channel_if_ready(peer);
       return channel != nullptr && channel->try_send_now(message);
@@ -187,6 +234,11 @@ void Transport::perform_send(const std::shared_ptr<SendRequest>& request, int pe
       throw ClosedError("transport closed before " + describe_tag(message.header.tag) + " to peer rank " +
                         std::to_string(peer) + " was sent");
     }
+    if (RemoteBackend* remote = remote_of_[peer]) {
+      remote->send(peer, message, SendLimits{options_.rank, options_.timeout_s, &closing_});
+      request->complete();
+      return;
+    }
     ShmChannel& channel = connector_->wait_channel(peer, message.header.tag, options_.timeout_s, closing_);
     channel.send(message, SendLimits{options_.rank, options_.timeout_s, &closing_});
     request->complete();
@@ -201,7 +253,7 @@ void Transport::note_failure(const std::shared_ptr<SendRequest>& request) {
     std::lock_guard<std::mutex> lock(requests_mutex_);
     failures_.push_back(request);
   }
-  if (!closing_.load()) receiver_->arrivals().ring();  // a thread blocked in wait_any reports it now
+  if (!closing_.load()) arrivals().ring();  // a thread blocked in wait_any reports it now
 }
 
 void Transport::track(const std::shared_ptr<SendRequest>& request) {
@@ -222,7 +274,7 @@ void Transport::wait_sends(std::optional<double> timeout_s) {
     std::lock_guard<std::mutex> lock(requests_mutex_);
     waiting.swap(outstanding_);
   }
-  const auto give_up_at = timeout_s ? Clock::now() + seconds(*timeout_s) : Clock::time_point::max();
+  const auto give_up_at = timeout_s ? deadline_after(*timeout_s) : Clock::time_point::max();
   for (size_t i = 0; i < waiting.size(); ++i) {
     std::optional<double> remaining;
     if (timeout_s) remaining = std::max(0.0, std::chrono::duration<double>(give_up_at - Clock::now()).count());
@@ -245,21 +297,21 @@ void Transport::wait_sends(std::optional<double> timeout_s) {
 
 std::vector<MessageKey> Transport::poll() {
   check_usable();
-  if (receiver_) receiver_->drain_available(/*wait_for_lock=*/false);
+  drain_shm(/*wait_for_lock=*/false);
   return inbox_.ready();
 }
 
 std::optional<MessageHeader> Transport::peek(int peer, uint64_t tag) {
   check_usable();
   validate_peer(peer, "receive from");
-  receiver_->drain_available(/*wait_for_lock=*/false);
+  drain_shm(/*wait_for_lock=*/false);
   return inbox_.peek(MessageKey(peer, tag));
 }
 
 std::optional<Message> Transport::try_take(int peer, uint64_t tag) {
   check_usable();
   validate_peer(peer, "receive from");
-  receiver_->drain_available(/*wait_for_lock=*/false);
+  drain_shm(/*wait_for_lock=*/false);
   return inbox_.take(MessageKey(peer, tag));
 }
 
@@ -285,13 +337,14 @@ MessageKey Transport::wait_for_keys(const std::vector<MessageKey>& keys, std::op
   if (timeout_s && *timeout_s < 0) throw std::invalid_argument("timeout must be >= 0");
   const double limit_s = timeout_s ? *timeout_s : options_.timeout_s;
   const auto start = Clock::now();
-  const auto give_up_at = start + seconds(limit_s);
+  const auto give_up_at = deadline_after(limit_s);
   auto next_liveness_check = start + kWaitTick;
-  Doorbell& arrivals = receiver_->arrivals();
-  ShmReceiver::ForegroundWait drain_here(*receiver_);
+  Doorbell& bell = arrivals();
+  std::optional<ShmReceiver::ForegroundWait> drain_here;
+  if (receiver_) drain_here.emplace(*receiver_);
   for (;;) {
-    const uint32_t seen = arrivals.snapshot();
-    receiver_->drain_available();
+    const uint32_t seen = bell.snapshot();
+    drain_shm();
     if (std::optional<MessageKey> key = inbox_.find_any(keys)) return *key;
     if (closing_.load()) {
       throw ClosedError("transport of rank " + std::to_string(options_.rank) + " closed while it waited for " +
@@ -308,7 +361,7 @@ MessageKey Transport::wait_for_keys(const std::vector<MessageKey>& keys, std::op
       throw TimeoutError("rank " + std::to_string(options_.rank) + " timed out after " + format_seconds(limit_s) +
                          " waiting for " + describe_keys(keys));
     }
-    arrivals.wait(seen, std::min(next_liveness_check, give_up_at) - now);
+    bell.wait(seen, std::min(next_liveness_check, give_up_at) - now);
   }
 }
 
@@ -318,13 +371,23 @@ std::optional<MessageKey> Transport::check_senders(const std::vector<MessageKey>
     const int peer = key.first;
     if (std::find(checked.begin(), checked.end(), peer) != checked.end()) continue;
     checked.push_back(peer);
+    if (RemoteBackend* remote = remote_of_[peer]) {
+      std::optional<PeerFailure> failure = remote->failure(peer);
+      if (!failure) continue;
+      // The backend published everything that arrived before it noticed the failure.
+      if (std::optional<MessageKey> found = inbox_.find_any(keys)) return found;
+      const std::string waited = " while rank " + std::to_string(options_.rank) + " waited for " +
+                                 describe_tags_of(peer, keys);
+      if (failure->died) throw PeerDiedError(failure->text + waited);
+      throw ClosedError(failure->text + waited);
+    }
     std::optional<ProcessIdentity> identity = connector_->owner_of(peer);
     if (!identity) identity = receiver_->producer(peer);
     const bool closed = receiver_->producer_closed(peer) || connector_->peer_closed(peer);
     const bool died = !closed && identity && !identity->alive();
     if (!died && !closed) continue;
     // Whatever the peer published before it went away is still ours to collect.
-    receiver_->drain_available();
+    drain_shm();
     if (std::optional<MessageKey> found = inbox_.find_any(keys)) return found;
     const std::string waited = "rank " + std::to_string(options_.rank) + " waited for " + describe_tags_of(peer, keys);
     if (died) {

@@ -13,9 +13,10 @@
 #include "inbox.h"
 #include "message.h"
 #include "peer_connector.h"
+#include "remote_backend.h"
 #include "send_request.h"
-#include "transport_options.h"
 #include "shm_receiver.h"
+#include "transport_options.h"
 #include "wait_tick.h"
 #include "worker_pool.h"
 
@@ -48,7 +49,15 @@ class Transport {
   bool closed() const { return closing_.load(); }
   // Run by blocking calls about every kWaitTick; what it throws ends the wait.
   void set_interrupt_check(InterruptCheck check) { interrupt_check_ = std::move(check); }
+  // Runs on every complete incoming message before it is published, whatever backend carried it (the loss layer).
+  void set_arrival_filter(std::shared_ptr<ArrivalFilter> filter) { inbox_.set_arrival_filter(std::move(filter)); }
   const std::vector<int>& peers() const { return peers_; }
+  // "shm", "tcp" or "rdma": how this rank reaches `peer`.
+  std::string backend_of(int peer) const;
+  // Where peers reach this rank over `backend` ("host:port"); throws std::invalid_argument if it serves no peer.
+  std::string local_address(const std::string& backend) const;
+  // Tells a remote backend where `peer` listens (from the address exchange through the torch.distributed store).
+  void set_peer_address(int peer, const std::string& address);
   int rank() const { return options_.rank; }
 
   // Removes segments of `job_id` whose owner process is gone; returns their names.
@@ -61,6 +70,11 @@ class Transport {
   void report_pending_failure();
   static void raise_first_failure(const std::vector<std::shared_ptr<SendRequest>>& failed);
   void perform_send(const std::shared_ptr<SendRequest>& request, int peer, const OutgoingMessage& message);
+  // The doorbell every backend rings when a message arrives: the shm receiver's, or ours when no peer uses shm.
+  Doorbell& arrivals() { return receiver_ ? receiver_->arrivals() : own_arrivals_; }
+  void drain_shm(bool wait_for_lock = true) {
+    if (receiver_) receiver_->drain_available(wait_for_lock);
+  }
   void note_failure(const std::shared_ptr<SendRequest>& request);
   void track(const std::shared_ptr<SendRequest>& request);
   MessageKey wait_for_keys(const std::vector<MessageKey>& keys, std::optional<double> timeout_s);
@@ -77,6 +91,10 @@ class Transport {
   Inbox inbox_;
   std::unique_ptr<ShmReceiver> receiver_;
   std::unique_ptr<PeerConnector> connector_;
+  DoorbellWords own_arrival_words_;
+  Doorbell own_arrivals_{&own_arrival_words_};
+  std::vector<std::unique_ptr<RemoteBackend>> remote_backends_;
+  std::vector<RemoteBackend*> remote_of_;  // per rank: its remote backend, nullptr for shm
   std::unique_ptr<WorkerPool> workers_;
   std::atomic<bool> closing_{false};
   std::mutex close_mutex_;

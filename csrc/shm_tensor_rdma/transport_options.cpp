@@ -42,8 +42,19 @@ TransportOptions validate_options(TransportOptions options) {
     throw std::invalid_argument("timeout_s must be a positive number of seconds, got " +
                                 std::to_string(options.timeout_s));
   }
+  for (const auto& [peer, backend] : options.peer_backends) {
+    if (!is_backend_name(backend)) {
+      throw std::invalid_argument("unknown backend '" + backend + "' for peer " + std::to_string(peer) +
+                                  "; choose shm, tcp or rdma");
+    }
+  }
+  if (options.listen_port < 0 || options.listen_port > 65535) {
+    throw std::invalid_argument("listen_port must be between 0 and 65535, got " + std::to_string(options.listen_port));
+  }
   return options;
 }
+
+bool is_backend_name(const std::string& name) { return name == "shm" || name == "tcp" || name == "rdma"; }
 
 std::vector<int> resolve_peers(const TransportOptions& options) {
   std::vector<int> peers;

@@ -12,4 +12,14 @@ constexpr std::chrono::milliseconds kWaitTick(100);
 // May throw to abandon the wait. An empty function checks nothing.
 using InterruptCheck = std::function<void()>;
 
+using WaitClock = std::chrono::steady_clock;
+
+// now + seconds, saturated to about a year so that huge (or infinite) timeouts cannot overflow.
+inline WaitClock::time_point deadline_after(double seconds) {
+  constexpr double kLongestWait = 3.0e7;
+  const double clamped = seconds < 0 ? 0 : (seconds > kLongestWait ? kLongestWait : seconds);
+  return WaitClock::now() +
+         std::chrono::duration_cast<WaitClock::duration>(std::chrono::duration<double>(clamped));
+}
+
 }  // namespace mapp

@@ -52,13 +52,20 @@ class RuntimeSession:
 
     def ensure_transport(self, pp_global_ranks: List[int]):
         if self.transport is None and len(pp_global_ranks) > 1:
-            from megatron_app.transport import Transport
+            from megatron_app.transport import open_transport
 
             self.job_id = self.job_id or agree_on_job_id(self.settings.job_id)
             me = dist.get_rank()
             peers = sorted({r for r in pp_global_ranks if r != me})
-            self.transport = Transport(me, dist.get_world_size(), self.job_id, peers=peers,
-                                       timeout_s=self.settings.timeout_s)
+            # Per link: shm on this host, rdma or tcp across hosts ($MEGATRON_APP_TRANSPORT forces one); the
+            # job's own store carries host identities and listening addresses.
+            store = dist.distributed_c10d._get_default_store()
+            self.transport = open_transport(store, me, dist.get_world_size(), self.job_id, peers,
+                                            master_addr=os.environ.get("MASTER_ADDR"),
+                                            timeout_s=self.settings.timeout_s)
+            from megatron_app.lossy.pipeline import attach_configured_loss
+
+            self.transport = attach_configured_loss(self.transport)  # packet loss, when the trainer configured it
         return self.transport
 
     def ensure_tracer(self, pp_rank: int, tp_rank: int, dp_rank: int, P: int, V: int, m: int):
@@ -70,9 +77,16 @@ class RuntimeSession:
             meta = TraceMeta(dist.get_rank(), pp_rank, tp_rank, dp_rank, pipeline_parallel=P, model_chunks=V,
                              microbatches=m, policy=self.settings.policy_name, host=socket.gethostname(),
                              source="runtime", clock_offset_us=offset,
-                             extra={"torch": torch.__version__})
+                             extra={"torch": torch.__version__, "links": self._link_backends()})
             self.tracer = Tracer(self.settings.trace_dir or ".", meta, enabled=enabled)
         return self.tracer
+
+    def _link_backends(self):
+        """{peer rank: 'shm'|'tcp'|'rdma'} of this rank's transport, recorded in the trace header."""
+        backend_of = getattr(self.transport, "backend_of", None)  # a wrapper (loss layer) may not forward it
+        if backend_of is None:
+            return {}
+        return {str(peer): backend_of(peer) for peer in self.transport.peers}
 
     def close(self):
         if self._closed:

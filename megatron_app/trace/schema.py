@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"
 FORMAT_NAME = "megatron_app.trace"
 FILE_PATTERN = "trace_rank{rank}.jsonl"
 
@@ -22,9 +22,10 @@ WAIT = "wait"
 OPTIMIZER = "optimizer"
 ITERATION = "iteration"
 EVAL = "eval"
+LOSS = "loss"  # packet-loss statistics of one link and direction for one iteration (schema 1.1)
 
 COMPUTE_KINDS = frozenset({FORWARD, BACKWARD})
-KNOWN_KINDS = frozenset({FORWARD, BACKWARD, SEND, RECV, WAIT, OPTIMIZER, ITERATION, EVAL})
+KNOWN_KINDS = frozenset({FORWARD, BACKWARD, SEND, RECV, WAIT, OPTIMIZER, ITERATION, EVAL, LOSS})
 SOURCES = frozenset({"runtime", "sim"})
 
 

@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "megatron: Megatron-Core's own forward_backward function")
     _add_flag(sched, "--policy", choices=POLICIES, default="dfc", help="task policy of the app schedule")
 
-    emulation = parser.add_argument_group("compute emulation (timed waits instead of the model; see train/emulation.py)")
+    emulation = parser.add_argument_group("compute emulation (timed waits instead of the model)")
     _add_flag(emulation, "--emulate-compute", default=None, metavar="FWD_MS,BWD_MS[,JITTER]",
               help="each chunk's forward/backward of a microbatch waits this long instead of computing")
     _add_flag(emulation, "--slow-rank", type=int, default=None, metavar="R", help="pipeline rank R runs slower")
@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
               help="each task independently takes --straggler-factor times longer with probability P")
     _add_flag(emulation, "--straggler-factor", type=float, default=3.0, metavar="K")
     _add_flag(emulation, "--slow-link", default=None, metavar="A-B:START_MS-END_MS:DELAY_MS",
-              help="messages between pipeline ranks A and B posted START..END ms into an iteration arrive DELAY ms late")
+              help="messages between pipeline ranks A and B sent START..END ms into an iteration arrive DELAY ms late")
 
     evaluation = parser.add_argument_group("evaluation")
     _add_flag(evaluation, "--eval-interval", type=int, default=None, metavar="N",

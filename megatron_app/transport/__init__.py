@@ -1,4 +1,4 @@
-"""Tensor transport between pipeline ranks: shared memory within a node (TCP and RDMA backends later).
+"""Tensor transport between pipeline ranks: shared memory within a host, TCP or RDMA between hosts.
 
 Public API:
     Transport(rank, world_size, job_id, *, slot_bytes, num_slots, max_message_bytes, send_workers, peers, timeout_s)
@@ -6,22 +6,42 @@ Public API:
         .poll() -> [(peer, tag)]                     .try_recv(peer, tag, dtype=None, device=None)
         .recv(peer, tag, timeout=None, dtype=None, device=None)
         .wait_any(keys, timeout=None) -> (peer, tag) .close()  (also a context manager)
+        backends={peer: "tcp"|"rdma"}, listen_host="127.0.0.1": links to other hosts (default: shm);
+        .backend_of(peer), .local_address(backend), .set_peer_addresses({peer: "host:port"})
+    open_transport(store, rank, world_size, job_id, peers, *, mode=None, master_addr=None, timeout_s, ...):
+        chooses each link's backend and exchanges addresses through the torch.distributed store
+    requested_mode(value=None) ($MEGATRON_APP_TRANSPORT: auto|shm|tcp|rdma), choose_backends(...), rdma_status()
     make_tag / split_tag / describe_tag, Direction, cleanup_job(job_id)
     Errors: ValueError / TypeError (bad arguments), TransportTimeout (a TimeoutError), PeerDied and
     TransportClosed (RuntimeErrors).
 """
 
+from .backend_choice import TRANSPORT_ENV, choose_backends, requested_mode
+from .rendezvous import open_transport
 from .tags import Direction, describe_tag, make_tag, split_tag
-from .transport import PeerDied, SendHandle, Transport, TransportClosed, TransportTimeout, cleanup_job
+from .transport import (
+    PeerDied,
+    SendHandle,
+    Transport,
+    TransportClosed,
+    TransportTimeout,
+    cleanup_job,
+    rdma_status,
+)
 
 __all__ = [
     "Direction",
+    "TRANSPORT_ENV",
     "PeerDied",
     "SendHandle",
     "Transport",
     "TransportClosed",
     "TransportTimeout",
+    "choose_backends",
     "cleanup_job",
+    "open_transport",
+    "rdma_status",
+    "requested_mode",
     "describe_tag",
     "make_tag",
     "split_tag",

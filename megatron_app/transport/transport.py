@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Iterable, Optional
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -29,7 +29,7 @@ def _int_arg(value, name: str) -> int:
     return value
 
 
-def _timeout_arg(timeout) -> Optional[float]:
+def _timeout_arg(timeout) -> float | None:
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
@@ -52,7 +52,7 @@ class SendHandle:
 
     __slots__ = ("_request", "_tensor", "peer", "tag")
 
-    def __init__(self, request, tensor: Optional[torch.Tensor], peer: int, tag: int):
+    def __init__(self, request, tensor: torch.Tensor | None, peer: int, tag: int):
         # request is None for a send that completed inside Transport.send().
         self._request = request
         self._tensor = tensor
@@ -67,7 +67,7 @@ class SendHandle:
             self._tensor = None
         return finished
 
-    def wait(self, timeout: Optional[float] = None) -> None:
+    def wait(self, timeout: float | None = None) -> None:
         """Blocks until the send completed; raises its error, or TransportTimeout after `timeout` seconds."""
         if self._request is not None:
             self._request.wait(_timeout_arg(timeout))
@@ -91,8 +91,11 @@ class Transport:
         num_slots: int = 64,
         max_message_bytes: int = 1 << 30,
         send_workers: int = 2,
-        peers: Optional[Iterable[int]] = None,
+        peers: Iterable[int] | None = None,
         timeout_s: float = 300.0,
+        backends: Mapping[int, str] | None = None,
+        listen_host: str = "127.0.0.1",
+        listen_port: int = 0,
     ):
         if not isinstance(job_id, str):
             raise TypeError(f"job_id must be a str, got {type(job_id).__name__}")
@@ -106,6 +109,9 @@ class Transport:
             peers = [_int_arg(peer, "peer") for peer in peers]
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
             raise TypeError(f"timeout_s must be a number of seconds, got {type(timeout_s).__name__}")
+        backends = {_int_arg(peer, "peer"): str(kind) for peer, kind in (backends or {}).items()}
+        if not isinstance(listen_host, str):
+            raise TypeError(f"listen_host must be a str, got {type(listen_host).__name__}")
         self._core = core.Transport(
             rank=_int_arg(rank, "rank"),
             world_size=_int_arg(world_size, "world_size"),
@@ -116,12 +122,31 @@ class Transport:
             send_workers=_int_arg(send_workers, "send_workers"),
             peers=peers,
             timeout_s=float(timeout_s),
+            backends=backends,
+            listen_host=listen_host,
+            listen_port=_int_arg(listen_port, "listen_port"),
         )
         self.rank = rank
         self.world_size = world_size
         self.job_id = job_id
         self.peers = tuple(self._core.peers)
         self._pending: dict[int, collections.deque] = {}  # per peer: handles keeping unfinished sends' tensors
+
+    # -- links to other hosts ------------------------------------------------------------------------------------
+    def backend_of(self, peer: int) -> str:
+        """'shm', 'tcp' or 'rdma': how this rank reaches `peer`."""
+        return self._core.backend_of(_int_arg(peer, "peer"))
+
+    def local_address(self, backend: str = "tcp") -> str:
+        """'host:port' where peers reach this rank over `backend` (ValueError if no peer uses it)."""
+        return self._core.local_address(backend)
+
+    def set_peer_addresses(self, addresses: Mapping[int, str]) -> None:
+        """Tells the remote backends where each peer listens ({peer: 'host:port'}); sends wait until then."""
+        for peer, address in addresses.items():
+            if not isinstance(address, str):
+                raise TypeError(f"address of peer {peer} must be a 'host:port' str, got {type(address).__name__}")
+            self._core.set_peer_address(_int_arg(peer, "peer"), address)
 
     # -- sending -----------------------------------------------------------------------------------------------
     def send(self, peer: int, tag: int, tensor: torch.Tensor) -> SendHandle:
@@ -146,7 +171,7 @@ class Transport:
             while queue and queue[0].done():
                 queue.popleft()
 
-    def wait_sends(self, timeout: Optional[float] = None) -> None:
+    def wait_sends(self, timeout: float | None = None) -> None:
         """Blocks until every send posted so far completed; raises the first failure not reported yet."""
         self._core.wait_sends(_timeout_arg(timeout))
         self._forget_finished_sends()
@@ -156,7 +181,7 @@ class Transport:
         """(peer, tag) of every message fully arrived and not yet taken, oldest first. Never blocks."""
         return self._core.poll()
 
-    def try_recv(self, peer: int, tag: int, dtype: Optional[torch.dtype] = None, device=None):
+    def try_recv(self, peer: int, tag: int, dtype: torch.dtype | None = None, device=None):
         """Takes the message (peer, tag) if it has arrived, else returns None. Never blocks."""
         peer, tag = _key_arg((peer, tag))
         if dtype is not None and not self._has_dtype(peer, tag, dtype):
@@ -164,7 +189,7 @@ class Transport:
         message = self._core.try_take(peer, tag)
         return None if message is None else codec.decode(*message, device=device)
 
-    def recv(self, peer: int, tag: int, timeout: Optional[float] = None, dtype: Optional[torch.dtype] = None,
+    def recv(self, peer: int, tag: int, timeout: float | None = None, dtype: torch.dtype | None = None,
              device=None) -> torch.Tensor:
         """Blocks until (peer, tag) arrives and takes it. timeout=None waits up to the transport's timeout_s."""
         if type(peer) is not int or type(tag) is not int or not 0 <= tag <= MAX_TAG:
@@ -180,9 +205,15 @@ class Transport:
                 if message is not None:
                     return codec.decode(*message, device=device)
 
-    def wait_any(self, keys: Iterable[tuple[int, int]], timeout: Optional[float] = None) -> tuple[int, int]:
+    def wait_any(self, keys: Iterable[tuple[int, int]], timeout: float | None = None) -> tuple[int, int]:
         """Blocks until one of `keys` has arrived and returns that key (without taking the message)."""
-        return tuple(self._core.wait_any([_key_arg(key) for key in keys], _timeout_arg(timeout)))
+        if timeout is not None:
+            timeout = _timeout_arg(timeout)
+        keys = keys if isinstance(keys, list) else list(keys)
+        try:  # the core converts and range-checks the keys itself: no per-key Python work on the hot path
+            return self._core.wait_any(keys, timeout)
+        except TypeError:
+            return self._core.wait_any([_key_arg(key) for key in keys], timeout)  # raises a clear error
 
     def _has_dtype(self, peer: int, tag: int, dtype: torch.dtype) -> bool:
         """False if the message has not arrived; ValueError (message kept) if it carries another dtype."""
@@ -210,7 +241,7 @@ class Transport:
         self._core.close()
         self._pending.clear()
 
-    def __enter__(self) -> "Transport":
+    def __enter__(self) -> Transport:
         return self
 
     def __exit__(self, exc_type, exc, traceback) -> None:
@@ -231,3 +262,8 @@ def cleanup_job(job_id: str) -> list[str]:
     if not isinstance(job_id, str):
         raise TypeError(f"job_id must be a str, got {type(job_id).__name__}")
     return core.cleanup_job(job_id)
+
+
+def rdma_status() -> tuple[bool, bool, str]:
+    """(built, usable, detail): whether the RDMA backend was compiled in and a device with an active port exists."""
+    return tuple(core.rdma_status())

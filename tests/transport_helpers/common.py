@@ -27,9 +27,10 @@ def new_job_id() -> str:
     return "t" + uuid.uuid4().hex[:12]
 
 
-@pytest.fixture
-def job_id():
-    """A fresh job id; fails the test if any of its segments is left in /dev/shm afterwards."""
+@pytest.fixture(name="job_id")
+def job_id_fixture():
+    """A fresh job id; fails the test if any of its segments is left in /dev/shm afterwards.
+    Test modules import job_id_fixture to use the `job_id` fixture."""
     from megatron_app.transport import cleanup_job
 
     job = new_job_id()

@@ -1,0 +1,70 @@
+// The TCP backend: one connection per direction and peer. This rank connects to each peer it sends to (lazily, on
+// the first send) and accepts one connection from each peer that sends to it. Each inbound connection has a thread
+// that reads frames in blocking calls and reads every payload straight into the buffer later handed to Python;
+// sends run on the transport's worker threads as vectored writes from the caller's tensor (no staging copy).
+// A peer's death shows as EOF without a goodbye, a reset, or a keepalive timeout: it becomes PeerDiedError.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "remote_backend.h"
+#include "tcp_frame.h"
+#include "tcp_socket.h"
+
+namespace mapp {
+
+class TcpBackend : public RemoteBackend {
+ public:
+  // Listens on listen_host (port 0: any free port) at once. Throws std::runtime_error if it cannot.
+  TcpBackend(RemoteContext context, const std::string& listen_host, int listen_port);
+  ~TcpBackend() override;  // close()
+
+  const char* name() const override { return "tcp"; }
+  std::string local_address() const override { return format_host_port(advertised_host_, port_); }
+  void set_peer_address(int peer, const std::string& address) override;
+  void send(int peer, const OutgoingMessage& message, const SendLimits& limits) override;
+  std::optional<PeerFailure> failure(int peer) const override;
+  void close() override;
+
+ private:
+  struct Inbound {
+    TcpSocket socket;
+    std::thread thread;
+    std::optional<PeerFailure> failure;
+  };
+  struct Outbound {
+    std::optional<HostPort> address;
+    TcpSocket socket;
+    std::optional<std::string> broken;  // why the stream is unusable
+  };
+
+  void accept_loop();
+  void admit(TcpSocket socket);
+  void receive_loop(int peer, int fd);
+  void connect(int peer, Outbound& link, const OutgoingMessage& message, const SendLimits& limits);
+  void set_failure(int peer, bool died, const std::string& text);
+  std::string describe_peer(int peer) const;
+
+  const RemoteContext context_;
+  TcpSocket listener_;
+  std::string advertised_host_;
+  int port_ = 0;
+  int stop_fd_ = -1;  // eventfd: wakes the accept thread's poll()
+  std::atomic<bool> stopping_{false};
+  std::thread accept_thread_;
+
+  mutable std::mutex mutex_;
+  std::condition_variable address_known_;
+  std::map<int, Inbound> inbound_;    // keys fixed at construction
+  std::map<int, Outbound> outbound_;  // keys fixed at construction; a link's socket is used by one worker at a time
+  bool closed_ = false;
+};
+
+}  // namespace mapp

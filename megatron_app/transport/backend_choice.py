@@ -1,0 +1,79 @@
+"""Which backend carries each link: shm to a peer on the same host, rdma when both ends have a usable device, else
+tcp. MEGATRON_APP_TRANSPORT (or a launcher's --transport) forces one: shm | tcp | rdma | auto (the default).
+
+"Same host" means same machine *and* same network namespace: two pods (or the test's namespaces) on one machine
+are separate hosts, since their /dev/shm and addresses may differ.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterable, Mapping
+
+TRANSPORT_ENV = "MEGATRON_APP_TRANSPORT"
+HOST_ADDRESS_ENV = "MEGATRON_APP_HOST_ADDRESS"
+MODES = ("auto", "shm", "tcp", "rdma")
+
+
+def requested_mode(value: str | None = None) -> str:
+    """The forced backend: `value`, else $MEGATRON_APP_TRANSPORT, else auto. ValueError for an unknown name."""
+    mode = (value if value is not None else os.environ.get(TRANSPORT_ENV, "")).strip().lower() or "auto"
+    if mode not in MODES:
+        raise ValueError(f"{TRANSPORT_ENV}={mode!r} is not a transport; choose one of {', '.join(MODES)}")
+    return mode
+
+
+def host_identity() -> str:
+    """Equal for two processes exactly when they share a machine and a network namespace."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            boot_id = boot.read().strip()
+    except OSError:
+        boot_id = "?"
+    try:
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        netns = 0
+    return f"{socket.gethostname()}/{boot_id}/{netns}"
+
+
+def advertised_address(master_addr: str | None) -> str:
+    """The address peers should use to reach this process: $MEGATRON_APP_HOST_ADDRESS, else the local address of
+    the interface that routes to the master (no packet is sent), else the loopback address."""
+    explicit = os.environ.get(HOST_ADDRESS_ENV)
+    if explicit:
+        return explicit
+    if master_addr:
+        try:
+            infos = socket.getaddrinfo(master_addr, 1, type=socket.SOCK_DGRAM)
+            family, _, _, _, target = infos[0]
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.connect(target)
+                return probe.getsockname()[0]
+        except OSError:
+            pass
+    return "127.0.0.1"
+
+
+def choose_backends(my_rank: int, peers: Iterable[int], hosts: Mapping[int, str], rdma_usable: Mapping[int, bool],
+                    mode: str) -> dict[int, str]:
+    """{peer: 'shm'|'tcp'|'rdma'}. Both ends of a link compute the same answer from the same inputs.
+    ValueError when a forced backend cannot serve a link (shm across hosts, rdma without a device)."""
+    mode = requested_mode(mode)
+    chosen = {}
+    for peer in peers:
+        same_host = hosts[peer] == hosts[my_rank]
+        both_rdma = bool(rdma_usable.get(peer)) and bool(rdma_usable.get(my_rank))
+        if mode == "shm" and not same_host:
+            raise ValueError(f"{TRANSPORT_ENV}=shm but rank {peer} runs on another host ({hosts[peer]}) than rank "
+                             f"{my_rank} ({hosts[my_rank]}); use tcp or auto")
+        if mode == "rdma" and not both_rdma:
+            without = [rank for rank in (my_rank, peer) if not rdma_usable.get(rank)]
+            raise ValueError(f"{TRANSPORT_ENV}=rdma but rank(s) {without} have no usable RDMA device "
+                             "(see tools/rdma_check.py); use tcp or auto")
+        if mode == "auto":
+            chosen[peer] = "shm" if same_host else ("rdma" if both_rdma else "tcp")
+        else:
+            chosen[peer] = mode
+    return chosen

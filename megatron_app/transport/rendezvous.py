@@ -1,0 +1,70 @@
+"""Opening a rank's Transport in a multi-host job: every rank publishes its host identity, RDMA capability and
+requested mode through the torch.distributed store (a c10d Store: set/get/wait/add), each link's backend is chosen
+from both ends' entries, and ranks with remote links publish the address they listen on. Nothing is configured by
+hand: the store is the job's own (torchrun's TCPStore).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Iterable
+
+from ._core import core
+from .backend_choice import advertised_address, choose_backends, host_identity, requested_mode
+from .transport import Transport
+
+KEY_PREFIX = "megatron_app/link"
+
+
+def _wait(store, keys: list[str], timeout_s: float, what: str) -> None:
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    except Exception as error:  # c10d raises DistStoreError / RuntimeError subclasses, by version
+        raise TimeoutError(f"{what} did not appear in the torch.distributed store within {timeout_s:g} s "
+                           f"(is every rank of the job running?): {error}") from None
+
+
+def _read_json(store, key: str) -> dict:
+    return json.loads(store.get(key).decode())
+
+
+def open_transport(store, rank: int, world_size: int, job_id: str, peers: Iterable[int], *,
+                   mode: str | None = None, master_addr: str | None = None, timeout_s: float = 300.0,
+                   **transport_options) -> Transport:
+    """A Transport for `rank` whose links to `peers` use the backend chosen per link (see backend_choice).
+    Every rank of the job that has peers must call this (it waits for its peers' entries). Errors: ValueError
+    for a mode that cannot serve a link or disagreeing modes; TimeoutError when a peer never shows up."""
+    peers = sorted(set(peers))
+    mode = requested_mode(mode)
+    # A job may open transports more than once (runtime shutdown and restart): each round gets its own keys.
+    round_id = store.add(f"{KEY_PREFIX}/{job_id}/round/{rank}", 1)
+    prefix = f"{KEY_PREFIX}/{job_id}/{round_id}"
+    built, usable, _ = core.rdma_status()
+    mine = {"host": host_identity(), "rdma": bool(built and usable), "mode": mode}
+    store.set(f"{prefix}/info/{rank}", json.dumps(mine))
+    _wait(store, [f"{prefix}/info/{peer}" for peer in peers], timeout_s, f"peers {peers} of rank {rank}")
+    infos = {rank: mine} | {peer: _read_json(store, f"{prefix}/info/{peer}") for peer in peers}
+    disagreeing = sorted(peer for peer in peers if infos[peer]["mode"] != mode)
+    if disagreeing:
+        theirs = ", ".join(f"rank {peer}: {infos[peer]['mode']}" for peer in disagreeing)
+        raise ValueError(f"ranks disagree on the transport: rank {rank} uses {mode}, {theirs} "
+                         "(set MEGATRON_APP_TRANSPORT / --transport the same on every host)")
+    backends = choose_backends(rank, peers, {r: info["host"] for r, info in infos.items()},
+                               {r: info["rdma"] for r, info in infos.items()}, mode)
+    remote = {peer: kind for peer, kind in backends.items() if kind != "shm"}
+    host = advertised_address(master_addr) if remote else "127.0.0.1"
+    transport = Transport(rank, world_size, job_id, peers=peers, timeout_s=timeout_s, backends=remote,
+                          listen_host=host, **transport_options)
+    try:
+        if remote:
+            kinds = sorted(set(remote.values()))
+            store.set(f"{prefix}/addr/{rank}", json.dumps({kind: transport.local_address(kind) for kind in kinds}))
+            _wait(store, [f"{prefix}/addr/{peer}" for peer in remote], timeout_s,
+                  f"listening addresses of peers {sorted(remote)}")
+            transport.set_peer_addresses({peer: _read_json(store, f"{prefix}/addr/{peer}")[kind]
+                                          for peer, kind in remote.items()})
+    except BaseException:
+        transport.close()
+        raise
+    return transport
