@@ -1,0 +1,84 @@
+"""The simulator's view of an emulated run, and of a traced one.
+
+simulate_emulation: megatron_app.sim's event loop fed with exactly what --emulate-compute runs (the same per-task
+draws, the same slow-link rule, a fresh policy per iteration as the runtime's forward_backward_app makes one per
+call), so its makespans predict the emulated runtime's.
+replay_trace_iteration: the same loop fed with a traced iteration's measured task durations (issue 7 part 1's check
+that the simulator explains real runs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+from megatron_app.schedule import Kind, PipelineShape
+from megatron_app.sim import lower_bounds, run_iteration
+from megatron_app.sim.costs import BACKWARD_INDEX, FORWARD_INDEX
+from megatron_app.sim.engine import TaskTable, make_policies
+
+from .emulation_spec import EmulationSpec
+from .link_delay import SlowLinkNetwork, SlowLinkSpec
+
+
+@dataclass(frozen=True)
+class SimulatedIteration:
+    makespan_us: float
+    lower_bound_us: float
+    bubble_ratio: float
+    peak_activations: List[int]
+
+
+def simulate_emulation(spec: EmulationSpec, shape: PipelineShape, policy: str, iterations: int,
+                       slow_link: Optional[SlowLinkSpec] = None, latency_us: float = 0.0,
+                       memory_cap: Optional[int] = None) -> List[SimulatedIteration]:
+    network = SlowLinkNetwork(slow_link, latency_us)
+    table = TaskTable(shape)
+    start_us = 0.0
+    results = []
+    for iteration in range(iterations):
+        durations = spec.draw(shape, iteration)
+        network.begin_iteration(start_us)
+        outcome = run_iteration(shape, make_policies(shape, policy, memory_cap), durations, network, iteration,
+                                start_us, None, table)
+        results.append(SimulatedIteration(outcome.makespan_us, lower_bounds(shape, durations, latency_us).best_us,
+                                          outcome.bubble_ratio, list(outcome.peak_activations)))
+        start_us = outcome.end_us
+    return results
+
+
+def measured_durations(run, iteration: int) -> list:
+    """durations[pp_rank][kind][chunk][microbatch] (us) of one traced iteration, from the first TP/DP rank of each
+    stage; ValueError when a task has no forward/backward event or more than one."""
+    shape = PipelineShape(run.pipeline_parallel, run.model_chunks, run.microbatches)
+    V, m = shape.num_chunks, shape.num_microbatches
+    table = [[[[None] * m for _ in range(V)] for _ in range(2)] for _ in range(shape.num_stages)]
+    kinds = {"forward": FORWARD_INDEX, "backward": BACKWARD_INDEX}
+    for rank in run.ranks:
+        if rank.meta.tp_rank or rank.meta.dp_rank:
+            continue
+        for event in rank.events_of(iteration, kinds):
+            cell = table[rank.meta.pp_rank][kinds[event.kind]][event.chunk]
+            if cell[event.microbatch] is not None:
+                raise ValueError(f"iteration {iteration}: two {event.kind} events for chunk {event.chunk} microbatch "
+                                 f"{event.microbatch} on pipeline rank {rank.meta.pp_rank}")
+            cell[event.microbatch] = event.duration
+    for r, per_kind in enumerate(table):
+        for k, per_chunk in enumerate(per_kind):
+            for c, row in enumerate(per_chunk):
+                if None in row:
+                    kind = Kind.FORWARD if k == FORWARD_INDEX else Kind.BACKWARD
+                    raise ValueError(f"iteration {iteration}: pipeline rank {r} has no {kind.name.lower()} event for "
+                                     f"chunk {c} microbatch {row.index(None)}")
+    return table
+
+
+def replay_trace_iteration(run, iteration: int, policy: str, slow_link: Optional[SlowLinkSpec] = None,
+                           latency_us: float = 0.0, memory_cap: Optional[int] = None) -> SimulatedIteration:
+    """Simulate `policy` on a traced iteration's measured task durations."""
+    shape = PipelineShape(run.pipeline_parallel, run.model_chunks, run.microbatches)
+    durations = measured_durations(run, iteration)
+    outcome = run_iteration(shape, make_policies(shape, policy, memory_cap), durations,
+                            SlowLinkNetwork(slow_link, latency_us), iteration, 0.0)
+    return SimulatedIteration(outcome.makespan_us, lower_bounds(shape, durations, latency_us).best_us,
+                              outcome.bubble_ratio, list(outcome.peak_activations))

@@ -1,0 +1,92 @@
+"""What compute emulation emulates: per-task forward/backward times and the simulator's perturbations.
+
+Torch-free (the trainer validates flags with it before any process group exists). Task durations are
+megatron_app.sim's own draws (sim.costs.draw_durations, keyed by (seed, iteration, rank)), so every schedule meets
+the same durations and the simulator fed with the same spec predicts the same run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megatron_app.schedule import Kind, PipelineShape, ScheduleConfigError
+from megatron_app.sim.costs import BACKWARD_INDEX, FORWARD_INDEX, ComputeCosts, ComputePerturbations, draw_durations
+
+US_PER_MS = 1000.0
+DEFAULT_SLOW_FACTOR = 1.5
+DEFAULT_STRAGGLER_FACTOR = 3.0
+_KIND_INDEX = {Kind.FORWARD: FORWARD_INDEX, Kind.BACKWARD: BACKWARD_INDEX}
+
+
+@dataclass(frozen=True)
+class EmulationSpec:
+    """Base forward/backward time of one task of one model chunk, plus the simulator's perturbations."""
+
+    forward_ms: float
+    backward_ms: float
+    perturbations: ComputePerturbations = field(default_factory=ComputePerturbations)
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("forward_ms", "backward_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < 0:
+                raise ScheduleConfigError(f"{name} must be a finite number >= 0, got {value!r}")
+
+    @classmethod
+    def parse(cls, text: str, *, slow_rank: Optional[int] = None, slow_factor: float = DEFAULT_SLOW_FACTOR,
+              straggler_prob: float = 0.0, straggler_factor: float = DEFAULT_STRAGGLER_FACTOR,
+              seed: int = 0) -> "EmulationSpec":
+        """'FWD_MS,BWD_MS[,JITTER]' (e.g. '10,20' or '10,20,0.3'); perturbations as in megatron_app.sim."""
+        parts = [p.strip() for p in str(text).split(",")]
+        if len(parts) not in (2, 3):
+            raise ScheduleConfigError(f"--emulate-compute {text!r} is not FWD_MS,BWD_MS[,JITTER] (e.g. 10,20,0.3)")
+        try:
+            numbers = [float(p) for p in parts]
+        except ValueError:
+            raise ScheduleConfigError(f"--emulate-compute {text!r} has a malformed number") from None
+        jitter = numbers[2] if len(numbers) == 3 else 0.0
+        perturbations = ComputePerturbations(slow_rank=slow_rank,
+                                             slow_factor=slow_factor if slow_rank is not None else 1.0,
+                                             jitter=jitter, straggler_prob=straggler_prob,
+                                             straggler_factor=straggler_factor if straggler_prob else 1.0)
+        return cls(numbers[0], numbers[1], perturbations, seed)
+
+    def costs(self, shape: PipelineShape) -> ComputeCosts:
+        return ComputeCosts.uniform(shape, self.forward_ms * US_PER_MS, self.backward_ms * US_PER_MS)
+
+    def check_shape(self, shape: PipelineShape) -> None:
+        self.perturbations.check_shape(shape)
+
+    def draw(self, shape: PipelineShape, iteration: int):
+        """durations[rank][kind][chunk][microbatch] in microseconds (kind 0 forward, 1 backward)."""
+        return draw_durations(shape, self.costs(shape), self.perturbations, self.seed, iteration)
+
+
+class TaskDurations:
+    """Seconds of each (iteration, rank, kind, chunk, microbatch) task; one iteration's draws kept at a time."""
+
+    def __init__(self, spec: EmulationSpec, shape: PipelineShape):
+        spec.check_shape(shape)
+        self.spec = spec
+        self.shape = shape
+        self._iteration: Optional[int] = None
+        self._table = None
+
+    def seconds(self, iteration: int, rank: int, kind: Kind, chunk: int, microbatch: int) -> float:
+        if iteration != self._iteration:
+            self._table = self.spec.draw(self.shape, iteration)
+            self._iteration = iteration
+        return self._table[rank][_KIND_INDEX[kind]][chunk][microbatch] / 1e6
+
+
+def spec_from_args(args) -> Optional[EmulationSpec]:
+    """The trainer's emulation flags as a spec (None when --emulate-compute is absent); ScheduleConfigError if bad."""
+    if getattr(args, "emulate_compute", None) is None:
+        return None
+    return EmulationSpec.parse(args.emulate_compute, slow_rank=args.slow_rank, slow_factor=args.slow_factor,
+                               straggler_prob=args.straggler_prob, straggler_factor=args.straggler_factor,
+                               seed=args.seed)
