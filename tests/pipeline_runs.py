@@ -16,7 +16,7 @@ def run_env(**extra):
     return env
 
 
-def torchrun(nproc: int, script_and_args, timeout: float = 300, **env):
+def torchrun(nproc: int, script_and_args, timeout: float = 900, **env):
     """Run `script_and_args` on nproc ranks; returns the CompletedProcess (output captured)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            "--max_restarts", "0", *map(str, script_and_args)]
