@@ -2,6 +2,7 @@
 Same losses as run_single.sh for the same config, every link over TCP, both hosts' traces merge in process_trace;
 a host that dies mid-run ends the other host's processes with a clear error. Root only (skips otherwise)."""
 
+import re
 import json
 import subprocess
 import sys
@@ -101,5 +102,6 @@ def test_a_host_killed_mid_run_ends_the_other_host_with_a_clear_error(tmp_path):
     output = (tmp_path / "master.log").read_text()
     assert rc != 0
     assert took < 60, f"the master host needed {took:.0f} s to stop"
-    assert "rank 0: peer rank 1 closed its connection without a goodbye (its process exited or was killed)" in output, \
-        output[-3000:]
+    # The master notices on a receive ("closed its connection") or on a send ("connection lost"), whichever comes first.
+    named = re.search(r"rank 0: peer rank 1 .*(closed its connection without a goodbye|connection lost)", output)
+    assert named, output[-3000:]
