@@ -1,0 +1,431 @@
+#!/usr/bin/env python3
+"""Schedules head to head on emulated compute: megatron_app's runtime (dfc, bfc, adaptive, Megatron's interleaved
+and 1f1b orders) and torch.distributed.pipelining (Schedule1F1B, ScheduleInterleaved1F1B,
+ScheduleInterleavedZeroBubble), same process count, same per-task durations, in one run.
+
+    python tools/bench_schedule.py [--pipeline_parallel 4 --model_chunks 2 --microbatches 8 --fwd-ms 10 --bwd-ms 20]
+                                   [--iters 5 --warmup 2] [--scenarios ...] [--schedules ...]
+                                   [--json FILE] [--png FILE] [--work-dir DIR] [--quick]
+
+Scenarios: homogeneous; one rank 1.5x slower; per-task jitter +-30%; stragglers (10% of tasks 3x); one slow link
+(messages between the two middle ranks posted in the first 30 forward-times of an iteration arrive 1.2 forward-times
+late). Compute is emulated by timed waits (megatron_app.train.emulation), so P ranks share 2 cores without CPU
+contention. Prints a table (iteration time = median of --iters iterations after --warmup, bubble ratio, peak
+activations per rank, the simulator's prediction from the same cost model and its lower bound), then the issue's
+targets, pass or fail. 1f1b rows run with one chunk per rank and each task V times longer (the same model).
+Bad options print one line and exit 2; a failed worker exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Dict, List
+
+_root = Path(__file__).resolve().parent.parent
+for _path in (_root, Path(__file__).resolve().parent):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from megatron_app.trace import TraceError  # noqa: E402
+from megatron_app.trace.cli import OneLineArgumentParser, positive_int  # noqa: E402
+
+PROG = "bench_schedule.py"
+EXIT_WORKER_FAILED = 1
+WORKER = Path(__file__).resolve().parent / "bench_schedule_worker.py"
+
+# key -> (label, system, schedule, policy, one chunk per rank, simulator policy)
+SCHEDULES: Dict[str, tuple] = {
+    "dfc": ("APP dfc", "app", "app", "dfc", False, "dfc"),
+    "bfc": ("APP bfc", "app", "app", "bfc", False, "bfc"),
+    "adaptive": ("APP adaptive", "app", "app", "adaptive", False, "adaptive"),
+    "interleaved": ("Megatron interleaved (our runtime)", "app", "interleaved", "dfc", False, "interleaved"),
+    "1f1b": ("Megatron 1f1b V=1 (our runtime)", "app", "1f1b", "dfc", True, "1f1b"),
+    "torch-1f1b": ("torch Schedule1F1B V=1", "torch", "torch-1F1B", None, True, "1f1b"),
+    "torch-interleaved": ("torch ScheduleInterleaved1F1B", "torch", "torch-Interleaved1F1B", None, False,
+                          "interleaved"),
+    "torch-zb": ("torch ScheduleInterleavedZeroBubble", "torch", "torch-InterleavedZeroBubble", None, False, None),
+}
+SCENARIO_KEYS = {"homogeneous": "homogeneous", "slow-rank": "slow rank 1.5x", "jitter": "jitter +-30%",
+                 "stragglers": "stragglers 10% x3", "slow-link": "slow link"}
+# Full run and --quick defaults (P, V, m, fwd, bwd, iters, warmup).
+FULL = dict(pipeline_parallel=4, model_chunks=2, microbatches=8, fwd_ms=10.0, bwd_ms=20.0, iters=5, warmup=2)
+QUICK = dict(pipeline_parallel=2, model_chunks=2, microbatches=4, fwd_ms=2.0, bwd_ms=4.0, iters=2, warmup=1)
+
+
+class UsageError(ValueError):
+    pass
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = OneLineArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add("--pipeline_parallel", "--pipeline-parallel", "-P", dest="pipeline_parallel", type=positive_int,
+        help="ranks P (4; --quick 2)")
+    add("--model_chunks", "--model-chunks", "-V", dest="model_chunks", type=positive_int, help="chunks per rank (2)")
+    add("--microbatches", "-m", type=positive_int, help="microbatches per iteration (8; --quick 4)")
+    add("--fwd-ms", "--fwd_ms", dest="fwd_ms", type=_positive_float, help="forward of one chunk (10; --quick 2)")
+    add("--bwd-ms", "--bwd_ms", dest="bwd_ms", type=_positive_float, help="backward of one chunk (20; --quick 4)")
+    add("--iters", type=positive_int, help="measured iterations (5; --quick 2)")
+    add("--repeats", type=positive_int, default=1,
+        help="run the whole plan this many times, round robin, and pool the measured iterations (1): spreads bursts "
+             "of other load on a shared machine over every schedule")
+    add("--warmup", type=_non_negative_int, help="iterations before measuring (2; --quick 1)")
+    add("--scenarios", default=",".join(SCENARIO_KEYS), help=f"comma list of {', '.join(SCENARIO_KEYS)}")
+    add("--schedules", default=",".join(SCHEDULES), help=f"comma list of {', '.join(SCHEDULES)}")
+    add("--seed", type=_non_negative_int, default=0, help="seed of the random durations (same for every schedule)")
+    add("--slow-link", "--slow_link", dest="slow_link", default=None, metavar="A-B:START_MS-END_MS:DELAY_MS",
+        help="the slow-link scenario's link (default: the middle ranks, 0..30*fwd ms, delay 1.2*fwd ms)")
+    add("--hidden-size", dest="hidden_size", type=positive_int, default=64)
+    add("--seq-length", dest="seq_length", type=positive_int, default=64)
+    add("--micro-batch-size", dest="micro_batch_size", type=positive_int, default=2)
+    add("--sim-latency-us", dest="sim_latency_us", type=_non_negative_float, default=0.0,
+        help="per-message latency the simulator assumes (0)")
+    add("--json", default=None, metavar="FILE", help="write all rows, predictions and target checks as JSON")
+    add("--png", default=None, metavar="FILE", help="write a bar chart of iteration times")
+    add("--work-dir", "--work_dir", dest="work_dir", default=None,
+        help="keep traces and logs here (default: a temporary directory, removed afterwards)")
+    add("--timeout", type=_positive_float, default=3600.0, help="seconds before the workers are stopped (3600)")
+    add("--quick", action="store_true", help="smoke test: smaller m, shorter tasks, fewer iterations (< 60 s)")
+    add("--replay-trace", "--replay_trace", dest="replay_trace", default=None, metavar="TRACE_DIR",
+        help="instead of benchmarking: simulate a traced run (e.g. run_single.sh's traces/) from its measured task "
+             "durations and compare with its measured makespans")
+    add("--policy", default=None, help="with --replay-trace: the policy to simulate (default: the traced one)")
+    args = parser.parse_args(argv)
+    if args.replay_trace is not None:
+        return args
+    defaults = QUICK if args.quick else FULL
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    try:
+        _check(args)
+    except UsageError as exc:
+        parser.error(str(exc))
+    return args
+
+
+def _split_list(text: str, known, what: str) -> List[str]:
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    unknown = [item for item in items if item not in known]
+    if unknown or not items:
+        raise UsageError(f"unknown {what} {', '.join(unknown) or '(none given)'}; choose from {', '.join(known)}")
+    return items
+
+
+def _check(args: argparse.Namespace) -> None:
+    from megatron_app.schedule import PipelineShape, ScheduleConfigError, make_policy
+    from megatron_app.train.link_delay import SlowLinkSpec
+
+    P, V, m = args.pipeline_parallel, args.model_chunks, args.microbatches
+    args.scenario_names = [SCENARIO_KEYS[key] for key in _split_list(args.scenarios, SCENARIO_KEYS, "scenario")]
+    args.schedule_keys = _split_list(args.schedules, SCHEDULES, "schedule")
+    if P < 2:
+        raise UsageError("--pipeline_parallel must be at least 2 (a pipeline)")
+    if args.slow_link is None:
+        args.slow_link = f"{P // 2 - 1}-{P // 2}:0-{30 * args.fwd_ms:g}:{1.2 * args.fwd_ms:g}"
+    if args.warmup < 1 and any(SCHEDULES[key][1] == "torch" for key in args.schedule_keys):
+        raise UsageError("--warmup must be >= 1 with torch schedules (their first step infers tensor shapes)")
+    try:
+        SlowLinkSpec.parse(args.slow_link).check_ranks(P)
+        shape = PipelineShape(P, V, m)
+        make_policy("interleaved", shape, 0)   # Megatron's rules (m a multiple of P when V > 1)
+    except ScheduleConfigError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def scenario_flags(name: str, args) -> dict:
+    return {
+        "homogeneous": {},
+        "slow rank 1.5x": {"slow_rank": 1, "slow_factor": 1.5},
+        "jitter +-30%": {"jitter": 0.3},
+        "stragglers 10% x3": {"straggler_prob": 0.1, "straggler_factor": 3.0},
+        "slow link": {"slow_link": args.slow_link},
+    }[name]
+
+
+def build_plan(args, work_dir: Path) -> dict:
+    """Every run of the benchmark (repeats round robin); results go to a fresh directory under work_dir."""
+    job_id = f"bench{uuid.uuid4().hex[:8]}"
+    runs = []
+    for repeat in range(args.repeats):
+        for scenario in args.scenario_names:
+            for key in args.schedule_keys:
+                runs.append(plan_run(args, f"run{len(runs):03d}", repeat, scenario, key))
+    out_dir = work_dir / job_id
+    out_dir.mkdir(parents=True)
+    return {"job_id": job_id, "out_dir": str(out_dir), "runs": runs}
+
+
+def plan_run(args, run_id: str, repeat: int, scenario: str, key: str) -> dict:
+    flags = scenario_flags(scenario, args)
+    label, system, schedule, policy, single_chunk, sim_policy = SCHEDULES[key]
+    V = 1 if single_chunk else args.model_chunks
+    scale = args.model_chunks if single_chunk else 1      # the same model: a V=1 chunk is V chunks' work
+    compute = f"{args.fwd_ms * scale:g},{args.bwd_ms * scale:g}"
+    if flags.get("jitter"):
+        compute += f",{flags['jitter']:g}"
+    run = {
+        "id": run_id, "repeat": repeat, "scenario": scenario, "label": label, "key": key, "system": system,
+        "schedule": schedule, "policy": policy or "dfc", "sim_policy": sim_policy,
+        "pipeline_parallel": args.pipeline_parallel, "model_chunks": V, "microbatches": args.microbatches,
+        "micro_batch_size": args.micro_batch_size, "seq_length": args.seq_length, "hidden_size": args.hidden_size,
+        "vocab_size": 1024, "seed": args.seed, "iterations": args.warmup + args.iters, "warmup": args.warmup,
+        "emulate_compute": compute, "sim_latency_us": args.sim_latency_us, "notes": [],
+        **{k: v for k, v in flags.items() if k != "jitter"},
+    }
+    if single_chunk and args.model_chunks > 1:
+        run["notes"].append(f"one chunk per rank, tasks {scale}x longer (its random draws differ)")
+    if key == "torch-zb":
+        run["notes"].append("backward split 50/50 into input- and weight-gradient waits; no simulator policy for "
+                            "ZeroBubble")
+    if system == "torch" and sim_policy == "interleaved":
+        run["notes"].append("sim column: Megatron's interleaved order")
+    return run
+
+
+# ---- running the workers -------------------------------------------------------------------------------------
+def run_workers(plan: dict, nproc: int, log_path: Path, timeout_s: float) -> int:
+    """torchrun the worker on nproc ranks; progress lines go to stderr, everything to log_path."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(_root))
+    env.pop("MEGATRON_APP_JOB_ID", None)
+    plan_path = Path(plan["out_dir"]) / "plan.json"
+    plan_path.write_text(json.dumps(plan, indent=1))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "--max_restarts", "0", str(WORKER), str(plan_path)]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(cmd, cwd=_root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True, start_new_session=True)
+        timer = threading.Timer(timeout_s, lambda: os.killpg(process.pid, signal.SIGTERM))
+        timer.start()
+        try:
+            for line in process.stdout:
+                log.write(line)
+                if line.startswith("[bench]"):
+                    print(line.rstrip(), file=sys.stderr, flush=True)
+            return process.wait()
+        finally:
+            timer.cancel()
+
+
+def _last_error(log_path: Path) -> str:
+    lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines()
+             if "Error" in line or "error:" in line]
+    return lines[-1][:300] if lines else "no error line in the log"
+
+
+# ---- output --------------------------------------------------------------------------------------------------
+def _fmt(value, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def format_table(rows) -> str:
+    header = (f"{'scenario':<18} {'schedule':<37} {'iter ms':>8} {'bubble':>7} {'sim ms':>7} {'sim err':>8} "
+              f"{'bound ms':>8} {'replay err':>10}  peak activations per rank")
+    lines = [header, "-" * len(header)]
+    previous = None
+    for row in rows:
+        if previous is not None and row.scenario != previous:
+            lines.append("")
+        previous = row.scenario
+        lines.append(f"{row.scenario:<18} {row.label:<37} {row.iteration_ms:>8.1f} {row.bubble_ratio:>7.1%} "
+                     f"{_fmt(row.sim_ms, '7.1f'):>7} {_fmt(row.sim_error, '+8.1%'):>8} {_fmt(row.bound_ms, '8.1f'):>8} "
+                     f"{_fmt(row.replay_error, '+10.1%'):>10}  {','.join(map(str, row.peak_activations))}")
+    return "\n".join(lines)
+
+
+def format_checks(checks) -> str:
+    lines = ["targets:"]
+    for check in checks:
+        verdict = {True: "PASS", False: "FAIL", None: "n/a "}[check.passed]
+        lines.append(f"  [{verdict}] {check.scenario}: {check.target}: {check.measured}")
+    return "\n".join(lines)
+
+
+def write_png(rows, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scenarios = list(dict.fromkeys(row.scenario for row in rows))
+    labels = list(dict.fromkeys(row.label for row in rows))
+    width = 0.8 / len(labels)
+    fig, ax = plt.subplots(figsize=(max(8, 2.2 * len(scenarios)), 5.5))
+    colors = plt.get_cmap("tab10")
+    for j, label in enumerate(labels):
+        xs, ys, sims = [], [], []
+        for i, scenario in enumerate(scenarios):
+            row = next((r for r in rows if r.scenario == scenario and r.label == label), None)
+            if row is not None:
+                xs.append(i + (j - (len(labels) - 1) / 2) * width)
+                ys.append(row.iteration_ms)
+                sims.append(row.sim_ms)
+        ax.bar(xs, ys, width, label=label, color=colors(j % 10))
+        sim_points = [(x, s) for x, s in zip(xs, sims) if s is not None]
+        if sim_points:
+            ax.hlines([p[1] for p in sim_points], [p[0] - width / 2 for p in sim_points],
+                      [p[0] + width / 2 for p in sim_points], colors="black", zorder=3)
+    for i, scenario in enumerate(scenarios):
+        bound = next((r.bound_ms for r in rows if r.scenario == scenario and r.model_chunks == max(
+            x.model_chunks for x in rows)), None)
+        if bound is not None:
+            ax.hlines(bound, i - 0.45, i + 0.45, colors="red", linestyles="dashed", zorder=4)
+    ax.set_xticks(range(len(scenarios)))
+    ax.set_xticklabels(scenarios)
+    ax.set_ylabel("iteration time, ms (median)")
+    ax.set_title(title + "\nblack tick: simulator prediction; red dashes: lower bound", fontsize=10)
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.07))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def machine() -> dict:
+    import torch
+
+    return {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def replay_main(args) -> int:
+    """--replay-trace: per complete iteration, measured makespan vs the simulator fed with its task durations."""
+    from megatron_app.schedule import ScheduleConfigError
+    from megatron_app.trace import read_trace_dir
+    from megatron_app.trace.metrics import iteration_metrics
+    from megatron_app.train.emulation_sim import replay_trace_iteration
+
+    run = read_trace_dir(args.replay_trace)
+    policy = args.policy or run.policy
+    rows = []
+    try:
+        for iteration in run.select_iterations("all"):
+            measured = iteration_metrics(run, iteration).makespan_us / 1e3
+            simulated = replay_trace_iteration(run, iteration, policy, latency_us=args.sim_latency_us)
+            rows.append({"iteration": iteration, "measured_ms": measured, "sim_ms": simulated.makespan_us / 1e3,
+                         "error": measured / (simulated.makespan_us / 1e3) - 1.0})
+    except (ScheduleConfigError, ValueError) as exc:
+        raise TraceError(str(exc)) from None
+    print(f"{run.trace_dir}: P={run.pipeline_parallel} V={run.model_chunks} m={run.microbatches}, simulated policy "
+          f"{policy}, message latency {args.sim_latency_us:g} us")
+    print(f"{'iteration':>9} {'measured ms':>12} {'sim ms':>9} {'error':>8}")
+    for row in rows:
+        print(f"{row['iteration']:>9} {row['measured_ms']:>12.1f} {row['sim_ms']:>9.1f} {row['error']:>+8.1%}")
+    errors = sorted(abs(row["error"]) for row in rows)
+    median = errors[len(errors) // 2]
+    print(f"median |error| {median:.1%}: {'within' if median <= 0.15 else 'NOT within'} 15%")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"trace_dir": str(run.trace_dir), "policy": policy,
+                                               "iterations": rows, "median_abs_error": median}, indent=1))
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.replay_trace is not None:
+        try:
+            return replay_main(args)
+        except TraceError as exc:
+            print(f"{PROG}: error: {exc}", file=sys.stderr)
+            return 2
+    from bench_schedule_analysis import analyse_plan, check_targets, rows_to_json
+
+    work_dir = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="bench_schedule_"))
+    work_dir.mkdir(parents=True, exist_ok=True)
+    began = time.perf_counter()
+    load_before = os.getloadavg()[0]   # other work on the machine shows up as noise: say how much there was
+    try:
+        plan = build_plan(args, work_dir.resolve())
+        log_path = Path(plan["out_dir"]) / "worker.log"
+        code = run_workers(plan, args.pipeline_parallel, log_path, args.timeout)
+        if code != 0:
+            print(f"{PROG}: error: the workers failed (exit {code}): {_last_error(log_path)}"
+                  + (f"; log: {log_path}" if args.work_dir else ""), file=sys.stderr)
+            return EXIT_WORKER_FAILED
+        try:
+            rows = analyse_plan(plan)
+        except (TraceError, ValueError, OSError) as exc:
+            print(f"{PROG}: error: cannot analyse the results: {exc}", file=sys.stderr)
+            return EXIT_WORKER_FAILED
+    finally:
+        if args.work_dir is None:
+            shutil.rmtree(work_dir, ignore_errors=True)
+    checks = check_targets(rows)
+    title = (f"P={args.pipeline_parallel} V={args.model_chunks} m={args.microbatches} f={args.fwd_ms:g} ms "
+             f"b={args.bwd_ms:g} ms, median of {args.iters * args.repeats} iterations ({args.repeats} x {args.iters} "
+             f"after {args.warmup} warm-up)")
+    load = f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
+    print(f"{title}; {load}")
+    print(format_table(rows))
+    print(format_checks(checks))
+    if args.quick:
+        print("(--quick: tasks of a few ms are close to the runtime's ~0.5 ms per-task overhead, so the simulator "
+              "checks are only meaningful at full size)")
+    print(f"({time.perf_counter() - began:.0f} s)")
+    if args.json:
+        payload = {
+            "schema": "megatron_app.bench_schedule/1",
+            "date": datetime.date.today().isoformat(),
+            "command": " ".join([Path(sys.argv[0]).name] + list(sys.argv[1:] if argv is None else argv)),
+            "machine": dict(machine(), load_average_before=load_before, load_average_after=os.getloadavg()[0]),
+            "config": {k: getattr(args, k) for k in ("pipeline_parallel", "model_chunks", "microbatches", "fwd_ms",
+                                                     "bwd_ms", "iters", "warmup", "repeats", "seed", "slow_link",
+                                                     "hidden_size", "seq_length", "micro_batch_size",
+                                                     "sim_latency_us", "quick")},
+            "scenarios": args.scenario_names,
+            "rows": rows_to_json(rows),
+            "targets": [check.__dict__ for check in checks],
+        }
+        Path(args.json).write_text(json.dumps(payload, indent=1))
+    if args.png:
+        write_png(rows, args.png, title)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit(130)

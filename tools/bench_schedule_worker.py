@@ -1,0 +1,106 @@
+"""One rank of tools/bench_schedule.py, launched by it under torchrun: runs every run of a plan in turn.
+
+    python -m torch.distributed.run --nproc_per_node P tools/bench_schedule_worker.py PLAN.json
+
+One process group for the whole plan, so the ~5 s of imports per rank are paid once. A megatron_app run goes through
+the trainer itself (megatron_app.train: parse_args + train with --emulate-compute; traces and the JSON log land in
+the run's directory); a torch.distributed.pipelining run goes through bench_schedule_torch.py and writes its
+per-rank step times and compute spans as JSON (monotonic clock, shared by the processes of one host).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+_root = Path(__file__).resolve().parent.parent
+if str(_root) not in sys.path:
+    sys.path.insert(0, str(_root))
+
+import torch.distributed as dist  # noqa: E402
+
+
+def trainer_argv(run: dict, run_dir: Path) -> list:
+    """The megatron_app.train flags of one run (also what BENCHMARKS.md quotes to reproduce a row)."""
+    P, V = run["pipeline_parallel"], run["model_chunks"]
+    argv = ["--pipeline_parallel", P, "--model_chunks", V, "--num-layers", P * V,
+            "--hidden-size", run["hidden_size"], "--num-attention-heads", 1, "--seq-length", run["seq_length"],
+            "--vocab-size", run["vocab_size"], "--micro-batch-size", run["micro_batch_size"],
+            "--global-batch-size", run["microbatches"] * run["micro_batch_size"], "--iters", run["iterations"],
+            "--seed", run["seed"], "--schedule", run["schedule"], "--policy", run["policy"],
+            "--emulate-compute", run["emulate_compute"]]
+    for flag, key in (("--slow-rank", "slow_rank"), ("--slow-factor", "slow_factor"),
+                      ("--straggler-prob", "straggler_prob"), ("--straggler-factor", "straggler_factor"),
+                      ("--slow-link", "slow_link")):
+        if run.get(key) is not None:
+            argv += [flag, run[key]]
+    if run_dir is not None:
+        argv += ["--trace-dir", run_dir / "trace", "--log-json", run_dir / "log.json"]
+    return [str(item) for item in argv]
+
+
+def _process_groups() -> set:
+    return set(dist.distributed_c10d._world.pg_map)   # every live group, the default one included
+
+
+def run_app(run: dict, run_dir: Path, job_id: str) -> None:
+    from megatron_app.train.args import parse_args
+    from megatron_app.train.loop import train
+
+    os.environ["MEGATRON_APP_JOB_ID"] = job_id   # fresh shared-memory names for every run
+    before = _process_groups()
+    try:
+        train(parse_args(trainer_argv(run, run_dir)))
+    finally:
+        # Megatron's destroy_model_parallel only forgets its groups; each gloo group keeps three threads, and a
+        # plan of 100 runs would pile up thousands of them.
+        for group in _process_groups() - before:
+            dist.destroy_process_group(group)
+
+
+def run_torch(run: dict, run_dir: Path) -> None:
+    from bench_schedule_torch import SpanRecorder, run_torch_schedule
+
+    from megatron_app.schedule import PipelineShape
+    from megatron_app.train.emulation_spec import EmulationSpec, TaskDurations
+
+    spec = EmulationSpec.parse(run["emulate_compute"], slow_rank=run.get("slow_rank"),
+                               slow_factor=run.get("slow_factor") or 1.0,
+                               straggler_prob=run.get("straggler_prob") or 0.0,
+                               straggler_factor=run.get("straggler_factor") or 1.0, seed=run["seed"])
+    shape = PipelineShape(run["pipeline_parallel"], run["model_chunks"], run["microbatches"])
+    recorder = SpanRecorder()
+    steps = run_torch_schedule(run, TaskDurations(spec, shape), recorder)
+    payload = {"rank": dist.get_rank(), "steps": steps, "spans": recorder.spans}
+    with open(run_dir / f"torch_rank{dist.get_rank()}.json", "w") as handle:
+        json.dump(payload, handle)
+
+
+def main(argv=None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    plan = json.loads(Path(args[0]).read_text())
+    dist.init_process_group("gloo")
+    began = time.perf_counter()
+    try:
+        for index, run in enumerate(plan["runs"]):
+            run_dir = Path(plan["out_dir"]) / run["id"]
+            run_dir.mkdir(parents=True, exist_ok=True)
+            dist.barrier()
+            if dist.get_rank() == 0:
+                threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0
+                print(f"[bench] {time.perf_counter() - began:6.1f} s  {index + 1}/{len(plan['runs'])} "
+                      f"{run['scenario']}: {run['label']} (threads {threads})", flush=True)
+            if run["system"] == "app":
+                run_app(run, run_dir, f"{plan['job_id']}r{index}")
+            else:
+                run_torch(run, run_dir)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
