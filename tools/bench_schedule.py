@@ -4,15 +4,16 @@ and 1f1b orders) and torch.distributed.pipelining (Schedule1F1B, ScheduleInterle
 ScheduleInterleavedZeroBubble), same process count, same per-task durations, in one run.
 
     python tools/bench_schedule.py [--pipeline_parallel 4 --model_chunks 2 --microbatches 8 --fwd-ms 10 --bwd-ms 20]
-                                   [--iters 5 --warmup 2] [--scenarios ...] [--schedules ...]
+                                   [--iters 5 --warmup 2 --repeats 1] [--scenarios ...] [--schedules ...]
                                    [--json FILE] [--png FILE] [--work-dir DIR] [--quick]
+    python tools/bench_schedule.py --replay-trace TRACE_DIR [--policy NAME]   # simulator vs a traced run
 
 Scenarios: homogeneous; one rank 1.5x slower; per-task jitter +-30%; stragglers (10% of tasks 3x); one slow link
 (messages between the two middle ranks posted in the first 30 forward-times of an iteration arrive 1.2 forward-times
 late). Compute is emulated by timed waits (megatron_app.train.emulation), so P ranks share 2 cores without CPU
-contention. Prints a table (iteration time = median of --iters iterations after --warmup, bubble ratio, peak
-activations per rank, the simulator's prediction from the same cost model and its lower bound), then the issue's
-targets, pass or fail. 1f1b rows run with one chunk per rank and each task V times longer (the same model).
+contention. Prints a table (iteration time = median of the measured iterations, bubble ratio, peak activations per
+rank, the simulator's prediction from the same cost model, its lower bound, and its error when fed with the run's
+measured task durations), then the issue's targets, pass or fail. 1f1b rows run with one chunk per rank and each task V times longer (the same model).
 Bad options print one line and exit 2; a failed worker exits 1.
 """
 
