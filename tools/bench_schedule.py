@@ -41,7 +41,8 @@ for _path in (_root, Path(__file__).resolve().parent):
         sys.path.insert(0, str(_path))
 
 from megatron_app.trace import TraceError  # noqa: E402
-from megatron_app.trace.cli import OneLineArgumentParser, positive_int  # noqa: E402
+from megatron_app.trace.cli import (OneLineArgumentParser, non_negative_int, number,  # noqa: E402
+                                    positive_int)
 
 PROG = "bench_schedule.py"
 EXIT_WORKER_FAILED = 1
@@ -70,36 +71,6 @@ class UsageError(ValueError):
     pass
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parser = OneLineArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     add = parser.add_argument
@@ -107,28 +78,28 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="ranks P (4; --quick 2)")
     add("--model_chunks", "--model-chunks", "-V", dest="model_chunks", type=positive_int, help="chunks per rank (2)")
     add("--microbatches", "-m", type=positive_int, help="microbatches per iteration (8; --quick 4)")
-    add("--fwd-ms", "--fwd_ms", dest="fwd_ms", type=_positive_float, help="forward of one chunk (10; --quick 2)")
-    add("--bwd-ms", "--bwd_ms", dest="bwd_ms", type=_positive_float, help="backward of one chunk (20; --quick 4)")
+    add("--fwd-ms", "--fwd_ms", dest="fwd_ms", type=number(0, inclusive=False, finite=True), help="forward of one chunk (10; --quick 2)")
+    add("--bwd-ms", "--bwd_ms", dest="bwd_ms", type=number(0, inclusive=False, finite=True), help="backward of one chunk (20; --quick 4)")
     add("--iters", type=positive_int, help="measured iterations (5; --quick 2)")
     add("--repeats", type=positive_int, default=1,
         help="run the whole plan this many times, round robin, and pool the measured iterations (1): spreads bursts "
              "of other load on a shared machine over every schedule")
-    add("--warmup", type=_non_negative_int, help="iterations before measuring (2; --quick 1)")
+    add("--warmup", type=non_negative_int, help="iterations before measuring (2; --quick 1)")
     add("--scenarios", default=",".join(SCENARIO_KEYS), help=f"comma list of {', '.join(SCENARIO_KEYS)}")
     add("--schedules", default=",".join(SCHEDULES), help=f"comma list of {', '.join(SCHEDULES)}")
-    add("--seed", type=_non_negative_int, default=0, help="seed of the random durations (same for every schedule)")
+    add("--seed", type=non_negative_int, default=0, help="seed of the random durations (same for every schedule)")
     add("--slow-link", "--slow_link", dest="slow_link", default=None, metavar="A-B:START_MS-END_MS:DELAY_MS",
         help="the slow-link scenario's link (default: the middle ranks, 0..30*fwd ms, delay 1.2*fwd ms)")
     add("--hidden-size", dest="hidden_size", type=positive_int, default=64)
     add("--seq-length", dest="seq_length", type=positive_int, default=64)
     add("--micro-batch-size", dest="micro_batch_size", type=positive_int, default=2)
-    add("--sim-latency-us", dest="sim_latency_us", type=_non_negative_float, default=0.0,
+    add("--sim-latency-us", dest="sim_latency_us", type=number(0, finite=True), default=0.0,
         help="per-message latency the simulator assumes (0)")
     add("--json", default=None, metavar="FILE", help="write all rows, predictions and target checks as JSON")
     add("--png", default=None, metavar="FILE", help="write a bar chart of iteration times")
     add("--work-dir", "--work_dir", dest="work_dir", default=None,
         help="keep traces and logs here (default: a temporary directory, removed afterwards)")
-    add("--timeout", type=_positive_float, default=3600.0, help="seconds before the workers are stopped (3600)")
+    add("--timeout", type=number(0, inclusive=False, finite=True), default=3600.0, help="seconds before the workers are stopped (3600)")
     add("--quick", action="store_true", help="smoke test: smaller m, shorter tasks, fewer iterations (< 60 s)")
     add("--replay-trace", "--replay_trace", dest="replay_trace", default=None, metavar="TRACE_DIR",
         help="instead of benchmarking: simulate a traced run (e.g. run_single.sh's traces/) from its measured task "

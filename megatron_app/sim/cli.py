@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from megatron_app.schedule import POLICY_NAMES, PipelineShape, ScheduleConfigError
-from megatron_app.trace.cli import EXIT_BAD_INPUT, OneLineArgumentParser, positive_int
+from megatron_app.trace.cli import EXIT_BAD_INPUT, OneLineArgumentParser, non_negative_int, number, positive_int
 
 from .costs import ComputeCosts, ComputePerturbations
 from .network import US_PER_MS, LinkCosts, SlowLink
@@ -29,29 +29,6 @@ PROG = "python -m megatron_app.sim"
 ALL = "all"
 # Up to this many ranks the table lists every rank's peak activations; beyond, only the largest.
 MAX_LISTED_RANKS = 8
-
-
-def _number(minimum: float, inclusive: bool = True):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if math.isnan(value) or (value < minimum if inclusive else value <= minimum):
-            raise argparse.ArgumentTypeError(f"expected a number {'>=' if inclusive else '>'} {minimum:g}, "
-                                             f"got {text!r}")
-        return value
-    return parse
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
 
 
 def _slow_link(text: str) -> SlowLink:
@@ -72,31 +49,31 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     add("--microbatch-group-size", "--microbatch_group_size", dest="microbatch_group_size", type=positive_int,
         default=None, help="Megatron's microbatch_group_size_per_vp_stage (default P)")
     add("--policy", choices=POLICY_NAMES + (ALL,), default=ALL, help="policy to simulate (default all)")
-    add("--fwd-ms", "--fwd_ms", dest="fwd_ms", type=_number(0.0), default=10.0,
+    add("--fwd-ms", "--fwd_ms", dest="fwd_ms", type=number(0.0), default=10.0,
         help="forward time of one chunk, ms (default 10)")
-    add("--bwd-ms", "--bwd_ms", dest="bwd_ms", type=_number(0.0), default=20.0,
+    add("--bwd-ms", "--bwd_ms", dest="bwd_ms", type=number(0.0), default=20.0,
         help="backward time of one chunk, ms (default 20)")
-    add("--slow-rank", "--slow_rank", dest="slow_rank", type=_non_negative_int, default=None,
+    add("--slow-rank", "--slow_rank", dest="slow_rank", type=non_negative_int, default=None,
         help="rank whose every task is --slow-factor times longer")
-    add("--slow-factor", "--slow_factor", dest="slow_factor", type=_number(1.0), default=None,
+    add("--slow-factor", "--slow_factor", dest="slow_factor", type=number(1.0), default=None,
         help="slowdown of --slow-rank (>= 1, default 1.5)")
-    add("--jitter", type=_number(0.0), default=0.0, help="each task takes U(1-x, 1+x) times its cost, 0 <= x < 1")
-    add("--straggler-prob", "--straggler_prob", dest="straggler_prob", type=_number(0.0), default=0.0,
+    add("--jitter", type=number(0.0), default=0.0, help="each task takes U(1-x, 1+x) times its cost, 0 <= x < 1")
+    add("--straggler-prob", "--straggler_prob", dest="straggler_prob", type=number(0.0), default=0.0,
         help="probability that a task is a straggler")
-    add("--straggler-factor", "--straggler_factor", dest="straggler_factor", type=_number(1.0), default=3.0,
+    add("--straggler-factor", "--straggler_factor", dest="straggler_factor", type=number(1.0), default=3.0,
         help="slowdown of a straggler task (default 3)")
-    add("--link-latency-us", "--link_latency_us", dest="link_latency_us", type=_number(0.0), default=0.0,
+    add("--link-latency-us", "--link_latency_us", dest="link_latency_us", type=number(0.0), default=0.0,
         help="latency of every message, us (default 0)")
-    add("--link-gbps", "--link_gbps", dest="link_gbps", type=_number(0.0, inclusive=False), default=math.inf,
+    add("--link-gbps", "--link_gbps", dest="link_gbps", type=number(0.0, inclusive=False), default=math.inf,
         help="link bandwidth, gigabits/s (default: unlimited)")
-    add("--tensor-bytes", "--tensor_bytes", dest="tensor_bytes", type=_non_negative_int, default=0,
+    add("--tensor-bytes", "--tensor_bytes", dest="tensor_bytes", type=non_negative_int, default=0,
         help="bytes per message (default 0)")
     add("--slow-link", "--slow_link", dest="slow_links", type=_slow_link, action="append", default=[],
         help="A-B:START_MS-END_MS:FACTOR, both directions between ranks A and B; repeatable")
     add("--memory-cap", "--memory_cap", dest="memory_cap", type=positive_int, default=None,
         help="activations a rank may hold (default: Megatron's interleaved peak per rank)")
     add("--iterations", type=positive_int, default=1, help="iterations, separated by a barrier (default 1)")
-    add("--seed", type=_non_negative_int, default=0, help="seed of the random perturbations (default 0)")
+    add("--seed", type=non_negative_int, default=0, help="seed of the random perturbations (default 0)")
     add("--trace-dir", "--trace_dir", dest="trace_dir", default=None,
         help="write trace_rank<r>.jsonl files here (with --policy all: one sub-directory per policy)")
     add("--json", dest="json_path", default=None, help="also write the results as JSON to this file")

@@ -32,6 +32,32 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def number(minimum: float, inclusive: bool = True, finite: bool = False):
+    """An argparse type for floats >= minimum (> minimum when not inclusive); NaN always refused."""
+    bound = f"{'>=' if inclusive else '>'} {minimum:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number {bound}, got {text!r}") from None
+        too_small = value < minimum if inclusive else value <= minimum
+        if value != value or too_small or (finite and value == float("inf")):
+            raise argparse.ArgumentTypeError(f"expected a number {bound}, got {text!r}")
+        return value
+    return parse
+
+
 def iteration_choice(text: str) -> int | str:
     if text in ("all", "last"):
         return text
