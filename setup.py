@@ -1,5 +1,7 @@
 """Build megatron_app and its compiled transport core: `pip install -e . --no-build-isolation --no-deps`."""
 
+import os
+import tempfile
 from pathlib import Path
 
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
@@ -15,6 +17,45 @@ ParallelCompile("MAPP_BUILD_JOBS").install()
 core_sources = sorted(str(path) for path in (ROOT / CORE_DIR).glob("*.cpp"))
 core_headers = sorted(str(path) for path in (ROOT / CORE_DIR).glob("*.h"))
 
+VERBS_PROBE = """#include <infiniband/verbs.h>
+int main(void) { int count = 0; struct ibv_device **list = ibv_get_device_list(&count); if (list) ibv_free_device_list(list); return 0; }
+"""
+
+
+def rdma_core_available() -> tuple[bool, str]:
+    """Whether <infiniband/verbs.h> compiles and a program links against -libverbs (rdma-core's dev package).
+    MAPP_WITHOUT_RDMA=1 builds without it, as on a machine lacking rdma-core."""
+    if os.environ.get("MAPP_WITHOUT_RDMA", "") not in ("", "0"):
+        return False, "MAPP_WITHOUT_RDMA is set"
+    from setuptools._distutils.ccompiler import new_compiler
+    from setuptools._distutils.errors import CompileError, LinkError
+    from setuptools._distutils.sysconfig import customize_compiler
+
+    compiler = new_compiler()
+    customize_compiler(compiler)
+    with tempfile.TemporaryDirectory() as scratch:
+        source = Path(scratch) / "verbs_probe.c"
+        source.write_text(VERBS_PROBE)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        saved = os.dup(2)
+        os.dup2(devnull, 2)  # the probe's compiler errors are expected where rdma-core is missing
+        try:
+            objects = compiler.compile([str(source)], output_dir=scratch)
+            compiler.link_executable(objects, "verbs_probe", output_dir=scratch, libraries=["ibverbs"])
+        except CompileError:
+            return False, "<infiniband/verbs.h> not found"
+        except LinkError:
+            return False, "-libverbs does not link"
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            os.close(devnull)
+    return True, "rdma-core found"
+
+
+with_rdma, rdma_reason = rdma_core_available()
+print(f"megatron_app: rdma backend {'built with libibverbs' if with_rdma else 'not built'} ({rdma_reason})")
+
 shm_tensor_rdma = Pybind11Extension(
     "megatron_app._shm_tensor_rdma",
     sources=[str(Path(source).relative_to(ROOT)) for source in core_sources],
@@ -23,7 +64,8 @@ shm_tensor_rdma = Pybind11Extension(
     cxx_std=17,
     extra_compile_args=["-O3", "-pthread", "-Wall", "-Wextra", "-Wno-unused-parameter"],
     extra_link_args=["-pthread"],
-    libraries=["rt"],
+    libraries=["rt"] + (["ibverbs"] if with_rdma else []),
+    define_macros=[("MAPP_HAVE_IBVERBS", "1")] if with_rdma else [],
 )
 
 setup(

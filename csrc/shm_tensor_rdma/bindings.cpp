@@ -11,6 +11,7 @@
 #include "errors.h"
 #include "loss_bindings.h"
 #include "rdma_backend.h"
+#include "rdma_protocol_bindings.h"
 #include "tag.h"
 #include "transport.h"
 
@@ -184,4 +185,5 @@ PYBIND11_MODULE(_shm_tensor_rdma, m) {
       .def_property_readonly("rank", &Transport::rank);
 
   bind_loss(m);
+  bind_rdma_protocol(m);
 }

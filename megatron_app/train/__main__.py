@@ -28,6 +28,18 @@ def check_schedule(args) -> None:
         make_policy(policy, shape, rank)
 
 
+def check_forced_rdma(args) -> None:
+    """MEGATRON_APP_TRANSPORT=rdma on a host without a usable device: one line now, before any rank starts."""
+    if args.pipeline_parallel < 2 or os.environ.get("MEGATRON_APP_TRANSPORT", "").strip().lower() != "rdma":
+        return
+    from megatron_app.transport import rdma_status
+
+    built, usable, detail = rdma_status()
+    if not usable:
+        _fail(f"MEGATRON_APP_TRANSPORT=rdma but this host has no usable RDMA device ({detail}); "
+              "see tools/rdma_check.py, or use tcp or auto")
+
+
 def main(argv=None) -> None:
     try:
         args = parse_args(argv)
@@ -38,17 +50,20 @@ def main(argv=None) -> None:
             check_schedule(args)
         except ValueError as exc:
             _fail(str(exc))
+        check_forced_rdma(args)
         print(f"megatron_app.train: config ok: {args.world_size} ranks, P={args.pipeline_parallel} "
               f"V={args.model_chunks} T={args.tensor_parallel} D={args.data_parallel} m={args.num_microbatches}")
         return
     # Heavy imports only once the flags are known to be good.
     from megatron_app.runtime import PipelineStallError
-    from megatron_app.transport import PeerDied, TransportTimeout
+    from megatron_app.transport import BackendUnavailable, PeerDied, TransportTimeout
 
     from .loop import train
 
     try:
         train(args)
+    except BackendUnavailable as exc:  # a forced --transport / MEGATRON_APP_TRANSPORT this job cannot honour
+        _fail(str(exc))
     except (PeerDied, TransportTimeout, PipelineStallError) as exc:
         # A fault of another rank, not of this one: name it in one line instead of a traceback.
         print(f"megatron_app.train: rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)

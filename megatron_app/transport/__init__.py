@@ -12,11 +12,11 @@ Public API:
         chooses each link's backend and exchanges addresses through the torch.distributed store
     requested_mode(value=None) ($MEGATRON_APP_TRANSPORT: auto|shm|tcp|rdma), choose_backends(...), rdma_status()
     make_tag / split_tag / describe_tag, Direction, cleanup_job(job_id)
-    Errors: ValueError / TypeError (bad arguments), TransportTimeout (a TimeoutError), PeerDied and
-    TransportClosed (RuntimeErrors).
+    Errors: ValueError / TypeError (bad arguments; BackendUnavailable, a ValueError, for a forced backend that
+    cannot serve a link), TransportTimeout (a TimeoutError), PeerDied and TransportClosed (RuntimeErrors).
 """
 
-from .backend_choice import TRANSPORT_ENV, choose_backends, requested_mode
+from .backend_choice import TRANSPORT_ENV, BackendUnavailable, choose_backends, requested_mode
 from .rendezvous import open_transport
 from .tags import Direction, describe_tag, make_tag, split_tag
 from .transport import (
@@ -30,6 +30,7 @@ from .transport import (
 )
 
 __all__ = [
+    "BackendUnavailable",
     "Direction",
     "TRANSPORT_ENV",
     "PeerDied",

@@ -16,6 +16,11 @@ HOST_ADDRESS_ENV = "MEGATRON_APP_HOST_ADDRESS"
 MODES = ("auto", "shm", "tcp", "rdma")
 
 
+class BackendUnavailable(ValueError):
+    """A forced backend cannot serve a link (shm across hosts, rdma without a usable device): a user setting to
+    change, reported in one line by the launchers."""
+
+
 def requested_mode(value: str | None = None) -> str:
     """The forced backend: `value`, else $MEGATRON_APP_TRANSPORT, else auto. ValueError for an unknown name."""
     mode = (value if value is not None else os.environ.get(TRANSPORT_ENV, "")).strip().lower() or "auto"
@@ -59,19 +64,20 @@ def advertised_address(master_addr: str | None) -> str:
 def choose_backends(my_rank: int, peers: Iterable[int], hosts: Mapping[int, str], rdma_usable: Mapping[int, bool],
                     mode: str) -> dict[int, str]:
     """{peer: 'shm'|'tcp'|'rdma'}. Both ends of a link compute the same answer from the same inputs.
-    ValueError when a forced backend cannot serve a link (shm across hosts, rdma without a device)."""
+    BackendUnavailable (a ValueError) when a forced backend cannot serve a link (shm across hosts, rdma without a
+    device)."""
     mode = requested_mode(mode)
     chosen = {}
     for peer in peers:
         same_host = hosts[peer] == hosts[my_rank]
         both_rdma = bool(rdma_usable.get(peer)) and bool(rdma_usable.get(my_rank))
         if mode == "shm" and not same_host:
-            raise ValueError(f"{TRANSPORT_ENV}=shm but rank {peer} runs on another host ({hosts[peer]}) than rank "
-                             f"{my_rank} ({hosts[my_rank]}); use tcp or auto")
+            raise BackendUnavailable(f"{TRANSPORT_ENV}=shm but rank {peer} runs on another host ({hosts[peer]}) "
+                                     f"than rank {my_rank} ({hosts[my_rank]}); use tcp or auto")
         if mode == "rdma" and not both_rdma:
             without = [rank for rank in (my_rank, peer) if not rdma_usable.get(rank)]
-            raise ValueError(f"{TRANSPORT_ENV}=rdma but rank(s) {without} have no usable RDMA device "
-                             "(see tools/rdma_check.py); use tcp or auto")
+            raise BackendUnavailable(f"{TRANSPORT_ENV}=rdma but rank(s) {without} have no usable RDMA device "
+                                     "(see tools/rdma_check.py); use tcp or auto")
         if mode == "auto":
             chosen[peer] = "shm" if same_host else ("rdma" if both_rdma else "tcp")
         else:

@@ -11,7 +11,7 @@ import json
 from collections.abc import Iterable
 
 from ._core import core
-from .backend_choice import advertised_address, choose_backends, host_identity, requested_mode
+from .backend_choice import BackendUnavailable, advertised_address, choose_backends, host_identity, requested_mode
 from .transport import Transport
 
 KEY_PREFIX = "megatron_app/link"
@@ -40,7 +40,7 @@ def open_transport(store, rank: int, world_size: int, job_id: str, peers: Iterab
     # A job may open transports more than once (runtime shutdown and restart): each round gets its own keys.
     round_id = store.add(f"{KEY_PREFIX}/{job_id}/round/{rank}", 1)
     prefix = f"{KEY_PREFIX}/{job_id}/{round_id}"
-    built, usable, _ = core.rdma_status()
+    built, usable, rdma_detail = core.rdma_status()
     mine = {"host": host_identity(), "rdma": bool(built and usable), "mode": mode}
     store.set(f"{prefix}/info/{rank}", json.dumps(mine))
     _wait(store, [f"{prefix}/info/{peer}" for peer in peers], timeout_s, f"peers {peers} of rank {rank}")
@@ -50,8 +50,13 @@ def open_transport(store, rank: int, world_size: int, job_id: str, peers: Iterab
         theirs = ", ".join(f"rank {peer}: {infos[peer]['mode']}" for peer in disagreeing)
         raise ValueError(f"ranks disagree on the transport: rank {rank} uses {mode}, {theirs} "
                          "(set MEGATRON_APP_TRANSPORT / --transport the same on every host)")
-    backends = choose_backends(rank, peers, {r: info["host"] for r, info in infos.items()},
-                               {r: info["rdma"] for r, info in infos.items()}, mode)
+    try:
+        backends = choose_backends(rank, peers, {r: info["host"] for r, info in infos.items()},
+                                   {r: info["rdma"] for r, info in infos.items()}, mode)
+    except BackendUnavailable as error:
+        if mode == "rdma" and not mine["rdma"]:  # say why this host has none
+            raise BackendUnavailable(f"{error} [rank {rank}: {rdma_detail}]") from None
+        raise
     remote = {peer: kind for peer, kind in backends.items() if kind != "shm"}
     host = advertised_address(master_addr) if remote else "127.0.0.1"
     transport = Transport(rank, world_size, job_id, peers=peers, timeout_s=timeout_s, backends=remote,
