@@ -4,7 +4,8 @@ Public API:
     make_loss_config(model, loss_rate=None, burst_length=None, loss_on=..., fill="zeros", seed=0,
                      packet_bytes=4096) -> LossConfig          (LossConfigError on bad parameters)
     gilbert_from_burst(loss_rate, burst_length) -> (p, r, 1-h, 1-k)
-    LossyMegatronIntegration(loss_model, *, forward=True, backward=True, ...)  .enable() .disable() .stats()
+    LossyMegatronIntegration(loss_model, *, forward=True, backward=True, sites=None, ...)  .enable() .disable()
+                     .stats()  (megatron-core tensor/expert-parallel collectives; see tensor_parallel.py)
     adapt(obj) -> PluginLossModel, load_plugin("MOD.OBJ")      (send / apply / __call__ plug-ins)
     TensorLoss(config, stream, plugin=None)(tensor, family=0) -> tensor
     pipeline.configure(config); pipeline.attach_configured_loss(transport); pipeline.current_pipeline_loss()

@@ -12,7 +12,7 @@ LOSS_EVENT = "loss"  # trace event kind (schema 1.1)
 @dataclasses.dataclass(frozen=True)
 class LinkLossStats:
     traffic: str             # "pipeline" or "tp"
-    link: str                # "0->1" for pipeline links, "all_reduce@rank0" for tensor-parallel collectives
+    link: str                # "0->1" for pipeline links; "tp:layers.all_gather@rank0" (group:site.collective)
     direction: str           # "forward" (activations) or "backward" (gradients)
     packets: int
     lost: int
