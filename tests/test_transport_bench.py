@@ -1,26 +1,60 @@
-"""Smoke test of tools/bench_transport.py: a quick run prints the table and writes complete JSON."""
+"""Smoke tests of tools/bench_transport.py: quick runs of each section print their table and write complete JSON;
+the tcp section runs across two network namespaces when root (and removes them), over loopback otherwise; bad
+flags give one line and exit status 2."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from netns_hosts import netns_unavailable_reason
+
+from megatron_app.transport import rdma_status
+
 BENCH = Path(__file__).resolve().parent.parent / "tools" / "bench_transport.py"
+QUICK = ["--quick", "--seconds", "0.02"]
+NETNS_UNAVAILABLE = netns_unavailable_reason()
 
 
 def run_bench(*args):
     return subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=300)
 
 
-def test_quick_run_prints_table_and_writes_json(tmp_path):
+def table_after(lines, title_prefix):
+    """The rows of the table printed under the line starting with title_prefix: (header, [row lines])."""
+    start = next(i for i, line in enumerate(lines) if line.startswith(title_prefix))
+    header, rows = lines[start + 1], []
+    for line in lines[start + 3:]:
+        if not line.strip() or not line.split()[0][0].isdigit():
+            break
+        rows.append(line)
+    return header, rows
+
+
+def check_remote_rows(rows, backend):
+    assert [row["size"] for row in rows] == [4096, 1 << 20]
+    for row in rows:
+        for name in (backend, "raw", "gloo"):
+            assert row[f"{name}_gbs"] > 0, name
+            assert row[f"{name}_latency_p99_us"] >= row[f"{name}_latency_median_us"] > 0, name
+        assert row[f"{backend}_over_raw"] == pytest.approx(row[f"{backend}_gbs"] / row["raw_gbs"])
+        assert len(row[f"{backend}_bursts_gbs"]) == len(row["raw_bursts_gbs"]) == 6
+        assert row[f"{backend}_gbs"] == max(row[f"{backend}_bursts_gbs"]) and row[f"{backend}_over_raw_median"] > 0
+        assert row[f"{backend}_over_gloo"] == pytest.approx(row[f"{backend}_gbs"] / row["gloo_gbs"])
+
+
+def test_shm_rdma_and_loss_compare_sections(tmp_path):
     out = tmp_path / "bench.json"
-    result = run_bench("--quick", "--seconds", "0.02", "--json", str(out))
+    result = run_bench("--backends", "shm,rdma", "--loss-compare", *QUICK, "--json", str(out))
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
-    assert lines[0].split()[:3] == ["size", "ours", "med"]
-    assert [line.split()[0] for line in lines[2:4]] == ["4K", "1M"]
-    assert lines[4].startswith("load average")
+    header, rows = table_after(lines, "shm:")
+    assert header.split()[:3] == ["size", "ours", "med"]
+    assert [row.split()[0] for row in rows] == ["4K", "1M"]
+    assert lines[-1].startswith("load average")
     document = json.loads(out.read_text())
+    assert document["backends"] == ["shm", "rdma"]
     assert [row["size"] for row in document["rows"]] == [4096, 1 << 20]
     for row in document["rows"]:
         for key in ("ours_latency_median_us", "ours_latency_p99_us", "gloo_latency_median_us", "ours_gbs",
@@ -29,10 +63,66 @@ def test_quick_run_prints_table_and_writes_json(tmp_path):
         assert row["ours_latency_p99_us"] >= row["ours_latency_median_us"]
         assert abs(row["ours_over_memcpy"] - row["ours_gbs"] / row["memcpy_gbs"]) < 1e-9
 
+    built, usable, _ = rdma_status()
+    if built and usable:
+        check_remote_rows(document["rdma"]["rows"], "rdma")
+    else:
+        assert [line for line in lines if line.startswith("rdma:")] == [
+            f"rdma: skipped ({document['rdma']['skipped']})"]
+        assert document["rdma"]["skipped"].startswith("no RDMA device")
 
-def test_bad_arguments_give_one_line_and_non_zero_exit():
-    result = run_bench("--sizes", "lots")
+    compare = document["loss_compare"]
+    assert compare["loss"] == {"model": "bernoulli", "rate": 0.0} and compare["repeats"] == 2
+    assert [row["size"] for row in compare["rows"]] == [1 << 20, 16 << 20]
+    for row in compare["rows"]:
+        assert len(row["off_gbs"]) == len(row["on_gbs"]) == len(row["control_gbs"]) == 2
+        assert min(row["off_gbs"] + row["on_gbs"] + row["control_gbs"]) > 0
+        assert row["on_over_off"] == pytest.approx(row["on_median_gbs"] / row["off_median_gbs"])
+        assert row["control_over_off_paired_median"] > 0
+        assert row["layer_packets"] == row["layer_packets_expected"] > 0 and row["layer_lost"] == 0
+    _, loss_rows = table_after(lines, "loss layer cost")
+    assert [row.split()[0] for row in loss_rows] == ["1M", "16M"]
+
+
+def test_tcp_over_loopback(tmp_path):
+    out = tmp_path / "bench.json"
+    result = run_bench("--backends", "tcp", "--loopback", *QUICK, "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    section = json.loads(out.read_text())["tcp"]
+    assert section["link"] == "loopback" and "--loopback given" in section["link_description"]
+    check_remote_rows(section["rows"], "tcp")
+    header, rows = table_after(result.stdout.splitlines(), "tcp: loopback")
+    assert "tcp/raw" in header.split() and [row.split()[0] for row in rows] == ["4K", "1M"]
+
+
+@pytest.mark.skipif(NETNS_UNAVAILABLE is not None, reason=str(NETNS_UNAVAILABLE))
+def test_tcp_across_namespaces_with_a_rate_limit_and_no_leftovers(tmp_path):
+    out = tmp_path / "bench.json"
+    process = subprocess.Popen([sys.executable, str(BENCH), "--backends", "tcp", "--rate", "200mbit", *QUICK,
+                                "--json", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr
+    section = json.loads(out.read_text())["tcp"]
+    assert section["link"] == "veth" and section["rate"] == "200mbit"
+    check_remote_rows(section["rows"], "tcp")
+    # 200 Mbit/s is 0.025 GB/s: every stream over the shaped link stays near it (far below an unshaped veth).
+    for row in section["rows"]:
+        for name in ("tcp", "raw", "gloo"):
+            assert row[f"{name}_gbs"] < 0.04, (name, row)
+    assert "tc tbf 200mbit" in stdout
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"mbt{process.pid % 100000}h" not in namespaces
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--sizes", "lots"], "argument --sizes: not a size: 'lots' (use e.g. 4K, 16M)"),
+    (["--backends", "shm,udp"], "argument --backends: unknown backend(s) ['udp']: choose from shm, tcp, rdma or none"),
+    (["--backends", "none"], "--backends none leaves nothing to run; add --loss-compare"),
+    (["--rate", "fast"], "argument --rate: not a rate: 'fast' (use e.g. 500mbit, 1gbit, 10gbit)"),
+    (["--backends", "shm", "--rate", "1gbit"], "--rate applies to the tcp section; add tcp to --backends"),
+    (["--loss-model", "bernoulli", "--loss-rate", "2"], "--loss-rate must be a probability in [0, 1], got 2.0"),
+])
+def test_bad_arguments_give_one_line_and_non_zero_exit(flags, message):
+    result = run_bench(*flags)
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
-        "bench_transport.py: error: argument --sizes: not a size: 'lots' (use e.g. 4K, 16M)"
-    ]
+    assert result.stderr.strip().splitlines() == [f"bench_transport.py: error: {message}"]

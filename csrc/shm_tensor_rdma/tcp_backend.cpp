@@ -214,7 +214,8 @@ void TcpBackend::send(int peer, const OutgoingMessage& message, const SendLimits
                                 std::to_string(context_.rank));
   }
   Outbound& link = found->second;
-  const std::string what = describe_tag(message.header.tag) + " to peer rank " + std::to_string(peer);
+  // Error text only: formatting it for every message would cost the hot path a few allocations.
+  auto what = [&] { return describe_tag(message.header.tag) + " to peer rank " + std::to_string(peer); };
   if (link.broken) throw PeerDiedError(*link.broken);
   if (!link.socket.valid()) {
     // A peer whose own connection to us already failed cannot take messages either: fail now, not at timeout.
@@ -237,11 +238,11 @@ void TcpBackend::send(int peer, const OutgoingMessage& message, const SendLimits
       return;
     case TcpWriteStatus::kStopped:
       link.broken = "transport of rank " + std::to_string(limits.my_rank) + " closed during a send";
-      throw ClosedError("transport closed before " + what + " was sent");
+      throw ClosedError("transport closed before " + what() + " was sent");
     case TcpWriteStatus::kTimedOut:
       link.broken = describe_peer(peer) + " stopped reading";
       throw TimeoutError("rank " + std::to_string(limits.my_rank) + " made no progress for " +
-                         format_seconds(limits.timeout_s) + " sending " + what + " (it stopped reading)");
+                         format_seconds(limits.timeout_s) + " sending " + what() + " (it stopped reading)");
     case TcpWriteStatus::kBroken: {
       std::optional<PeerFailure> inbound = failure(peer);
       if (inbound && !inbound->died) {
