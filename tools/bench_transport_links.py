@@ -31,8 +31,9 @@ class OursLink:
     the traffic the loss layer sees."""
 
     def __init__(self, transport, loss_config=None):
-        from megatron_app.transport import Direction
+        from megatron_app.transport import Direction, make_tag
 
+        self.make_tag = make_tag  # looked up once: the loop should time the transport, not imports
         self.transport = transport
         self.peer = 1 - transport.rank
         self.counter = 0
@@ -43,15 +44,11 @@ class OursLink:
             PipelineLoss(transport, loss_config)
 
     def send(self, tensor):
-        from megatron_app.transport import make_tag
-
-        self.transport.send(self.peer, make_tag(self.direction, self.counter % (1 << 32)), tensor)
+        self.transport.send(self.peer, self.make_tag(self.direction, self.counter % (1 << 32)), tensor)
         self.counter += 1
 
     def recv(self, like):
-        from megatron_app.transport import make_tag
-
-        tensor = self.transport.recv(self.peer, make_tag(self.direction, self.counter % (1 << 32)))
+        tensor = self.transport.recv(self.peer, self.make_tag(self.direction, self.counter % (1 << 32)))
         self.counter += 1
         return tensor
 

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <new>
 #include <utility>
+#include <vector>
 
 namespace mapp {
 namespace {
@@ -74,7 +75,16 @@ std::shared_ptr<BufferPool> BufferPool::create(size_t max_cached_bytes) {
 }
 
 BufferPool::~BufferPool() {
-  for (auto& [capacity, data] : free_by_capacity_) release(data, capacity);
+  for (const auto& [key, data] : by_capacity_) release(data, key.first);
+}
+
+uint8_t* BufferPool::forget(const SizeAndAge& key) {
+  auto entry = by_capacity_.find(key);
+  uint8_t* data = entry->second;
+  by_capacity_.erase(entry);
+  by_age_.erase(key.second);
+  cached_bytes_ -= key.first;
+  return data;
 }
 
 PooledBuffer BufferPool::acquire(size_t size) {
@@ -83,27 +93,33 @@ PooledBuffer BufferPool::acquire(size_t size) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     // Reuse a cached buffer at most 25% larger than needed.
-    auto found = free_by_capacity_.lower_bound(capacity);
-    if (found != free_by_capacity_.end() && found->first <= capacity + capacity / 4) {
-      PooledBuffer buffer(shared_from_this(), found->second, size, found->first);
-      cached_bytes_ -= found->first;
-      free_by_capacity_.erase(found);
-      return buffer;
+    auto found = by_capacity_.lower_bound(SizeAndAge(capacity, 0));
+    if (found != by_capacity_.end() && found->first.first <= capacity + capacity / 4) {
+      const size_t found_capacity = found->first.first;
+      return PooledBuffer(shared_from_this(), forget(found->first), size, found_capacity);
     }
   }
   return PooledBuffer(shared_from_this(), allocate(capacity), size, capacity);
 }
 
 void BufferPool::give_back(uint8_t* data, size_t capacity) {
+  if (capacity > max_cached_bytes_) {
+    release(data, capacity);
+    return;
+  }
+  std::vector<std::pair<uint8_t*, size_t>> evicted;  // (memory, capacity)
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (cached_bytes_ + capacity <= max_cached_bytes_) {
-      free_by_capacity_.emplace(capacity, data);
-      cached_bytes_ += capacity;
-      return;
+    while (cached_bytes_ + capacity > max_cached_bytes_) {
+      const SizeAndAge oldest(by_age_.begin()->second, by_age_.begin()->first);
+      evicted.emplace_back(forget(oldest), oldest.first);
     }
+    const uint64_t age = next_age_++;
+    by_capacity_.emplace(SizeAndAge(capacity, age), data);
+    by_age_.emplace(age, capacity);
+    cached_bytes_ += capacity;
   }
-  release(data, capacity);
+  for (const auto& [memory, bytes] : evicted) release(memory, bytes);  // unlocked: munmap is slow
 }
 
 }  // namespace mapp

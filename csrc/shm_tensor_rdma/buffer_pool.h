@@ -1,5 +1,7 @@
 // Private, page-aligned receive buffers. A buffer handed to Python returns to its pool when the last tensor
 // viewing it dies, so steady-state traffic (same sizes every iteration) reuses already-faulted-in pages.
+// When the cache is full the buffers returned longest ago make room: a phase of one size must not leave the
+// cache full of buffers no later message fits, or every later message pays for fresh pages.
 #pragma once
 
 #include <cstddef>
@@ -7,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <utility>
 
 namespace mapp {
 
@@ -46,12 +49,18 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
 
  private:
   friend class PooledBuffer;
+  using SizeAndAge = std::pair<size_t, uint64_t>;  // (capacity, when it was given back)
+
   explicit BufferPool(size_t max_cached_bytes) : max_cached_bytes_(max_cached_bytes) {}
   void give_back(uint8_t* data, size_t capacity);
+  // Removes a cached buffer from both indexes and returns its memory; caller holds mutex_.
+  uint8_t* forget(const SizeAndAge& key);
 
   const size_t max_cached_bytes_;
   std::mutex mutex_;
-  std::multimap<size_t, uint8_t*> free_by_capacity_;
+  std::map<SizeAndAge, uint8_t*> by_capacity_;
+  std::map<uint64_t, size_t> by_age_;  // age -> capacity, oldest first
+  uint64_t next_age_ = 0;
   size_t cached_bytes_ = 0;
 };
 

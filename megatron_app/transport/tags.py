@@ -24,6 +24,10 @@ def _non_negative_int(value, name: str) -> int:
 
 def make_tag(direction: Direction, virtual_microbatch: int, iteration: int = 0) -> int:
     """A 64-bit tag; ValueError if a field does not fit (microbatch < 2**32, iteration < 2**28)."""
+    # Called for every message: the common, valid call goes straight to the core (which checks the upper bounds).
+    if (type(direction) is Direction and type(virtual_microbatch) is int and type(iteration) is int
+            and virtual_microbatch >= 0 and iteration >= 0):
+        return core.make_tag(direction, virtual_microbatch, iteration)
     try:
         direction = Direction(direction)
     except ValueError:

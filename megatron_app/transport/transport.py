@@ -88,7 +88,7 @@ class Transport:
         job_id: str,
         *,
         slot_bytes: int = 1 << 20,
-        num_slots: int = 64,
+        num_slots: int = 16,
         max_message_bytes: int = 1 << 30,
         send_workers: int = 2,
         peers: Iterable[int] | None = None,
