@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_app.lossy import LossConfigError, make_loss_config
+from megatron_app.lossy import TP_SITES, LossConfigError, make_loss_config
 from megatron_app.lossy.collectives import wrapped_collectives
 from megatron_app.lossy.tensor_parallel import LEFT_OUT, SITES, LossyMegatronIntegration
 
@@ -59,6 +59,9 @@ def test_enable_patches_every_site_binding_and_disable_restores_the_originals():
     with LossyMegatronIntegration(make_loss_config("bernoulli", loss_rate=0.1), sites=["cross_entropy"]):
         assert cross_entropy.torch is not torch and mappings.torch is torch and layers.torch is torch
     assert cross_entropy.torch is torch
+    with LossyMegatronIntegration(make_loss_config("bernoulli", loss_rate=0.1, tp_sites="layers")) as narrowed:
+        assert narrowed.sites == {"layers"} and layers.torch is not torch and mappings.torch is torch
+    assert layers.torch is torch
 
 
 def test_every_megatron_module_calling_collectives_is_a_site_or_left_out_for_a_reason():
@@ -77,6 +80,7 @@ def test_every_megatron_module_calling_collectives_is_a_site_or_left_out_for_a_r
                for path in files if call.search(path.read_text(encoding="utf-8"))}
     assert {"megatron.core.tensor_parallel.mappings", "megatron.core.tensor_parallel.cross_entropy"} <= calling
     assert calling - set(SITES) - set(LEFT_OUT) == set()
+    assert tuple(SITES.values()) == TP_SITES  # the names --loss-tp-sites accepts without importing torch
 
 
 def test_only_one_integration_at_a_time_and_bad_arguments():

@@ -7,7 +7,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from megatron_app.lossy import TP_SITES
 from megatron_app.train.args import UsageError, parse_args
 from pipeline_runs import REPO, run_env
 
@@ -21,7 +23,28 @@ def test_flags_become_a_loss_config():
     assert config.loss_on == {"forward", "tp-backward"}
     assert config.pipeline and config.tp_backward and not config.tp_forward
     assert config.stationary_loss_rate() == pytest.approx(0.05)
+    assert config.tp_sites == set(TP_SITES)  # default: every site
     assert not parse_args([], environ={}).loss_config.enabled
+    narrowed = parse_args(["--loss-model", "bernoulli", "--loss-rate", "0.1", "--loss-tp-sites", "mappings, layers"],
+                          environ={}).loss_config
+    assert narrowed.tp_sites == {"mappings", "layers"}
+    assert "(tp sites mappings,layers)" in narrowed.describe()
+
+
+def test_loss_tp_sites_reach_the_integration():
+    from megatron.core.tensor_parallel import cross_entropy, layers, mappings
+
+    from megatron_app.lossy.training import TrainingLossLayer
+
+    config = parse_args(["--loss-model", "bernoulli", "--loss-rate", "0.1", "--loss-on", "tp",
+                         "--loss-tp-sites", "mappings,layers"], environ={}).loss_config
+    layer = TrainingLossLayer(config, tensor_parallel_size=2, rank=0, log=lambda line: None)
+    try:
+        assert layer.integration.sites == {"mappings", "layers"}
+        assert mappings.torch is not torch and layers.torch is not torch and cross_entropy.torch is torch
+    finally:
+        layer.close()
+    assert mappings.torch is torch
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -30,6 +53,13 @@ def test_flags_become_a_loss_config():
      "--burst-length must not be negative"),
     (["--loss-model", "python:json.decoder"], "has none of send(tensor) -> mask"),
     (["--loss-on", "sideways", "--loss-model", "bernoulli", "--loss-rate", "0.1"], "--loss-on takes a comma list"),
+    (["--loss-model", "bernoulli", "--loss-rate", "0.1", "--loss-tp-sites", "mappings,cross-entropy"],
+     "--loss-tp-sites: unknown site 'cross-entropy'; give all or a comma list of mappings, layers, cross_entropy, "
+     "fused_cross_entropy, tp_utils, core_utils"),
+    (["--loss-model", "bernoulli", "--loss-rate", "0.1", "--loss-tp-sites", ""], "--loss-tp-sites: unknown site ''"),
+    (["--loss-tp-sites", "mappings"], "--loss-tp-sites needs a --loss-model"),
+    (["--loss-model", "bernoulli", "--loss-rate", "0.1", "--loss-on", "forward", "--loss-tp-sites", "layers"],
+     "--loss-tp-sites applies to tensor-parallel traffic: add tp, tp-forward or tp-backward to --loss-on"),
 ])
 def test_bad_loss_flags_are_one_line_errors(flags, message):
     with pytest.raises(UsageError) as error:
@@ -46,10 +76,25 @@ def test_bad_loss_flag_exits_2_with_one_line():
         "megatron_app.train: error: --loss-rate must be a probability in [0, 1], got -1.0"]
 
 
-def _train(tmp_path, name, *flags):
+@pytest.mark.parametrize("launcher", [
+    ["run_single.sh"],
+    ["run_master.sh", "--nnodes", "2", "--master_addr", "127.0.0.1"],
+    ["run_worker.sh", "--nnodes", "2", "--node_rank", "1", "--master_addr", "127.0.0.1"],
+])
+def test_launchers_refuse_an_unknown_tp_site_before_starting_ranks(launcher):
+    result = subprocess.run(["bash", *launcher, "--tensor_parallel", "2", "--loss-model", "bernoulli",
+                             "--loss-rate", "0.1", "--loss-tp-sites", "mappings,xentropy"], cwd=REPO,
+                            env=run_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "megatron_app.train: error: --loss-tp-sites: unknown site 'xentropy'; give all or a comma list of mappings, "
+        "layers, cross_entropy, fused_cross_entropy, tp_utils, core_utils"]
+
+
+def _train(tmp_path, name, *flags, layout=("--pipeline_parallel", "2")):
     log_json, traces = tmp_path / f"{name}.json", tmp_path / f"{name}_traces"
     result = subprocess.run(
-        ["bash", str(REPO / "run_single.sh"), "--pipeline_parallel", "2", "--iters", "2", "--num-layers", "2",
+        ["bash", str(REPO / "run_single.sh"), *layout, "--iters", "2", "--num-layers", "2",
          "--log-json", str(log_json), "--trace-dir", str(traces), *flags],
         cwd=REPO, env=run_env(LOG_DIR=tmp_path / f"{name}_logs"), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -81,6 +126,19 @@ def test_pipeline_loss_in_training_is_logged_traced_and_zero_rate_is_exact(tmp_p
     assert abs(lost / packets - 0.3) < 3 * sigma
 
 
+@pytest.mark.slow
+def test_loss_tp_sites_narrows_tensor_parallel_loss_in_training(tmp_path):
+    tp_loss = ["--loss-model", "bernoulli", "--loss-rate", "0.1", "--loss-on", "tp", "--iters", "1"]
+    t2 = ("--tensor_parallel", "2")
+    _, _, every_site = _train(tmp_path, "all_sites", *tp_loss, layout=t2)
+    assert any(event["extra"]["link"].startswith("tp:cross_entropy.") for event in every_site)
+    stdout, _, narrowed = _train(tmp_path, "no_cross_entropy", *tp_loss, "--loss-tp-sites", "mappings,layers",
+                                 layout=t2)
+    links = {event["extra"]["link"] for event in narrowed}
+    assert links and all(link.startswith(("tp:mappings.", "tp:layers.")) for link in links), links
+    assert "tp:mappings.all_reduce@rank0" in links and "cross_entropy" not in stdout
+
+
 def _load_sweep():
     spec = importlib.util.spec_from_file_location("loss_sweep", REPO / "tools" / "loss_sweep.py")
     module = importlib.util.module_from_spec(spec)
@@ -91,11 +149,75 @@ def _load_sweep():
 def test_loss_sweep_grid_and_baseline():
     sweep = _load_sweep()
     full = sweep.grid(sweep.parse_args([]))
-    assert len(full) == 2 * (1 + 2 * 3)
+    assert len(full) == 2 * (1 + 2 * 3) + 2 * 3  # the tp groups share one lossless run
     assert ("pipeline", "none", 0.0) in full and ("tp", "gilbert-elliott", 0.05) in full
+    assert ("tp_all_sites", "bernoulli", 0.01) in full and ("tp_all_sites", "none", 0.0) not in full
     assert sweep.grid(sweep.parse_args(["--quick"])) == [
-        ("pipeline", "none", 0.0), ("pipeline", "bernoulli", 0.1), ("tp", "none", 0.0), ("tp", "bernoulli", 0.1)]
+        ("pipeline", "none", 0.0), ("pipeline", "bernoulli", 0.1), ("tp", "none", 0.0), ("tp", "bernoulli", 0.1),
+        ("tp_all_sites", "bernoulli", 0.1)]
     results = [{"traffic": "tp", "model": "none", "final_loss": 2.0},
-               {"traffic": "tp", "model": "bernoulli", "final_loss": 2.5}]
+               {"traffic": "tp", "model": "bernoulli", "final_loss": 2.5},
+               {"traffic": "tp_all_sites", "model": "bernoulli", "final_loss": 3.0},
+               {"traffic": "tp_all_sites", "model": "gilbert-elliott", "final_loss": None}]
     sweep.add_baseline(results)
     assert results[1]["delta"] == pytest.approx(0.5) and results[1]["relative"] == pytest.approx(0.25)
+    assert results[2]["lossless_final_loss"] == 2.0 and results[2]["relative"] == pytest.approx(0.5)
+    assert results[3]["delta"] is None and results[3]["relative"] is None
+
+
+@pytest.mark.parametrize("traffic, sites", [
+    ("tp", {"mappings", "layers", "tp_utils", "core_utils"}), ("tp_all_sites", set(TP_SITES))])
+def test_loss_sweep_tp_groups_choose_sites_the_trainer_accepts(traffic, sites):
+    sweep = _load_sweep()
+    layout, placement, _ = sweep.TRAFFIC[traffic]
+    args = parse_args([*layout, *sweep.MODEL_FLAGS, "--loss-model", "bernoulli", "--loss-rate", "0.1", *placement],
+                      environ={"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"})
+    assert args.loss_config.tp_sites == sites and args.loss_config.tensor_parallel
+
+
+def test_loss_sweep_reports_a_diverged_run_instead_of_crashing(tmp_path, capsys):
+    sweep = _load_sweep()
+    nan, inf = float("nan"), float("inf")
+    assert sweep.summarize_losses([6.9, 6.5, 6.0, 5.8], tail=2) == {
+        "losses": [6.9, 6.5, 6.0, 5.8], "final_loss": pytest.approx(5.9), "diverged": None}
+    diverged = sweep.summarize_losses([6.9, 6.5, 6.1, nan, nan], tail=2)
+    assert diverged == {"losses": [6.9, 6.5, 6.1, None, None], "final_loss": None,
+                        "diverged": {"iteration": 4, "value": "NaN"}}
+    assert sweep.summarize_losses([6.9, -inf, nan], tail=2)["diverged"] == {"iteration": 2, "value": "-inf"}
+
+    def run(traffic, model, rate, losses):
+        return {"traffic": traffic, "model": model, "rate": rate, "observed_rate": rate, **losses}
+
+    results = [run("tp", "none", 0.0, sweep.summarize_losses([6.9, 6.5, 6.1], tail=2)),
+               run("tp", "bernoulli", 0.01, sweep.summarize_losses([6.9, 6.6, 6.2], tail=2)),
+               run("tp_all_sites", "bernoulli", 0.01, diverged)]
+    sweep.add_baseline(results)
+    sweep.print_table(results)
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[:2] == ["traffic", "model"] and len(table) == 4
+    assert "tp (T=2), cross-entropy exact" in table[2] and "+1.59%" in table[2]
+    assert "tp (T=2) incl. cross-entropy" in table[3] and "diverged (NaN at iter 4)" in table[3]
+    assert sweep.markdown_table(results).splitlines()[2:] == [
+        "| tp (T=2), cross-entropy exact | bernoulli | +1.6% |",
+        "| tp (T=2) incl. cross-entropy | bernoulli | diverged (NaN at iter 4) |"]
+    json.dumps(results, allow_nan=False)  # the sweep's JSON stays standard
+    sweep.plot(results, tmp_path / "sweep.png")
+    assert (tmp_path / "sweep.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_loss_sweep_quick_runs_every_traffic_group(tmp_path):
+    result = subprocess.run([sys.executable, str(REPO / "tools" / "loss_sweep.py"), "--quick", "--iters", "3",
+                             "--out-dir", str(tmp_path)], cwd=REPO, env=run_env(), capture_output=True, text=True,
+                            timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "loss_sweep.json").read_text())
+    runs = {(run["traffic"], run["model"]): run for run in summary["runs"]}
+    assert set(runs) == {("pipeline", "none"), ("pipeline", "bernoulli"), ("tp", "none"), ("tp", "bernoulli"),
+                         ("tp_all_sites", "bernoulli")}
+    for (traffic, model), run in runs.items():
+        assert len(run["losses"]) == 3
+        assert (run["lost"] > 0) == (model != "none"), (traffic, model)
+    assert runs[("tp_all_sites", "bernoulli")]["packets"] > runs[("tp", "bernoulli")]["packets"]
+    assert len(result.stdout.splitlines()) == 1 + len(runs) + 1  # header, one row per run, "wrote ..."
+    assert (tmp_path / "loss_sweep.png").stat().st_size > 0

@@ -1,32 +1,54 @@
 #!/usr/bin/env python3
 """Train the tiny GPT under packet loss and compare with the lossless run.
 
-    python tools/loss_sweep.py [--out-dir loss_sweep] [--iters 80] [--quick]
+    python tools/loss_sweep.py [--out-dir loss_sweep] [--iters 80] [--quick] [--markdown]
 
-Grid: loss rates 0, 1%, 5%, 10% x (bernoulli, gilbert-elliott with mean burst --burst-length) x (pipeline traffic:
-P=2 with --loss-on forward,backward; tensor-parallel traffic: T=2 with --loss-on tp). Every run starts from the same
-seed and data, so differences come from the loss alone. Writes <out-dir>/loss_sweep.json and loss_sweep.png (loss
-curves) and prints the table of final loss (mean of the last --tail iterations) against the lossless run of the
-same traffic. --quick: 0 and 10%, bernoulli only, 4 iterations (a smoke test).
+Grid: loss rates 0, 1%, 5%, 10% x (bernoulli, gilbert-elliott with mean burst --burst-length) x traffic:
+  pipeline       P=2, --loss-on forward,backward (activations and gradients between the stages);
+  tp             T=2, --loss-on tp on every tensor-parallel site except vocab-parallel cross-entropy
+                 (--loss-tp-sites without cross_entropy / fused_cross_entropy): the layers' own traffic;
+  tp_all_sites   T=2, --loss-on tp on all sites ("tp (T=2) incl. cross-entropy" in the table). Cross-entropy's
+                 all-reduces (max logit, predicted logit, sum of exponentials: one packet each per microbatch) can
+                 turn the loss itself into NaN or -inf when lost (a zeroed sum of exponentials gives log 0 under the
+                 zeros fill); such runs print as "diverged (NaN at iter k)".
+Every run starts from the same seed and data, so differences come from the loss alone; both tp groups share one
+lossless run. Writes <out-dir>/loss_sweep.json and loss_sweep.png (loss curves; non-finite points are left out) and
+prints the table of final loss (mean of the last --tail iterations) against the lossless run of the same layout.
+--quick: 0 and 10%, bernoulli only, 4 iterations (a smoke test).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parent.parent
+if __package__ in (None, ""):  # run as a script from a checkout: make megatron_app importable
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+
+from megatron_app.lossy.config import TP_SITES  # noqa: E402
+
 RATES = (0.0, 0.01, 0.05, 0.10)
 MODELS = ("bernoulli", "gilbert-elliott")
-TRAFFIC = {  # name -> (layout flags, --loss-on)
-    "pipeline": (["--pipeline_parallel", "2", "--model_chunks", "1"], "forward,backward"),
-    "tp": (["--pipeline_parallel", "1", "--model_chunks", "1", "--tensor_parallel", "2"], "tp"),
+CROSS_ENTROPY_SITES = ("cross_entropy", "fused_cross_entropy")
+PIPELINE_LAYOUT = ["--pipeline_parallel", "2", "--model_chunks", "1"]
+TP_LAYOUT = ["--pipeline_parallel", "1", "--model_chunks", "1", "--tensor_parallel", "2"]
+TRAFFIC = {  # name -> (layout flags, loss-placement flags, label in the table and the plot)
+    "pipeline": (PIPELINE_LAYOUT, ["--loss-on", "forward,backward"], "pipeline (P=2)"),
+    "tp": (TP_LAYOUT, ["--loss-on", "tp", "--loss-tp-sites",
+                       ",".join(site for site in TP_SITES if site not in CROSS_ENTROPY_SITES)],
+           "tp (T=2), cross-entropy exact"),
+    "tp_all_sites": (TP_LAYOUT, ["--loss-on", "tp", "--loss-tp-sites", "all"], "tp (T=2) incl. cross-entropy"),
 }
+SHARED_BASELINE = {"tp_all_sites": "tp"}  # same layout, so the same lossless run
 MODEL_FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
                "--micro-batch-size", "2", "--global-batch-size", "16"]
 
@@ -45,6 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--packet-bytes", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--quick", action="store_true", help="0 and 10%% bernoulli only, few iterations")
+    parser.add_argument("--markdown", action="store_true",
+                        help="also print the change of final loss per traffic, model and rate as a Markdown table")
     args = parser.parse_args(argv)
     if args.iters is None:
         args.iters = 4 if args.quick else 80
@@ -56,12 +80,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def grid(args) -> list:
-    """(traffic, model, rate) of every run; rate 0 is one lossless run per traffic."""
+    """(traffic, model, rate) of every run; rate 0 is one lossless run per layout."""
     rates = (0.0, 0.10) if args.quick else RATES
     models = ("bernoulli",) if args.quick else MODELS
     runs = []
     for traffic in TRAFFIC:
-        runs.append((traffic, "none", 0.0))
+        if traffic not in SHARED_BASELINE:
+            runs.append((traffic, "none", 0.0))
         runs.extend((traffic, model, rate) for model in models for rate in rates if rate > 0)
     return runs
 
@@ -72,13 +97,13 @@ def run_name(traffic: str, model: str, rate: float) -> str:
 
 def train_once(args, out_dir: Path, traffic: str, model: str, rate: float) -> dict:
     name = run_name(traffic, model, rate)
-    layout, loss_on = TRAFFIC[traffic]
+    layout, placement, _ = TRAFFIC[traffic]
     log_json = out_dir / f"{name}.json"
     trace_dir = out_dir / f"{name}_trace"
     flags = layout + MODEL_FLAGS + ["--iters", str(args.iters), "--seed", str(args.seed), "--log-json", str(log_json),
                                     "--trace-dir", str(trace_dir)]
     if model != "none":
-        flags += ["--loss-model", model, "--loss-rate", str(rate), "--loss-on", loss_on, "--loss-fill", args.fill,
+        flags += ["--loss-model", model, "--loss-rate", str(rate), *placement, "--loss-fill", args.fill,
                   "--loss-packet-bytes", str(args.packet_bytes)]
         if model == "gilbert-elliott":
             flags += ["--burst-length", str(args.burst_length)]
@@ -91,10 +116,19 @@ def train_once(args, out_dir: Path, traffic: str, model: str, rate: float) -> di
         raise SweepError(f"run {name} failed (exit {done.returncode}); see {out_dir / (name + '.log')}")
     losses = [entry["loss"] for entry in json.loads(log_json.read_text())["iterations"]]
     packets, lost = observed_loss(trace_dir)
-    return {"traffic": traffic, "model": model, "rate": rate, "losses": losses,
-            "final_loss": sum(losses[-args.tail:]) / len(losses[-args.tail:]),
+    return {"traffic": traffic, "model": model, "rate": rate, **summarize_losses(losses, args.tail),
             "packets": packets, "lost": lost, "observed_rate": lost / packets if packets else 0.0,
             "seconds": time.perf_counter() - start}
+
+
+def summarize_losses(losses: list, tail: int) -> dict:
+    """losses (non-finite ones as None, so the JSON stays standard), final_loss (None once a loss was NaN or
+    infinite) and diverged ({"iteration", "value"} of the first non-finite loss, or None)."""
+    diverged = next(({"iteration": number, "value": "NaN" if math.isnan(loss) else str(loss)}
+                     for number, loss in enumerate(losses, start=1) if not math.isfinite(loss)), None)
+    final_loss = None if diverged else sum(losses[-tail:]) / len(losses[-tail:])
+    return {"losses": [loss if math.isfinite(loss) else None for loss in losses], "final_loss": final_loss,
+            "diverged": diverged}
 
 
 def observed_loss(trace_dir: Path) -> tuple:
@@ -112,20 +146,67 @@ def observed_loss(trace_dir: Path) -> tuple:
 
 
 def add_baseline(results: list) -> None:
+    """lossless_final_loss, delta and relative of every run (delta/relative None when either side diverged)."""
     lossless = {r["traffic"]: r["final_loss"] for r in results if r["model"] == "none"}
     for result in results:
-        base = lossless[result["traffic"]]
+        base = lossless[SHARED_BASELINE.get(result["traffic"], result["traffic"])]
         result["lossless_final_loss"] = base
-        result["delta"] = result["final_loss"] - base
-        result["relative"] = result["final_loss"] / base - 1.0
+        comparable = result["final_loss"] is not None and base is not None
+        result["delta"] = result["final_loss"] - base if comparable else None
+        result["relative"] = result["final_loss"] / base - 1.0 if comparable else None
+
+
+def outcome(result: dict) -> Optional[str]:
+    """'diverged (NaN at iter 7)' for a run whose loss stopped being finite, else None."""
+    if result["diverged"] is None:
+        return None
+    return f"diverged ({result['diverged']['value']} at iter {result['diverged']['iteration']})"
+
+
+def table_rows(results: list) -> list:
+    header = ["traffic", "model", "rate", "observed", "final loss", "lossless", "delta", "rel"]
+    rows = [header]
+    for r in results:
+        row = [TRAFFIC[r["traffic"]][2], r["model"], f"{r['rate']:.0%}", f"{r['observed_rate']:.2%}"]
+        base = "-" if r["lossless_final_loss"] is None else f"{r['lossless_final_loss']:.4f}"
+        if r["diverged"] is not None:
+            row += [outcome(r), base, "-", "-"]
+        else:
+            row += [f"{r['final_loss']:.4f}", base,
+                    "-" if r["delta"] is None else f"{r['delta']:+.4f}",
+                    "-" if r["relative"] is None else f"{r['relative']:+.2%}"]
+        rows.append(row)
+    return rows
 
 
 def print_table(results: list) -> None:
-    print(f"{'traffic':<9} {'model':<16} {'rate':>6} {'observed':>9} {'final loss':>11} {'lossless':>9} "
-          f"{'delta':>8} {'rel':>7}")
-    for r in results:
-        print(f"{r['traffic']:<9} {r['model']:<16} {r['rate']:>6.0%} {r['observed_rate']:>9.2%} "
-              f"{r['final_loss']:>11.4f} {r['lossless_final_loss']:>9.4f} {r['delta']:>+8.4f} {r['relative']:>+7.2%}")
+    rows = table_rows(results)
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+    for row in rows:
+        cells = [cell.ljust(width) if column < 2 else cell.rjust(width)
+                 for column, (cell, width) in enumerate(zip(row, widths))]
+        print("  ".join(cells).rstrip())
+
+
+def markdown_table(results: list) -> str:
+    """Change of final loss against the lossless run, one row per traffic and model, one column per rate."""
+    rates = sorted({r["rate"] for r in results if r["model"] != "none"})
+    lines = ["| traffic | model | " + " | ".join(f"{rate:.0%}" for rate in rates) + " |",
+             "|---|---|" + "---|" * len(rates)]
+    for traffic in TRAFFIC:
+        for model in MODELS:
+            cells = {r["rate"]: r for r in results if r["traffic"] == traffic and r["model"] == model}
+            if not cells:
+                continue
+            text = [relative_change(cells[rate]) if rate in cells else "" for rate in rates]
+            lines.append(f"| {TRAFFIC[traffic][2]} | {model} | " + " | ".join(text) + " |")
+    return "\n".join(lines)
+
+
+def relative_change(result: dict) -> str:
+    if result["relative"] is None:
+        return outcome(result) or "-"
+    return f"{result['relative']:+.1%}"
 
 
 def plot(results: list, path: Path) -> None:
@@ -134,19 +215,26 @@ def plot(results: list, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    traffics = list(dict.fromkeys(r["traffic"] for r in results))
-    figure, axes = plt.subplots(1, len(traffics), figsize=(6.5 * len(traffics), 4.5), squeeze=False)
+    traffics = [traffic for traffic in TRAFFIC if any(r["traffic"] == traffic for r in results)]
+    lossless = {r["traffic"]: r for r in results if r["model"] == "none"}
+    figure, axes = plt.subplots(1, len(traffics), figsize=(6.0 * len(traffics), 4.5), squeeze=False)
     styles = {"none": "-", "bernoulli": "--", "gilbert-elliott": ":"}
     for axis, traffic in zip(axes[0], traffics):
-        for r in (r for r in results if r["traffic"] == traffic):
+        base = lossless.get(SHARED_BASELINE.get(traffic, traffic))
+        for r in ([base] if base else []) + [r for r in results if r["traffic"] == traffic and r["model"] != "none"]:
             label = "lossless" if r["model"] == "none" else f"{r['model']} {r['rate']:.0%}"
-            axis.plot(range(1, len(r["losses"]) + 1), r["losses"], styles[r["model"]], label=label,
-                      linewidth=2.0 if r["model"] == "none" else 1.2)
-        axis.set_title(f"{'pipeline (P=2)' if traffic == 'pipeline' else 'tensor-parallel (T=2)'} traffic")
+            if r["diverged"] is not None:
+                label += f": {outcome(r)}"
+            points = [(number, loss) for number, loss in enumerate(r["losses"], start=1) if loss is not None]
+            (line,) = axis.plot([x for x, _ in points], [y for _, y in points], styles[r["model"]], label=label,
+                                linewidth=2.0 if r["model"] == "none" else 1.2)
+            if r["diverged"] is not None and points:  # where the curve stops: the last finite loss
+                axis.plot(*points[-1], "x", color=line.get_color(), markersize=8)
+        axis.set_title(f"{TRAFFIC[traffic][2]} traffic", fontsize=10)
         axis.set_xlabel("iteration")
         axis.set_ylabel("training loss")
         axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
+        axis.legend(fontsize=7)
     figure.suptitle("Tiny GPT under packet loss")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -158,6 +246,7 @@ def main(argv=None) -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results = []
+    started = time.perf_counter()
     try:
         for traffic, model, rate in grid(args):
             print(f"[loss_sweep] {run_name(traffic, model, rate)} ...", file=sys.stderr, flush=True)
@@ -167,11 +256,17 @@ def main(argv=None) -> int:
         return 1
     add_baseline(results)
     print_table(results)
+    if args.markdown:
+        print(markdown_table(results))
     settings = {key: getattr(args, key) for key in ("iters", "tail", "burst_length", "fill", "packet_bytes", "seed")}
-    (out_dir / "loss_sweep.json").write_text(json.dumps({"settings": settings, "model_flags": MODEL_FLAGS,
-                                                         "runs": results}, indent=1))
+    traffic = {name: {"flags": layout + placement, "label": label}
+               for name, (layout, placement, label) in TRAFFIC.items()}
+    (out_dir / "loss_sweep.json").write_text(json.dumps(
+        {"settings": settings, "model_flags": MODEL_FLAGS, "traffic": traffic, "runs": results,
+         "wall_seconds": time.perf_counter() - started}, indent=1, allow_nan=False))
     plot(results, out_dir / "loss_sweep.png")
-    print(f"wrote {out_dir / 'loss_sweep.json'} and {out_dir / 'loss_sweep.png'}")
+    print(f"wrote {out_dir / 'loss_sweep.json'} and {out_dir / 'loss_sweep.png'} "
+          f"({len(results)} runs, {time.perf_counter() - started:.0f} s)")
     return 0
 
 

@@ -2,7 +2,7 @@
 
 Public API:
     make_loss_config(model, loss_rate=None, burst_length=None, loss_on=..., fill="zeros", seed=0,
-                     packet_bytes=4096) -> LossConfig          (LossConfigError on bad parameters)
+                     packet_bytes=4096, tp_sites="all") -> LossConfig   (LossConfigError on bad parameters)
     gilbert_from_burst(loss_rate, burst_length) -> (p, r, 1-h, 1-k)
     LossyMegatronIntegration(loss_model, *, forward=True, backward=True, sites=None, ...)  .enable() .disable()
                      .stats()  (megatron-core tensor/expert-parallel collectives; see tensor_parallel.py)
@@ -13,8 +13,8 @@ Public API:
 """
 
 from .config import (
-    DEFAULT_PACKET_BYTES, FILLS, MODELS, TRAFFIC, LossConfig, LossConfigError, gilbert_from_burst, make_loss_config,
-    read_loss_pattern,
+    DEFAULT_PACKET_BYTES, FILLS, MODELS, TP_SITES, TRAFFIC, LossConfig, LossConfigError, gilbert_from_burst,
+    make_loss_config, read_loss_pattern,
 )
 from .plugin import PluginLossModel, adapt, load_plugin
 from .stats import LOSS_EVENT, LinkLossStats, LossReporter
@@ -34,7 +34,7 @@ def __getattr__(name):
 
 
 __all__ = [
-    "DEFAULT_PACKET_BYTES", "FILLS", "LOSS_EVENT", "MODELS", "TRAFFIC", "LinkLossStats", "LossConfig",
+    "DEFAULT_PACKET_BYTES", "FILLS", "LOSS_EVENT", "MODELS", "TP_SITES", "TRAFFIC", "LinkLossStats", "LossConfig",
     "LossConfigError", "LossReporter", "LossyMegatronIntegration", "PluginLossModel", "TensorLoss", "adapt",
     "gilbert_from_burst", "load_plugin", "make_loss_config", "read_loss_pattern",
 ]

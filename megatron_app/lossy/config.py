@@ -8,6 +8,8 @@ Flag forms (trainer and launchers):
     --loss-on forward,backward,tp    (forward/backward: pipeline activations/gradients; tp: tensor-parallel traffic
                          in both directions, or tp-forward / tp-backward alone)
     --loss-fill zeros|stale|rescale    --loss-seed N    --loss-packet-bytes B
+    --loss-tp-sites all | SITE[,SITE...]    which megatron-core modules' tensor-parallel collectives lose packets
+                         (TP_SITES; e.g. mappings,layers leaves vocab-parallel cross-entropy exact)
 
 Gilbert-Elliott parameters are netem's `loss gemodel p r 1-h 1-k`, as fractions in [0, 1] (netem takes percent):
 p = P(good -> bad), r = P(bad -> good), 1-h = loss probability in the bad state, 1-k = in the good state; omitted
@@ -26,6 +28,10 @@ MODELS = ("none", "bernoulli", "gilbert-elliott", "replay", "python")
 FILLS = ("zeros", "stale", "rescale")
 TRAFFIC = ("forward", "backward", "tp", "tp-forward", "tp-backward")  # tp = both tensor-parallel directions
 DEFAULT_LOSS_ON = frozenset({"forward", "backward", "tp"})
+# names of the megatron-core modules whose tensor-parallel collectives can lose packets (tensor_parallel.SITES maps
+# each module to one of these); kept here so flag checks need no torch
+TP_SITES = ("mappings", "layers", "cross_entropy", "fused_cross_entropy", "tp_utils", "core_utils")
+ALL_TP_SITES = frozenset(TP_SITES)
 DEFAULT_PACKET_BYTES = 4096
 
 
@@ -89,6 +95,7 @@ class LossConfig:
     fill: str = "zeros"
     seed: int = 0
     packet_bytes: int = DEFAULT_PACKET_BYTES
+    tp_sites: frozenset = ALL_TP_SITES  # TP_SITES names whose tensor-parallel traffic loses packets
 
     @property
     def enabled(self) -> bool:
@@ -143,6 +150,8 @@ class LossConfig:
         rate = self.stationary_loss_rate()
         rate_text = "" if rate is None else f" (stationary loss {rate:.4g})"
         traffic = ",".join(t for t in TRAFFIC if t in self.loss_on)
+        if self.tensor_parallel and self.tp_sites != ALL_TP_SITES:
+            traffic += f" (tp sites {','.join(site for site in TP_SITES if site in self.tp_sites)})"
         return (f"{model}{rate_text} on {traffic}, fill={self.fill}, packets of {self.packet_bytes} B, "
                 f"seed={self.seed}")
 
@@ -155,6 +164,18 @@ def parse_loss_on(text) -> frozenset:
     unknown = [item for item in items if item not in TRAFFIC]
     if unknown or not items:
         raise LossConfigError(f"--loss-on takes a comma list of {', '.join(TRAFFIC)}; got {text!r}")
+    return frozenset(items)
+
+
+def parse_tp_sites(text) -> frozenset:
+    """'all' or a comma list of TP_SITES names (a string or an iterable of names)."""
+    items = [item.strip() for item in (text.split(",") if isinstance(text, str) else text)]
+    if items == ["all"]:
+        return ALL_TP_SITES
+    unknown = [item for item in items if item not in TP_SITES]
+    if unknown or not items:
+        problem = f"unknown site {', '.join(map(repr, unknown))}" if unknown else "no site given"
+        raise LossConfigError(f"--loss-tp-sites: {problem}; give all or a comma list of {', '.join(TP_SITES)}")
     return frozenset(items)
 
 
@@ -174,7 +195,7 @@ def _parse_gilbert_params(text: str) -> Tuple[float, float, float, float]:
 
 def make_loss_config(model: str = "none", loss_rate: Optional[float] = None, burst_length: Optional[float] = None,
                      loss_on: Iterable[str] | str = DEFAULT_LOSS_ON, fill: str = "zeros", seed: int = 0,
-                     packet_bytes: int = DEFAULT_PACKET_BYTES) -> LossConfig:
+                     packet_bytes: int = DEFAULT_PACKET_BYTES, tp_sites: Iterable[str] | str = "all") -> LossConfig:
     """Parse and check the flag values; raises LossConfigError with one line naming the problem."""
     if not isinstance(model, str) or not model:
         raise LossConfigError(f"--loss-model must be one of {', '.join(MODELS)} (replay:FILE, python:MOD.OBJ)")
@@ -194,7 +215,13 @@ def make_loss_config(model: str = "none", loss_rate: Optional[float] = None, bur
     if burst_length is not None and burst_length < 0:
         raise LossConfigError(f"--burst-length must not be negative, got {burst_length}")
     config = LossConfig(model=kind, loss_rate=loss_rate, burst_length=burst_length, loss_on=parse_loss_on(loss_on),
-                        fill=fill, seed=seed, packet_bytes=packet_bytes)
+                        fill=fill, seed=seed, packet_bytes=packet_bytes, tp_sites=parse_tp_sites(tp_sites))
+    if config.tp_sites != ALL_TP_SITES and not config.tensor_parallel:
+        # a narrowed site list that selects no traffic is a mistake worth one line, not a silent no-op
+        if not config.enabled:
+            raise LossConfigError("--loss-tp-sites needs a --loss-model")
+        raise LossConfigError("--loss-tp-sites applies to tensor-parallel traffic: add tp, tp-forward or tp-backward "
+                              "to --loss-on")
     if kind == "none":
         if loss_rate is not None or burst_length is not None:
             raise LossConfigError("--loss-rate / --burst-length need a --loss-model")

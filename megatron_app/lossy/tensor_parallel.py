@@ -43,7 +43,8 @@ from .plugin import PluginLossModel, adapt, load_plugin
 from .stats import LinkLossStats, from_core
 from .tensors import TensorLoss
 
-# megatron-core 0.16 modules that call collectives on tensor-parallel groups -> short name used in statistics
+# megatron-core 0.16 modules that call collectives on tensor-parallel groups -> short name used in statistics and
+# --loss-tp-sites (config.TP_SITES lists the same names for flag checks that must not import torch)
 SITES: Dict[str, str] = {
     "megatron.core.tensor_parallel.mappings": "mappings",        # region helpers, MoE all-to-all
     "megatron.core.tensor_parallel.layers": "layers",            # linear autograd Functions' own collectives
@@ -97,8 +98,8 @@ class LossyMegatronIntegration:
     loss_model: a LossConfig (built-in C++ models, or model="python"), or any plug-in object with send / apply /
     __call__. For a plug-in object, fill, packet_bytes, seed and loss_rate (the p of the rescale fill) may be given.
     forward / backward: which direction's traffic loses packets. rank: names this rank's streams (default: the
-    torch.distributed rank). sites: the SITES names whose traffic loses packets (default: all), e.g. everything but
-    "cross_entropy".
+    torch.distributed rank). sites: the SITES names whose traffic loses packets (default: the LossConfig's tp_sites,
+    which are all of them unless narrowed), e.g. everything but "cross_entropy".
     """
 
     def __init__(self, loss_model, *, forward: bool = True, backward: bool = True, fill: str = "zeros",
@@ -119,7 +120,7 @@ class LossyMegatronIntegration:
             config = config.replace(model="python", loss_rate=loss_rate, source=type(loss_model).__name__)
         if not (forward or backward):
             raise LossConfigError("LossyMegatronIntegration needs forward=True or backward=True")
-        sites = set(SITES.values()) if sites is None else set(sites)
+        sites = set(config.tp_sites) if sites is None else set(sites)
         unknown = sorted(sites - set(SITES.values()))
         if unknown or not sites:
             raise LossConfigError(f"sites must name some of {', '.join(SITES.values())}; got {sorted(sites)}")

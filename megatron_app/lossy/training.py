@@ -14,7 +14,7 @@ def loss_config_from_args(args) -> LossConfig:
     seed = args.loss_seed if args.loss_seed is not None else args.seed
     return make_loss_config(args.loss_model, loss_rate=args.loss_rate, burst_length=args.burst_length,
                             loss_on=args.loss_on, fill=args.loss_fill, seed=seed,
-                            packet_bytes=args.loss_packet_bytes)
+                            packet_bytes=args.loss_packet_bytes, tp_sites=args.loss_tp_sites)
 
 
 class TrainingLossLayer:
@@ -31,7 +31,8 @@ class TrainingLossLayer:
             from .tensor_parallel import LossyMegatronIntegration
 
             self.integration = LossyMegatronIntegration(config, forward=config.tp_forward,
-                                                        backward=config.tp_backward, rank=rank).enable()
+                                                        backward=config.tp_backward, rank=rank,
+                                                        sites=config.tp_sites).enable()
             sources.append(self.integration.stats)
         self.reporter = LossReporter(sources, rank, log)
         if rank == 0:

@@ -12,6 +12,8 @@ import argparse
 import os
 from typing import Mapping, Optional, Sequence
 
+from megatron_app.lossy.config import TP_SITES
+
 from .text_tokenizers import TOKENIZER_TYPES
 
 SCHEDULES = ("app", "interleaved", "1f1b", "megatron")
@@ -132,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
               help="what a lost packet becomes: zeros | stale (last value there) | rescale (zeros, survivors / (1-p))")
     _add_flag(lossy, "--loss-seed", type=int, default=None, metavar="N", help="seed of the loss models (default --seed)")
     _add_flag(lossy, "--loss-packet-bytes", type=int, default=4096, metavar="B", help="packet size (4096)")
+    _add_flag(lossy, "--loss-tp-sites", default="all", metavar="SITES",
+              help="which megatron-core modules' tensor-parallel collectives lose packets: all, or a comma list of "
+                   f"{', '.join(TP_SITES)} (e.g. mappings,layers keeps vocab-parallel cross-entropy exact)")
 
     out = parser.add_argument_group("output")
     _add_flag(out, "--trace-dir", default="traces/")
