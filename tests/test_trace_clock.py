@@ -25,9 +25,11 @@ WORKER = textwrap.dedent("""
     world_offset = measure_clock_offset(rounds=6)
     pair = dist.new_group([1, 2])
     pair_offset = measure_clock_offset(group=pair, rounds=6) if rank in (1, 2) else None
+    # same kernel as the root: the clock is trusted as shared, so even the faked skew is not estimated
+    shared_offset = measure_clock_offset(rounds=6, trust_shared_clock=True)
     dist.barrier()
     dist.destroy_process_group()
-    print(json.dumps({"world": world_offset, "pair": pair_offset}))
+    print(json.dumps({"world": world_offset, "pair": pair_offset, "shared": shared_offset}))
 """)
 
 
@@ -60,6 +62,7 @@ def test_offsets_undo_the_skew_against_rank_0_and_against_a_group_root(tmp_path)
     assert results[2]["world"] == pytest.approx(3e6, abs=tolerance_us)
     assert results[1]["pair"] == 0.0  # rank 1 is the group's root
     assert results[2]["pair"] == pytest.approx(5e6, abs=tolerance_us)
+    assert [result["shared"] for result in results] == [0.0, 0.0, 0.0]
 
 
 def test_needs_an_initialized_process_group():

@@ -73,7 +73,8 @@ class RuntimeSession:
             from megatron_app.trace import TraceMeta, Tracer, measure_clock_offset
 
             enabled = self.settings.trace_dir is not None
-            offset = measure_clock_offset() if enabled and dist.get_world_size() > 1 else 0.0
+            offset = (measure_clock_offset(trust_shared_clock=True)
+                      if enabled and dist.get_world_size() > 1 else 0.0)
             meta = TraceMeta(dist.get_rank(), pp_rank, tp_rank, dp_rank, pipeline_parallel=P, model_chunks=V,
                              microbatches=m, policy=self.settings.policy_name, host=socket.gethostname(),
                              source="runtime", clock_offset_us=offset,
