@@ -54,6 +54,7 @@ def test_microbatches_from_global_batch():
      "--num-attention-heads 4 is not divisible by tensor_parallel(3)"),
     (["--vocab-size", "1001", "--tensor_parallel", "2"], "2", "--vocab-size 1001 is not divisible"),
     (["--iters", "0"], "1", "--iters must be a positive integer"),
+    (["--distributed-timeout-minutes", "0"], "1", "--distributed-timeout-minutes must be a positive integer"),
     (["--lr", "-1"], "1", "--lr must be positive"),
     (["--schedule", "megatron", "--pipeline_parallel", "2", "--device", "cpu"], "2", "needs CUDA"),
     (["--data-path", "/nonexistent/prefix"], "1", "/nonexistent/prefix.bin does not exist"),

@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(train, "--merge-file", default=None, help="GPT-2 merges.txt")
     _add_flag(train, "--tokenizer-json", default=None, help="a Hugging Face tokenizer.json (vocabulary size only)")
     _add_flag(train, "--device", choices=DEVICES, default="auto")
+    _add_flag(train, "--distributed-timeout-minutes", type=int, default=10,
+              help="how long a collective (e.g. the data-parallel all-reduce) waits for a rank that died on another "
+                   "host before it fails (Megatron-LM's flag and default)")
 
     sched = parser.add_argument_group("schedule")
     _add_flag(sched, "--schedule", choices=SCHEDULES, default="app",
@@ -154,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
 _POSITIVE_INT_FLAGS = (
     "pipeline_parallel", "model_chunks", "tensor_parallel", "num_layers", "hidden_size",
     "num_attention_heads", "seq_length", "vocab_size", "micro_batch_size", "iters",
-    "make_vocab_size_divisible_by", "eval_interval", "eval_iters", "save_interval", "exit_interval",
+    "make_vocab_size_divisible_by", "distributed_timeout_minutes", "eval_interval", "eval_iters", "save_interval",
+    "exit_interval",
 )
 
 

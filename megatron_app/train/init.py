@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+from datetime import timedelta
 
 import numpy
 import torch
@@ -19,7 +20,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import random as megatron_random
 
 
-def init_distributed(device_type: str) -> torch.device:
+def init_distributed(device_type: str, timeout_minutes: int = 10) -> torch.device:
     """Start the default process group (gloo on CPU, nccl on CUDA) and return this rank's device.
 
     Under torchrun the env:// variables are used; a bare ``python -m`` run becomes a 1-rank group.
@@ -38,14 +39,15 @@ def init_distributed(device_type: str) -> torch.device:
         backend = "gloo"
     if not dist.is_initialized():
         if "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend=backend)
+            # Pipeline waits notice a dead peer through the transport within seconds; collectives only by timeout.
+            dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
         else:
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
     return device
 
 
 def init_model_parallel(tensor_parallel: int, pipeline_parallel: int, model_chunks: int,
-                        device_type: str) -> None:
+                        device_type: str, timeout_minutes: int = 10) -> None:
     """Megatron's rank layout (order tp-cp-ep-dp-pp): rank = tp + T*(dp + D*pp)."""
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
@@ -53,6 +55,7 @@ def init_model_parallel(tensor_parallel: int, pipeline_parallel: int, model_chun
         virtual_pipeline_model_parallel_size=model_chunks if model_chunks > 1 else None,
         # On CPU the default groups already use gloo; a second gloo copy of each would be waste.
         create_gloo_process_groups=device_type == "cuda",
+        distributed_timeout_minutes=timeout_minutes,
     )
 
 

@@ -147,11 +147,12 @@ def train(args) -> None:
     ``args`` comes from args.parse_args. An existing default process group is used and left open.
     """
     owns_process_group = not dist.is_initialized()
-    init_distributed(args.device)
+    init_distributed(args.device, args.distributed_timeout_minutes)
     trainer = None
     loss_layer = None
     try:
-        init_model_parallel(args.tensor_parallel, args.pipeline_parallel, args.model_chunks, args.device)
+        init_model_parallel(args.tensor_parallel, args.pipeline_parallel, args.model_chunks, args.device,
+                            args.distributed_timeout_minutes)
         trainer = build_trainer(args)
         loss_layer = start_loss_layer(args, dist.get_rank())  # before the first step creates the transport
         if trainer.reporter.enabled:
