@@ -97,9 +97,7 @@ RdmaBackend::RdmaBackend(RemoteContext context, const std::string& listen_host, 
 RdmaBackend::~RdmaBackend() { close(); }
 
 std::string RdmaBackend::describe_peer_locked(int peer) const {
-  const auto& address = outbound_.at(peer).address;
-  if (!address) return "peer rank " + std::to_string(peer);
-  return "peer rank " + std::to_string(peer) + " (" + format_host_port(address->host, address->port) + ")";
+  return describe_remote_peer(peer, outbound_.at(peer).address);
 }
 
 void RdmaBackend::set_peer_address(int peer, const std::string& address) {

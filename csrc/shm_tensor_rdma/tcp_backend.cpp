@@ -55,9 +55,7 @@ TcpBackend::~TcpBackend() {
 
 std::string TcpBackend::describe_peer(int peer) const {
   std::lock_guard<std::mutex> lock(mutex_);
-  const auto& address = outbound_.at(peer).address;
-  if (!address) return "peer rank " + std::to_string(peer);
-  return "peer rank " + std::to_string(peer) + " (" + format_host_port(address->host, address->port) + ")";
+  return describe_remote_peer(peer, outbound_.at(peer).address);
 }
 
 void TcpBackend::set_peer_address(int peer, const std::string& address) {

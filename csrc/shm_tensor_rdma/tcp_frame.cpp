@@ -85,4 +85,9 @@ std::string format_host_port(const std::string& host, int port) {
   return (ipv6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
 }
 
+std::string describe_remote_peer(int peer, const std::optional<HostPort>& address) {
+  const std::string name = "peer rank " + std::to_string(peer);
+  return address ? name + " (" + format_host_port(address->host, address->port) + ")" : name;
+}
+
 }  // namespace mapp

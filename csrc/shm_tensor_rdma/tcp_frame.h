@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -48,5 +49,7 @@ struct HostPort {
 };
 HostPort parse_host_port(const std::string& address);
 std::string format_host_port(const std::string& host, int port);
+// How error messages name a remote peer: "peer rank 3 (10.0.0.2:41234)", or "peer rank 3" before its address is known.
+std::string describe_remote_peer(int peer, const std::optional<HostPort>& address);
 
 }  // namespace mapp
