@@ -41,6 +41,15 @@ def _launch(hosts, host, script, tmp_path, extra, log_name):
     return hosts.run(host, argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True), log
 
 
+def _stop(*launched):
+    """Kill whatever a test left running (a failed assertion must not leave a host's launcher behind)."""
+    for process, log in launched:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        log.close()
+
+
 def test_two_hosts_train_like_one_and_their_traces_merge(tmp_path):
     single = subprocess.run(["bash", "run_single.sh", *LAYOUT, *TRAIN, "--log-json", tmp_path / "single.json",
                              "--no-trace"], cwd=REPO, env=run_env(LOG_DIR=str(tmp_path / "logs1"), PYTHONPATH=""),
@@ -57,11 +66,7 @@ def test_two_hosts_train_like_one_and_their_traces_merge(tmp_path):
             assert worker.wait(timeout=240) == 0, (tmp_path / "worker.log").read_text()[-4000:]
             assert master.wait(timeout=60) == 0, (tmp_path / "master.log").read_text()[-4000:]
         finally:
-            for process, log in ((master, master_log), (worker, worker_log)):
-                if process.poll() is None:
-                    process.kill()
-                    process.wait()
-                log.close()
+            _stop((master, master_log), (worker, worker_log))
     # The last pipeline stage (global rank 1, on the worker host) computes and logs the losses.
     assert _losses(tmp_path / "w.json") == _losses(tmp_path / "single.json")
     headers = {}
@@ -94,11 +99,7 @@ def test_a_host_killed_mid_run_ends_the_other_host_with_a_clear_error(tmp_path):
             rc = master.wait(timeout=120)
             took = time.monotonic() - killed_at
         finally:
-            for process, log in ((master, master_log), (worker, worker_log)):
-                if process.poll() is None:
-                    process.kill()
-                    process.wait()
-                log.close()
+            _stop((master, master_log), (worker, worker_log))
     output = (tmp_path / "master.log").read_text()
     assert rc != 0
     assert took < 60, f"the master host needed {took:.0f} s to stop"
