@@ -30,13 +30,17 @@ def check_schedule(args) -> None:
 
 def check_forced_rdma(args) -> None:
     """MEGATRON_APP_TRANSPORT=rdma on a host without a usable device: one line now, before any rank starts."""
-    if args.pipeline_parallel < 2 or os.environ.get("MEGATRON_APP_TRANSPORT", "").strip().lower() != "rdma":
-        return
-    from megatron_app.transport import rdma_status
+    from megatron_app.transport import TRANSPORT_ENV, rdma_status, requested_mode
 
+    try:
+        mode = requested_mode()
+    except ValueError as exc:  # an unknown name in the environment
+        _fail(str(exc))
+    if args.pipeline_parallel < 2 or mode != "rdma":
+        return
     built, usable, detail = rdma_status()
     if not usable:
-        _fail(f"MEGATRON_APP_TRANSPORT=rdma but this host has no usable RDMA device ({detail}); "
+        _fail(f"{TRANSPORT_ENV}=rdma but this host has no usable RDMA device ({detail}); "
               "see tools/rdma_check.py, or use tcp or auto")
 
 
