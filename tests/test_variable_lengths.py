@@ -68,13 +68,14 @@ def _args(corpus, **overrides):
 
 @pytest.mark.parametrize("dp_size", [1, 2])
 def test_microbatches_are_padded_to_their_longest_document_and_told_in_data_order(real_corpus, dp_size):
-    from megatron_app.train.data import build_data_iterators, build_datasets, microbatch_lengths
+    from megatron_app.train.data import build_data_iterators, build_datasets, global_batch_tokens, microbatch_lengths
     from megatron_app.train.document_data import DocumentDataset
 
     args = _args(real_corpus, data_parallel=dp_size)
     dataset = build_datasets(args)[0]
     assert isinstance(dataset, DocumentDataset)
     seen = set()
+    real_tokens = [0] * args.iters
     for dp_rank in range(dp_size):
         batches = build_data_iterators(args, 1, dp_rank, dataset=dataset)
         for iteration in range(args.iters):
@@ -84,12 +85,14 @@ def test_microbatches_are_padded_to_their_longest_document_and_told_in_data_orde
                 batch = next(batches)
                 assert batch["tokens"].shape == batch["labels"].shape == (args.micro_batch_size, length)
                 real = batch["loss_mask"].sum(dim=1).long()
+                real_tokens[iteration] += real.sum().item()
                 assert real.max().item() == length <= args.seq_length
                 for row, count in enumerate(real.tolist()):
                     assert batch["loss_mask"][row, :count].all() and not batch["loss_mask"][row, count:].any()
                     assert (batch["tokens"][row, 1:count] == batch["labels"][row, :count - 1]).all()
                     seen.add(tuple(batch["tokens"][row, :count].tolist()))
     assert len(seen) > args.iters * args.global_batch_size // 2   # distinct documents, not one repeated
+    assert real_tokens == [global_batch_tokens(args, dataset, it * args.global_batch_size) for it in range(args.iters)]
 
 
 def test_a_sample_is_one_document_truncated_at_seq_length(real_corpus):

@@ -19,7 +19,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.tokenizers import MegatronTokenizer
 
-from .document_data import DocumentDataset, pad_to_longest, padded_lengths
+from .document_data import DocumentDataset, pad_to_longest, padded_lengths, sample_length
 
 DEFAULT_SPLIT = "949,50,1"
 
@@ -164,3 +164,10 @@ def build_data_iterators(args, num_chunks: int, dp_rank: int, consumed_samples: 
 
 def move_batch(batch: dict, device: torch.device) -> dict:
     return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+
+
+def global_batch_tokens(args, dataset, first_sample: int) -> int:
+    """Tokens (padding excluded) of the global batch that starts at ``first_sample``."""
+    if not getattr(args, "variable_seq_lengths", False):
+        return args.global_batch_size * args.seq_length
+    return sum(sample_length(dataset, index) for index in range(first_sample, first_sample + args.global_batch_size))

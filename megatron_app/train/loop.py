@@ -13,7 +13,7 @@ from megatron.core import parallel_state
 from megatron_app.lossy.training import start_loss_layer
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .data import build_data_iterators, build_datasets, microbatch_lengths
+from .data import build_data_iterators, build_datasets, global_batch_tokens, microbatch_lengths
 from .dumps import dump_grads, dump_weights
 from .forward_backward import close_schedule, optimizer_span, select_forward_backward_func, tell_microbatch_lengths
 from .init import init_distributed, init_model_parallel, seed_all, shutdown
@@ -168,7 +168,10 @@ def train(args) -> None:
         for iteration in range(trainer.start_iteration + 1, args.iters + 1):
             start = time.perf_counter()
             loss = train_step(trainer, iteration)
-            trainer.reporter.record(iteration, loss, time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            tokens = None if trainer.emulation is not None or not trainer.reporter.enabled else global_batch_tokens(
+                args, trainer.train_dataset, (iteration - 1) * args.global_batch_size)
+            trainer.reporter.record(iteration, loss, seconds, tokens)
             if loss_layer is not None:
                 loss_layer.end_iteration(iteration)
             if not after_iteration(trainer, iteration):
