@@ -16,7 +16,7 @@ from .shape import PipelineShape
 from .state import RankState
 from .tasks import Kind, Task
 
-POLICY_NAMES = ("dfc", "bfc", "1f1b", "interleaved", "adaptive")
+POLICY_NAMES = ("dfc", "bfc", "1f1b", "interleaved", "adaptive", "planned")
 
 
 class Policy:
@@ -38,6 +38,17 @@ class Policy:
 
     def observe(self, task: Task, duration_s: float) -> None:
         """Called after each task with its measured duration; adaptive cost models override it."""
+
+    # Planning policies choose each iteration's plan on one rank and every rank adopts it (the simulator hands it
+    # over, the runtime broadcasts it); for the others both calls do nothing.
+    plans_iterations = False
+
+    def plan_iteration(self, lengths, stop=None):
+        """The plan for the next iteration, given its microbatch lengths (None: not told)."""
+        return None
+
+    def use_plan(self, lengths, plan) -> None:
+        """Adopt `plan` (from some rank's plan_iteration) for the next iteration."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, rank={self.rank}, memory_cap={self.memory_cap})"
@@ -129,18 +140,33 @@ def _make_adaptive(name: str, shape: PipelineShape, rank: int, memory_cap: Optio
     return make_adaptive(shape, rank, memory_cap)
 
 
+def _make_planned(name: str, shape: PipelineShape, rank: int, memory_cap: Optional[int],
+                  memory_factor: Optional[float] = None) -> Policy:
+    from .planned import DEFAULT_MEMORY_FACTOR, make_planned   # planned.py builds on adaptive.py
+
+    return make_planned(shape, rank, memory_cap,
+                        memory_factor=DEFAULT_MEMORY_FACTOR if memory_factor is None else memory_factor)
+
+
 _FACTORIES: Dict[str, Callable[..., Policy]] = {
     "dfc": _make_greedy,
     "bfc": _make_greedy,
     "1f1b": _make_static,
     "interleaved": _make_static,
     "adaptive": _make_adaptive,
+    "planned": _make_planned,
 }
 
 
-def make_policy(name: str, shape: PipelineShape, rank: int, memory_cap: Optional[int] = None) -> Policy:
-    """A policy for one rank. memory_cap: most activations held at once; None = what Megatron's order holds."""
+def make_policy(name: str, shape: PipelineShape, rank: int, memory_cap: Optional[int] = None,
+                memory_factor: Optional[float] = None) -> Policy:
+    """A policy for one rank. memory_cap: most activations held at once; None = what Megatron's order holds.
+    memory_factor (planned only): activation bytes a rank may hold, x Megatron's peak for the same microbatches."""
     if name not in _FACTORIES:
         raise ScheduleConfigError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
     shape.check_rank(rank)
+    if name == "planned":
+        return _make_planned(name, shape, rank, memory_cap, memory_factor)
+    if memory_factor is not None:
+        raise ScheduleConfigError(f"memory_factor applies to policy 'planned' only, not {name!r}")
     return _FACTORIES[name](name, shape, rank, memory_cap)
