@@ -17,6 +17,14 @@ microbatch, and every lower one is finished there: it holds nothing, so it can a
 started g no lower microbatch is in flight, so a forward of g only moves one activation from "remaining" to "held"
 within g's own check and leaves the checks of higher microbatches unchanged: (2) still holds, it is admitted.
 Backwards are always allowed. So g's next task can run as soon as its input arrives: the pipeline never stalls.
+
+Variable sizes (microbatches of different lengths hold activations of different sizes s_i): (2) becomes
+          sum over in-flight j started at or after i of held_j * s_j  +  remaining_forwards(i) * s_i  <= cap
+and "ascending" in (1) and (2) means the start order, one permutation shared by every rank (the counts are the
+special case s_i = 1 and the identity order). The argument is unchanged with cap >= V * max_i s_i on every rank:
+the rank that has not started g holds nothing and admits g's V activations; on a rank that has started g, a forward
+of g moves s_g from "remaining" to "held" inside g's own term and leaves the terms of later microbatches as they
+were. Property-tested with random sizes and start orders in tests/test_schedule_planned.py.
 """
 
 from __future__ import annotations
@@ -34,6 +42,11 @@ from .tasks import Kind, Task
 def minimum_memory_cap(shape: PipelineShape) -> int:
     """Fewest activations a rank must be allowed to hold: one microbatch keeps all V chunks until its backward."""
     return 1 if shape.forward_only else shape.num_chunks
+
+
+def minimum_size_cap(shape: PipelineShape, sizes) -> float:
+    """Smallest cap in size units that can finish: the largest microbatch holding all V chunks."""
+    return max(sizes) * minimum_memory_cap(shape)
 
 
 def check_memory_cap(shape: PipelineShape, memory_cap: int) -> None:
