@@ -17,7 +17,7 @@ from megatron_app.lossy.config import TP_SITES
 from .text_tokenizers import TOKENIZER_TYPES
 
 SCHEDULES = ("app", "interleaved", "1f1b", "megatron")
-POLICIES = ("dfc", "bfc", "adaptive")
+POLICIES = ("dfc", "bfc", "adaptive", "planned")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_MICROBATCHES = 8
 DEFAULT_VOCAB_SIZE = 1024  # mock data; with --data-path the size comes from the tokenizer or the data
