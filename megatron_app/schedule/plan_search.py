@@ -23,7 +23,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from .megatron_order import megatron_warmup_microbatches
+from .megatron_order import megatron_forward_sequence, megatron_warmup_microbatches
 from .shape import PipelineShape
 from .tasks import Kind, Task
 
@@ -59,24 +59,17 @@ def plan_order(shape: PipelineShape, rank: int, plan: Plan) -> Tuple[Task, ...]:
 
 @functools.lru_cache(maxsize=256)
 def _slot_order(shape: PipelineShape, rank: int, extra_warmup: int) -> Tuple[Tuple[Kind, int, int], ...]:
-    """Megatron's order with microbatches named by their entry slot, and `extra_warmup` more warm-up forwards."""
-    from megatron.core.pipeline_parallel.schedules import get_schedule_table
-    from megatron.core.transformer.cuda_graphs import convert_schedule_table_to_order
-
-    V, m = shape.num_chunks, shape.num_microbatches
-    table = get_schedule_table(m, V, shape.microbatch_group_size)
-    warmup = min(megatron_warmup_microbatches(shape, rank) + extra_warmup, V * m)
-    codes = convert_schedule_table_to_order(warmup, V, table)
-    forward_slots = iter(slot for slot, _ in table)
-    next_backward = [0] * V
-    order = []
-    for code in codes:
-        if code > 0:
-            order.append((Kind.FORWARD, code - 1, next(forward_slots)))
-        else:
-            chunk = -code - 1
-            order.append((Kind.BACKWARD, chunk, next_backward[chunk]))
-            next_backward[chunk] += 1
+    """Megatron's order with microbatches named by their entry slot, and `extra_warmup` more warm-up forwards
+    (the same construction as megatron_order.py, with a deeper warm-up)."""
+    V = shape.num_chunks
+    sequence = megatron_forward_sequence(shape)
+    forwards = [(Kind.FORWARD, chunk, slot) for slot, chunk in sequence]
+    backwards = [(Kind.BACKWARD, V - 1 - chunk, slot) for slot, chunk in sequence]
+    warmup = min(megatron_warmup_microbatches(shape, rank) + extra_warmup, len(forwards))
+    order = forwards[:warmup]
+    for k, forward in enumerate(forwards[warmup:]):
+        order += (forward, backwards[k])
+    order += backwards[len(forwards) - warmup:]
     return tuple(order)
 
 

@@ -24,7 +24,7 @@ from .errors import ScheduleConfigError
 from .length_costs import LengthCostModel
 from .megatron_order import megatron_interleaved_cap, megatron_order, peak_activations_of_order
 from .plan_search import DEFAULT_EVALUATIONS, Plan, PlanChoice, PlanSearch, order_peak_size, plan_order
-from .policies import make_policy
+from .greedy import make_dfc
 from .shape import PipelineShape
 from .state import RankState
 from .tasks import Kind, Task
@@ -49,16 +49,16 @@ class PlannedPolicy(AdaptivePolicy):
     plans_iterations = True
 
     def __init__(self, shape: PipelineShape, rank: int, memory_cap: Optional[int] = None,
-                 memory_factor: float = DEFAULT_MEMORY_FACTOR, evaluations: int = DEFAULT_EVALUATIONS,
+                 memory_factor: Optional[float] = None, evaluations: int = DEFAULT_EVALUATIONS,
                  patience: int = DEFAULT_PATIENCE):
         self.reorders = memory_cap is None     # an explicit count cap keeps data order (module doc)
         if memory_cap is None:
             memory_cap = megatron_interleaved_cap(shape, rank)
         check_memory_cap(shape, memory_cap)
         super().__init__(shape, rank, memory_cap, megatron_order(shape, rank),
-                         below_plan_cap=make_policy("dfc", shape, rank, memory_cap),
+                         below_plan_cap=make_dfc(shape, rank, memory_cap),
                          keeps_oldest_moving=not self.reorders, patience=patience)
-        self.memory_factor = check_memory_factor(memory_factor)
+        self.memory_factor = check_memory_factor(DEFAULT_MEMORY_FACTOR if memory_factor is None else memory_factor)
         self.costs = LengthCostModel()
         self.search = PlanSearch(shape, evaluations=evaluations)
         self.lengths: Optional[Tuple[int, ...]] = None
@@ -118,5 +118,5 @@ def _check_lengths(shape: PipelineShape, lengths: Sequence[int]) -> Tuple[int, .
 
 
 def make_planned(shape: PipelineShape, rank: int, memory_cap: Optional[int] = None,
-                 memory_factor: float = DEFAULT_MEMORY_FACTOR) -> PlannedPolicy:
+                 memory_factor: Optional[float] = None) -> PlannedPolicy:
     return PlannedPolicy(shape, rank, memory_cap, memory_factor=memory_factor)
