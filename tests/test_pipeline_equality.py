@@ -21,12 +21,12 @@ ITERS = 3
 WORKER = HELPERS / "schedule_equality_worker.py"
 
 
-def _run(tmp_path, P, V, T, schedules, D=1, extra=""):
+def _run(tmp_path, P, V, T, schedules, *worker_flags, D=1, extra=""):
     out = tmp_path / f"p{P}v{V}t{T}d{D}"
     out.mkdir()
     result = torchrun(P * T * D, [WORKER, "--pipeline_parallel", P, "--model_chunks", V, "--tensor_parallel", T,
                                   "--iters", ITERS, "--schedules", ",".join(schedules), "--out", out,
-                                  "--extra", extra])
+                                  "--extra", extra, *worker_flags])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out
 
@@ -60,9 +60,33 @@ LAYOUTS = [(2, 1, 1), (2, 2, 1), (4, 1, 1), (4, 2, 1), (2, 1, 2), (2, 2, 2), (4,
 @pytest.mark.slow
 @pytest.mark.parametrize("P,V,T", LAYOUTS, ids=[f"P{p}-V{v}-T{t}" for p, v, t in LAYOUTS])
 def test_every_schedule_matches_unpipelined_training(tmp_path, reference, P, V, T):
-    ref_losses, ref_grads = reference
-    schedules = ["app:dfc", "app:bfc", "app:adaptive", "interleaved"] + (["1f1b"] if V == 1 else [])
+    schedules = ["app:dfc", "app:bfc", "app:adaptive", "app:planned", "interleaved"] + (["1f1b"] if V == 1 else [])
     out = _run(tmp_path, P, V, T, schedules)
+    _check_against_reference(out, schedules, reference)
+
+
+PLANNED_LAYOUTS = [(2, 2, 1), (4, 2, 1), (2, 1, 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("P,V,T", PLANNED_LAYOUTS, ids=[f"P{p}-V{v}-T{t}" for p, v, t in PLANNED_LAYOUTS])
+def test_planned_reordering_by_told_lengths_matches_unpipelined_training(tmp_path, reference, P, V, T):
+    """The loop tells uneven lengths, so `planned` runs the microbatches in another order (and warm-up depth):
+    losses and gradients must not change."""
+    out = _run(tmp_path, P, V, T, ["app:planned"], "--tell-lengths")
+    _check_against_reference(out, ["app:planned"], reference)
+    plans = [line for path in out.glob("plans_app-planned_rank*.jsonl") for line in path.read_text().splitlines()]
+    assert len(plans) == P * T * ITERS
+    assert any(json.loads(line)[0] != sorted(json.loads(line)[0]) for line in plans), "no iteration was reordered"
+    by_iteration = {}
+    for path in out.glob("plans_app-planned_rank*.jsonl"):
+        for it, line in enumerate(path.read_text().splitlines()):
+            by_iteration.setdefault(it, set()).add(line)
+    if T == 1:   # with T > 1 each tensor-parallel rank's pipeline plans; its TP leader's decisions are followed
+        assert all(len(v) == 1 for v in by_iteration.values()), f"ranks ran different plans: {by_iteration}"
+
+
+def _check_against_reference(out, schedules, reference):
     for spec in schedules:
         name = spec.replace(":", "-")
         _assert_same(name, _losses_and_grads(out, name), reference)
@@ -98,7 +122,7 @@ VARLEN_LAYOUTS = [(2, 2, 1, 1), (2, 1, 1, 2)]
 @pytest.mark.slow
 @pytest.mark.parametrize("P,V,T,D", VARLEN_LAYOUTS, ids=[f"P{p}-V{v}-T{t}-D{d}" for p, v, t, d in VARLEN_LAYOUTS])
 def test_variable_length_schedules_match_unpipelined_training(tmp_path, real_corpus, varlen_reference, P, V, T, D):
-    schedules = ["app:dfc", "app:bfc", "app:adaptive", "interleaved"] + (["1f1b"] if V == 1 else [])
+    schedules = ["app:dfc", "app:bfc", "app:adaptive", "app:planned", "interleaved"] + (["1f1b"] if V == 1 else [])
     out = _run(tmp_path, P, V, T, schedules, D=D, extra=_varlen_flags(real_corpus))
     for spec in schedules:
         name = spec.replace(":", "-")
