@@ -113,11 +113,16 @@ def test_a_sample_is_one_document_truncated_at_seq_length(real_corpus):
     assert 0 < truncated < len(dataset)
 
 
-def test_fixed_length_data_tells_seq_length_for_every_microbatch():
+def test_fixed_length_data_tells_nothing_so_lengths_told_by_an_embedding_loop_stand():
+    from megatron_app.runtime import set_microbatch_lengths, take_microbatch_lengths
     from megatron_app.train.data import microbatch_lengths
+    from megatron_app.train.forward_backward import tell_microbatch_lengths
 
     args = SimpleNamespace(seq_length=64, num_microbatches=3, variable_seq_lengths=False)
-    assert microbatch_lengths(args, None, 0, 0) == [64, 64, 64]
+    assert microbatch_lengths(args, None, 0, 0) is None
+    set_microbatch_lengths([5, 9, 7])
+    tell_microbatch_lengths("app", microbatch_lengths(args, None, 0, 0))
+    assert take_microbatch_lengths(3) == (5, 9, 7)
 
 
 def test_padding_does_not_change_the_real_tokens_outputs():

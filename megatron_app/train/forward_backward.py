@@ -49,9 +49,9 @@ def optimizer_span(schedule: str, iteration: int):
 
 
 def tell_microbatch_lengths(schedule: str, lengths) -> None:
-    """Tell our schedule each microbatch's padded length before a forward_backward call (Megatron's own
-    schedule has no use for them)."""
-    if schedule == MEGATRON:
+    """Tell our schedule each microbatch's padded length before a forward_backward call. Nothing to tell for
+    equal lengths (None), nor to Megatron's own schedule."""
+    if schedule == MEGATRON or lengths is None:
         return
     from megatron_app.runtime import set_microbatch_lengths
 
