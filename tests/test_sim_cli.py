@@ -39,7 +39,7 @@ def test_all_policies_table(capsys):
     assert out.splitlines()[0] == "P=4 V=2 m=8 iterations=1 seed=0"
     rows = table_rows(out)
     assert list(rows) == [name for name in POLICY_NAMES if name != "1f1b"]   # no 1f1b with model chunks
-    pinned = {"dfc": 640.0, "bfc": 630.0, "interleaved": 570.0, "adaptive": 570.0}
+    pinned = {"dfc": 640.0, "bfc": 630.0, "interleaved": 570.0, "adaptive": 570.0, "planned": 570.0}
     assert {name: rows[name]["makespan"] for name in pinned} == pinned
     assert all(row["bound"] == 570.0 for row in rows.values())
     assert rows["adaptive"] == dict(makespan=570.0, bound=570.0, ratio=1.0, bubble="15.8%", peaks="11,9,7,5")
