@@ -6,7 +6,7 @@ the activation memory it may hold (x Megatron's peak tokens per rank), for varia
 
 Per row: mean over seeds of interleaved/planned makespan (paired: the same lengths and durations), the worst
 seed, planned's largest peak tokens / Megatron's on any rank, interleaved's makespan over the lower bound, and the
-planning time per iteration against the simulated iteration. Costs: f = 10 ms, b = 20 ms at the mean length,
+planning CPU time per iteration against the simulated iteration. Costs: f = 10 ms, b = 20 ms at the mean length,
 scaled by (0.7x + 0.3x^2)/(0.7 + 0.3), x = tokens / mean (lengths.py).
 """
 
