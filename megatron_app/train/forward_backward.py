@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Callable
+from typing import Callable, Optional
 
 import megatron.core.pipeline_parallel as megatron_pp
 
@@ -27,13 +27,13 @@ def _on_cpu(func: Callable) -> Callable:
 
 
 def select_forward_backward_func(schedule: str, policy: str, trace_dir, tracing: bool,
-                                 device_type: str) -> Callable:
+                                 device_type: str, memory_factor: Optional[float] = None) -> Callable:
     if schedule == MEGATRON:
         func = megatron_pp.get_forward_backward_func()
         return _on_cpu(func) if device_type == "cpu" else func
     from megatron_app.runtime import install
 
-    install(schedule=schedule, policy=policy, trace_dir=trace_dir, tracing=tracing)
+    install(schedule=schedule, policy=policy, trace_dir=trace_dir, tracing=tracing, memory_factor=memory_factor)
     return megatron_pp.get_forward_backward_func()
 
 

@@ -89,7 +89,8 @@ def build_trainer(args) -> Trainer:
     else:
         valid_dataset, data_iterator = None, emulation.data_iterators()
     forward_backward = select_forward_backward_func(
-        args.schedule, args.policy, None if args.no_trace else args.trace_dir, not args.no_trace, args.device)
+        args.schedule, args.policy, None if args.no_trace else args.trace_dir, not args.no_trace, args.device,
+        memory_factor=args.memory_factor)
     reporter = IterationReporter(run_config(args), args.iters, args.global_batch_size * args.seq_length,
                                  args.log_json)
     if resume_note:
