@@ -16,15 +16,16 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.schedules import (
-    backward_step,
     check_first_val_step,
     deallocate_output_tensor,
     forward_step,
 )
 from megatron.core.utils import get_model_config, get_model_type
 
+from megatron_app.megatron_compat import backward_step
 from megatron_app.schedule import Kind, PipelineShape, RankState, Task
 
+from .call_contract import ScheduleGroups, apply_tensor_shape_hook, full_checkpoint_flags, resolve_groups
 from .links import PipelineLinks, direction_of
 from .microbatch_data import MicrobatchReplay
 from .session import RuntimeSession, current_session
@@ -102,7 +103,7 @@ class PipelineStep:
     """One forward_backward call on one rank."""
 
     def __init__(self, session: RuntimeSession, *, forward_step_func, data_iterator, model, num_microbatches: int,
-                 forward_only: bool, collect_non_loss_data: bool, first_val_step, pg_collection,
+                 forward_only: bool, collect_non_loss_data: bool, first_val_step, groups: ScheduleGroups,
                  force_all_reduce: bool):
         self.session = session
         self.settings = session.settings
@@ -121,7 +122,7 @@ class PipelineStep:
         self.forward_only = forward_only
         self.collect_non_loss_data = collect_non_loss_data
         self.first_val_step = first_val_step
-        self.pg_collection = pg_collection
+        self.pg_collection = groups.pg_collection
         self.force_all_reduce = force_all_reduce
         self.num_microbatches = num_microbatches
 
@@ -129,12 +130,7 @@ class PipelineStep:
         if getattr(self.config, "defer_embedding_wgrad_compute", False):
             raise ValueError("megatron_app does not support defer_embedding_wgrad_compute yet")
         self.model_type = get_model_type(self.models[0])
-        pp_group = pg_collection.pp if pg_collection is not None else \
-            parallel_state.get_pipeline_model_parallel_group()
-        tp_group = pg_collection.tp if pg_collection is not None else \
-            parallel_state.get_tensor_model_parallel_group()
-        self.cp_size = pg_collection.cp.size() if pg_collection is not None else \
-            parallel_state.get_context_parallel_world_size()
+        pp_group, tp_group, self.cp_size = groups.pp, groups.tp, groups.cp_size
         P = dist.get_world_size(pp_group)
         self.pp_rank = dist.get_rank(pp_group)
         pp_global = dist.get_process_group_ranks(pp_group)
@@ -143,6 +139,8 @@ class PipelineStep:
                                    forward_only=forward_only,
                                    microbatch_group_size=getattr(self.config, "microbatch_group_size_per_vp_stage",
                                                                  None) if V > 1 else None)
+        self.full_checkpoint = full_checkpoint_flags(
+            self.shape, self.pp_rank, getattr(self.config, "num_microbatches_with_partial_activation_checkpoints", None))
         self.policy = session.policy_for(self.shape, self.pp_rank,
                                          None if forward_only else self.settings.memory_cap)
         self.state = RankState(self.shape, self.pp_rank)
@@ -259,6 +257,7 @@ class PipelineStep:
             self.config,
             self.cp_size,
             self.collect_non_loss_data,
+            checkpoint_activations_microbatch=None if self.full_checkpoint is None else self.full_checkpoint[(c, i)],
             is_first_microbatch=check_first_val_step(self.first_val_step, self.forward_only, first),
             current_microbatch=i,
             vp_stage=c if len(self.models) > 1 else None,
@@ -345,19 +344,24 @@ def forward_backward_app(
     pg_collection=None,
     force_all_reduce: Optional[bool] = False,
 ):
-    """Drop-in for megatron-core 0.16's forward_backward_pipelining_with_interleaving (and the other two).
+    """Drop-in for megatron-core's three forward_backward functions (0.16 - 0.19), same keywords and rules.
 
-    Message shapes come with the messages, so seq_length / micro_batch_size / decoder_seq_length are accepted for
-    signature compatibility and not needed; p2p_communicator is replaced by our transport.
-    Returns the forward data store (loss dicts on the last stage, in microbatch order), like Megatron.
+    Message shapes come with the messages, so seq_length / micro_batch_size / decoder_seq_length only feed
+    adjust_tensor_shapes_fn, which is called where Megatron calls it (1F1B without interleaving) and refused where
+    Megatron refuses it. p2p_communicator's pipeline group is the one our transport connects; its own send/recv is
+    not used. Returns the forward data store (loss dicts on the last stage, in microbatch order), like Megatron.
     """
-    if adjust_tensor_shapes_fn is not None:
-        raise ValueError("adjust_tensor_shapes_fn is not supported by the megatron_app schedule")
+    groups = resolve_groups(p2p_communicator, pg_collection)
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    apply_tensor_shape_hook(adjust_tensor_shapes_fn, num_stages=dist.get_world_size(groups.pp),
+                            num_chunks=len(chunks), seq_length=seq_length, micro_batch_size=micro_batch_size,
+                            decoder_seq_length=decoder_seq_length, config=get_model_config(chunks[0]),
+                            tp_group=groups.tp, cp_group=groups.cp)
     session = current_session()
     step = PipelineStep(session, forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
                         num_microbatches=num_microbatches, forward_only=forward_only,
                         collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
-                        pg_collection=pg_collection, force_all_reduce=bool(force_all_reduce))
+                        groups=groups, force_all_reduce=bool(force_all_reduce))
     session.calls += 1
     if step.tracer is not None:
         session.training_calls += 1

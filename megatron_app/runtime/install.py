@@ -23,10 +23,18 @@ _originals: Optional[Dict[str, object]] = None
 
 def install(schedule: str = "app", policy: str = "dfc", trace_dir: Optional[str] = None, *,
             memory_cap: Optional[int] = None, timeout_s: float = 300.0, job_id: Optional[str] = None,
-            tracing: bool = True) -> AppSettings:
-    """Route Megatron's forward_backward functions to ours. Idempotent; a second call updates the settings."""
+            tracing: bool = True, allow_untested_megatron: Optional[bool] = None) -> AppSettings:
+    """Route Megatron's forward_backward functions to ours. Idempotent; a second call updates the settings.
+
+    An installed megatron-core outside the tested range is refused (UnsupportedMegatronError, one line) unless
+    allow_untested_megatron (or $MEGATRON_APP_ALLOW_UNTESTED_MEGATRON=1) says to try anyway.
+    """
     global _originals
     from megatron.core.pipeline_parallel import schedules
+
+    from megatron_app.megatron_compat import check_megatron_version
+
+    check_megatron_version(allow_untested_megatron)
 
     from .executor import forward_backward_app
 
@@ -64,6 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--app-policy", default="dfc", choices=ADAPTIVE_POLICIES)
     group.add_argument("--app-memory-cap", type=int, default=None)
     group.add_argument("--app-trace-dir", default=None)
+    group.add_argument("--app-allow-untested-megatron", action="store_true",
+                       help="run with a megatron-core version megatron_app was not tested with")
     return parser
 
 
@@ -72,4 +82,5 @@ def install_from_args(args: argparse.Namespace) -> Optional[AppSettings]:
     if not getattr(args, "use_app", False):
         return None
     return install(schedule=args.app_schedule, policy=args.app_policy, trace_dir=args.app_trace_dir,
-                   memory_cap=args.app_memory_cap)
+                   memory_cap=args.app_memory_cap,
+                   allow_untested_megatron=getattr(args, "app_allow_untested_megatron", False) or None)
