@@ -22,7 +22,7 @@ from megatron.core.pipeline_parallel.schedules import (
 )
 from megatron.core.utils import get_model_config, get_model_type
 
-from megatron_app.megatron_compat import backward_step
+from megatron_app.megatron_compat import backward_step, megatron_core_version
 from megatron_app.schedule import Kind, PipelineShape, RankState, Task
 
 from .call_contract import ScheduleGroups, apply_tensor_shape_hook, full_checkpoint_flags, resolve_groups
@@ -143,6 +143,9 @@ class PipelineStep:
             self.shape, self.pp_rank, getattr(self.config, "num_microbatches_with_partial_activation_checkpoints", None))
         self.policy = session.policy_for(self.shape, self.pp_rank,
                                          None if forward_only else self.settings.memory_cap)
+        session.announce_once(f"rank {dist.get_rank()} (pipeline rank {self.pp_rank}): schedule "
+                              f"policy={self.policy.name} P={P} V={V} memory_cap={self.policy.memory_cap} "
+                              f"(megatron-core {megatron_core_version()})")
         self.state = RankState(self.shape, self.pp_rank)
         self.links = PipelineLinks(self.shape, self.pp_rank, pp_global, session.calls)
         self.transport = session.ensure_transport(pp_global)

@@ -10,6 +10,7 @@ import atexit
 import os
 import re
 import socket
+import sys
 import uuid
 from typing import List, Optional
 
@@ -41,6 +42,13 @@ class RuntimeSession:
         self.training_calls = 0     # forward_backward calls with backward (trace iterations)
         self.calls = 0              # all calls, evaluation included (message tags)
         self._closed = False
+        self._announced = False
+
+    def announce_once(self, what: str) -> None:
+        """One line per rank on stderr the first time the schedule runs, so a user sees the plugin is active."""
+        if not self._announced:
+            self._announced = True
+            print(f"megatron_app: {what}", file=sys.stderr, flush=True)
 
     def policy_for(self, shape, rank: int, memory_cap):
         from megatron_app.schedule import make_policy
