@@ -266,7 +266,7 @@ class PipelineStep:
             vp_stage=c if len(self.models) > 1 else None,
             is_last_stage=is_last,
         )
-        self._trace("forward", start, self._now(), task)
+        self._trace(task.kind.trace_name, start, self._now(), task)
         self.state.mark_done(task)
         self.policy.observe(task, (self._now() - start) / 1e6)
         if store:
@@ -290,7 +290,7 @@ class PipelineStep:
         sync = self.grad_sync.around_last_backward(c) if self._backwards_left[c] == 0 else contextlib.nullcontext()
         with sync:
             input_grad = backward_step(input_tensor, output_tensor, output_grad, self.model_type, self.config)
-        self._trace("backward", start, self._now(), task)
+        self._trace(task.kind.trace_name, start, self._now(), task)
         self.state.mark_done(task)
         self.policy.observe(task, (self._now() - start) / 1e6)
         if self.shape.output_target(self.pp_rank, task) is not None:

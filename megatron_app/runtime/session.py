@@ -12,7 +12,7 @@ import re
 import socket
 import sys
 import uuid
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,21 @@ import torch.distributed as dist
 from .settings import AppSettings
 
 _JOB_ID_ENV = "MEGATRON_APP_JOB_ID"
+
+# wrapper(transport, pipeline global ranks) -> transport: how layers above the runtime (the loss layer, link-delay
+# emulation) put themselves around the transport the session opens, applied in the order they were added.
+TransportWrapperFactory = Callable[["PipelineTransport", List[int]], "PipelineTransport"]
+_transport_wrappers: List[TransportWrapperFactory] = []
+
+
+def add_transport_wrapper(wrapper: TransportWrapperFactory) -> None:
+    """Wrap every transport the runtime opens from now on in this process (see TransportWrapper)."""
+    _transport_wrappers.append(wrapper)
+
+
+def remove_transport_wrapper(wrapper: TransportWrapperFactory) -> None:
+    if wrapper in _transport_wrappers:
+        _transport_wrappers.remove(wrapper)
 
 
 def agree_on_job_id(requested: Optional[str]) -> str:
@@ -71,14 +86,15 @@ class RuntimeSession:
             self.transport = open_transport(store, me, dist.get_world_size(), self.job_id, peers,
                                             master_addr=os.environ.get("MASTER_ADDR"),
                                             timeout_s=self.settings.timeout_s)
-            from megatron_app.lossy.pipeline import attach_configured_loss
-
-            self.transport = attach_configured_loss(self.transport)  # packet loss, when the trainer configured it
+            for wrap in _transport_wrappers:
+                self.transport = wrap(self.transport, list(pp_global_ranks))
         return self.transport
 
     def ensure_tracer(self, pp_rank: int, tp_rank: int, dp_rank: int, P: int, V: int, m: int):
         if self.tracer is None:
-            from megatron_app.trace import TraceMeta, Tracer, measure_clock_offset
+            from megatron_app.trace import TraceMeta, Tracer
+
+            from .clock_offset import measure_clock_offset
 
             enabled = self.settings.trace_dir is not None
             offset = (measure_clock_offset(trust_shared_clock=True)
@@ -92,10 +108,9 @@ class RuntimeSession:
 
     def _link_backends(self):
         """{peer rank: 'shm'|'tcp'|'rdma'} of this rank's transport, recorded in the trace header."""
-        backend_of = getattr(self.transport, "backend_of", None)  # a wrapper (loss layer) may not forward it
-        if backend_of is None:
+        if self.transport is None:
             return {}
-        return {str(peer): backend_of(peer) for peer in self.transport.peers}
+        return {str(peer): self.transport.backend_of(peer) for peer in self.transport.peers}
 
     def close(self):
         if self._closed:

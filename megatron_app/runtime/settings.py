@@ -5,8 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-SCHEDULES = ("app", "interleaved", "1f1b")
-ADAPTIVE_POLICIES = ("dfc", "bfc", "adaptive")
+from megatron_app.schedule import ADAPTIVE_POLICY_NAMES, STATIC_POLICY_NAMES
+
+# "app" runs an adaptive policy (AppSettings.policy); every static policy is a schedule of its own.
+SCHEDULES = ("app",) + STATIC_POLICY_NAMES
+ADAPTIVE_POLICIES = ADAPTIVE_POLICY_NAMES
 
 
 class AppConfigError(ValueError):

@@ -18,7 +18,7 @@ import warnings
 from pathlib import Path
 from typing import List, Optional
 
-from megatron_app.schedule import POLICY_NAMES, PipelineShape, ScheduleConfigError
+from megatron_app.schedule import POLICY_NAMES, PipelineShape, ScheduleConfigError, policies_for
 from megatron_app.trace.cli import EXIT_BAD_INPUT, OneLineArgumentParser, non_negative_int, number, positive_int
 
 from .costs import ComputeCosts, ComputePerturbations
@@ -101,7 +101,7 @@ def build_config(args: argparse.Namespace) -> SimConfig:
 def policies_to_run(choice: str, shape: PipelineShape) -> List[str]:
     if choice != ALL:
         return [choice]
-    return [name for name in POLICY_NAMES if not (name == "1f1b" and shape.num_chunks > 1)]
+    return list(policies_for(shape))
 
 
 def format_table(config: SimConfig, results: List[SimResult]) -> str:

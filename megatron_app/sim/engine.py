@@ -17,15 +17,14 @@ import itertools
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
-from megatron_app.schedule import Kind, PipelineShape, Policy, RankState, ScheduleStallError, Task, make_policy
+from megatron_app.schedule import KINDS_BY_INDEX, PipelineShape, Policy, RankState, ScheduleStallError, Task, make_policy
 from megatron_app.schedule.driver import stall_report
 
-from .costs import BACKWARD_INDEX, FORWARD_INDEX, Durations
+from .costs import DurationTable
 from .network import Network
 from .trace_output import SimTrace
 
 _FINISH, _ARRIVE, _DECIDE = 0, 1, 2   # tie-break at equal times
-_KIND_INDEX = {Kind.FORWARD: FORWARD_INDEX, Kind.BACKWARD: BACKWARD_INDEX}
 US_PER_S = 1e6
 
 
@@ -59,7 +58,7 @@ class TaskTable:
     allocates Tasks nor re-derives the dependency arithmetic (a large share of its time at P=64, m=512)."""
 
     def __init__(self, shape: PipelineShape):
-        kinds = (Kind.FORWARD, Kind.BACKWARD)
+        kinds = KINDS_BY_INDEX
         self.tasks = [[[Task(kind, chunk, mb) for mb in range(shape.num_microbatches)]
                        for chunk in range(shape.num_chunks)] for kind in kinds]
         self.consumers = []      # [rank][kind index][chunk] -> (peer rank, peer chunk) or None
@@ -75,14 +74,14 @@ class TaskTable:
 
     def consumer(self, rank: int, task: Task) -> Optional[tuple]:
         """(peer rank, peer task) that takes `task`'s output, or None."""
-        kind = _KIND_INDEX[task.kind]
+        kind = task.kind.index
         target = self.consumers[rank][kind][task.chunk]
         if target is None:
             return None
         return target[0], self.tasks[kind][target[1]][task.microbatch]
 
 
-def run_iteration(shape: PipelineShape, policies: Sequence[Policy], durations: Durations, network: Network,
+def run_iteration(shape: PipelineShape, policies: Sequence[Policy], durations: DurationTable, network: Network,
                   iteration: int, start_us: float, trace: Optional[SimTrace] = None,
                   table: Optional[TaskTable] = None) -> IterationOutcome:
     """Simulate one iteration from start_us; raises ScheduleStallError (every rank's state) if it would hang."""
@@ -112,7 +111,7 @@ def run_iteration(shape: PipelineShape, policies: Sequence[Policy], durations: D
         state = states[rank]
         if kind == _FINISH:
             state.mark_done(task)
-            duration = durations[rank][_KIND_INDEX[task.kind]][task.chunk][task.microbatch]
+            duration = durations.us(rank, task)
             policies[rank].observe(task, duration / US_PER_S)
             busy[rank] = False
             end_us[rank] = now
@@ -142,7 +141,7 @@ def run_iteration(shape: PipelineShape, policies: Sequence[Policy], durations: D
             idle_since[rank] = None
             state.mark_started(chosen)
             busy[rank] = True
-            duration = durations[rank][_KIND_INDEX[chosen.kind]][chosen.chunk][chosen.microbatch]
+            duration = durations.us(rank, chosen)
             busy_us[rank] += duration
             if trace is not None:
                 trace.compute(rank, iteration, chosen, now, now + duration)

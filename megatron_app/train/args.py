@@ -13,11 +13,13 @@ import os
 from typing import Mapping, Optional, Sequence
 
 from megatron_app.lossy.config import TP_SITES
+from megatron_app.schedule import ADAPTIVE_POLICY_NAMES, STATIC_POLICY_NAMES
 
 from .text_tokenizers import TOKENIZER_TYPES
 
-SCHEDULES = ("app", "interleaved", "1f1b", "megatron")
-POLICIES = ("dfc", "bfc", "adaptive")
+MEGATRON_SCHEDULE = "megatron"   # Megatron-Core's own forward_backward function, not our runtime
+SCHEDULES = ("app",) + STATIC_POLICY_NAMES + (MEGATRON_SCHEDULE,)
+POLICIES = ADAPTIVE_POLICY_NAMES
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_MICROBATCHES = 8
 DEFAULT_VOCAB_SIZE = 1024  # mock data; with --data-path the size comes from the tokenizer or the data
@@ -93,8 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sched = parser.add_argument_group("schedule")
     _add_flag(sched, "--schedule", choices=SCHEDULES, default="app",
-              help="app: adaptive runtime; interleaved/1f1b: static orders run by the runtime; "
-                   "megatron: Megatron-Core's own forward_backward function")
+              help=f"app: adaptive runtime; {'/'.join(STATIC_POLICY_NAMES)}: static orders run by the runtime; "
+                   f"{MEGATRON_SCHEDULE}: Megatron-Core's own forward_backward function")
     _add_flag(sched, "--policy", choices=POLICIES, default="dfc", help="task policy of the app schedule")
 
     emulation = parser.add_argument_group("compute emulation (timed waits instead of the model)")
@@ -363,8 +365,7 @@ def _check_emulation(args: argparse.Namespace) -> None:
     """The emulation flags parse, fit the pipeline, and come with --emulate-compute."""
     from megatron_app.schedule import PipelineShape, ScheduleConfigError
 
-    from .emulation_spec import spec_from_args
-    from .link_delay import SlowLinkSpec
+    from megatron_app.emulation import SlowLink, spec_from_args
 
     emulating = getattr(args, "emulate_compute", None) is not None
     if not emulating:
@@ -379,7 +380,7 @@ def _check_emulation(args: argparse.Namespace) -> None:
         spec = spec_from_args(args)
         spec.check_shape(PipelineShape(args.pipeline_parallel, args.model_chunks, args.num_microbatches))
         if args.slow_link is not None:
-            SlowLinkSpec.parse(args.slow_link).check_ranks(args.pipeline_parallel)
+            SlowLink.parse_delay(args.slow_link).check_ranks(args.pipeline_parallel)
     except ScheduleConfigError as exc:
         raise UsageError(str(exc)) from None
 

@@ -14,9 +14,8 @@ from typing import Callable
 
 import megatron.core.pipeline_parallel as megatron_pp
 
+from .args import MEGATRON_SCHEDULE as MEGATRON
 from .cpu_compat import CudaDeviceToCpu
-
-MEGATRON = "megatron"
 
 
 def _on_cpu(func: Callable) -> Callable:

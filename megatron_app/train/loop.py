@@ -11,6 +11,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_app.lossy.training import start_loss_layer
+from megatron_app.runtime import add_transport_wrapper, current_tracer, remove_transport_wrapper
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import build_data_iterators, build_datasets
@@ -155,6 +156,8 @@ def train(args) -> None:
                             args.distributed_timeout_minutes)
         trainer = build_trainer(args)
         loss_layer = start_loss_layer(args, dist.get_rank())  # before the first step creates the transport
+        if loss_layer is not None:
+            add_transport_wrapper(loss_layer.wrap_transport)
         if trainer.reporter.enabled:
             print("megatron_app.train: " + " ".join(f"{k}={v}" for k, v in run_config(args).items()), flush=True)
         for iteration in range(trainer.start_iteration + 1, args.iters + 1):
@@ -162,13 +165,14 @@ def train(args) -> None:
             loss = train_step(trainer, iteration)
             trainer.reporter.record(iteration, loss, time.perf_counter() - start)
             if loss_layer is not None:
-                loss_layer.end_iteration(iteration)
+                loss_layer.end_iteration(iteration, current_tracer())
             if not after_iteration(trainer, iteration):
                 break
         if args.dump_weights:
             dump_weights(trainer.chunks, args.dump_weights)
     finally:
         if loss_layer is not None:
+            remove_transport_wrapper(loss_layer.wrap_transport)
             loss_layer.close()
         if trainer is not None:
             if trainer.emulation is not None:
