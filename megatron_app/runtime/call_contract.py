@@ -15,6 +15,7 @@ from megatron.core import parallel_state
 
 from megatron_app.megatron_compat import is_multimodule
 from megatron_app.schedule import PipelineShape
+from megatron_app.schedule.megatron_order import megatron_forward_sequence, megatron_warmup_microbatches
 
 from .settings import AppConfigError
 
@@ -96,11 +97,6 @@ def full_checkpoint_flags(shape: PipelineShape, rank: int, num_partial: Optional
         window = min(shape.num_stages - rank - 1, shape.num_microbatches) + 1
         forwards = [(0, mb) for mb in range(shape.num_microbatches)]
     else:
-        from megatron.core.pipeline_parallel.schedules import get_schedule_table
-
-        from megatron_app.schedule.megatron_order import megatron_warmup_microbatches
-
         window = megatron_warmup_microbatches(shape, rank) + 1
-        table = get_schedule_table(shape.num_microbatches, shape.num_chunks, shape.microbatch_group_size)
-        forwards = [(chunk, mb) for mb, chunk in table]
+        forwards = [(chunk, mb) for mb, chunk in megatron_forward_sequence(shape)]
     return {key: k % window >= num_partial for k, key in enumerate(forwards)}

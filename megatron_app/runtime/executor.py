@@ -25,6 +25,7 @@ from megatron.core.utils import get_model_config, get_model_type
 from megatron_app.megatron_compat import backward_step, megatron_core_version
 from megatron_app.schedule import Kind, PipelineShape, RankState, Task
 
+from . import keyed_randomness
 from .call_contract import ScheduleGroups, apply_tensor_shape_hook, full_checkpoint_flags, resolve_groups
 from .links import PipelineLinks, direction_of
 from .microbatch_data import MicrobatchReplay
@@ -250,22 +251,24 @@ class PipelineStep:
         store: list = []
         self.state.mark_started(task)
         start = self._now()
-        output_tensor, num_tokens = forward_step(
-            self.forward_step_func,
-            None if self.data[c] is None else self.data[c].select(i),
-            self.models[c],
-            self.num_microbatches,
-            input_tensor,
-            store,
-            self.config,
-            self.cp_size,
-            self.collect_non_loss_data,
-            checkpoint_activations_microbatch=None if self.full_checkpoint is None else self.full_checkpoint[(c, i)],
-            is_first_microbatch=check_first_val_step(self.first_val_step, self.forward_only, first),
-            current_microbatch=i,
-            vp_stage=c if len(self.models) > 1 else None,
-            is_last_stage=is_last,
-        )
+        with keyed_randomness.microbatch_scope(i):   # dropout keyed by microbatch, whatever the order
+            output_tensor, num_tokens = forward_step(
+                self.forward_step_func,
+                None if self.data[c] is None else self.data[c].select(i),
+                self.models[c],
+                self.num_microbatches,
+                input_tensor,
+                store,
+                self.config,
+                self.cp_size,
+                self.collect_non_loss_data,
+                checkpoint_activations_microbatch=None if self.full_checkpoint is None else
+                self.full_checkpoint[(c, i)],
+                is_first_microbatch=check_first_val_step(self.first_val_step, self.forward_only, first),
+                current_microbatch=i,
+                vp_stage=c if len(self.models) > 1 else None,
+                is_last_stage=is_last,
+            )
         self._trace(task.kind.trace_name, start, self._now(), task)
         self.state.mark_done(task)
         self.policy.observe(task, (self._now() - start) / 1e6)
@@ -289,7 +292,8 @@ class PipelineStep:
         start = self._now()
         sync = self.grad_sync.around_last_backward(c) if self._backwards_left[c] == 0 else contextlib.nullcontext()
         with sync:
-            input_grad = backward_step(input_tensor, output_tensor, output_grad, self.model_type, self.config)
+            with keyed_randomness.microbatch_scope(i):   # recomputation redraws the forward's masks
+                input_grad = backward_step(input_tensor, output_tensor, output_grad, self.model_type, self.config)
         self._trace(task.kind.trace_name, start, self._now(), task)
         self.state.mark_done(task)
         self.policy.observe(task, (self._now() - start) / 1e6)
@@ -372,5 +376,6 @@ def forward_backward_app(
         result = step.run()
         step.tracer.record("iteration", start, step.tracer.now_us(), iteration=step.iteration)
         step.tracer.flush()   # a crash loses at most the iteration in flight
+        keyed_randomness.training_call_done()
         return result
     return step.run()

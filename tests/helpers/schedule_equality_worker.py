@@ -22,6 +22,7 @@ def main():
     parser.add_argument("--schedules", required=True, help="comma list of SCHEDULE[:POLICY]")
     parser.add_argument("--out", required=True)
     parser.add_argument("--trace-dir", default=None)
+    parser.add_argument("--dropout", type=float, default=0.0, help="--hidden-dropout and --attention-dropout")
     opts = parser.parse_args()
 
     from megatron_app.train.args import parse_args
@@ -39,6 +40,7 @@ def main():
                  "--schedule", schedule, "--policy", policy or "dfc",
                  "--dump-grads", os.path.join(opts.out, f"grads_{name}")]
         flags += ["--trace-dir", opts.trace_dir] if opts.trace_dir else ["--no-trace"]
+        flags += ["--hidden-dropout", str(opts.dropout), "--attention-dropout", str(opts.dropout)]
         args = parse_args(flags)
         trainer = build_trainer(args)
         losses = [train_step(trainer, it) for it in range(1, opts.iters + 1)]
