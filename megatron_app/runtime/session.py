@@ -56,6 +56,8 @@ class RuntimeSession:
         self._policies = {}         # kept across calls so learning policies (adaptive) remember task durations
         self.training_calls = 0     # forward_backward calls with backward (trace iterations)
         self.calls = 0              # all calls, evaluation included (message tags)
+        self.last_iteration_s: Optional[float] = None   # wall time of the last training call
+        self.last_planning_s: Optional[float] = None    # its planning time (pipeline rank 0, planning policies)
         self._closed = False
         self._announced = False
 
@@ -65,13 +67,25 @@ class RuntimeSession:
             self._announced = True
             print(f"megatron_app: {what}", file=sys.stderr, flush=True)
 
+    def planning_budget_s(self) -> Optional[float]:
+        """Time a planning policy may spend on the next call: a share of the last call (None before one ran)."""
+        if self.last_iteration_s is None:
+            return None
+        return self.settings.planning_share * self.last_iteration_s
+
     def policy_for(self, shape, rank: int, memory_cap):
         from megatron_app.schedule import make_policy
 
-        key = (self.settings.policy_name, shape, rank, memory_cap)
+        name = self.settings.policy_name
+        factor = self.settings.memory_factor if name == "planned" else None
+        key = (name, shape, rank, memory_cap, factor)
         if key not in self._policies:
-            self._policies[key] = make_policy(self.settings.policy_name, shape, rank, memory_cap=memory_cap)
+            self._policies[key] = make_policy(name, shape, rank, memory_cap=memory_cap, memory_factor=factor)
         return self._policies[key]
+
+    def policies_in_use(self):
+        """The policy objects this process has run (one per shape and rank), e.g. to read a plan."""
+        return list(self._policies.values())
 
     def ensure_transport(self, pp_global_ranks: List[int]):
         if self.transport is None and len(pp_global_ranks) > 1:

@@ -13,6 +13,7 @@ from typing import Callable, Dict, Optional, Tuple
 from .adaptive import make_adaptive
 from .errors import ScheduleConfigError
 from .greedy import make_bfc, make_dfc
+from .planned import make_planned
 from .policy import Policy
 from .shape import PipelineShape
 from .static_order import make_megatron_1f1b, make_megatron_interleaved
@@ -46,6 +47,9 @@ POLICIES: Dict[str, PolicyEntry] = {
     "adaptive": PolicyEntry(make_adaptive, static=False, summary="Megatron's order while inputs are on time; when "
                             "its next input is late, the ready backward with the longest remaining path runs first "
                             "(durations learnt at run time)"),
+    "planned": PolicyEntry(make_planned, static=False, summary="per iteration, the microbatch order and warm-up "
+                           "depth of Megatron's order chosen from the microbatches' lengths under an activation-"
+                           "bytes cap (x Megatron's peak); then as adaptive. Without lengths: adaptive"),
 }
 
 POLICY_NAMES: Tuple[str, ...] = tuple(POLICIES)
@@ -58,10 +62,16 @@ def policies_for(shape: PipelineShape) -> Tuple[str, ...]:
     return tuple(name for name, entry in POLICIES.items() if entry.applies_to(shape))
 
 
-def make_policy(name: str, shape: PipelineShape, rank: int, memory_cap: Optional[int] = None) -> Policy:
-    """A policy for one rank. memory_cap: most activations held at once; None = what Megatron's order holds."""
+def make_policy(name: str, shape: PipelineShape, rank: int, memory_cap: Optional[int] = None,
+                memory_factor: Optional[float] = None) -> Policy:
+    """A policy for one rank. memory_cap: most activations held at once; None = what Megatron's order holds.
+    memory_factor (planned only): activation bytes a rank may hold, x Megatron's peak for the same microbatches."""
     entry = POLICIES.get(name)
     if entry is None:
         raise ScheduleConfigError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
     shape.check_rank(rank)
+    if memory_factor is not None:
+        if name != "planned":
+            raise ScheduleConfigError(f"memory_factor applies to policy 'planned' only, not {name!r}")
+        return make_planned(shape, rank, memory_cap, memory_factor=memory_factor)
     return entry.factory(shape, rank, memory_cap)

@@ -32,5 +32,16 @@ class Policy:
     def observe(self, task: Task, duration_s: float) -> None:
         """Called after each task with its measured duration; adaptive cost models override it."""
 
+    # Planning policies choose each iteration's plan on one rank and every rank adopts it (the simulator hands it
+    # over, the runtime broadcasts it); for the others both calls do nothing.
+    plans_iterations = False
+
+    def plan_iteration(self, lengths, stop=None):
+        """The plan for the next iteration, given its microbatch lengths (None: not told)."""
+        return None
+
+    def use_plan(self, lengths, plan) -> None:
+        """Adopt `plan` (from some rank's plan_iteration) for the next iteration."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, rank={self.rank}, memory_cap={self.memory_cap})"

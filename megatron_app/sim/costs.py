@@ -123,8 +123,9 @@ class ComputePerturbations:
 
 
 def draw_durations(shape: PipelineShape, costs: ComputeCosts, perturbations: ComputePerturbations, seed: int,
-                   iteration: int) -> DurationTable:
-    """Every task's duration for one iteration (see the module doc for why draws are keyed per rank)."""
+                   iteration: int, microbatch_factors: Optional[Sequence[float]] = None) -> DurationTable:
+    """Every task's duration for one iteration (see the module doc for why draws are keyed per rank).
+    microbatch_factors: per microbatch, a factor on all its tasks (its cost for its length; lengths.py)."""
     costs.check_shape(shape)
     perturbations.check_shape(shape)
     V, m = shape.num_chunks, shape.num_microbatches
@@ -132,6 +133,8 @@ def draw_durations(shape: PipelineShape, costs: ComputeCosts, perturbations: Com
     for rank in range(shape.num_stages):
         base = np.array([costs.forward_us[rank], costs.backward_us[rank]], dtype=float)     # (2, V)
         times = np.broadcast_to(base[:, :, None], (2, V, m)).copy()
+        if microbatch_factors is not None:
+            times *= np.asarray(microbatch_factors, dtype=float)[None, None, :]
         if rank == perturbations.slow_rank:
             times *= perturbations.slow_factor
         if perturbations.jitter > 0:

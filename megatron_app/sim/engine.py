@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
@@ -36,6 +37,8 @@ class IterationOutcome:
     busy_us: List[float]                 # per rank: sum of its task durations
     peak_activations: List[int]          # per rank
     orders: List[List[Task]] = field(repr=False)   # per rank, tasks in execution order
+    peak_activation_sizes: List[float] = field(default_factory=list)   # per rank: tokens with lengths, else count
+    planning_s: float = 0.0              # wall time rank 0's policy spent choosing this iteration's plan
 
     @property
     def makespan_us(self) -> float:
@@ -49,8 +52,10 @@ class IterationOutcome:
         return sum(1.0 - busy / self.makespan_us for busy in self.busy_us) / len(self.busy_us)
 
 
-def make_policies(shape: PipelineShape, name: str, memory_cap: Optional[int] = None) -> List[Policy]:
-    return [make_policy(name, shape, rank, memory_cap) for rank in range(shape.num_stages)]
+def make_policies(shape: PipelineShape, name: str, memory_cap: Optional[int] = None,
+                  memory_factor: Optional[float] = None) -> List[Policy]:
+    factor = memory_factor if name == "planned" else None
+    return [make_policy(name, shape, rank, memory_cap, factor) for rank in range(shape.num_stages)]
 
 
 class TaskTable:
@@ -83,11 +88,22 @@ class TaskTable:
 
 def run_iteration(shape: PipelineShape, policies: Sequence[Policy], durations: DurationTable, network: Network,
                   iteration: int, start_us: float, trace: Optional[SimTrace] = None,
-                  table: Optional[TaskTable] = None) -> IterationOutcome:
-    """Simulate one iteration from start_us; raises ScheduleStallError (every rank's state) if it would hang."""
+                  table: Optional[TaskTable] = None, lengths: Optional[Sequence[int]] = None
+                  ) -> IterationOutcome:
+    """Simulate one iteration from start_us; raises ScheduleStallError (every rank's state) if it would hang.
+    lengths: tokens per microbatch. Planning policies get them (rank 0 plans, every rank adopts the plan, as the
+    runtime's broadcast does) and activations are sized by them (peaks in tokens); None counts activations."""
     P = shape.num_stages
+    planning_s = 0.0
+    if policies[0].plans_iterations:
+        began = time.perf_counter()
+        plan = policies[0].plan_iteration(lengths)
+        planning_s = time.perf_counter() - began
+        for policy in policies:
+            policy.use_plan(lengths, plan)
+    activation_sizes = lengths
     table = table or TaskTable(shape)
-    states = [RankState(shape, rank) for rank in range(P)]
+    states = [RankState(shape, rank, activation_sizes) for rank in range(P)]
     busy = [False] * P
     decision_pending = [False] * P
     idle_since: List[Optional[float]] = [start_us] * P   # set while a rank waits for an input
@@ -153,4 +169,5 @@ def run_iteration(shape: PipelineShape, policies: Sequence[Policy], durations: D
             trace.iteration(rank, iteration, start_us, end_us[rank])
     return IterationOutcome(iteration=iteration, start_us=start_us, end_us=max(end_us), busy_us=busy_us,
                             peak_activations=[state.peak_activations for state in states],
+                            peak_activation_sizes=[state.peak_size for state in states], planning_s=planning_s,
                             orders=[state.done_tasks for state in states])

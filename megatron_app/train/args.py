@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(train, "--lr", type=float, default=1e-3)
     _add_flag(train, "--data-path", nargs="+", default=None, metavar="PREFIX",
               help="Megatron indexed dataset prefix(es) [weight prefix ...]; default: mock data")
+    _add_flag(train, "--variable-seq-lengths", action="store_true",
+              help="one document per sample (no packing), truncated at --seq-length, each microbatch padded to its "
+                   "own longest sample; needs --data-path; implies --calculate-per-token-loss")
+    _add_flag(train, "--calculate-per-token-loss", action="store_true",
+              help="Megatron's per-token loss: gradients are divided by the global batch's token count instead of "
+                   "averaging per-microbatch means (the result does not depend on how samples form microbatches)")
     _add_flag(train, "--split", default=DEFAULT_SPLIT, metavar="TRAIN,VALID,TEST",
               help=f"document shares of the splits of each --data-path dataset (default: {DEFAULT_SPLIT})")
     _add_flag(train, "--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
@@ -350,9 +356,20 @@ def validate(args: argparse.Namespace, environ: Mapping[str, str]) -> argparse.N
             "--schedule megatron with --pipeline_parallel > 1 needs CUDA (Megatron's p2p code is CUDA-only); "
             "use --schedule app|interleaved|1f1b on CPU")
     _check_checkpointing(args)
+    _check_variable_lengths(args)
     _check_emulation(args)
     _check_loss(args)
     return args
+
+
+def _check_variable_lengths(args: argparse.Namespace) -> None:
+    """Variable-length samples are whole documents of an indexed dataset; they need per-token loss."""
+    if not getattr(args, "variable_seq_lengths", False):
+        return
+    if args.data_path is None:
+        raise UsageError("--variable-seq-lengths needs --data-path (one document per sample; mock data has no "
+                         "documents; tools/make_corpus.py builds a real corpus)")
+    args.calculate_per_token_loss = True
 
 
 def _check_loss(args: argparse.Namespace) -> None:

@@ -48,6 +48,16 @@ def optimizer_span(schedule: str, iteration: int):
     return contextlib.nullcontext() if tracer is None else tracer.span(OPTIMIZER, iteration=iteration - 1)
 
 
+def tell_microbatch_lengths(schedule: str, lengths) -> None:
+    """Tell our schedule each microbatch's padded length before a forward_backward call (Megatron's own
+    schedule has no use for them)."""
+    if schedule == MEGATRON:
+        return
+    from megatron_app.runtime import set_microbatch_lengths
+
+    set_microbatch_lengths(lengths)
+
+
 def close_schedule(schedule: str) -> None:
     """Close the runtime's transport and flush its trace (before the process groups go away)."""
     if schedule == MEGATRON:

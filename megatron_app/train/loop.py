@@ -15,9 +15,9 @@ from megatron_app.runtime import enable_keyed_randomness, set_iteration
 from megatron_app.runtime import add_transport_wrapper, current_tracer, remove_transport_wrapper
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .data import build_data_iterators, build_datasets
+from .data import build_data_iterators, build_datasets, global_batch_tokens, microbatch_lengths
 from .dumps import dump_grads, dump_weights
-from .forward_backward import close_schedule, optimizer_span, select_forward_backward_func
+from .forward_backward import close_schedule, optimizer_span, select_forward_backward_func, tell_microbatch_lengths
 from .init import init_distributed, init_model_parallel, seed_all, shutdown
 from .model import build_model_chunks
 from .optim import build_optimizer, finalize_model_grads
@@ -30,7 +30,8 @@ _RUN_CONFIG_KEYS = (
     "num_microbatches", "num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
     "micro_batch_size", "global_batch_size", "iters", "seed", "lr", "hidden_dropout", "attention_dropout",
     "schedule", "policy", "device",
-    "data_path", "split", "eval_interval", "eval_iters", "save", "save_interval", "load", "start_iteration",
+    "data_path", "variable_seq_lengths", "calculate_per_token_loss", "split", "eval_interval", "eval_iters", "save",
+    "save_interval", "load", "start_iteration",
 )
 
 
@@ -51,6 +52,8 @@ class Trainer:
     start_iteration: int = 0        # iterations already done (from a checkpoint)
     forward_step_func: Callable = forward_step
     emulation: object = None        # a ComputeEmulation under --emulate-compute
+    train_dataset: object = None    # where each microbatch's length comes from (None under emulation)
+    dp_rank: int = 0
 
 
 def _resume(args, chunks, optimizer) -> Tuple[int, str]:
@@ -81,6 +84,7 @@ def build_trainer(args) -> Trainer:
     optimizer = build_optimizer(chunks, args.lr)
     start_iteration, resume_note = _resume(args, chunks, optimizer)
     args.start_iteration = start_iteration
+    train_dataset = None
     if emulation is None:
         train_dataset, valid_dataset = build_datasets(args)
         data_iterator = build_data_iterators(args, args.model_chunks, parallel_state.get_data_parallel_rank(),
@@ -96,7 +100,8 @@ def build_trainer(args) -> Trainer:
         reporter.note(resume_note)
     return Trainer(args, chunks, optimizer, data_iterator, forward_backward, reporter, valid_dataset,
                    start_iteration, forward_step_func=forward_step if emulation is None else emulation.forward_step,
-                   emulation=emulation)
+                   emulation=emulation, train_dataset=train_dataset,
+                   dp_rank=parallel_state.get_data_parallel_rank())
 
 
 def train_step(trainer: Trainer, iteration: int) -> Optional[float]:
@@ -106,6 +111,9 @@ def train_step(trainer: Trainer, iteration: int) -> Optional[float]:
     set_iteration(iteration)   # keys this step's dropout masks (no-op without dropout)
     if trainer.emulation is not None:
         trainer.emulation.begin_iteration(iteration - 1)
+    else:
+        tell_microbatch_lengths(args.schedule, microbatch_lengths(
+            args, trainer.train_dataset, trainer.dp_rank, (iteration - 1) * args.global_batch_size))
     losses_reduced = trainer.forward_backward(
         forward_step_func=trainer.forward_step_func,
         data_iterator=trainer.data_iterator,
@@ -168,7 +176,10 @@ def train(args) -> None:
         for iteration in range(trainer.start_iteration + 1, args.iters + 1):
             start = time.perf_counter()
             loss = train_step(trainer, iteration)
-            trainer.reporter.record(iteration, loss, time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            tokens = None if trainer.emulation is not None or not trainer.reporter.enabled else global_batch_tokens(
+                args, trainer.train_dataset, (iteration - 1) * args.global_batch_size)
+            trainer.reporter.record(iteration, loss, seconds, tokens)
             if loss_layer is not None:
                 loss_layer.end_iteration(iteration, current_tracer())
             if not after_iteration(trainer, iteration):
