@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(model, "--vocab-size", type=int, default=None,
               help=f"total vocabulary, end-of-document token included (default: {DEFAULT_VOCAB_SIZE} on mock data; "
                    "with --data-path the tokenizer's or the data's size, padded like Megatron)")
+    _add_flag(model, "--hidden-dropout", type=float, default=0.0, metavar="P",
+              help="dropout after attention and MLP (Megatron-LM's flag; its default is 0.1), keyed by (seed, "
+                   "iteration, microbatch, layer) so every schedule, P and V draws the same masks")
+    _add_flag(model, "--attention-dropout", type=float, default=0.0, metavar="P",
+              help="dropout on attention probabilities (Megatron-LM's flag; its default is 0.1), keyed the same way")
     _add_flag(model, "--make-vocab-size-divisible-by", type=int, default=128, metavar="N",
               help="pad a derived vocabulary size to a multiple of N x tensor_parallel (Megatron's rule)")
 
@@ -206,6 +211,9 @@ def _check_scalars(args: argparse.Namespace) -> None:
         raise UsageError(f"--seed must be non-negative, got {args.seed}")
     if not args.lr > 0:
         raise UsageError(f"--lr must be positive, got {args.lr}")
+    for dest in ("hidden_dropout", "attention_dropout"):
+        if not 0.0 <= getattr(args, dest) < 1.0:
+            raise UsageError(f"{_flag(dest)} must be in [0, 1), got {getattr(args, dest)}")
 
 
 def _derive_layout(args: argparse.Namespace, environ: Mapping[str, str]) -> None:

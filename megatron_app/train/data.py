@@ -17,7 +17,8 @@ from torch.utils.data import DataLoader
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_from_list
-from megatron.core.tokenizers import MegatronTokenizer
+
+from megatron_app.megatron_compat import null_tokenizer
 
 from .document_data import DocumentDataset, pad_to_longest, padded_lengths, sample_length
 
@@ -33,7 +34,7 @@ def build_tokenizer(vocab_size: int):
     The GPT datasets read only its vocabulary size and end-of-document id, and the id matters only with
     reset_position_ids / reset_attention_mask / eod_mask_loss, all off here.
     """
-    return MegatronTokenizer.from_pretrained(metadata_path={"library": "null"}, vocab_size=vocab_size - 1)
+    return null_tokenizer(vocab_size)
 
 
 def train_samples(args) -> int:
