@@ -165,6 +165,29 @@ def test_loss_sweep_grid_and_baseline():
     assert results[3]["delta"] is None and results[3]["relative"] is None
 
 
+def test_loss_sweep_narrows_to_pipeline_rates_at_the_default_model_size():
+    sweep = _load_sweep()
+    args = sweep.parse_args(["--traffic", "pipeline", "--rates", "0.1,0.005,0.02", "--num-layers", "8"])
+    assert sweep.grid(args) == [("pipeline", "none", 0.0)] + [
+        ("pipeline", model, rate) for model in sweep.MODELS for rate in (0.005, 0.02, 0.1)]
+    flags = sweep.model_flags(args.num_layers)
+    assert flags[flags.index("--num-layers") + 1] == "8" and sweep.MODEL_FLAGS[1] == "4"
+    only_ce = sweep.grid(sweep.parse_args(["--traffic", "tp_all_sites", "--models", "bernoulli", "--rates", "0.01"]))
+    assert only_ce == [("tp", "none", 0.0), ("tp_all_sites", "bernoulli", 0.01)]  # its lossless run still comes
+    assert [sweep.percent(rate) for rate in (0.1, 0.01, 0.005, 0.002)] == ["10%", "1%", "0.5%", "0.2%"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--rates", "0.1,x"], "--rates takes a comma list"), (["--rates", "0,0.1"], "between 0 and 1"),
+    (["--traffic", "pipe"], "--traffic takes a comma list"), (["--models", "uniform"], "--models takes"),
+    (["--num-layers", "0"], "--num-layers must be positive")])
+def test_loss_sweep_refuses_bad_grid_flags(flags, message, capsys):
+    sweep = _load_sweep()
+    with pytest.raises(SystemExit) as exit_info:
+        sweep.parse_args(flags)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("traffic, sites", [
     ("tp", {"mappings", "layers", "tp_utils", "core_utils"}), ("tp_all_sites", set(TP_SITES))])
 def test_loss_sweep_tp_groups_choose_sites_the_trainer_accepts(traffic, sites):
