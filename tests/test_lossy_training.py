@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megatron_app.lossy import TP_SITES
+from megatron_app.trace.schema import SCHEMA_VERSION
 from megatron_app.train.args import UsageError, parse_args
 from pipeline_runs import REPO, run_env
 
@@ -100,9 +101,9 @@ def _train(tmp_path, name, *flags, layout=("--pipeline_parallel", "2")):
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [entry["loss"] for entry in json.loads(log_json.read_text())["iterations"]]
     events = []
-    for path in sorted(traces.glob("trace_rank*.jsonl")):
+    for path in sorted((traces / "latest").glob("trace_rank*.jsonl")):
         lines = path.read_text().splitlines()
-        assert json.loads(lines[0])["schema_version"] == "1.1"
+        assert json.loads(lines[0])["schema_version"] == SCHEMA_VERSION
         events += [event for event in map(json.loads, lines[1:]) if event["kind"] == "loss"]
     return result.stdout, losses, events
 

@@ -39,6 +39,7 @@ if __package__ in (None, ""):  # run as a script from a checkout: make megatron_
         sys.path.insert(0, str(REPO))
 
 from megatron_app.lossy.config import TP_SITES  # noqa: E402
+from megatron_app.trace.runs import LATEST  # noqa: E402
 
 RATES = (0.0, 0.01, 0.05, 0.10)
 MODELS = ("bernoulli", "gilbert-elliott")
@@ -175,9 +176,10 @@ def summarize_losses(losses: list, tail: int) -> dict:
 
 
 def observed_loss(trace_dir: Path) -> tuple:
-    """Packets sent and lost over all ranks, from the trace's `loss` events."""
+    """Packets sent and lost over all ranks, from the trace's `loss` events (of the run trace_dir/latest points to:
+    each sweep run has a trace root of its own)."""
     packets = lost = 0
-    for path in sorted(trace_dir.glob("trace_rank*.jsonl")):
+    for path in sorted((trace_dir / LATEST).glob("trace_rank*.jsonl")):
         with open(path, encoding="utf-8") as handle:
             next(handle, None)  # header
             for line in handle:

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-SCHEMA_VERSION = "1.1"
+SCHEMA_VERSION = "1.2"
 FORMAT_NAME = "megatron_app.trace"
 FILE_PATTERN = "trace_rank{rank}.jsonl"
 
@@ -23,9 +23,10 @@ OPTIMIZER = "optimizer"
 ITERATION = "iteration"
 EVAL = "eval"
 LOSS = "loss"  # packet-loss statistics of one link and direction for one iteration (schema 1.1)
+CLOSED = "closed"  # the file's last line once its tracer closed it normally (schema 1.2): the rank finished
 
 COMPUTE_KINDS = frozenset({FORWARD, BACKWARD})
-KNOWN_KINDS = frozenset({FORWARD, BACKWARD, SEND, RECV, WAIT, OPTIMIZER, ITERATION, EVAL, LOSS})
+KNOWN_KINDS = frozenset({FORWARD, BACKWARD, SEND, RECV, WAIT, OPTIMIZER, ITERATION, EVAL, LOSS, CLOSED})
 SOURCES = frozenset({"runtime", "sim"})
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -11,17 +12,19 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_app.lossy.training import start_loss_layer
+from megatron_app.trace.runs import LATEST
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import build_data_iterators, build_datasets
 from .dumps import dump_grads, dump_weights
-from .forward_backward import close_schedule, optimizer_span, select_forward_backward_func
+from .forward_backward import MEGATRON, close_schedule, optimizer_span, select_forward_backward_func
 from .init import init_distributed, init_model_parallel, seed_all, shutdown
 from .model import build_model_chunks
 from .optim import build_optimizer, finalize_model_grads
 from .evaluate import evaluate
 from .report import IterationReporter, reduce_lm_loss
 from .step import forward_step
+from .trace_run import start_trace_run
 
 _RUN_CONFIG_KEYS = (
     "pipeline_parallel", "model_chunks", "tensor_parallel", "data_parallel", "world_size",
@@ -83,12 +86,17 @@ def build_trainer(args) -> Trainer:
                                              dataset=train_dataset)
     else:
         valid_dataset, data_iterator = None, emulation.data_iterators()
-    forward_backward = select_forward_backward_func(
-        args.schedule, args.policy, None if args.no_trace else args.trace_dir, not args.no_trace, args.device)
+    # Megatron's own schedules write no trace: no run directory for them.
+    tracing = not args.no_trace and args.schedule != MEGATRON
+    trace_dir = start_trace_run(args.trace_dir) if tracing else None
+    forward_backward = select_forward_backward_func(args.schedule, args.policy, trace_dir, not args.no_trace,
+                                                    args.device)
     reporter = IterationReporter(run_config(args), args.iters, args.global_batch_size * args.seq_length,
                                  args.log_json)
     if resume_note:
         reporter.note(resume_note)
+    if trace_dir is not None:
+        reporter.note(f"traces: {trace_dir} ({Path(args.trace_dir) / LATEST} points there)")
     return Trainer(args, chunks, optimizer, data_iterator, forward_backward, reporter, valid_dataset,
                    start_iteration, forward_step_func=forward_step if emulation is None else emulation.forward_step,
                    emulation=emulation)
