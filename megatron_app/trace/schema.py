@@ -10,12 +10,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_app.schedule.tasks import Kind, TASK_KINDS
+
 SCHEMA_VERSION = "1.2"
 FORMAT_NAME = "megatron_app.trace"
 FILE_PATTERN = "trace_rank{rank}.jsonl"
 
-FORWARD = "forward"
-BACKWARD = "backward"
+FORWARD = Kind.FORWARD.trace_name
+BACKWARD = Kind.BACKWARD.trace_name
 SEND = "send"
 RECV = "recv"
 WAIT = "wait"
@@ -25,8 +27,8 @@ EVAL = "eval"
 LOSS = "loss"  # packet-loss statistics of one link and direction for one iteration (schema 1.1)
 CLOSED = "closed"  # the file's last line once its tracer closed it normally (schema 1.2): the rank finished
 
-COMPUTE_KINDS = frozenset({FORWARD, BACKWARD})
-KNOWN_KINDS = frozenset({FORWARD, BACKWARD, SEND, RECV, WAIT, OPTIMIZER, ITERATION, EVAL, LOSS, CLOSED})
+COMPUTE_KINDS = frozenset(info.trace_name for info in TASK_KINDS.values())   # the schedule's task kinds
+KNOWN_KINDS = COMPUTE_KINDS | {SEND, RECV, WAIT, OPTIMIZER, ITERATION, EVAL, LOSS, CLOSED}
 SOURCES = frozenset({"runtime", "sim"})
 
 
