@@ -72,6 +72,13 @@ SCHEDULES: Dict[str, tuple] = {
 }
 SCENARIO_KEYS = {"homogeneous": "homogeneous", "slow-rank": "slow rank 1.5x", "jitter": "jitter +-30%",
                  "stragglers": "stragglers 10% x3", "slow-link": "slow link"}
+# Run only when asked (--scenarios variable-length): microbatch lengths drawn from a real corpus's token counts.
+VARIABLE_LENGTH_KEY, VARIABLE_LENGTH = "variable-length", "variable length"
+ALL_SCENARIO_KEYS = {**SCENARIO_KEYS, VARIABLE_LENGTH_KEY: VARIABLE_LENGTH}
+# torch.distributed.pipelining's PipelineStage infers (or is given) one input/output shape per stage and checks
+# every microbatch against it, so its schedules cannot run microbatches of different lengths.
+FIXED_SHAPE_NOTE = ("torch.distributed.pipelining skipped: its PipelineStage takes one input shape per stage "
+                    "(inferred once, then every microbatch is checked against it)")
 # Full run and --quick defaults (P, V, m, fwd, bwd, iters, warmup).
 FULL = dict(pipeline_parallel=4, model_chunks=2, microbatches=8, fwd_ms=10.0, bwd_ms=20.0, iters=5, warmup=2)
 QUICK = dict(pipeline_parallel=2, model_chunks=2, microbatches=4, fwd_ms=2.0, bwd_ms=4.0, iters=2, warmup=1)
@@ -95,8 +102,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="run the whole plan this many times, round robin, and pool the measured iterations (1): spreads bursts "
              "of other load on a shared machine over every schedule")
     add("--warmup", type=non_negative_int, help="iterations before measuring (2; --quick 1)")
-    add("--scenarios", default=",".join(SCENARIO_KEYS), help=f"comma list of {', '.join(SCENARIO_KEYS)}")
+    add("--scenarios", default=",".join(SCENARIO_KEYS),
+        help=f"comma list of {', '.join(ALL_SCENARIO_KEYS)} (default: all but {VARIABLE_LENGTH_KEY})")
     add("--schedules", default=",".join(SCHEDULES), help=f"comma list of {', '.join(SCHEDULES)}")
+    add("--planned-memory-factors", "--planned_memory_factors", dest="planned_memory_factors", default="1.0",
+        metavar="X[,X...]", help="one planned row per factor (its --memory-factor: activation tokens a rank may hold, "
+                                 "x Megatron's interleaved peak), e.g. 1.0,1.25 (1.0)")
+    add("--lengths-file", "--lengths_file", dest="lengths_file", default=None, metavar="LENGTHS",
+        help=f"the {VARIABLE_LENGTH_KEY} scenario's token counts, one per line (default: tools/corpus_lengths.py on "
+             "Debian's license texts, made in the work directory)")
     add("--seed", type=non_negative_int, default=0, help="seed of the random durations (same for every schedule)")
     add("--slow-link", "--slow_link", dest="slow_link", default=None, metavar="A-B:START_MS-END_MS:DELAY_MS",
         help="the slow-link scenario's link (default: the middle ranks, 0..30*fwd ms, delay 1.2*fwd ms)")
@@ -142,8 +156,23 @@ def _check(args: argparse.Namespace) -> None:
     from megatron_app.sim.network import SlowLink
 
     P, V, m = args.pipeline_parallel, args.model_chunks, args.microbatches
-    args.scenario_names = [SCENARIO_KEYS[key] for key in _split_list(args.scenarios, SCENARIO_KEYS, "scenario")]
+    args.scenario_names = [ALL_SCENARIO_KEYS[key]
+                           for key in _split_list(args.scenarios, ALL_SCENARIO_KEYS, "scenario")]
     args.schedule_keys = _split_list(args.schedules, SCHEDULES, "schedule")
+    try:
+        args.memory_factors = [float(x) for x in args.planned_memory_factors.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--planned-memory-factors {args.planned_memory_factors!r} is not a comma list of numbers") \
+            from None
+    if not args.memory_factors or not all(x >= 1.0 for x in args.memory_factors):
+        raise UsageError(f"--planned-memory-factors must be numbers >= 1, got {args.planned_memory_factors!r}")
+    if args.lengths_file is not None:
+        from megatron_app.sim.lengths import MicrobatchLengths
+
+        try:
+            MicrobatchLengths.from_file(args.lengths_file)
+        except ScheduleConfigError as exc:
+            raise UsageError(str(exc)) from None
     if P < 2:
         raise UsageError("--pipeline_parallel must be at least 2 (a pipeline)")
     if args.slow_link is None:
@@ -165,7 +194,16 @@ def scenario_flags(name: str, args) -> dict:
         "jitter +-30%": {"jitter": 0.3},
         "stragglers 10% x3": {"straggler_prob": 0.1, "straggler_factor": 3.0},
         "slow link": {"slow_link": args.slow_link},
+        VARIABLE_LENGTH: {"lengths_file": args.lengths_file},
     }[name]
+
+
+def planned_variants(key: str, args) -> List[tuple]:
+    """(row key, label suffix, memory factor) of each row a schedule key gives: planned one per memory factor."""
+    if key != "planned":
+        return [(key, "", None)]
+    return [("planned" if factor == 1.0 else f"planned-x{factor:g}", "" if factor == 1.0 else f" mem {factor:g}x",
+             factor) for factor in args.memory_factors]
 
 
 def build_plan(args, work_dir: Path) -> dict:
@@ -175,7 +213,12 @@ def build_plan(args, work_dir: Path) -> dict:
     for repeat in range(args.repeats):
         for scenario in args.scenario_names:
             for key in args.schedule_keys:
-                runs.append(plan_run(args, f"run{len(runs):03d}", repeat, scenario, key))
+                if scenario == VARIABLE_LENGTH and SCHEDULES[key][1] == "torch":
+                    continue   # FIXED_SHAPE_NOTE
+                for row_key, suffix, factor in planned_variants(key, args):
+                    run = plan_run(args, f"run{len(runs):03d}", repeat, scenario, key)
+                    run.update(key=row_key, label=run["label"] + suffix, memory_factor=factor)
+                    runs.append(run)
     out_dir = work_dir / job_id
     out_dir.mkdir(parents=True)
     return {"job_id": job_id, "out_dir": str(out_dir), "runs": runs}
@@ -244,17 +287,20 @@ def _fmt(value, spec: str, missing: str = "-") -> str:
 
 
 def format_table(rows) -> str:
-    header = (f"{'scenario':<18} {'schedule':<37} {'iter ms':>8} {'bubble':>7} {'sim ms':>7} {'sim err':>8} "
-              f"{'bound ms':>8} {'replay err':>10}  peak activations per rank")
+    header = (f"{'scenario':<18} {'schedule':<42} {'iter ms':>8} {'bubble':>7} {'sim ms':>7} {'sim err':>8} "
+              f"{'bound ms':>8} {'replay err':>10}  peak activations per rank"
+              + ("  [peak tokens per rank; sim]" if any(row.peak_tokens for row in rows) else ""))
     lines = [header, "-" * len(header)]
     previous = None
     for row in rows:
         if previous is not None and row.scenario != previous:
             lines.append("")
         previous = row.scenario
-        lines.append(f"{row.scenario:<18} {row.label:<37} {row.iteration_ms:>8.1f} {row.bubble_ratio:>7.1%} "
+        lines.append(f"{row.scenario:<18} {row.label:<42} {row.iteration_ms:>8.1f} {row.bubble_ratio:>7.1%} "
                      f"{_fmt(row.sim_ms, '7.1f'):>7} {_fmt(row.sim_error, '+8.1%'):>8} {_fmt(row.bound_ms, '8.1f'):>8} "
-                     f"{_fmt(row.replay_error, '+10.1%'):>10}  {','.join(map(str, row.peak_activations))}")
+                     f"{_fmt(row.replay_error, '+10.1%'):>10}  {','.join(map(str, row.peak_activations))}"
+                     + (f"  [{','.join(map(str, row.peak_tokens))}; {','.join(map(str, row.sim_peak_tokens or []))}]"
+                        if row.peak_tokens else ""))
     return "\n".join(lines)
 
 
@@ -344,6 +390,16 @@ def replay_main(args) -> int:
     return 0
 
 
+def make_corpus_lengths(work_dir: Path) -> str:
+    """The variable-length scenario's default lengths: tools/corpus_lengths.py on its default real corpus."""
+    import corpus_lengths
+
+    path = work_dir / "corpus_lengths.txt"
+    if corpus_lengths.main(["--output", str(path)]) != 0:
+        raise SystemExit(2)
+    return str(path)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.replay_trace is not None:
@@ -359,6 +415,10 @@ def main(argv=None) -> int:
     began = time.perf_counter()
     load_before = os.getloadavg()[0]   # other work on the machine shows up as noise: say how much there was
     try:
+        if VARIABLE_LENGTH in args.scenario_names and args.lengths_file is None:
+            args.lengths_file = make_corpus_lengths(work_dir.resolve())
+        elif args.lengths_file is not None:
+            args.lengths_file = str(Path(args.lengths_file).resolve())
         plan = build_plan(args, work_dir.resolve())
         log_path = Path(plan["out_dir"]) / "worker.log"
         code = run_workers(plan, args.pipeline_parallel, log_path, args.timeout)
@@ -381,6 +441,15 @@ def main(argv=None) -> int:
     load = f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
     print(f"{title}; {load}")
     print(format_table(rows))
+    if VARIABLE_LENGTH in args.scenario_names:
+        from megatron_app.sim.lengths import MicrobatchLengths
+
+        described = MicrobatchLengths.from_file(args.lengths_file).describe()
+        print(f"{VARIABLE_LENGTH}: lengths from {args.lengths_file} ({described['corpus_lengths']} documents, mean "
+              f"{described['corpus_mean_tokens']:.1f} tokens), task cost x {described['cost']}; peak tokens = "
+              f"activation tokens held per rank (each microbatch's sequence length)")
+        if any(SCHEDULES[key][1] == "torch" for key in args.schedule_keys):
+            print(f"{VARIABLE_LENGTH}: {FIXED_SHAPE_NOTE}")
     print(format_checks(checks))
     if args.quick:
         print("(--quick: tasks of a few ms are close to the runtime's ~0.5 ms per-task overhead, so the simulator "
@@ -397,6 +466,8 @@ def main(argv=None) -> int:
                                                      "hidden_size", "seq_length", "micro_batch_size",
                                                      "sim_latency_us", "quick")},
             "scenarios": args.scenario_names,
+            "lengths_file": args.lengths_file,
+            "planned_memory_factors": args.memory_factors,
             "rows": rows_to_json(rows),
             "targets": [check.__dict__ for check in checks],
         }

@@ -34,7 +34,8 @@ def trainer_argv(run: dict, run_dir: Path) -> list:
             "--emulate-compute", run["emulate_compute"]]
     for flag, key in (("--slow-rank", "slow_rank"), ("--slow-factor", "slow_factor"),
                       ("--straggler-prob", "straggler_prob"), ("--straggler-factor", "straggler_factor"),
-                      ("--slow-link", "slow_link")):
+                      ("--slow-link", "slow_link"), ("--emulate-lengths-file", "lengths_file"),
+                      ("--memory-factor", "memory_factor")):
         if run.get(key) is not None:
             argv += [flag, run[key]]
     if run_dir is not None:

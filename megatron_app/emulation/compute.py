@@ -12,7 +12,7 @@ same ones. The trainer's wiring (chunks from its flags, its loss function) is me
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -108,10 +108,15 @@ def emulated_forward_step(data_iterator, model: EmulatedChunk, loss_func: Callab
 
 
 def emulated_microbatches(num_microbatches: int, micro_batch_size: int, seq_length: int, vocab_size: int,
-                          iterations: int) -> Iterator[dict]:
-    """Items for `iterations` iterations of `num_microbatches`: tokens, loss mask and the (iteration, microbatch)."""
-    base = torch.arange(micro_batch_size * seq_length).view(micro_batch_size, seq_length)
+                          iterations: int,
+                          lengths_of: Optional[Callable[[int], Optional[Sequence[int]]]] = None) -> Iterator[dict]:
+    """Items for `iterations` iterations of `num_microbatches`: tokens, loss mask and the (iteration, microbatch).
+    lengths_of(iteration), when given, sets each microbatch's sequence length (variable lengths: activations sized
+    by tokens); otherwise every microbatch has seq_length tokens."""
     for iteration in range(iterations):
+        lengths = lengths_of(iteration) if lengths_of is not None else None
         for microbatch in range(num_microbatches):
-            yield {"tokens": (base + microbatch) % vocab_size, "loss_mask": torch.ones(micro_batch_size, seq_length),
+            length = seq_length if lengths is None else lengths[microbatch]
+            base = torch.arange(micro_batch_size * length).view(micro_batch_size, length)
+            yield {"tokens": (base + microbatch) % vocab_size, "loss_mask": torch.ones(micro_batch_size, length),
                    "iteration": iteration, "microbatch": microbatch}

@@ -10,7 +10,7 @@ that the simulator explains real runs).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_app.schedule import KIND_OF_TRACE_NAME, KINDS_BY_INDEX, PipelineShape
 from megatron_app.sim import lower_bounds, run_iteration
@@ -55,22 +55,27 @@ class SimulatedIteration:
     lower_bound_us: float
     bubble_ratio: float
     peak_activations: List[int]
+    peak_activation_tokens: Optional[List[float]] = None   # per rank, with variable lengths
 
 
 def simulate_emulation(spec: EmulationSpec, shape: PipelineShape, policy: str, iterations: int,
                        slow_link: Optional[SlowLink] = None, latency_us: float = 0.0,
-                       memory_cap: Optional[int] = None) -> List[SimulatedIteration]:
+                       memory_cap: Optional[int] = None,
+                       memory_factor: Optional[float] = None) -> List[SimulatedIteration]:
+    """With spec.lengths, each iteration's microbatch lengths go to the policies (planning, token-sized memory)."""
     network = SlowLinkNetwork(slow_link, latency_us)
     table = TaskTable(shape)
     start_us = 0.0
     results = []
     for iteration in range(iterations):
         durations = spec.draw(shape, iteration)
+        lengths = spec.microbatch_lengths(shape, iteration)
         network.begin_iteration(start_us)
-        outcome = run_iteration(shape, make_policies(shape, policy, memory_cap), durations, network, iteration,
-                                start_us, None, table)
+        outcome = run_iteration(shape, make_policies(shape, policy, memory_cap, memory_factor), durations, network,
+                                iteration, start_us, None, table, lengths=lengths)
         results.append(SimulatedIteration(outcome.makespan_us, lower_bounds(shape, durations, latency_us).best_us,
-                                          outcome.bubble_ratio, list(outcome.peak_activations)))
+                                          outcome.bubble_ratio, list(outcome.peak_activations),
+                                          None if lengths is None else list(outcome.peak_activation_sizes)))
         start_us = outcome.end_us
     return results
 
@@ -100,11 +105,14 @@ def measured_durations(run, iteration: int) -> DurationTable:
 
 
 def replay_trace_iteration(run, iteration: int, policy: str, slow_link: Optional[SlowLink] = None,
-                           latency_us: float = 0.0, memory_cap: Optional[int] = None) -> SimulatedIteration:
-    """Simulate `policy` on a traced iteration's measured task durations."""
+                           latency_us: float = 0.0, memory_cap: Optional[int] = None,
+                           lengths: Optional[Sequence[int]] = None,
+                           memory_factor: Optional[float] = None) -> SimulatedIteration:
+    """Simulate `policy` on a traced iteration's measured task durations (lengths: its microbatch lengths, which
+    planning policies plan with)."""
     shape = PipelineShape(run.pipeline_parallel, run.model_chunks, run.microbatches)
     durations = measured_durations(run, iteration)
-    outcome = run_iteration(shape, make_policies(shape, policy, memory_cap), durations,
-                            SlowLinkNetwork(slow_link, latency_us), iteration, 0.0)
+    outcome = run_iteration(shape, make_policies(shape, policy, memory_cap, memory_factor), durations,
+                            SlowLinkNetwork(slow_link, latency_us), iteration, 0.0, lengths=lengths)
     return SimulatedIteration(outcome.makespan_us, lower_bounds(shape, durations, latency_us).best_us,
                               outcome.bubble_ratio, list(outcome.peak_activations))

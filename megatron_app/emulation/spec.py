@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Tuple
 
 from megatron_app.schedule import Kind, PipelineShape, ScheduleConfigError
 from megatron_app.sim.costs import ComputeCosts, ComputePerturbations, DurationTable, draw_durations
+from megatron_app.sim.lengths import MicrobatchLengths
 
 US_PER_MS = 1000.0
 DEFAULT_SLOW_FACTOR = 1.5
@@ -27,6 +28,9 @@ class EmulationSpec:
     backward_ms: float
     perturbations: ComputePerturbations = field(default_factory=ComputePerturbations)
     seed: int = 0
+    # Variable-length microbatches: lengths drawn per iteration (keyed by seed and iteration, as the simulator draws
+    # them), every task of a microbatch scaled by the simulator's cost of its length. None: equal lengths.
+    lengths: Optional[MicrobatchLengths] = None
 
     def __post_init__(self):
         for name in ("forward_ms", "backward_ms"):
@@ -38,7 +42,7 @@ class EmulationSpec:
     @classmethod
     def parse(cls, text: str, *, slow_rank: Optional[int] = None, slow_factor: float = DEFAULT_SLOW_FACTOR,
               straggler_prob: float = 0.0, straggler_factor: float = DEFAULT_STRAGGLER_FACTOR,
-              seed: int = 0) -> "EmulationSpec":
+              seed: int = 0, lengths: Optional[MicrobatchLengths] = None) -> "EmulationSpec":
         """'FWD_MS,BWD_MS[,JITTER]' (e.g. '10,20' or '10,20,0.3'); perturbations as in megatron_app.sim."""
         parts = [p.strip() for p in str(text).split(",")]
         if len(parts) not in (2, 3):
@@ -52,7 +56,7 @@ class EmulationSpec:
                                              slow_factor=slow_factor if slow_rank is not None else 1.0,
                                              jitter=jitter, straggler_prob=straggler_prob,
                                              straggler_factor=straggler_factor if straggler_prob else 1.0)
-        return cls(numbers[0], numbers[1], perturbations, seed)
+        return cls(numbers[0], numbers[1], perturbations, seed, lengths)
 
     def costs(self, shape: PipelineShape) -> ComputeCosts:
         return ComputeCosts.uniform(shape, self.forward_ms * US_PER_MS, self.backward_ms * US_PER_MS)
@@ -60,9 +64,18 @@ class EmulationSpec:
     def check_shape(self, shape: PipelineShape) -> None:
         self.perturbations.check_shape(shape)
 
+    def microbatch_lengths(self, shape: PipelineShape, iteration: int) -> Optional[Tuple[int, ...]]:
+        """Tokens of each microbatch of `iteration` in data order (None for equal lengths): the same on every rank
+        and the same as megatron_app.sim draws for this seed."""
+        if self.lengths is None:
+            return None
+        return self.lengths.draw(shape.num_microbatches, self.seed, iteration)
+
     def draw(self, shape: PipelineShape, iteration: int) -> DurationTable:
         """Every task's duration (microseconds) in `iteration`."""
-        return draw_durations(shape, self.costs(shape), self.perturbations, self.seed, iteration)
+        lengths = self.microbatch_lengths(shape, iteration)
+        factors = None if lengths is None else [self.lengths.cost_factor(length) for length in lengths]
+        return draw_durations(shape, self.costs(shape), self.perturbations, self.seed, iteration, factors)
 
 
 class TaskDurations:
@@ -86,6 +99,8 @@ def spec_from_args(args) -> Optional[EmulationSpec]:
     """The trainer's emulation flags as a spec (None when --emulate-compute is absent); ScheduleConfigError if bad."""
     if getattr(args, "emulate_compute", None) is None:
         return None
+    lengths_file = getattr(args, "emulate_lengths_file", None)
     return EmulationSpec.parse(args.emulate_compute, slow_rank=args.slow_rank, slow_factor=args.slow_factor,
                                straggler_prob=args.straggler_prob, straggler_factor=args.straggler_factor,
-                               seed=args.seed)
+                               seed=args.seed,
+                               lengths=None if lengths_file is None else MicrobatchLengths.from_file(lengths_file))

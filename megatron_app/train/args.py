@@ -116,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     emulation = parser.add_argument_group("compute emulation (timed waits instead of the model)")
     _add_flag(emulation, "--emulate-compute", default=None, metavar="FWD_MS,BWD_MS[,JITTER]",
               help="each chunk's forward/backward of a microbatch waits this long instead of computing")
+    _add_flag(emulation, "--emulate-lengths-file", default=None, metavar="LENGTHS",
+              help="variable-length microbatches: each iteration draws every microbatch's sequence length from this "
+                   "file (one token count per line, e.g. tools/corpus_lengths.py's) with --seed, as megatron_app.sim "
+                   "--lengths-file does; tasks take the simulator's cost of that length and activations are sized by "
+                   "it; the schedule is told the lengths")
     _add_flag(emulation, "--slow-rank", type=int, default=None, metavar="R", help="pipeline rank R runs slower")
     _add_flag(emulation, "--slow-factor", type=float, default=1.5, metavar="F", help="slowdown of --slow-rank (1.5)")
     _add_flag(emulation, "--straggler-prob", type=float, default=0.0, metavar="P",
@@ -407,7 +412,8 @@ def _check_emulation(args: argparse.Namespace) -> None:
 
     emulating = getattr(args, "emulate_compute", None) is not None
     if not emulating:
-        for dest, default in (("slow_rank", None), ("straggler_prob", 0.0), ("slow_link", None)):
+        for dest, default in (("slow_rank", None), ("straggler_prob", 0.0), ("slow_link", None),
+                              ("emulate_lengths_file", None)):
             if getattr(args, dest, default) != default:
                 raise UsageError(f"{_flag(dest)} needs --emulate-compute")
         return

@@ -17,6 +17,7 @@ from megatron_app.runtime import add_transport_wrapper, remove_transport_wrapper
 from megatron_app.runtime.session import current_session
 from megatron_app.schedule import PipelineShape
 
+from .forward_backward import tell_microbatch_lengths
 from .step import loss_func
 
 
@@ -65,11 +66,18 @@ class ComputeEmulation:
         """One iterator per chunk (every emulated chunk draws an item per microbatch)."""
         args = self.args
         iterators = [emulated_microbatches(args.num_microbatches, args.micro_batch_size, args.seq_length,
-                                           args.vocab_size, args.iters) for _ in range(args.model_chunks)]
+                                           args.vocab_size, args.iters, self.microbatch_lengths)
+                     for _ in range(args.model_chunks)]
         return iterators[0] if args.model_chunks == 1 else iterators
 
+    def microbatch_lengths(self, iteration: int):
+        """Sequence length of each microbatch of `iteration` (0-based) under --emulate-lengths-file, else None."""
+        return self.spec.microbatch_lengths(self.shape, iteration)
+
     def begin_iteration(self, iteration: int) -> None:
-        """Before forward_backward of `iteration` (0-based): restart the slow-link window."""
+        """Before forward_backward of `iteration` (0-based): tell the schedule the microbatch lengths (every rank
+        draws the same ones) and restart the slow-link window."""
+        tell_microbatch_lengths(self.args.schedule, self.microbatch_lengths(iteration))
         if self.link_delay is None:
             return
         if self.link_delay.transport is None:
