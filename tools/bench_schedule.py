@@ -75,10 +75,11 @@ SCENARIO_KEYS = {"homogeneous": "homogeneous", "slow-rank": "slow rank 1.5x", "j
 # Run only when asked (--scenarios variable-length): microbatch lengths drawn from a real corpus's token counts.
 VARIABLE_LENGTH_KEY, VARIABLE_LENGTH = "variable-length", "variable length"
 ALL_SCENARIO_KEYS = {**SCENARIO_KEYS, VARIABLE_LENGTH_KEY: VARIABLE_LENGTH}
-# torch.distributed.pipelining's PipelineStage infers (or is given) one input/output shape per stage and checks
-# every microbatch against it, so its schedules cannot run microbatches of different lengths.
-FIXED_SHAPE_NOTE = ("torch.distributed.pipelining skipped: its PipelineStage takes one input shape per stage "
-                    "(inferred once, then every microbatch is checked against it)")
+# torch.distributed.pipelining's PipelineStage (torch 2.13, stage.py) sets up its receive buffers once, on the first
+# step, from one input/output shape per stage (given, or inferred from the first microbatch), and receives every
+# later microbatch into them: its schedules cannot run microbatches of different lengths.
+FIXED_SHAPE_NOTE = ("torch.distributed.pipelining skipped: its PipelineStage receives every microbatch into buffers "
+                    "of one shape per stage, fixed on the first step")
 # Full run and --quick defaults (P, V, m, fwd, bwd, iters, warmup).
 FULL = dict(pipeline_parallel=4, model_chunks=2, microbatches=8, fwd_ms=10.0, bwd_ms=20.0, iters=5, warmup=2)
 QUICK = dict(pipeline_parallel=2, model_chunks=2, microbatches=4, fwd_ms=2.0, bwd_ms=4.0, iters=2, warmup=1)
@@ -129,6 +130,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="instead of benchmarking: simulate a traced run (e.g. run_single.sh's traces/) from its measured task "
              "durations and compare with its measured makespans")
     add("--policy", default=None, help="with --replay-trace: the policy to simulate (default: the traced one)")
+    add("--analyse-only", "--analyse_only", dest="analyse_only", default=None, metavar="RUN_DIR",
+        help="instead of running: analyse the results a --work-dir run kept (RUN_DIR holds its plan.json); give the "
+             "same shape and scenario flags as that run")
     args = parser.parse_args(argv)
     if args.replay_trace is not None:
         return args
@@ -415,13 +419,19 @@ def main(argv=None) -> int:
     began = time.perf_counter()
     load_before = os.getloadavg()[0]   # other work on the machine shows up as noise: say how much there was
     try:
-        if VARIABLE_LENGTH in args.scenario_names and args.lengths_file is None:
-            args.lengths_file = make_corpus_lengths(work_dir.resolve())
-        elif args.lengths_file is not None:
-            args.lengths_file = str(Path(args.lengths_file).resolve())
-        plan = build_plan(args, work_dir.resolve())
-        log_path = Path(plan["out_dir"]) / "worker.log"
-        code = run_workers(plan, args.pipeline_parallel, log_path, args.timeout)
+        if args.analyse_only is not None:
+            plan = json.loads((Path(args.analyse_only) / "plan.json").read_text())
+            args.lengths_file = next((run["lengths_file"] for run in plan["runs"] if run.get("lengths_file")),
+                                     args.lengths_file)
+            code = 0
+        else:
+            if VARIABLE_LENGTH in args.scenario_names and args.lengths_file is None:
+                args.lengths_file = make_corpus_lengths(work_dir.resolve())
+            elif args.lengths_file is not None:
+                args.lengths_file = str(Path(args.lengths_file).resolve())
+            plan = build_plan(args, work_dir.resolve())
+            log_path = Path(plan["out_dir"]) / "worker.log"
+            code = run_workers(plan, args.pipeline_parallel, log_path, args.timeout)
         if code != 0:
             print(f"{PROG}: error: the workers failed (exit {code}): {_last_error(log_path)}"
                   + (f"; log: {log_path}" if args.work_dir else ""), file=sys.stderr)
@@ -431,14 +441,21 @@ def main(argv=None) -> int:
         except (TraceError, ValueError, OSError) as exc:
             print(f"{PROG}: error: cannot analyse the results: {exc}", file=sys.stderr)
             return EXIT_WORKER_FAILED
+    except OSError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
     finally:
         if args.work_dir is None:
             shutil.rmtree(work_dir, ignore_errors=True)
     checks = check_targets(rows)
+    statistic = "median" if VARIABLE_LENGTH not in args.scenario_names else \
+        "mean" if len(args.scenario_names) == 1 else "median (variable length: mean)"
     title = (f"P={args.pipeline_parallel} V={args.model_chunks} m={args.microbatches} f={args.fwd_ms:g} ms "
-             f"b={args.bwd_ms:g} ms, median of {args.iters * args.repeats} iterations ({args.repeats} x {args.iters} "
+             f"b={args.bwd_ms:g} ms, {statistic} of {args.iters * args.repeats} iterations ({args.repeats} x {args.iters} "
              f"after {args.warmup} warm-up)")
     load = f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
+    if args.analyse_only is not None:
+        load = f"re-analysed from {args.analyse_only} (its load: see that run's output)"
     print(f"{title}; {load}")
     print(format_table(rows))
     if VARIABLE_LENGTH in args.scenario_names:
@@ -446,8 +463,9 @@ def main(argv=None) -> int:
 
         described = MicrobatchLengths.from_file(args.lengths_file).describe()
         print(f"{VARIABLE_LENGTH}: lengths from {args.lengths_file} ({described['corpus_lengths']} documents, mean "
-              f"{described['corpus_mean_tokens']:.1f} tokens), task cost x {described['cost']}; peak tokens = "
-              f"activation tokens held per rank (each microbatch's sequence length)")
+              f"{described['corpus_mean_tokens']:.1f} tokens), task cost x {described['cost']}; iter ms and sim ms "
+              f"are means over the measured iterations (each draws other lengths, the same for every schedule); "
+              f"peak tokens = activation tokens held per rank (each microbatch's sequence length)")
         if any(SCHEDULES[key][1] == "torch" for key in args.schedule_keys):
             print(f"{VARIABLE_LENGTH}: {FIXED_SHAPE_NOTE}")
     print(format_checks(checks))

@@ -42,6 +42,7 @@ class Row:
     schedule: str
     model_chunks: int
     iteration_ms: float                  # median over the measured iterations of first call in .. last call out
+                                         # (variable lengths: the mean, paired iterations)
     iteration_ms_each: List[float]       # every measured iteration, repeats pooled
     makespan_ms: float                   # median first-compute-start .. last-compute-end
     bubble_ratio: float                  # mean over measured iterations of the mean over ranks
@@ -146,16 +147,19 @@ def analyse_runs(runs: List[dict], out_dir: Path) -> Row:
         for name, values in measured.items():
             pooled.setdefault(name, []).extend(values)
     run = runs[0]
+    # Variable lengths: each iteration draws other lengths (the same for every schedule), so iteration times differ
+    # several-fold by design and a median would pick one arbitrary iteration; the mean (= total time) compares.
+    average = statistics.fmean if run.get("lengths_file") else statistics.median
     row = Row(scenario=run["scenario"], label=run["label"], key=run["key"], system=run["system"],
               schedule=run["schedule"], model_chunks=run["model_chunks"],
-              iteration_ms=statistics.median(pooled["times"]), iteration_ms_each=pooled["times"],
-              makespan_ms=statistics.median(pooled["makespans"]), bubble_ratio=statistics.fmean(pooled["bubbles"]),
+              iteration_ms=average(pooled["times"]), iteration_ms_each=pooled["times"],
+              makespan_ms=average(pooled["makespans"]), bubble_ratio=statistics.fmean(pooled["bubbles"]),
               peak_activations=[max(values) for values in zip(*pooled["peaks"])], sim_policy=run["sim_policy"],
               notes=list(run.get("notes", [])), memory_factor=run.get("memory_factor"))
     if "peak_tokens" in pooled:
         row.peak_tokens = [max(values) for values in zip(*pooled["peak_tokens"])]
     if "replays" in pooled:
-        row.replay_ms = statistics.median(pooled["replays"])
+        row.replay_ms = average(pooled["replays"])
         row.replay_error = statistics.median(pooled["replay_errors"])
     predicted = simulate_emulation(spec_of(run), shape_of(run), run["sim_policy"] or "interleaved",
                                    run["iterations"],
@@ -166,7 +170,7 @@ def analyse_runs(runs: List[dict], out_dir: Path) -> Row:
                                                                             for p in predicted))]
     row.bound_ms = statistics.fmean(p.lower_bound_us for p in predicted) / 1e3
     if run["sim_policy"] is not None:
-        row.sim_ms = statistics.median(p.makespan_us for p in predicted) / 1e3
+        row.sim_ms = average(p.makespan_us for p in predicted) / 1e3
         row.sim_error = row.iteration_ms / row.sim_ms - 1.0
     return row
 
