@@ -175,6 +175,9 @@ class PipelineStep:
     def _adopt_shared_plan(self, pp_group, pp_global):
         """Pipeline rank 0 plans this call (within its time budget) and every rank adopts that plan, so all ranks
         run orders that fit together (schedule/planned.py)."""
+        if self.lengths is None:   # every rank knows no lengths were told: data order, no collective needed
+            self.policy.use_plan(None, None)
+            return
         plan = None
         if self.pp_rank == 0:
             start = time.perf_counter()

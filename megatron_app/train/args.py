@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
               help=f"app: adaptive runtime; {'/'.join(STATIC_POLICY_NAMES)}: static orders run by the runtime; "
                    f"{MEGATRON_SCHEDULE}: Megatron-Core's own forward_backward function")
     _add_flag(sched, "--policy", choices=POLICIES, default="dfc", help="task policy of the app schedule")
+    _add_flag(sched, "--memory-factor", type=float, default=None, metavar="X",
+              help="policy planned: activation bytes a rank may hold, x what Megatron's interleaved order holds for "
+                   "the same microbatches (default 1.0)")
 
     emulation = parser.add_argument_group("compute emulation (timed waits instead of the model)")
     _add_flag(emulation, "--emulate-compute", default=None, metavar="FWD_MS,BWD_MS[,JITTER]",
@@ -359,7 +362,17 @@ def validate(args: argparse.Namespace, environ: Mapping[str, str]) -> argparse.N
     _check_variable_lengths(args)
     _check_emulation(args)
     _check_loss(args)
+    _check_memory_factor(args)
     return args
+
+
+def _check_memory_factor(args: argparse.Namespace) -> None:
+    if args.memory_factor is None:
+        return
+    if not args.memory_factor >= 1.0:
+        raise UsageError(f"--memory-factor must be >= 1 (x Megatron's peak activation bytes), got {args.memory_factor}")
+    if args.schedule != "app" or args.policy != "planned":
+        raise UsageError("--memory-factor applies to --policy planned (under --schedule app) only")
 
 
 def _check_variable_lengths(args: argparse.Namespace) -> None:

@@ -131,11 +131,12 @@ def _blends_documents(dataset) -> bool:
     return isinstance(getattr(dataset, "datasets", [None])[0], DocumentDataset)
 
 
-def microbatch_lengths(args, dataset, dp_rank: int, first_sample: int) -> List[int]:
+def microbatch_lengths(args, dataset, dp_rank: int, first_sample: int) -> Optional[List[int]]:
     """Padded sequence length of each microbatch this data-parallel rank feeds into the global batch that starts
-    at ``first_sample``, in data order: seq_length for packed data, the longest sample for documents."""
+    at ``first_sample``, in data order (the longest sample of each); None for packed data, whose microbatches all
+    have seq_length tokens (the schedule's assumption when told nothing)."""
     if not getattr(args, "variable_seq_lengths", False):
-        return [args.seq_length] * args.num_microbatches
+        return None
     sampler = MicrobatchSampler(first_sample + args.global_batch_size, args.micro_batch_size, dp_rank,
                                 args.data_parallel)
     return padded_lengths(dataset, sampler.microbatches_from(first_sample, args.num_microbatches))

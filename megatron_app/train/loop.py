@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -13,17 +14,20 @@ from megatron.core import parallel_state
 from megatron_app.lossy.training import start_loss_layer
 from megatron_app.runtime import enable_keyed_randomness, set_iteration
 from megatron_app.runtime import add_transport_wrapper, current_tracer, remove_transport_wrapper
+from megatron_app.trace.runs import LATEST
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import build_data_iterators, build_datasets, global_batch_tokens, microbatch_lengths
 from .dumps import dump_grads, dump_weights
-from .forward_backward import close_schedule, optimizer_span, select_forward_backward_func, tell_microbatch_lengths
+from .forward_backward import (MEGATRON, close_schedule, optimizer_span, select_forward_backward_func,
+                               tell_microbatch_lengths)
 from .init import init_distributed, init_model_parallel, seed_all, shutdown
 from .model import build_model_chunks
 from .optim import build_optimizer, finalize_model_grads
 from .evaluate import evaluate
 from .report import IterationReporter, reduce_lm_loss
 from .step import forward_step
+from .trace_run import start_trace_run
 
 _RUN_CONFIG_KEYS = (
     "pipeline_parallel", "model_chunks", "tensor_parallel", "data_parallel", "world_size",
@@ -92,12 +96,17 @@ def build_trainer(args) -> Trainer:
                                              dataset=train_dataset)
     else:
         valid_dataset, data_iterator = None, emulation.data_iterators()
-    forward_backward = select_forward_backward_func(
-        args.schedule, args.policy, None if args.no_trace else args.trace_dir, not args.no_trace, args.device)
+    # Megatron's own schedules write no trace: no run directory for them.
+    tracing = not args.no_trace and args.schedule != MEGATRON
+    trace_dir = start_trace_run(args.trace_dir) if tracing else None
+    forward_backward = select_forward_backward_func(args.schedule, args.policy, trace_dir, not args.no_trace,
+                                                    args.device, memory_factor=args.memory_factor)
     reporter = IterationReporter(run_config(args), args.iters, args.global_batch_size * args.seq_length,
                                  args.log_json)
     if resume_note:
         reporter.note(resume_note)
+    if trace_dir is not None:
+        reporter.note(f"traces: {trace_dir} ({Path(args.trace_dir) / LATEST} points there)")
     return Trainer(args, chunks, optimizer, data_iterator, forward_backward, reporter, valid_dataset,
                    start_iteration, forward_step_func=forward_step if emulation is None else emulation.forward_step,
                    emulation=emulation, train_dataset=train_dataset,

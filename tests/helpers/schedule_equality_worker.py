@@ -51,7 +51,7 @@ def main():
         trainer = build_trainer(args)
         losses = []
         if opts.tell_lengths:
-            # The trainer tells equal lengths for packed data; this test's uneven lengths must be the ones used.
+            # This test's uneven lengths must be the ones used (the trainer tells none for packed data; make sure).
             import megatron_app.train.loop as train_loop
 
             train_loop.tell_microbatch_lengths = lambda schedule, lengths: None
