@@ -69,7 +69,10 @@ class Transport {
   // Raises (once) every send failure not reported yet, as one exception.
   void report_pending_failure();
   static void raise_first_failure(const std::vector<std::shared_ptr<SendRequest>>& failed);
-  void perform_send(const std::shared_ptr<SendRequest>& request, int peer, const OutgoingMessage& message);
+  // Queues `message` from byte `offset` on for the peer's send worker; returns its request.
+  std::shared_ptr<SendRequest> post_send(int peer, const OutgoingMessage& message, uint64_t offset);
+  void perform_send(const std::shared_ptr<SendRequest>& request, int peer, const OutgoingMessage& message,
+                    uint64_t offset);
   // The doorbell every backend rings when a message arrives: the shm receiver's, or ours when no peer uses shm.
   Doorbell& arrivals() { return receiver_ ? receiver_->arrivals() : own_arrivals_; }
   void drain_shm(bool wait_for_lock = true) {

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_app.lossy.training import start_loss_layer
+from megatron_app.runtime import enable_keyed_randomness, set_iteration
 from megatron_app.runtime import add_transport_wrapper, current_tracer, remove_transport_wrapper
 from megatron_app.trace.runs import LATEST
 
@@ -31,7 +32,8 @@ from .trace_run import start_trace_run
 _RUN_CONFIG_KEYS = (
     "pipeline_parallel", "model_chunks", "tensor_parallel", "data_parallel", "world_size",
     "num_microbatches", "num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
-    "micro_batch_size", "global_batch_size", "iters", "seed", "lr", "schedule", "policy", "device",
+    "micro_batch_size", "global_batch_size", "iters", "seed", "lr", "hidden_dropout", "attention_dropout",
+    "schedule", "policy", "device",
     "data_path", "variable_seq_lengths", "calculate_per_token_loss", "split", "eval_interval", "eval_iters", "save",
     "save_interval", "load", "start_iteration",
 )
@@ -80,6 +82,8 @@ def build_trainer(args) -> Trainer:
 
         emulation = ComputeEmulation.from_args(args)
     chunks = build_model_chunks(args) if emulation is None else emulation.build_chunks()
+    if emulation is None and (getattr(args, "hidden_dropout", 0.0) or getattr(args, "attention_dropout", 0.0)):
+        enable_keyed_randomness(chunks, args.seed)   # the same masks under every schedule, P and V
     chunks[0].config.finalize_model_grads_func = finalize_model_grads  # shared by all chunks
     optimizer = build_optimizer(chunks, args.lr)
     start_iteration, resume_note = _resume(args, chunks, optimizer)
@@ -96,7 +100,7 @@ def build_trainer(args) -> Trainer:
     tracing = not args.no_trace and args.schedule != MEGATRON
     trace_dir = start_trace_run(args.trace_dir) if tracing else None
     forward_backward = select_forward_backward_func(args.schedule, args.policy, trace_dir, not args.no_trace,
-                                                    args.device)
+                                                    args.device, memory_factor=args.memory_factor)
     reporter = IterationReporter(run_config(args), args.iters, args.global_batch_size * args.seq_length,
                                  args.log_json)
     if resume_note:
@@ -113,6 +117,7 @@ def train_step(trainer: Trainer, iteration: int) -> Optional[float]:
     """One iteration (1-based); returns the global-batch loss on the last stage, None elsewhere."""
     args = trainer.args
     trainer.optimizer.zero_grad(set_to_none=True)
+    set_iteration(iteration)   # keys this step's dropout masks (no-op without dropout)
     if trainer.emulation is not None:
         trainer.emulation.begin_iteration(iteration - 1)
     else:
