@@ -17,8 +17,8 @@ from bench_schedule import SCENARIO_KEYS, SCHEDULES  # noqa: E402
 from bench_schedule_analysis import spec_of, torch_span_metrics  # noqa: E402
 
 from megatron_app.schedule import PipelineShape  # noqa: E402
-from megatron_app.train.emulation_sim import simulate_emulation  # noqa: E402
-from megatron_app.train.emulation_spec import EmulationSpec  # noqa: E402
+from megatron_app.emulation.sim_replay import simulate_emulation  # noqa: E402
+from megatron_app.emulation.spec import EmulationSpec  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*not installed")
 TOOL = REPO / "tools" / "bench_schedule.py"
@@ -81,7 +81,7 @@ def _plan(run_dir):
 def test_traced_task_durations_are_the_emulated_ones(quick):
     """Every traced forward/backward of our runtime lasts at least its drawn duration and little more."""
     from megatron_app.trace import read_trace_dir
-    from megatron_app.train.emulation_sim import measured_durations
+    from megatron_app.emulation.sim_replay import measured_durations
 
     _, run_dir, _ = quick
     checked = 0
@@ -104,11 +104,11 @@ def test_traced_task_durations_are_the_emulated_ones(quick):
 
 def test_slow_link_sends_in_the_window_are_delayed(quick):
     from megatron_app.trace import read_trace_dir
-    from megatron_app.train.link_delay import SlowLinkSpec
+    from megatron_app.emulation import SlowLink
 
     _, run_dir, _ = quick
     run = next(r for r in _plan(run_dir)["runs"] if r["scenario"] == "slow link" and r["key"] == "interleaved")
-    spec = SlowLinkSpec.parse(run["slow_link"])
+    spec = SlowLink.parse_delay(run["slow_link"])
     trace = read_trace_dir(run_dir / run["id"] / "trace", run["pipeline_parallel"], run["model_chunks"])
     delayed = 0
     for iteration in range(run["warmup"], run["iterations"]):   # the first step also opens the transport
@@ -116,9 +116,9 @@ def test_slow_link_sends_in_the_window_are_delayed(quick):
         start = min(e.start for rank in trace.ranks for e in rank.events_of(iteration, ["forward", "backward"]))
         for rank in trace.ranks:
             for send in rank.events_of(iteration, ["send"]):
-                since_ms = (send.start - start) / 1e3
-                if spec.joins(rank.meta.pp_rank, send.peer) and spec.start_ms <= since_ms < spec.end_ms - 20:
-                    assert send.duration >= spec.delay_ms * 1e3 * 0.95, send
+                since_us = send.start - start
+                if spec.joins(rank.meta.pp_rank, send.peer) and spec.start_us <= since_us < spec.end_us - 20_000:
+                    assert send.duration >= spec.delay_us * 0.95, send
                     delayed += 1
     assert delayed >= 2 * (run["iterations"] - run["warmup"])
 

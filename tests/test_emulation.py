@@ -8,7 +8,7 @@ import torch
 
 from megatron_app.schedule import Kind, PipelineShape, ScheduleConfigError
 from megatron_app.sim.costs import ComputeCosts, ComputePerturbations, draw_durations
-from megatron_app.train.emulation_spec import EmulationSpec, TaskDurations
+from megatron_app.emulation.spec import EmulationSpec, TaskDurations
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*not installed")
 
@@ -63,7 +63,7 @@ def test_slow_rank_outside_the_pipeline_is_rejected():
 
 
 def test_timed_scale_waits_in_forward_and_backward_and_has_the_right_gradients():
-    from megatron_app.train.emulation import TimedScale
+    from megatron_app.emulation.compute import TimedScale
 
     x = torch.randn(3, 2, 4, requires_grad=True)
     w = torch.randn(4, requires_grad=True)
@@ -94,7 +94,8 @@ def test_emulated_chunk_through_megatrons_step_functions_takes_the_drawn_times()
     """Megatron's forward_step / backward_step (what forward_backward_app calls) on a one-chunk pipeline."""
     from megatron.core.pipeline_parallel.schedules import backward_step, forward_step
 
-    from megatron_app.train import emulation
+    from megatron_app.emulation import compute as emulation
+    from megatron_app.train.emulation import ComputeEmulation
 
     shape = PipelineShape(1, 1, 2)
     spec = EmulationSpec.parse("40,80", straggler_prob=1.0, straggler_factor=1.5)   # every task 1.5x
@@ -105,7 +106,7 @@ def test_emulated_chunk_through_megatrons_step_functions_takes_the_drawn_times()
 
     def one_microbatch(index):
         start = time.monotonic()
-        output, _tokens = forward_step(emulation.forward_step, data, chunk, 2, None, store, chunk.config, 1, False,
+        output, _tokens = forward_step(ComputeEmulation.trainer_forward_step, data, chunk, 2, None, store, chunk.config, 1, False,
                                        is_first_microbatch=index == 0, current_microbatch=index, is_last_stage=True)
         middle = time.monotonic()
         backward_step(None, output, None, chunk.model_type, chunk.config)
@@ -120,7 +121,7 @@ def test_emulated_chunk_through_megatrons_step_functions_takes_the_drawn_times()
 
 
 def test_emulated_chunk_passes_its_input_through_as_a_seq_mbs_hidden_activation():
-    from megatron_app.train import emulation
+    from megatron_app.emulation import compute as emulation
 
     spec = EmulationSpec.parse("0,0")
     first = emulation.EmulatedChunk(_config(), TaskDurations(spec, PipelineShape(2, 1, 1)), 0, 0, True, False,
@@ -149,7 +150,7 @@ def _parse(*flags, world=4):
 def test_trainer_accepts_the_emulation_flags():
     args = _parse("--emulate-compute", "10,20,0.3", "--slow-rank", "1", "--slow-factor", "2",
                   "--straggler-prob", "0.1", "--slow-link", "1-2:0-300:12")
-    from megatron_app.train.emulation_spec import spec_from_args
+    from megatron_app.emulation.spec import spec_from_args
 
     spec = spec_from_args(args)
     assert spec.perturbations.slow_rank == 1 and spec.perturbations.slow_factor == 2.0

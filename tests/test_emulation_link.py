@@ -6,26 +6,27 @@ import time
 import pytest
 
 from megatron_app.schedule import ScheduleConfigError
-from megatron_app.train.link_delay import DelayedSendTransport, SlowLinkNetwork, SlowLinkSpec
+from megatron_app.emulation import SlowLink, SlowLinkNetwork
+from megatron_app.emulation.link_delay import DelayedSendTransport
 
 
 def test_spec_parses_and_applies_only_on_its_link_inside_the_window():
-    spec = SlowLinkSpec.parse("1-2:0-300:12")
+    spec = SlowLink.parse_delay("1-2:0-300:12")
     assert str(spec) == "1-2:0-300:12"
-    assert spec.extra_ms(1, 2, 0.0) == 12 and spec.extra_ms(2, 1, 299.9) == 12
-    assert spec.extra_ms(1, 2, 300.0) == 0 and spec.extra_ms(0, 1, 10.0) == 0
+    assert spec.delay_at_us(1, 2, 0.0) == 12_000 and spec.delay_at_us(2, 1, 299_900.0) == 12_000
+    assert spec.delay_at_us(1, 2, 300_000.0) == 0 and spec.delay_at_us(0, 1, 10_000.0) == 0
     with pytest.raises(ScheduleConfigError, match="rank 5 is outside"):
-        SlowLinkSpec.parse("1-5:0-1:1").check_ranks(4)
+        SlowLink.parse_delay("1-5:0-1:1").check_ranks(4)
 
 
 @pytest.mark.parametrize("text", ["1-2", "1-1:0-5:1", "1-2:5-5:1", "a-b:0-1:1", "1-2:0-1:-3"])
 def test_spec_rejects_malformed_text(text):
     with pytest.raises(ScheduleConfigError):
-        SlowLinkSpec.parse(text)
+        SlowLink.parse_delay(text)
 
 
 def test_network_delays_window_messages_and_keeps_the_link_fifo():
-    network = SlowLinkNetwork(SlowLinkSpec.parse("1-2:0-10:5"), latency_us=100.0)
+    network = SlowLinkNetwork(SlowLink.parse_delay("1-2:0-10:5"), latency_us=100.0)
     network.begin_iteration(1_000.0)
     assert network.send(0, 1, 2_000.0) == (2_000.0, 2_100.0)          # another link: latency only
     assert network.send(1, 2, 2_000.0) == (2_000.0, 7_100.0)          # in the window: +5 ms
@@ -78,7 +79,7 @@ class _RecordingTransport:
 def _wrapped(spec="0-1:0-1000:60"):
     inner = _RecordingTransport()
     # pipeline ranks 0, 1, 2 are global ranks 10, 11, 12; this is pipeline rank 0
-    return inner, DelayedSendTransport(inner, SlowLinkSpec.parse(spec), [10, 11, 12], pp_rank=0)
+    return inner, DelayedSendTransport(inner, SlowLink.parse_delay(spec), [10, 11, 12], pp_rank=0)
 
 
 def test_sends_off_the_slow_link_go_out_at_once():

@@ -3,6 +3,10 @@
 Same seed, dropout off. Reference: P=1 through Megatron-Core's own forward_backward_no_pipelining. Each layout
 (P, V, T) runs every policy and static order in one process group, one after the other, from the same initial
 weights; losses of 3 iterations must match within 1e-5 relative and the first iteration's gradients closely.
+
+Variable lengths (--variable-seq-lengths on tools/make_corpus.py's real corpus: one document per sample, each
+microbatch padded to its own longest sample, per-token loss): the same comparison at P=2 V=2 and at P=2 with two
+data-parallel ranks, and the P=1 result must not depend on how the global batch is cut into microbatches.
 """
 
 import json
@@ -17,20 +21,37 @@ ITERS = 3
 WORKER = HELPERS / "schedule_equality_worker.py"
 
 
-def _run(tmp_path, P, V, T, schedules):
-    out = tmp_path / f"p{P}v{V}t{T}"
+def _run(tmp_path, P, V, T, schedules, *worker_flags, D=1, extra=""):
+    out = tmp_path / f"p{P}v{V}t{T}d{D}"
     out.mkdir()
-    result = torchrun(P * T, [WORKER, "--pipeline_parallel", P, "--model_chunks", V, "--tensor_parallel", T,
-                              "--iters", ITERS, "--schedules", ",".join(schedules), "--out", out])
+    result = torchrun(P * T * D, [WORKER, "--pipeline_parallel", P, "--model_chunks", V, "--tensor_parallel", T,
+                                  "--iters", ITERS, "--schedules", ",".join(schedules), "--out", out,
+                                  "--extra", extra, *worker_flags])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out
 
 
+def _losses_and_grads(out, name="megatron"):
+    return json.loads((out / f"losses_{name}.json").read_text()), load_full_grads(str(out / f"grads_{name}"))
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    out = _run(tmp_path_factory.mktemp("reference"), 1, 1, 1, ["megatron"])
-    losses = json.loads((out / "losses_megatron.json").read_text())
-    return losses, load_full_grads(str(out / "grads_megatron"))
+    return _losses_and_grads(_run(tmp_path_factory.mktemp("reference"), 1, 1, 1, ["megatron"]))
+
+
+def _assert_same(name, got, reference):
+    (losses, grads), (ref_losses, ref_grads) = got, reference
+    assert len(losses) == ITERS
+    for it, (value, want) in enumerate(zip(losses, ref_losses), start=1):
+        assert abs(value - want) <= 1e-5 * abs(want), f"{name} iteration {it}: loss {value} != reference {want}"
+    assert grads.keys() == ref_grads.keys(), f"{name}: parameter sets differ"
+    for param, want in ref_grads.items():
+        value = grads[param]
+        assert value.shape == want.shape, f"{name} {param}: shape {tuple(value.shape)} != {tuple(want.shape)}"
+        scale = want.abs().max().item() + 1e-12
+        err = (value - want).abs().max().item() / scale
+        assert err <= 1e-5, f"{name} {param}: gradient differs by {err:.2e} of its max"
 
 
 LAYOUTS = [(2, 1, 1), (2, 2, 1), (4, 1, 1), (4, 2, 1), (2, 1, 2), (2, 2, 2), (4, 1, 2), (4, 2, 2)]
@@ -39,20 +60,70 @@ LAYOUTS = [(2, 1, 1), (2, 2, 1), (4, 1, 1), (4, 2, 1), (2, 1, 2), (2, 2, 2), (4,
 @pytest.mark.slow
 @pytest.mark.parametrize("P,V,T", LAYOUTS, ids=[f"P{p}-V{v}-T{t}" for p, v, t in LAYOUTS])
 def test_every_schedule_matches_unpipelined_training(tmp_path, reference, P, V, T):
-    ref_losses, ref_grads = reference
-    schedules = ["app:dfc", "app:bfc", "app:adaptive", "interleaved"] + (["1f1b"] if V == 1 else [])
+    schedules = ["app:dfc", "app:bfc", "app:adaptive", "app:planned", "interleaved"] + (["1f1b"] if V == 1 else [])
     out = _run(tmp_path, P, V, T, schedules)
+    _check_against_reference(out, schedules, reference)
+
+
+PLANNED_LAYOUTS = [(2, 2, 1), (4, 2, 1), (2, 1, 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("P,V,T", PLANNED_LAYOUTS, ids=[f"P{p}-V{v}-T{t}" for p, v, t in PLANNED_LAYOUTS])
+def test_planned_reordering_by_told_lengths_matches_unpipelined_training(tmp_path, reference, P, V, T):
+    """The loop tells uneven lengths, so `planned` runs the microbatches in another order (and warm-up depth):
+    losses and gradients must not change."""
+    out = _run(tmp_path, P, V, T, ["app:planned"], "--tell-lengths")
+    _check_against_reference(out, ["app:planned"], reference)
+    plans = [line for path in out.glob("plans_app-planned_rank*.jsonl") for line in path.read_text().splitlines()]
+    assert len(plans) == P * T * ITERS
+    assert any(json.loads(line)[0] != sorted(json.loads(line)[0]) for line in plans), "no iteration was reordered"
+    by_iteration = {}
+    for path in out.glob("plans_app-planned_rank*.jsonl"):
+        for it, line in enumerate(path.read_text().splitlines()):
+            by_iteration.setdefault(it, set()).add(line)
+    if T == 1:   # with T > 1 each tensor-parallel rank's pipeline plans; its TP leader's decisions are followed
+        assert all(len(v) == 1 for v in by_iteration.values()), f"ranks ran different plans: {by_iteration}"
+
+
+def _check_against_reference(out, schedules, reference):
     for spec in schedules:
         name = spec.replace(":", "-")
-        losses = json.loads((out / f"losses_{name}.json").read_text())
-        assert len(losses) == ITERS
-        for it, (got, want) in enumerate(zip(losses, ref_losses), start=1):
-            assert abs(got - want) <= 1e-5 * abs(want), f"{name} iteration {it}: loss {got} != reference {want}"
-        grads = load_full_grads(str(out / f"grads_{name}"))
-        assert grads.keys() == ref_grads.keys(), f"{name}: parameter sets differ"
-        for param, want in ref_grads.items():
-            got = grads[param]
-            assert got.shape == want.shape, f"{name} {param}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-            scale = want.abs().max().item() + 1e-12
-            err = (got - want).abs().max().item() / scale
-            assert err <= 1e-5, f"{name} {param}: gradient differs by {err:.2e} of its max"
+        _assert_same(name, _losses_and_grads(out, name), reference)
+
+
+# Longer than most documents (median about 50 tokens) but not all: about a fifth are truncated.
+VARLEN_SEQ_LENGTH = 96
+VARLEN_GLOBAL_BATCH = 16
+
+
+def _varlen_flags(corpus, micro_batch_size=2):
+    return (f"--variable-seq-lengths --seq-length {VARLEN_SEQ_LENGTH} --global-batch-size {VARLEN_GLOBAL_BATCH} "
+            f"--micro-batch-size {micro_batch_size} --data-path {corpus['data_path']} "
+            f"--tokenizer-json {corpus['tokenizer_json']}")
+
+
+@pytest.fixture(scope="module")
+def varlen_reference(tmp_path_factory, real_corpus):
+    out = _run(tmp_path_factory.mktemp("varlen_reference"), 1, 1, 1, ["megatron"], extra=_varlen_flags(real_corpus))
+    return _losses_and_grads(out)
+
+
+@pytest.mark.slow
+def test_variable_length_result_does_not_depend_on_microbatch_size(tmp_path, real_corpus, varlen_reference):
+    """Per-token loss: 16 microbatches of one document give what 8 microbatches of two padded documents give."""
+    out = _run(tmp_path, 1, 1, 1, ["megatron"], extra=_varlen_flags(real_corpus, micro_batch_size=1))
+    _assert_same("P=1 micro-batch-size 1", _losses_and_grads(out), varlen_reference)
+
+
+VARLEN_LAYOUTS = [(2, 2, 1, 1), (2, 1, 1, 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("P,V,T,D", VARLEN_LAYOUTS, ids=[f"P{p}-V{v}-T{t}-D{d}" for p, v, t, d in VARLEN_LAYOUTS])
+def test_variable_length_schedules_match_unpipelined_training(tmp_path, real_corpus, varlen_reference, P, V, T, D):
+    schedules = ["app:dfc", "app:bfc", "app:adaptive", "app:planned", "interleaved"] + (["1f1b"] if V == 1 else [])
+    out = _run(tmp_path, P, V, T, schedules, D=D, extra=_varlen_flags(real_corpus))
+    for spec in schedules:
+        name = spec.replace(":", "-")
+        _assert_same(f"variable length {name}", _losses_and_grads(out, name), varlen_reference)

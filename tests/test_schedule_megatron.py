@@ -100,3 +100,81 @@ def test_forward_only_order_is_the_forward_table_and_holds_one_activation():
                                                         (0, 2), (0, 3), (1, 2), (1, 3)]
     assert all(t.kind is F for t in order)
     assert megatron_interleaved_cap(shape, 1) == 1
+
+
+# ---- identity with megatron-core's own schedule table -------------------------------------------------------------
+class _GroupView:
+    def __init__(self, size, rank):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+class _CommunicatorView:
+    """The two things get_pp_rank_microbatches reads from a P2PCommunicator, without torch.distributed."""
+
+    def __init__(self, shape, rank):
+        self.pp_group = _GroupView(shape.num_stages, rank)
+        # None selects the non-interleaved warm-up, as get_forward_backward_func does for V == 1.
+        self.virtual_pipeline_model_parallel_size = shape.num_chunks if shape.num_chunks > 1 else None
+
+
+def megatron_core_order(shape, rank):
+    """The order megatron-core's own functions give: warm-up count, schedule table, and the table turned into a
+    signed chunk order (+c+1 forward of chunk c, -c-1 backward of chunk c; Megatron pops each chunk's oldest
+    stored forward for a backward, so the n-th backward of a chunk is its microbatch n)."""
+    schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
+    cuda_graphs = pytest.importorskip("megatron.core.transformer.cuda_graphs")
+    V = shape.num_chunks
+    _, _, warmup, _ = schedules.get_pp_rank_microbatches(
+        shape.num_microbatches, V, shape.microbatch_group_size, forward_only=shape.forward_only,
+        p2p_communicator=_CommunicatorView(shape, rank))
+    table = schedules.get_schedule_table(shape.num_microbatches, V, shape.microbatch_group_size)
+    if shape.forward_only:
+        return warmup, [Task(F, chunk, mb) for mb, chunk in table]
+    forward_microbatches = iter(mb for mb, _ in table)
+    next_backward = [0] * V
+    order = []
+    for code in cuda_graphs.convert_schedule_table_to_order(warmup, V, table):
+        if code > 0:
+            order.append(Task(F, code - 1, next(forward_microbatches)))
+        else:
+            chunk = -code - 1
+            order.append(Task(B, chunk, next_backward[chunk]))
+            next_backward[chunk] += 1
+    return warmup, order
+
+
+@pytest.mark.parametrize("forward_only", [False, True])
+def test_pure_orders_are_identical_to_megatron_cores_schedule_table(forward_only):
+    """Our own order code against the installed megatron-core, over (P, V, m, microbatch group size)."""
+    checked = 0
+    for shape in valid_shapes(max_stages=5, max_chunks=4, forward_only=forward_only):
+        for rank in range(shape.num_stages):
+            warmup, order = megatron_core_order(shape, rank)
+            assert megatron_warmup_microbatches(shape, rank) == warmup, (shape, rank)
+            assert list(megatron_order(shape, rank)) == order, (shape, rank)
+            checked += 1
+    assert checked > 500
+
+
+def test_schedule_package_and_simulator_import_without_torch_or_megatron():
+    import subprocess
+    import sys
+
+    probe = ("import sys\n"
+             "import megatron_app.schedule, megatron_app.sim, megatron_app.trace\n"
+             "from megatron_app.schedule import PipelineShape, make_policy\n"
+             "from megatron_app.sim import SimConfig, ComputeCosts, simulate\n"
+             "shape = PipelineShape(2, 2, 4)\n"
+             "for name in megatron_app.schedule.POLICY_NAMES:\n"
+             "    make_policy(name if name != '1f1b' else 'interleaved', shape, 0)\n"
+             "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron'))\n"
+             "print(loaded[:5])\n"
+             "sys.exit(1 if loaded else 0)\n")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -64,6 +64,6 @@ def test_app_policies_hold_no_more_activations_than_interleaved(table):
 def test_scenarios_command_prints_the_table(capsys, table):
     assert main(["--seeds", "1"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split()[:3] == ["scenario", "policy", "makespan"] and len(out) == 1 + len(SCENARIOS) * 4
+    assert out[0].split()[:3] == ["scenario", "policy", "makespan"] and len(out) == 1 + len(SCENARIOS) * 5   # dfc bfc interleaved adaptive planned
     assert "homogeneous          adaptive" in "\n".join(out)
     assert format_rows(list(table.values())).count("\n") == len(table)

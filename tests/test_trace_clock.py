@@ -20,7 +20,7 @@ WORKER = textwrap.dedent("""
     real = time.monotonic_ns
     time.monotonic_ns = lambda: real() + int(skew_s * 1e9)   # this process's clock runs skew_s ahead
     import torch.distributed as dist
-    from megatron_app.trace import measure_clock_offset
+    from megatron_app.runtime.clock_offset import measure_clock_offset
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     world_offset = measure_clock_offset(rounds=6)
     pair = dist.new_group([1, 2])
@@ -66,6 +66,6 @@ def test_offsets_undo_the_skew_against_rank_0_and_against_a_group_root(tmp_path)
 
 
 def test_needs_an_initialized_process_group():
-    from megatron_app.trace import measure_clock_offset
+    from megatron_app.runtime.clock_offset import measure_clock_offset
     with pytest.raises(RuntimeError, match="needs torch.distributed to be initialized"):
         measure_clock_offset()

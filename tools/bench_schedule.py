@@ -10,7 +10,7 @@ ScheduleInterleavedZeroBubble), same process count, same per-task durations, in 
 
 Scenarios: homogeneous; one rank 1.5x slower; per-task jitter +-30%; stragglers (10% of tasks 3x); one slow link
 (messages between the two middle ranks posted in the first 30 forward-times of an iteration arrive 1.2 forward-times
-late). Compute is emulated by timed waits (megatron_app.train.emulation), so P ranks share 2 cores without CPU
+late). Compute is emulated by timed waits (megatron_app.emulation), so P ranks share 2 cores without CPU
 contention. Prints a table (iteration time = median of the measured iterations, bubble ratio, peak activations per
 rank, the simulator's prediction from the same cost model, its lower bound, and its error when fed with the run's
 measured task durations), then the issue's targets, pass or fail. 1f1b rows run with one chunk per rank and each task V times longer (the same model).
@@ -40,6 +40,7 @@ for _path in (_root, Path(__file__).resolve().parent):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
+from megatron_app.schedule import POLICIES  # noqa: E402
 from megatron_app.trace import TraceError  # noqa: E402
 from megatron_app.trace.cli import (OneLineArgumentParser, non_negative_int, number,  # noqa: E402
                                     positive_int)
@@ -48,13 +49,22 @@ PROG = "bench_schedule.py"
 EXIT_WORKER_FAILED = 1
 WORKER = Path(__file__).resolve().parent / "bench_schedule_worker.py"
 
+def _runtime_schedules() -> Dict[str, tuple]:
+    """One row per policy of the registry: adaptive rules run as the `app` schedule, static orders (Megatron-Core's)
+    as schedules of their own."""
+    rows = {}
+    for name, entry in POLICIES.items():
+        if entry.static:
+            label = f"Megatron {name}{' V=1' if entry.single_chunk else ''} (our runtime)"
+            rows[name] = (label, "app", name, "dfc", entry.single_chunk, name)
+        else:
+            rows[name] = (f"APP {name}", "app", "app", name, False, name)
+    return rows
+
+
 # key -> (label, system, schedule, policy, one chunk per rank, simulator policy)
 SCHEDULES: Dict[str, tuple] = {
-    "dfc": ("APP dfc", "app", "app", "dfc", False, "dfc"),
-    "bfc": ("APP bfc", "app", "app", "bfc", False, "bfc"),
-    "adaptive": ("APP adaptive", "app", "app", "adaptive", False, "adaptive"),
-    "interleaved": ("Megatron interleaved (our runtime)", "app", "interleaved", "dfc", False, "interleaved"),
-    "1f1b": ("Megatron 1f1b V=1 (our runtime)", "app", "1f1b", "dfc", True, "1f1b"),
+    **_runtime_schedules(),
     "torch-1f1b": ("torch Schedule1F1B V=1", "torch", "torch-1F1B", None, True, "1f1b"),
     "torch-interleaved": ("torch ScheduleInterleaved1F1B", "torch", "torch-Interleaved1F1B", None, False,
                           "interleaved"),
@@ -129,7 +139,7 @@ def _split_list(text: str, known, what: str) -> List[str]:
 
 def _check(args: argparse.Namespace) -> None:
     from megatron_app.schedule import PipelineShape, ScheduleConfigError, make_policy
-    from megatron_app.train.link_delay import SlowLinkSpec
+    from megatron_app.sim.network import SlowLink
 
     P, V, m = args.pipeline_parallel, args.model_chunks, args.microbatches
     args.scenario_names = [SCENARIO_KEYS[key] for key in _split_list(args.scenarios, SCENARIO_KEYS, "scenario")]
@@ -141,7 +151,7 @@ def _check(args: argparse.Namespace) -> None:
     if args.warmup < 1 and any(SCHEDULES[key][1] == "torch" for key in args.schedule_keys):
         raise UsageError("--warmup must be >= 1 with torch schedules (their first step infers tensor shapes)")
     try:
-        SlowLinkSpec.parse(args.slow_link).check_ranks(P)
+        SlowLink.parse_delay(args.slow_link).check_ranks(P)
         shape = PipelineShape(P, V, m)
         make_policy("interleaved", shape, 0)   # Megatron's rules (m a multiple of P when V > 1)
     except ScheduleConfigError as exc:
@@ -307,7 +317,7 @@ def replay_main(args) -> int:
     from megatron_app.schedule import ScheduleConfigError
     from megatron_app.trace import read_trace_dir
     from megatron_app.trace.metrics import iteration_metrics
-    from megatron_app.train.emulation_sim import replay_trace_iteration
+    from megatron_app.emulation.sim_replay import replay_trace_iteration
 
     run = read_trace_dir(args.replay_trace)
     policy = args.policy or run.policy

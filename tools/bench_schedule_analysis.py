@@ -18,15 +18,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from megatron_app.schedule import PipelineShape
+from megatron_app.schedule import ADAPTIVE_POLICY_NAMES, PipelineShape
 from megatron_app.trace import read_trace_dir
 from megatron_app.trace.intervals import max_concurrency, union_length
 from megatron_app.trace.metrics import iteration_metrics
-from megatron_app.train.emulation_sim import replay_trace_iteration, simulate_emulation
-from megatron_app.train.emulation_spec import EmulationSpec
-from megatron_app.train.link_delay import SlowLinkSpec
+from megatron_app.emulation.sim_replay import replay_trace_iteration, simulate_emulation
+from megatron_app.emulation.spec import EmulationSpec
+from megatron_app.sim.network import SlowLink
 
-APP_POLICIES = ("dfc", "bfc", "adaptive")
+APP_POLICIES = ADAPTIVE_POLICY_NAMES
 SPLIT_BACKWARD_KEYS = ("torch-zb",)
 SIM_TOLERANCE = 0.15
 
@@ -72,7 +72,7 @@ def _app_measurements(run: dict, run_dir: Path) -> dict:
     """Per measured iteration: times, makespans, bubble ratios, peaks per rank, and the replay of its durations."""
     trace = read_trace_dir(run_dir / "trace", run["pipeline_parallel"], run["model_chunks"])
     metrics = [iteration_metrics(trace, k) for k in measured_iterations(run)]
-    slow_link = SlowLinkSpec.parse(run["slow_link"]) if run.get("slow_link") else None
+    slow_link = SlowLink.parse_delay(run["slow_link"]) if run.get("slow_link") else None
     replays = [replay_trace_iteration(trace, k, run["sim_policy"], slow_link, run["sim_latency_us"]).makespan_us
                for k in measured_iterations(run)]
     return {"times": [m.iteration_time_us / 1e3 for m in metrics], "makespans": [m.makespan_us / 1e3 for m in metrics],
@@ -131,7 +131,7 @@ def analyse_runs(runs: List[dict], out_dir: Path) -> Row:
         row.replay_error = statistics.median(pooled["replay_errors"])
     predicted = simulate_emulation(spec_of(run), shape_of(run), run["sim_policy"] or "interleaved",
                                    run["iterations"],
-                                   SlowLinkSpec.parse(run["slow_link"]) if run.get("slow_link") else None,
+                                   SlowLink.parse_delay(run["slow_link"]) if run.get("slow_link") else None,
                                    run["sim_latency_us"])[run["warmup"]:]
     row.bound_ms = statistics.fmean(p.lower_bound_us for p in predicted) / 1e3
     if run["sim_policy"] is not None:

@@ -1,7 +1,7 @@
 """torch.distributed.pipelining with the same emulated compute as megatron_app's --emulate-compute (bench side).
 
 Each pipeline stage is a module whose forward waits the emulated forward time and whose backward waits the backward
-time (megatron_app.train.emulation.TimedScale), with durations from the same draws (emulation_spec.TaskDurations),
+time (megatron_app.emulation.compute.TimedScale), with durations from the same draws (emulation.spec.TaskDurations),
 indexed by the same (iteration, rank, chunk, microbatch): stage rank + P*chunk is chunk `chunk` of rank `rank`, as in
 Megatron's interleaving. For ScheduleInterleavedZeroBubble the backward is split into an input-gradient part and a
 weight-gradient part of half the backward time each, as two autograd nodes torch's stage_backward_input/_weight can
@@ -28,9 +28,10 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleI
                                           ScheduleInterleavedZeroBubble)
 
 from megatron_app.schedule import Kind
-from megatron_app.train.emulation import TimedScale, emulated_wait, tokens_to_activation
-from megatron_app.train.emulation_spec import TaskDurations
-from megatron_app.train.link_delay import SlowLinkSpec
+from megatron_app.emulation.compute import TimedScale, tokens_to_activation
+from megatron_app.emulation.wait import emulated_wait
+from megatron_app.emulation.spec import TaskDurations
+from megatron_app.sim.network import SlowLink
 
 SCHEDULES = {
     "torch-1F1B": Schedule1F1B,
@@ -142,10 +143,10 @@ class _DelayedWork:
 
 
 class DelayedIsend:
-    """torch.distributed.isend with the slow-link rule of megatron_app.train.link_delay: a send on the slow link
+    """torch.distributed.isend with the slow-link rule of megatron_app.emulation.link_delay: a send on the slow link
     posted inside the window is issued DELAY later by a per-link thread (FIFO), without blocking the sender."""
 
-    def __init__(self, spec: SlowLinkSpec, rank: int):
+    def __init__(self, spec: SlowLink, rank: int):
         self.spec, self.rank = spec, rank
         self.original = c10d.isend
         self.iteration_start = time.monotonic()
@@ -158,7 +159,7 @@ class DelayedIsend:
     def __call__(self, tensor, dst=None, group=None, tag=0, group_dst=None):
         peer = dst if dst is not None else dist.get_global_rank(group or c10d._get_default_group(), group_dst)
         now = time.monotonic()
-        delay = self.spec.extra_ms(self.rank, peer, (now - self.iteration_start) * 1e3) / 1e3
+        delay = self.spec.delay_at_us(self.rank, peer, (now - self.iteration_start) * 1e6) / 1e6
         with self._lock:
             pending = self._pending.get(peer, 0)
             if delay <= 0 and pending == 0:
@@ -226,7 +227,7 @@ def run_torch_schedule(run: dict, durations: TaskDurations, recorder: SpanRecord
     schedule = schedule_class(stages[0] if V == 1 else stages, m, loss_fn=loss_fn)
     delayed = None
     if run.get("slow_link"):
-        delayed = DelayedIsend(SlowLinkSpec.parse(run["slow_link"]), rank)
+        delayed = DelayedIsend(SlowLink.parse_delay(run["slow_link"]), rank)
         delayed.install()
     tokens = torch.arange(m * mbs * seq).view(m * mbs, seq) % vocab
     target = torch.zeros(m * mbs, seq, hidden)

@@ -65,7 +65,7 @@ def run_torch(run: dict, run_dir: Path) -> None:
     from bench_schedule_torch import SpanRecorder, run_torch_schedule
 
     from megatron_app.schedule import PipelineShape
-    from megatron_app.train.emulation_spec import EmulationSpec, TaskDurations
+    from megatron_app.emulation.spec import EmulationSpec, TaskDurations
 
     spec = EmulationSpec.parse(run["emulate_compute"], slow_rank=run.get("slow_rank"),
                                slow_factor=run.get("slow_factor") or 1.0,

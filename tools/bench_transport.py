@@ -45,13 +45,14 @@ from bench_transport_links import KIB, MIB  # noqa: E402
 from megatron_app.lossy import LossConfigError, make_loss_config  # noqa: E402
 from megatron_app.trace.cli import OneLineArgumentParser, number, positive_int  # noqa: E402
 from megatron_app.transport import cleanup_job, rdma_status  # noqa: E402
+from megatron_app.transport.backends import BACKEND_NAMES  # noqa: E402
 
 PROG = "bench_transport.py"
 WORKER = Path(__file__).resolve().parent / "bench_transport_worker.py"
 FULL_SIZES = [4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB]
 QUICK_SIZES = [4 * KIB, 1 * MIB]
 LOSS_COMPARE_SIZES = [1 * MIB, 16 * MIB]
-BACKENDS = ("shm", "tcp", "rdma")
+BACKENDS = BACKEND_NAMES
 
 
 class BenchError(RuntimeError):

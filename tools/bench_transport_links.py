@@ -69,9 +69,7 @@ class LossLayerView:
         self.injector = injector
 
     def prepare(self):
-        from megatron_app.transport._core import core
-
-        core.attach_loss_injector(self.link.transport._core, self.injector)  # None detaches
+        self.link.transport.attach_loss_injector(self.injector)  # None detaches
 
     def send(self, tensor):
         self.link.send(tensor)

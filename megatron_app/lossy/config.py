@@ -24,6 +24,8 @@ import math
 from pathlib import Path
 from typing import Iterable, Optional, Tuple
 
+from .errors import LossConfigError
+
 MODELS = ("none", "bernoulli", "gilbert-elliott", "replay", "python")
 FILLS = ("zeros", "stale", "rescale")
 TRAFFIC = ("forward", "backward", "tp", "tp-forward", "tp-backward")  # tp = both tensor-parallel directions
@@ -33,10 +35,6 @@ DEFAULT_LOSS_ON = frozenset({"forward", "backward", "tp"})
 TP_SITES = ("mappings", "layers", "cross_entropy", "fused_cross_entropy", "tp_utils", "core_utils")
 ALL_TP_SITES = frozenset(TP_SITES)
 DEFAULT_PACKET_BYTES = 4096
-
-
-class LossConfigError(ValueError):
-    """A bad loss-layer setting; the message is one line meant for the user."""
 
 
 def _probability(value, name: str) -> float:
@@ -119,16 +117,16 @@ class LossConfig:
 
     def core_spec(self):
         """The C++ model (megatron_app._shm_tensor_rdma.LossModelSpec); a python model has none (kind NONE)."""
-        from megatron_app.transport._core import core
+        from megatron_app.transport import loss_injection   # the compiled core: only once a transport is built
 
-        spec = core.LossModelSpec()
+        spec = loss_injection.LossModelSpec()
         if self.model == "bernoulli":
-            spec.kind, spec.loss_rate = core.LossModelKind.BERNOULLI, self.loss_rate
+            spec.kind, spec.loss_rate = loss_injection.LossModelKind.BERNOULLI, self.loss_rate
         elif self.model == "gilbert-elliott":
-            spec.kind = core.LossModelKind.GILBERT_ELLIOTT
+            spec.kind = loss_injection.LossModelKind.GILBERT_ELLIOTT
             spec.p, spec.r, spec.bad_loss, spec.good_loss = self.gilbert
         elif self.model == "replay":
-            spec.kind, spec.pattern = core.LossModelKind.REPLAY, list(self.pattern)
+            spec.kind, spec.pattern = loss_injection.LossModelKind.REPLAY, list(self.pattern)
         return spec
 
     def stationary_loss_rate(self) -> Optional[float]:

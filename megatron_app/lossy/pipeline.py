@@ -1,25 +1,27 @@
 """Loss on pipeline traffic (activations forward, gradients backward) of the runtime's Transport.
 
-Built-in models run inside the transport's C++ receive path (core.LossInjector, one stream per sending peer and
-direction, applied where every backend publishes a complete message). A python plug-in runs on the receiving
-thread when the runtime takes a message (PluginLossTransport). Either way only payload bytes change.
+Built-in models run inside the transport's C++ receive path (a LossInjector attached with
+Transport.attach_loss_injector: one stream per sending peer and direction, applied where every backend publishes a
+complete message). A python plug-in runs on the receiving thread when the runtime takes a message
+(PluginLossTransport, a TransportWrapper whose arrival filter applies it). Either way only payload bytes change.
 
-The trainer calls configure() before the first forward_backward; the runtime's session calls
-attach_configured_loss() on the transport it creates.
+The trainer calls configure() before the first forward_backward and registers attach_configured_loss() as a
+transport wrapper of the runtime (megatron_app.runtime.add_transport_wrapper), which calls it on the transport it
+creates.
 """
 
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
-from megatron_app.transport._core import core
+from megatron_app.transport import Direction, direction_code_of, loss_injection
+from megatron_app.transport.protocol import PipelineTransport, TransportWrapper
 
 from .config import LossConfig
 from .plugin import PluginLossModel, load_plugin
 from .stats import LinkLossStats, direction_name, from_core
 from .tensors import TensorLoss, element_table
 
-_DIRECTION_SHIFT = 60  # the tag's top 4 bits (see csrc/shm_tensor_rdma/tag.h)
 _PIPELINE_SALT = 0x50495045  # keeps plug-in pipeline streams apart from tensor-parallel ones
 
 _configured: Optional[LossConfig] = None
@@ -32,7 +34,7 @@ def configure(config: Optional[LossConfig]) -> None:
     _configured = config if config is not None and config.pipeline else None
 
 
-def attach_configured_loss(transport):
+def attach_configured_loss(transport: Optional[PipelineTransport]) -> Optional[PipelineTransport]:
     """Returns the transport the runtime should use: `transport` with the configured loss attached (a proxy for a
     python plug-in), or `transport` itself when no loss is configured."""
     global _attached
@@ -62,10 +64,10 @@ class PipelineLoss:
         if config.model == "python":
             plugin = plugin or load_plugin(config.source)
         if plugin is None:
-            self.injector = core.LossInjector(config.core_spec(), fill=config.fill, packet_bytes=config.packet_bytes,
-                                              seed=config.seed, local_rank=transport.rank, forward=forward,
-                                              backward=backward, element_types=element_table())
-            core.attach_loss_injector(transport._core, self.injector)
+            self.injector = loss_injection.LossInjector(
+                config.core_spec(), fill=config.fill, packet_bytes=config.packet_bytes, seed=config.seed,
+                local_rank=transport.rank, forward=forward, backward=backward, element_types=element_table())
+            transport.attach_loss_injector(self.injector)
             self.transport = transport
         else:
             self.injector = None
@@ -79,44 +81,30 @@ class PipelineLoss:
                 for entry in self.injector.stats()]
 
 
-class PluginLossTransport:
+class PluginLossTransport(TransportWrapper):
     """A Transport whose received forward/backward tensors pass through a python plug-in (everything else is the
     wrapped transport's)."""
 
-    def __init__(self, transport, config: LossConfig, plugin: PluginLossModel, forward: bool, backward: bool):
-        self._transport = transport
+    def __init__(self, transport: PipelineTransport, config: LossConfig, plugin: PluginLossModel, forward: bool,
+                 backward: bool):
+        super().__init__(transport)
         self._config = config
         self._plugin = plugin
-        self._directions = {code for code, on in ((1, forward), (2, backward)) if on}
+        self._directions = {int(direction) for direction, on in ((Direction.FORWARD, forward),
+                                                                 (Direction.BACKWARD, backward)) if on}
         self._streams: Dict[Tuple[int, int], TensorLoss] = {}
 
-    def __getattr__(self, name):
-        return getattr(self._transport, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info):
-        return self._transport.__exit__(*exc_info)
-
-    def try_recv(self, peer, tag, dtype=None, device=None):
-        tensor = self._transport.try_recv(peer, tag, dtype=dtype)
-        return None if tensor is None else self._received(peer, tag, tensor, device)
-
-    def recv(self, peer, tag, timeout=None, dtype=None, device=None):
-        return self._received(peer, tag, self._transport.recv(peer, tag, timeout=timeout, dtype=dtype), device)
-
-    def _received(self, peer: int, tag: int, tensor, device):
-        direction = tag >> _DIRECTION_SHIFT
+    def filter_arrival(self, peer: int, tag: int, tensor):
+        direction = direction_code_of(tag)
         if direction in self._directions:
             stream = self._streams.get((peer, direction))
             if stream is None:
                 stream = self._streams[(peer, direction)] = TensorLoss(
-                    self._config, [_PIPELINE_SALT, peer, self._transport.rank, direction], plugin=self._plugin)
-            tensor = stream(tensor, family=core.stale_family_of(tag), inplace=True)
-        return tensor if device is None else tensor.to(device)
+                    self._config, [_PIPELINE_SALT, peer, self.rank, direction], plugin=self._plugin)
+            tensor = stream(tensor, family=loss_injection.stale_family_of(tag), inplace=True)
+        return tensor
 
     def loss_stats(self) -> List[LinkLossStats]:
-        return [from_core(stream.stats(), "pipeline", f"{peer}->{self._transport.rank}", direction_name(direction),
+        return [from_core(stream.stats(), "pipeline", f"{peer}->{self.rank}", direction_name(direction),
                           source=peer)
                 for (peer, direction), stream in sorted(self._streams.items())]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Tuple
 
-from .config import LossConfigError
+from .errors import LossConfigError
 
 INTERFACES = ("send", "apply", "__call__")
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Dict, Iterable, List, Optional
 
-LOSS_EVENT = "loss"  # trace event kind (schema 1.1)
+from megatron_app.trace.schema import LOSS
+
+LOSS_EVENT = LOSS  # trace event kind (schema 1.1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +57,10 @@ def from_core(entry: dict, traffic: str, link: str, direction: str, source: Opti
 
 
 def direction_name(code: int) -> str:
-    """Name of a tag direction code (csrc/shm_tensor_rdma/tag.h: 1 forward, 2 backward)."""
-    return "forward" if code == 1 else "backward"
+    """Name of a tag direction code (transport.Direction: forward or backward)."""
+    from megatron_app.transport import Direction   # the compiled core: loaded only once statistics exist
+
+    return "forward" if code == Direction.FORWARD else "backward"
 
 
 StatsSource = Callable[[], Iterable[LinkLossStats]]

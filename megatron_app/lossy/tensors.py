@@ -8,24 +8,24 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_app.transport._core import core
+from megatron_app.transport import loss_injection
 from megatron_app.transport.dtypes import DTYPE_TO_CODE
 
 from .config import LossConfig
 from .plugin import PluginLossModel
 
 _FLOAT_KINDS = {
-    torch.float16: core.ElementKind.FLOAT16,
-    torch.bfloat16: core.ElementKind.BFLOAT16,
-    torch.float32: core.ElementKind.FLOAT32,
-    torch.float64: core.ElementKind.FLOAT64,
+    torch.float16: loss_injection.ElementKind.FLOAT16,
+    torch.bfloat16: loss_injection.ElementKind.BFLOAT16,
+    torch.float32: loss_injection.ElementKind.FLOAT32,
+    torch.float64: loss_injection.ElementKind.FLOAT64,
 }
 
 
 @functools.lru_cache(maxsize=None)
 def element_of(dtype: torch.dtype):
-    """(element size, core.ElementKind) of a dtype; only float kinds can be rescaled."""
-    return torch.empty((), dtype=dtype).element_size(), _FLOAT_KINDS.get(dtype, core.ElementKind.OPAQUE)
+    """(element size, ElementKind) of a dtype; only float kinds can be rescaled."""
+    return torch.empty((), dtype=dtype).element_size(), _FLOAT_KINDS.get(dtype, loss_injection.ElementKind.OPAQUE)
 
 
 def element_table() -> dict:
@@ -39,7 +39,7 @@ def element_table() -> dict:
 
 def make_channel(config: LossConfig, stream: Sequence[int], rescale_rate: Optional[float] = None):
     """A core.LossChannel for one stream, seeded from (config.seed, stream)."""
-    return core.LossChannel(config.core_spec(), fill=config.fill, packet_bytes=config.packet_bytes,
+    return loss_injection.LossChannel(config.core_spec(), fill=config.fill, packet_bytes=config.packet_bytes,
                             seed=config.seed, stream=[int(part) & ((1 << 64) - 1) for part in stream],
                             rescale_rate=rescale_rate)
 

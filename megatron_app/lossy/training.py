@@ -1,5 +1,6 @@
 """The loss layer in the trainer: flags -> LossConfig at start-up, pipeline + tensor-parallel loss for the run,
-statistics logged and traced at each iteration end."""
+statistics logged and traced at each iteration end. The trainer hands `wrap_transport` to the runtime
+(megatron_app.runtime.add_transport_wrapper) and the runtime's tracer to end_iteration."""
 
 from __future__ import annotations
 
@@ -38,10 +39,15 @@ class TrainingLossLayer:
         if rank == 0:
             log(f"[lossy] {config.describe()}")
 
-    def end_iteration(self, iteration: int) -> None:
-        from megatron_app.runtime import current_tracer
+    def wrap_transport(self, transport, pp_global_ranks=None):
+        """A runtime transport wrapper: the transport with the configured pipeline loss attached."""
+        from . import pipeline
 
-        self.reporter.end_iteration(iteration, current_tracer())
+        return pipeline.attach_configured_loss(transport)
+
+    def end_iteration(self, iteration: int, tracer=None) -> None:
+        """Log this iteration's loss statistics (and record them in `tracer`, the runtime's, when given)."""
+        self.reporter.end_iteration(iteration, tracer)
 
     def close(self) -> None:
         from . import pipeline

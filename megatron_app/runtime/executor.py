@@ -27,6 +27,7 @@ from megatron_app.schedule import Kind, PipelineShape, RankState, Task
 
 from .links import PipelineLinks, direction_of
 from .microbatch_data import MicrobatchReplay
+from .microbatch_lengths import take_microbatch_lengths
 from .session import RuntimeSession, current_session
 from .tp_agreement import TaskAgreement
 
@@ -145,7 +146,10 @@ class PipelineStep:
                                                                  None) if V > 1 else None)
         self.policy = session.policy_for(self.shape, self.pp_rank,
                                          None if forward_only else self.settings.memory_cap)
-        self.state = RankState(self.shape, self.pp_rank)
+        # Tokens per microbatch, told by the loop (set_microbatch_lengths); sizes activations, feeds planning.
+        self.lengths = take_microbatch_lengths(num_microbatches)
+        self._pp_group, self._pp_global = pp_group, pp_global
+        self.state = RankState(self.shape, self.pp_rank, self.lengths)
         self.links = PipelineLinks(self.shape, self.pp_rank, pp_global, session.calls)
         self.transport = session.ensure_transport(pp_global)
         self.agreement = TaskAgreement(tp_group)
@@ -166,8 +170,26 @@ class PipelineStep:
         self._backwards_left = [num_microbatches] * V
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)
 
+    def _adopt_shared_plan(self, pp_group, pp_global):
+        """Pipeline rank 0 plans this call (within its time budget) and every rank adopts that plan, so all ranks
+        run orders that fit together (schedule/planned.py)."""
+        plan = None
+        if self.pp_rank == 0:
+            start = time.perf_counter()
+            budget = self.session.planning_budget_s()
+            stop = None if budget is None else (lambda: time.perf_counter() - start > budget)
+            plan = self.policy.plan_iteration(self.lengths, stop=stop)
+            self.session.last_planning_s = time.perf_counter() - start
+        if len(pp_global) > 1:
+            shared = [plan]
+            dist.broadcast_object_list(shared, src=pp_global[0], group=pp_group)
+            plan = shared[0]
+        self.policy.use_plan(self.lengths, plan)
+
     # ---- the loop ---------------------------------------------------------------------------------------------
     def run(self) -> List[Any]:
+        if self.policy.plans_iterations:      # inside run(): the trace's iteration time includes planning
+            self._adopt_shared_plan(self._pp_group, self._pp_global)
         self.grad_sync.disable()
         while not self.state.finished:
             self._take_arrivals()
@@ -264,7 +286,7 @@ class PipelineStep:
             vp_stage=c if len(self.models) > 1 else None,
             is_last_stage=is_last,
         )
-        self._trace("forward", start, self._now(), task)
+        self._trace(task.kind.trace_name, start, self._now(), task)
         self.state.mark_done(task)
         self.policy.observe(task, (self._now() - start) / 1e6)
         if store:
@@ -288,7 +310,7 @@ class PipelineStep:
         sync = self.grad_sync.around_last_backward(c) if self._backwards_left[c] == 0 else contextlib.nullcontext()
         with sync:
             input_grad = backward_step(input_tensor, output_tensor, output_grad, self.model_type, self.config)
-        self._trace("backward", start, self._now(), task)
+        self._trace(task.kind.trace_name, start, self._now(), task)
         self.state.mark_done(task)
         self.policy.observe(task, (self._now() - start) / 1e6)
         if self.shape.output_target(self.pp_rank, task) is not None:
@@ -363,7 +385,9 @@ def forward_backward_app(
         session.training_calls += 1
         start = step.tracer.now_us()
         result = step.run()
-        step.tracer.record("iteration", start, step.tracer.now_us(), iteration=step.iteration)
+        end = step.tracer.now_us()
+        session.last_iteration_s = (end - start) / 1e6
+        step.tracer.record("iteration", start, end, iteration=step.iteration)
         step.tracer.flush()   # a crash loses at most the iteration in flight
         return result
     return step.run()

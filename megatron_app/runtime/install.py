@@ -23,14 +23,14 @@ _originals: Optional[Dict[str, object]] = None
 
 def install(schedule: str = "app", policy: str = "dfc", trace_dir: Optional[str] = None, *,
             memory_cap: Optional[int] = None, timeout_s: float = 300.0, job_id: Optional[str] = None,
-            tracing: bool = True) -> AppSettings:
+            tracing: bool = True, memory_factor: Optional[float] = None) -> AppSettings:
     """Route Megatron's forward_backward functions to ours. Idempotent; a second call updates the settings."""
     global _originals
     from megatron.core.pipeline_parallel import schedules
 
     from .executor import forward_backward_app
 
-    settings = AppSettings(schedule=schedule, policy=policy, memory_cap=memory_cap,
+    settings = AppSettings(schedule=schedule, policy=policy, memory_cap=memory_cap, memory_factor=memory_factor,
                            trace_dir=trace_dir if tracing else None, timeout_s=timeout_s, job_id=job_id).validate()
     current_session(settings)
     if _originals is None:
@@ -63,6 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--app-schedule", default="app", choices=SCHEDULES)
     group.add_argument("--app-policy", default="dfc", choices=ADAPTIVE_POLICIES)
     group.add_argument("--app-memory-cap", type=int, default=None)
+    group.add_argument("--app-memory-factor", type=float, default=None,
+                       help="policy planned: activation bytes a rank may hold, x Megatron's peak (default 1.0)")
     group.add_argument("--app-trace-dir", default=None)
     return parser
 
@@ -72,4 +74,4 @@ def install_from_args(args: argparse.Namespace) -> Optional[AppSettings]:
     if not getattr(args, "use_app", False):
         return None
     return install(schedule=args.app_schedule, policy=args.app_policy, trace_dir=args.app_trace_dir,
-                   memory_cap=args.app_memory_cap)
+                   memory_cap=args.app_memory_cap, memory_factor=getattr(args, "app_memory_factor", None))

@@ -11,7 +11,7 @@ import os
 import re
 import socket
 import uuid
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,21 @@ import torch.distributed as dist
 from .settings import AppSettings
 
 _JOB_ID_ENV = "MEGATRON_APP_JOB_ID"
+
+# wrapper(transport, pipeline global ranks) -> transport: how layers above the runtime (the loss layer, link-delay
+# emulation) put themselves around the transport the session opens, applied in the order they were added.
+TransportWrapperFactory = Callable[["PipelineTransport", List[int]], "PipelineTransport"]
+_transport_wrappers: List[TransportWrapperFactory] = []
+
+
+def add_transport_wrapper(wrapper: TransportWrapperFactory) -> None:
+    """Wrap every transport the runtime opens from now on in this process (see TransportWrapper)."""
+    _transport_wrappers.append(wrapper)
+
+
+def remove_transport_wrapper(wrapper: TransportWrapperFactory) -> None:
+    if wrapper in _transport_wrappers:
+        _transport_wrappers.remove(wrapper)
 
 
 def agree_on_job_id(requested: Optional[str]) -> str:
@@ -40,15 +55,29 @@ class RuntimeSession:
         self._policies = {}         # kept across calls so learning policies (adaptive) remember task durations
         self.training_calls = 0     # forward_backward calls with backward (trace iterations)
         self.calls = 0              # all calls, evaluation included (message tags)
+        self.last_iteration_s: Optional[float] = None   # wall time of the last training call
+        self.last_planning_s: Optional[float] = None    # its planning time (pipeline rank 0, planning policies)
         self._closed = False
+
+    def planning_budget_s(self) -> Optional[float]:
+        """Time a planning policy may spend on the next call: a share of the last call (None before one ran)."""
+        if self.last_iteration_s is None:
+            return None
+        return self.settings.planning_share * self.last_iteration_s
 
     def policy_for(self, shape, rank: int, memory_cap):
         from megatron_app.schedule import make_policy
 
-        key = (self.settings.policy_name, shape, rank, memory_cap)
+        name = self.settings.policy_name
+        factor = self.settings.memory_factor if name == "planned" else None
+        key = (name, shape, rank, memory_cap, factor)
         if key not in self._policies:
-            self._policies[key] = make_policy(self.settings.policy_name, shape, rank, memory_cap=memory_cap)
+            self._policies[key] = make_policy(name, shape, rank, memory_cap=memory_cap, memory_factor=factor)
         return self._policies[key]
+
+    def policies_in_use(self):
+        """The policy objects this process has run (one per shape and rank), e.g. to read a plan."""
+        return list(self._policies.values())
 
     def ensure_transport(self, pp_global_ranks: List[int]):
         if self.transport is None and len(pp_global_ranks) > 1:
@@ -63,14 +92,15 @@ class RuntimeSession:
             self.transport = open_transport(store, me, dist.get_world_size(), self.job_id, peers,
                                             master_addr=os.environ.get("MASTER_ADDR"),
                                             timeout_s=self.settings.timeout_s)
-            from megatron_app.lossy.pipeline import attach_configured_loss
-
-            self.transport = attach_configured_loss(self.transport)  # packet loss, when the trainer configured it
+            for wrap in _transport_wrappers:
+                self.transport = wrap(self.transport, list(pp_global_ranks))
         return self.transport
 
     def ensure_tracer(self, pp_rank: int, tp_rank: int, dp_rank: int, P: int, V: int, m: int):
         if self.tracer is None:
-            from megatron_app.trace import TraceMeta, Tracer, measure_clock_offset
+            from megatron_app.trace import TraceMeta, Tracer
+
+            from .clock_offset import measure_clock_offset
 
             enabled = self.settings.trace_dir is not None
             offset = (measure_clock_offset(trust_shared_clock=True)
@@ -84,10 +114,9 @@ class RuntimeSession:
 
     def _link_backends(self):
         """{peer rank: 'shm'|'tcp'|'rdma'} of this rank's transport, recorded in the trace header."""
-        backend_of = getattr(self.transport, "backend_of", None)  # a wrapper (loss layer) may not forward it
-        if backend_of is None:
+        if self.transport is None:
             return {}
-        return {str(peer): backend_of(peer) for peer in self.transport.peers}
+        return {str(peer): self.transport.backend_of(peer) for peer in self.transport.peers}
 
     def close(self):
         if self._closed:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-SCHEDULES = ("app", "interleaved", "1f1b")
-ADAPTIVE_POLICIES = ("dfc", "bfc", "adaptive")
+from megatron_app.schedule import ADAPTIVE_POLICY_NAMES, STATIC_POLICY_NAMES
+
+# "app" runs an adaptive policy (AppSettings.policy); every static policy is a schedule of its own.
+SCHEDULES = ("app",) + STATIC_POLICY_NAMES
+ADAPTIVE_POLICIES = ADAPTIVE_POLICY_NAMES
 
 
 class AppConfigError(ValueError):
@@ -18,6 +21,8 @@ class AppSettings:
     schedule: str = "app"            # app = adaptive policy; interleaved / 1f1b = Megatron's fixed orders
     policy: str = "dfc"              # used when schedule == "app"
     memory_cap: Optional[int] = None  # activations held per rank; None = Megatron's interleaved peak
+    memory_factor: Optional[float] = None  # planned: activation bytes per rank, x Megatron's peak; None = 1.0
+    planning_share: float = 0.02      # planned: planning time budget, share of the last iteration
     trace_dir: Optional[str] = None   # None = no trace files
     timeout_s: float = 300.0          # a peer silent this long is reported as stuck
     job_id: Optional[str] = None      # names the shared-memory segments; agreed across ranks when None
@@ -29,6 +34,13 @@ class AppSettings:
             raise AppConfigError(f"unknown policy {self.policy!r}; choose one of {', '.join(ADAPTIVE_POLICIES)}")
         if self.memory_cap is not None and self.memory_cap < 1:
             raise AppConfigError(f"memory cap must be >= 1 activation, got {self.memory_cap}")
+        if self.memory_factor is not None and not self.memory_factor >= 1.0:
+            raise AppConfigError(f"memory factor must be >= 1 (x Megatron's peak activation bytes), "
+                                 f"got {self.memory_factor}")
+        if self.memory_factor is not None and self.policy_name != "planned":
+            raise AppConfigError(f"a memory factor applies to policy 'planned' only, not {self.policy_name!r}")
+        if not 0 < self.planning_share < 1:
+            raise AppConfigError(f"planning share must lie in (0, 1), got {self.planning_share}")
         if self.timeout_s <= 0:
             raise AppConfigError(f"timeout must be positive, got {self.timeout_s}")
         return self

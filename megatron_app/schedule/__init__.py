@@ -1,20 +1,25 @@
 """Pure scheduling decisions for pipeline parallelism: tasks, dependency rules, rank state and policies.
 
-No torch, sockets, clocks or threads; megatron-core is imported lazily, only to derive its own static orders.
+No torch, megatron-core, sockets, clocks or threads; Megatron-Core's static orders are computed here by our own code.
 """
 
 from .admission import forward_fits, minimum_memory_cap
 from .driver import drive
 from .errors import ScheduleConfigError, ScheduleStallError, ScheduleStateError
 from .megatron_order import megatron_interleaved_cap, megatron_order, megatron_warmup_microbatches
-from .policies import POLICY_NAMES, GreedyPolicy, Policy, StaticOrderPolicy, make_policy
+from .greedy import GreedyPolicy
+from .policies import (ADAPTIVE_POLICY_NAMES, POLICIES, POLICY_NAMES, STATIC_POLICY_NAMES, PolicyEntry, make_policy,
+                       policies_for)
+from .policy import Policy
+from .static_order import StaticOrderPolicy
 from .shape import PipelineShape
 from .state import RankState
-from .tasks import Kind, Task
+from .tasks import KIND_OF_TRACE_NAME, KINDS_BY_INDEX, TASK_KINDS, Kind, Task, TaskKindInfo
 
 __all__ = [
-    "Kind", "Task", "PipelineShape", "RankState", "Policy", "GreedyPolicy", "StaticOrderPolicy", "make_policy",
-    "POLICY_NAMES", "megatron_interleaved_cap", "megatron_order", "megatron_warmup_microbatches",
+    "Kind", "Task", "TASK_KINDS", "TaskKindInfo", "KIND_OF_TRACE_NAME", "KINDS_BY_INDEX", "PipelineShape", "RankState", "Policy", "GreedyPolicy", "StaticOrderPolicy", "make_policy",
+    "POLICY_NAMES", "POLICIES", "PolicyEntry", "ADAPTIVE_POLICY_NAMES", "STATIC_POLICY_NAMES", "policies_for",
+    "megatron_interleaved_cap", "megatron_order", "megatron_warmup_microbatches",
     "minimum_memory_cap", "forward_fits", "drive", "ScheduleConfigError", "ScheduleStateError",
     "ScheduleStallError",
 ]

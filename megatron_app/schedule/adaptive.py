@@ -31,7 +31,8 @@ from typing import Dict, Optional, Set, Tuple
 from .admission import check_memory_cap, forward_fits
 from .errors import ScheduleConfigError
 from .megatron_order import megatron_interleaved_cap, megatron_order, peak_activations_of_order
-from .policies import Policy, make_policy
+from .greedy import make_dfc
+from .policy import Policy
 from .shape import PipelineShape
 from .state import RankState
 from .tasks import Kind, Task
@@ -203,5 +204,5 @@ def make_adaptive(shape: PipelineShape, rank: int, memory_cap: Optional[int] = N
         memory_cap = megatron_interleaved_cap(shape, rank)
     check_memory_cap(shape, memory_cap)
     return AdaptivePolicy(shape, rank, memory_cap, megatron_order(shape, rank),
-                          below_plan_cap=make_policy("dfc", shape, rank, memory_cap), keeps_oldest_moving=guarded,
+                          below_plan_cap=make_dfc(shape, rank, memory_cap), keeps_oldest_moving=guarded,
                           patience=patience)

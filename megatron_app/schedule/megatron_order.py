@@ -1,78 +1,65 @@
-"""Megatron-Core's own per-rank task order (interleaved 1F1B; plain 1F1B when V == 1) and the memory it needs.
+"""Megatron-Core's per-rank task order (interleaved 1F1B; plain 1F1B when V == 1) and the memory it needs.
 
-The order comes from megatron-core's functions, not a re-derivation: get_pp_rank_microbatches (warm-up length),
-get_schedule_table (forward (microbatch, chunk) sequence) and convert_schedule_table_to_order (how warm-up, steady
-1F1B and cool-down interleave). They are imported lazily because megatron-core pulls in torch.
+Computed here in pure Python from the rules Megatron-Core's schedules follow, so the schedule package and the
+simulator run without torch or megatron-core; tests/test_schedule_megatron.py checks the result against
+megatron-core's own get_pp_rank_microbatches / get_schedule_table / convert_schedule_table_to_order on a grid.
+
+  * Warm-up (forwards before the first backward): all of them when forward_only; none with one stage; P-r-1 for
+    1F1B; 2(P-r-1) + (V-1)N interleaved, N = microbatch group size; never more than V*m.
+  * Forward sequence: microbatches in groups of N (the last group is the remainder); each group runs chunk 0 for
+    its microbatches, then chunk 1, ... (the "schedule table").
+  * After the warm-up each forward is followed by one backward; the remaining backwards close the iteration. The
+    k-th backward undoes the k-th forward in reverse chunk order: forward (mb, c) pairs with backward (mb, V-1-c).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Optional, Tuple
+from typing import List, Tuple
 
 from .shape import PipelineShape
 from .tasks import Kind, Task
 
 
-class _PipelineGroupView:
-    """The two process-group queries get_pp_rank_microbatches makes, answered without torch.distributed."""
-
-    def __init__(self, size: int, rank: int):
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
-
-
-class _CommunicatorView:
-    """Stands in for megatron's P2PCommunicator: only its pp_group and virtual pipeline size are read."""
-
-    def __init__(self, shape: PipelineShape, rank: int):
-        self.pp_group = _PipelineGroupView(shape.num_stages, rank)
-        # None selects Megatron's non-interleaved 1F1B warm-up, as get_forward_backward_func does for V == 1.
-        self.virtual_pipeline_model_parallel_size: Optional[int] = (
-            shape.num_chunks if shape.num_chunks > 1 else None)
-
-
 def megatron_warmup_microbatches(shape: PipelineShape, rank: int) -> int:
     """Forwards Megatron runs on `rank` before its first backward (all of them when forward_only)."""
     shape.check_rank(rank)
-    from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches
+    P, V = shape.num_stages, shape.num_chunks
+    total = V * shape.num_microbatches
+    if shape.forward_only:
+        return total
+    if P == 1:
+        return 0
+    later_stages = P - rank - 1
+    warmup = later_stages if V == 1 else 2 * later_stages + (V - 1) * shape.microbatch_group_size
+    return min(warmup, total)
 
-    _, _, warmup, _ = get_pp_rank_microbatches(
-        shape.num_microbatches, shape.num_chunks, shape.microbatch_group_size,
-        forward_only=shape.forward_only, p2p_communicator=_CommunicatorView(shape, rank))
-    return warmup
+
+def megatron_forward_sequence(shape: PipelineShape) -> List[Tuple[int, int]]:
+    """(microbatch, chunk) of every forward in Megatron's order; the same on every rank."""
+    m, N = shape.num_microbatches, shape.microbatch_group_size
+    sequence = []
+    for group_start in range(0, m, N):
+        group = range(group_start, min(group_start + N, m))
+        sequence.extend((mb, chunk) for chunk in range(shape.num_chunks) for mb in group)
+    return sequence
 
 
 @functools.lru_cache(maxsize=512)
 def megatron_order(shape: PipelineShape, rank: int) -> Tuple[Task, ...]:
     """Every task of `rank` in the order Megatron-Core runs them."""
     shape.check_rank(rank)
-    from megatron.core.pipeline_parallel.schedules import get_schedule_table
-    from megatron.core.transformer.cuda_graphs import convert_schedule_table_to_order
-
     V = shape.num_chunks
-    table = get_schedule_table(shape.num_microbatches, V, shape.microbatch_group_size)
+    sequence = megatron_forward_sequence(shape)
+    forwards = [Task(Kind.FORWARD, chunk, mb) for mb, chunk in sequence]
     if shape.forward_only:
-        return tuple(Task(Kind.FORWARD, chunk, mb) for mb, chunk in table)
-    # Encoded as +c+1 for a forward of table chunk c and c-V for the backward paired with table chunk c; Megatron's
-    # backward of that entry runs chunk V-1-c (get_model_chunk_id(forward=False)), i.e. chunk -code-1.
-    codes = convert_schedule_table_to_order(megatron_warmup_microbatches(shape, rank), V, table)
-    forward_microbatches = iter(mb for mb, _ in table)
-    # Megatron pops a chunk's oldest stored forward for each backward (input_tensors[chunk].pop(0)).
-    next_backward = [0] * V
-    order = []
-    for code in codes:
-        if code > 0:
-            order.append(Task(Kind.FORWARD, code - 1, next(forward_microbatches)))
-        else:
-            chunk = -code - 1
-            order.append(Task(Kind.BACKWARD, chunk, next_backward[chunk]))
-            next_backward[chunk] += 1
+        return tuple(forwards)
+    backwards = [Task(Kind.BACKWARD, V - 1 - chunk, mb) for mb, chunk in sequence]
+    warmup = megatron_warmup_microbatches(shape, rank)
+    order = forwards[:warmup]
+    for k, forward in enumerate(forwards[warmup:]):
+        order += (forward, backwards[k])
+    order += backwards[len(forwards) - warmup:]
     return tuple(order)
 
 

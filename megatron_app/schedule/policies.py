@@ -1,146 +1,77 @@
-"""Scheduling policies: given a RankState, which task should this rank run next?
+"""The policy registry: every policy name, its factory, whether it is a fixed order, and its one-line summary.
 
-Adaptive policies (`dfc`, `bfc`) pick greedily among ready tasks, backward first, under a deadlock-free memory cap
-(admission.py). Static policies (`1f1b`, `interleaved`) follow Megatron-Core's exact per-rank order and wait for
-their next task. Policies never change the state: the driver calls mark_started / mark_done.
+Everything that lists policies reads POLICIES: make_policy, the trainer's and install()'s flag choices, settings
+validation, the simulator, tools/bench_schedule.py and the README table (checked by tests/test_policy_registry.py).
+Adding a policy: one module with its factory, one entry below.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
-from .admission import check_memory_cap, forward_fits
+from .adaptive import make_adaptive
 from .errors import ScheduleConfigError
-from .megatron_order import megatron_interleaved_cap, megatron_order, peak_activations_of_order
+from .greedy import make_bfc, make_dfc
+from .planned import make_planned
+from .policy import Policy
 from .shape import PipelineShape
-from .state import RankState
-from .tasks import Kind, Task
+from .static_order import make_megatron_1f1b, make_megatron_interleaved
 
-POLICY_NAMES = ("dfc", "bfc", "1f1b", "interleaved", "adaptive")
-
-
-class Policy:
-    """Base: `next` decides; `expected_next` names the task a static order waits for; `observe` may learn."""
-
-    name = "policy"
-
-    def __init__(self, shape: PipelineShape, rank: int, memory_cap: int):
-        shape.check_rank(rank)
-        self.shape = shape
-        self.rank = rank
-        self.memory_cap = memory_cap
-
-    def next(self, state: RankState) -> Optional[Task]:
-        raise NotImplementedError
-
-    def expected_next(self, state: RankState) -> Optional[Task]:
-        return None
-
-    def observe(self, task: Task, duration_s: float) -> None:
-        """Called after each task with its measured duration; adaptive cost models override it."""
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(name={self.name!r}, rank={self.rank}, memory_cap={self.memory_cap})"
+PolicyFactory = Callable[[PipelineShape, int, Optional[int]], Policy]
 
 
-def _chain_position(task: Task, num_chunks: int) -> int:
-    """How far along its microbatch's chain a task is on this rank: F chunk 0..V-1, then B chunk V-1..0."""
-    return task.chunk if task.kind is Kind.FORWARD else 2 * num_chunks - 1 - task.chunk
+@dataclass(frozen=True)
+class PolicyEntry:
+    """factory(shape, rank, memory_cap or None) -> Policy. static: a fixed order (chosen with --schedule NAME);
+    otherwise an adaptive rule of the `app` schedule (chosen with --policy NAME). single_chunk: V == 1 only."""
+
+    factory: PolicyFactory
+    static: bool
+    summary: str
+    single_chunk: bool = False
+
+    def applies_to(self, shape: PipelineShape) -> bool:
+        return not (self.single_chunk and shape.num_chunks > 1)
 
 
-class GreedyPolicy(Policy):
-    """Any ready backward beats any forward; among each kind `priority` orders; forwards must pass admission."""
-
-    def __init__(self, shape: PipelineShape, rank: int, memory_cap: int, name: str,
-                 priority: Callable[[Task], Tuple]):
-        super().__init__(shape, rank, memory_cap)
-        self.name = name
-        self.priority = priority
-
-    def next(self, state: RankState) -> Optional[Task]:
-        ready = state.ready()
-        backwards = [t for t in ready if t.kind is Kind.BACKWARD]
-        if backwards:
-            return min(backwards, key=self.priority)
-        for task in sorted(ready, key=self.priority):
-            if forward_fits(state, task, self.memory_cap):
-                return task
-        return None
-
-
-def _depth_first(num_chunks: int) -> Callable[[Task], Tuple]:
-    # Oldest microbatch first, and within it the task furthest along its chain (higher chunk for forwards).
-    return lambda t: (t.microbatch, -_chain_position(t, num_chunks))
-
-
-def _breadth_first(num_chunks: int, group_size: int) -> Callable[[Task], Tuple]:
-    # Earliest chain position first (lower chunk for forwards) across the microbatches of one group, groups in
-    # order. The group is Megatron's microbatch_group_size (default P): unbounded breadth starves the deeper chunks
-    # and ran ~4x slower than Megatron at P=8, V=4, m=32; a shape with microbatch_group_size=m gives pure breadth.
-    return lambda t: (t.microbatch // group_size, _chain_position(t, num_chunks), t.microbatch)
-
-
-class StaticOrderPolicy(Policy):
-    """Runs a fixed per-rank order; returns its next task only once that task is ready."""
-
-    def __init__(self, shape: PipelineShape, rank: int, memory_cap: int, name: str, order: Tuple[Task, ...]):
-        super().__init__(shape, rank, memory_cap)
-        self.name = name
-        self.order = order
-
-    def expected_next(self, state: RankState) -> Optional[Task]:
-        position = state.started_count
-        return self.order[position] if position < len(self.order) else None
-
-    def next(self, state: RankState) -> Optional[Task]:
-        task = self.expected_next(state)
-        return task if task is not None and state.is_ready(task) else None
-
-
-def _make_static(name: str, shape: PipelineShape, rank: int, memory_cap: Optional[int]) -> StaticOrderPolicy:
-    if name == "1f1b" and shape.num_chunks != 1:
-        raise ScheduleConfigError(
-            f"policy '1f1b' needs num_chunks == 1, got {shape.num_chunks}; use 'interleaved' for model chunks")
-    order = megatron_order(shape, rank)
-    needed = peak_activations_of_order(shape, order)
-    if memory_cap is not None:
-        check_memory_cap(shape, memory_cap)
-        if memory_cap < needed:
-            raise ScheduleConfigError(
-                f"policy {name!r} holds up to {needed} activations on rank {rank}; memory_cap={memory_cap} "
-                f"is below that (a static order cannot adapt to a smaller cap)")
-    return StaticOrderPolicy(shape, rank, needed if memory_cap is None else memory_cap, name, order)
-
-
-def _make_greedy(name: str, shape: PipelineShape, rank: int, memory_cap: Optional[int]) -> GreedyPolicy:
-    if memory_cap is None:
-        memory_cap = megatron_interleaved_cap(shape, rank)
-    check_memory_cap(shape, memory_cap)
-    if name == "dfc":
-        priority = _depth_first(shape.num_chunks)
-    else:
-        priority = _breadth_first(shape.num_chunks, shape.microbatch_group_size)
-    return GreedyPolicy(shape, rank, memory_cap, name, priority)
-
-
-def _make_adaptive(name: str, shape: PipelineShape, rank: int, memory_cap: Optional[int]) -> Policy:
-    from .adaptive import make_adaptive   # adaptive.py builds on this module's Policy
-
-    return make_adaptive(shape, rank, memory_cap)
-
-
-_FACTORIES: Dict[str, Callable[..., Policy]] = {
-    "dfc": _make_greedy,
-    "bfc": _make_greedy,
-    "1f1b": _make_static,
-    "interleaved": _make_static,
-    "adaptive": _make_adaptive,
+POLICIES: Dict[str, PolicyEntry] = {
+    "dfc": PolicyEntry(make_dfc, static=False, summary="greedy, backward first, depth first (same microbatch "
+                       "through more chunks)"),
+    "bfc": PolicyEntry(make_bfc, static=False, summary="greedy, backward first, breadth first (same chunk, more "
+                       "microbatches of one group)"),
+    "1f1b": PolicyEntry(make_megatron_1f1b, static=True, single_chunk=True,
+                        summary="Megatron-Core's 1F1B order (V = 1)"),
+    "interleaved": PolicyEntry(make_megatron_interleaved, static=True,
+                               summary="Megatron-Core's interleaved 1F1B order"),
+    "adaptive": PolicyEntry(make_adaptive, static=False, summary="Megatron's order while inputs are on time; when "
+                            "its next input is late, the ready backward with the longest remaining path runs first "
+                            "(durations learnt at run time)"),
+    "planned": PolicyEntry(make_planned, static=False, summary="per iteration, the microbatch order and warm-up "
+                           "depth of Megatron's order chosen from the microbatches' lengths under an activation-"
+                           "bytes cap (x Megatron's peak); then as adaptive. Without lengths: adaptive"),
 }
 
+POLICY_NAMES: Tuple[str, ...] = tuple(POLICIES)
+ADAPTIVE_POLICY_NAMES: Tuple[str, ...] = tuple(name for name, entry in POLICIES.items() if not entry.static)
+STATIC_POLICY_NAMES: Tuple[str, ...] = tuple(name for name, entry in POLICIES.items() if entry.static)
 
-def make_policy(name: str, shape: PipelineShape, rank: int, memory_cap: Optional[int] = None) -> Policy:
-    """A policy for one rank. memory_cap: most activations held at once; None = what Megatron's order holds."""
-    if name not in _FACTORIES:
+
+def policies_for(shape: PipelineShape) -> Tuple[str, ...]:
+    """The policy names that can run `shape`, in registry order."""
+    return tuple(name for name, entry in POLICIES.items() if entry.applies_to(shape))
+
+
+def make_policy(name: str, shape: PipelineShape, rank: int, memory_cap: Optional[int] = None,
+                memory_factor: Optional[float] = None) -> Policy:
+    """A policy for one rank. memory_cap: most activations held at once; None = what Megatron's order holds.
+    memory_factor (planned only): activation bytes a rank may hold, x Megatron's peak for the same microbatches."""
+    entry = POLICIES.get(name)
+    if entry is None:
         raise ScheduleConfigError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
     shape.check_rank(rank)
-    return _FACTORIES[name](name, shape, rank, memory_cap)
+    if memory_factor is not None:
+        if name != "planned":
+            raise ScheduleConfigError(f"memory_factor applies to policy 'planned' only, not {name!r}")
+        return make_planned(shape, rank, memory_cap, memory_factor=memory_factor)
+    return entry.factory(shape, rank, memory_cap)

@@ -6,7 +6,7 @@ is here (or it needs none); a backward additionally needs this rank's own forwar
 
 from __future__ import annotations
 
-from typing import List, Optional, Set
+from typing import List, Optional, Sequence, Set
 
 from .errors import ScheduleStateError
 from .shape import PipelineShape
@@ -18,8 +18,16 @@ def _task_order(task: Task):
 
 
 class RankState:
-    def __init__(self, shape: PipelineShape, rank: int):
+    def __init__(self, shape: PipelineShape, rank: int, activation_sizes: Optional[Sequence[float]] = None):
+        """activation_sizes: one chunk's activation size per microbatch (e.g. bytes, proportional to its tokens),
+        tracked as held_size / peak_size; None counts every activation as 1."""
         shape.check_rank(rank)
+        if activation_sizes is not None:
+            activation_sizes = tuple(activation_sizes)
+            if len(activation_sizes) != shape.num_microbatches or not all(s > 0 for s in activation_sizes):
+                raise ScheduleStateError(f"activation_sizes must be {shape.num_microbatches} positive numbers, got "
+                                         f"{list(activation_sizes)!r}")
+        self.activation_sizes = activation_sizes
         self.shape = shape
         self.rank = rank
         self._total = len(shape.tasks(rank))
@@ -36,6 +44,8 @@ class RankState:
         self._lowest_unstarted = 0
         self._held = 0
         self._peak = 0
+        self._held_size = 0
+        self._peak_size = 0
         for task in shape.tasks(rank):
             if task.kind is Kind.FORWARD and shape.input_source(rank, task) is None:
                 self._ready.add(task)
@@ -64,6 +74,8 @@ class RankState:
             self._in_flight.add(mb)
             self._held += 1
             self._peak = max(self._peak, self._held)
+            self._held_size += self.size_of(mb)
+            self._peak_size = max(self._peak_size, self._held_size)
             while (self._lowest_unstarted < self.shape.num_microbatches
                    and self._forwards_started[self._lowest_unstarted] > 0):
                 self._lowest_unstarted += 1
@@ -94,6 +106,7 @@ class RankState:
     def _release(self, mb: int) -> None:
         self._held_by_microbatch[mb] -= 1
         self._held -= 1
+        self._held_size -= self.size_of(mb)
 
     def _deps_met(self, task: Task) -> bool:
         if task in self._started:
@@ -122,6 +135,20 @@ class RankState:
     @property
     def peak_activations(self) -> int:
         return self._peak
+
+    def size_of(self, microbatch: int) -> float:
+        """One chunk's activation size of `microbatch` (1 without activation_sizes)."""
+        return 1 if self.activation_sizes is None else self.activation_sizes[microbatch]
+
+    @property
+    def held_size(self) -> float:
+        """Sum of the sizes of the activations held now."""
+        return self._held_size
+
+    @property
+    def peak_size(self) -> float:
+        """Largest held_size so far (equals peak_activations without activation_sizes)."""
+        return self._peak_size
 
     @property
     def done_tasks(self) -> List[Task]:
@@ -160,6 +187,16 @@ class RankState:
         if self._lowest_unstarted == self.shape.num_microbatches:
             return None
         return self._lowest_unstarted
+
+    def next_microbatch_to_start(self, start_order: Optional[Sequence[int]] = None) -> Optional[int]:
+        """The first microbatch of `start_order` (default ascending) with no forward started here; None when all
+        have started."""
+        if start_order is None:
+            return self.lowest_unstarted_microbatch
+        for mb in start_order:
+            if self._forwards_started[mb] == 0:
+                return mb
+        return None
 
     def describe(self) -> str:
         """Multi-line dump for stall reports."""

@@ -1,9 +1,14 @@
-"""The unit of pipeline work: one forward or backward of one local model chunk for one microbatch."""
+"""The unit of pipeline work: one forward or backward of one local model chunk for one microbatch.
+
+TASK_KINDS is the task-kind vocabulary: each Kind's name in trace files and its index in duration tables.
+Adding a kind: one Kind member, one TASK_KINDS entry, and its dependency rule in shape.py.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Dict
 
 
 class Kind(str, Enum):
@@ -12,6 +17,30 @@ class Kind(str, Enum):
 
     def __str__(self) -> str:
         return self.value
+
+    @property
+    def trace_name(self) -> str:
+        """The event kind of this task in trace files ('forward', 'backward')."""
+        return TASK_KINDS[self].trace_name
+
+    @property
+    def index(self) -> int:
+        """Position of this kind in per-kind tables (sim.costs.DurationTable)."""
+        return TASK_KINDS[self].index
+
+
+@dataclass(frozen=True)
+class TaskKindInfo:
+    trace_name: str
+    index: int
+
+
+TASK_KINDS: Dict[Kind, TaskKindInfo] = {
+    Kind.FORWARD: TaskKindInfo("forward", 0),
+    Kind.BACKWARD: TaskKindInfo("backward", 1),
+}
+KIND_OF_TRACE_NAME: Dict[str, Kind] = {info.trace_name: kind for kind, info in TASK_KINDS.items()}
+KINDS_BY_INDEX = tuple(sorted(TASK_KINDS, key=lambda kind: TASK_KINDS[kind].index))
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import numpy as np
 
 from megatron_app.schedule import PipelineShape
 
-from .costs import BACKWARD_INDEX, FORWARD_INDEX, Durations
+from .costs import BACKWARD_INDEX, FORWARD_INDEX, DurationTable
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class LowerBounds:
         return max(self.work_us, self.path_us)
 
 
-def lower_bounds(shape: PipelineShape, durations: Durations, min_transfer_us: float) -> LowerBounds:
+def lower_bounds(shape: PipelineShape, durations: DurationTable, min_transfer_us: float) -> LowerBounds:
     times = np.asarray(durations, dtype=float)              # (P, 2, V, m)
     P = shape.num_stages
     work = times.sum(axis=(1, 2, 3))                         # per rank

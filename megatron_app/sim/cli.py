@@ -4,6 +4,11 @@
         --fwd-ms 10 --bwd-ms 20 [--slow-rank 1 --slow-factor 1.5] [--jitter 0.3] \
         [--straggler-prob 0.1 --straggler-factor 3] [--link-latency-us 20 --link-gbps 100 --tensor-bytes 16777216] \
         [--slow-link 1-2:0-300:10] [--memory-cap N] [--iterations 3] [--seed 0] [--trace-dir D] [--json FILE]
+        [--length-sigma 1.0 | --lengths-file LENGTHS] [--length-cost 0.7,0.3] [--memory-factor 1.1]
+
+With variable lengths (--length-sigma: lognormal; --lengths-file: one token count per line, e.g. a corpus's
+documents) each microbatch's tasks cost --fwd-ms/--bwd-ms x (a x + b x^2)/(a + b), x = tokens / mean tokens, and its
+activations are sized by its tokens; the table adds the peak activation tokens against Megatron's data-order peak.
 
 Bad options print one line and exit 2.
 """
@@ -18,10 +23,11 @@ import warnings
 from pathlib import Path
 from typing import List, Optional
 
-from megatron_app.schedule import POLICY_NAMES, PipelineShape, ScheduleConfigError
+from megatron_app.schedule import POLICY_NAMES, PipelineShape, ScheduleConfigError, policies_for
 from megatron_app.trace.cli import EXIT_BAD_INPUT, OneLineArgumentParser, non_negative_int, number, positive_int
 
 from .costs import ComputeCosts, ComputePerturbations
+from .lengths import MicrobatchLengths
 from .network import US_PER_MS, LinkCosts, SlowLink
 from .simulator import SimConfig, SimResult, simulate
 
@@ -36,6 +42,16 @@ def _slow_link(text: str) -> SlowLink:
         return SlowLink.parse(text)
     except ScheduleConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _length_cost(text: str):
+    try:
+        linear, quadratic = (float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected A,B (two numbers), got {text!r}") from None
+    if not (linear >= 0 and quadratic >= 0 and linear + quadratic > 0):
+        raise argparse.ArgumentTypeError(f"A and B must be >= 0 and not both 0, got {text!r}")
+    return linear, quadratic
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
@@ -72,6 +88,17 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         help="A-B:START_MS-END_MS:FACTOR, both directions between ranks A and B; repeatable")
     add("--memory-cap", "--memory_cap", dest="memory_cap", type=positive_int, default=None,
         help="activations a rank may hold (default: Megatron's interleaved peak per rank)")
+    lengths = parser.add_mutually_exclusive_group()
+    lengths.add_argument("--length-sigma", "--length_sigma", dest="length_sigma", type=number(0.0), default=None,
+                         help="microbatch lengths lognormal with this log-sd (variable-length scenario)")
+    lengths.add_argument("--lengths-file", "--lengths_file", dest="lengths_file", default=None,
+                         help="draw microbatch lengths from this file (one token count per line)")
+    add("--median-tokens", "--median_tokens", dest="median_tokens", type=positive_int, default=256,
+        help="median microbatch length for --length-sigma (default 256)")
+    add("--length-cost", "--length_cost", dest="length_cost", type=_length_cost, default=(0.7, 0.3),
+        help="A,B: a microbatch costs (A x + B x^2)/(A + B) times the base, x = tokens / mean (default 0.7,0.3)")
+    add("--memory-factor", "--memory_factor", dest="memory_factor", type=number(1.0), default=None,
+        help="planned: activation tokens a rank may hold, x Megatron's data-order peak (default 1.0)")
     add("--iterations", type=positive_int, default=1, help="iterations, separated by a barrier (default 1)")
     add("--seed", type=non_negative_int, default=0, help="seed of the random perturbations (default 0)")
     add("--trace-dir", "--trace_dir", dest="trace_dir", default=None,
@@ -93,32 +120,45 @@ def build_config(args: argparse.Namespace) -> SimConfig:
         jitter=args.jitter, straggler_prob=args.straggler_prob, straggler_factor=args.straggler_factor)
     links = LinkCosts(latency_us=args.link_latency_us, gbps=args.link_gbps, tensor_bytes=args.tensor_bytes,
                       slow_links=tuple(args.slow_links))
+    lengths = None
+    linear, quadratic = args.length_cost
+    if args.lengths_file is not None:
+        lengths = MicrobatchLengths.from_file(args.lengths_file, linear=linear, quadratic=quadratic)
+    elif args.length_sigma is not None:
+        lengths = MicrobatchLengths(sigma=args.length_sigma, median_tokens=args.median_tokens, linear=linear,
+                                    quadratic=quadratic)
     return SimConfig(shape, ComputeCosts.uniform(shape, args.fwd_ms * US_PER_MS, args.bwd_ms * US_PER_MS),
                      links=links, perturbations=perturbations, iterations=args.iterations, seed=args.seed,
-                     memory_cap=args.memory_cap)
+                     memory_cap=args.memory_cap, lengths=lengths, memory_factor=args.memory_factor)
 
 
 def policies_to_run(choice: str, shape: PipelineShape) -> List[str]:
     if choice != ALL:
         return [choice]
-    return [name for name in POLICY_NAMES if not (name == "1f1b" and shape.num_chunks > 1)]
+    return list(policies_for(shape))
 
 
 def format_table(config: SimConfig, results: List[SimResult]) -> str:
     shape = config.shape
     lines = [f"P={shape.num_stages} V={shape.num_chunks} m={shape.num_microbatches} "
              f"iterations={config.iterations} seed={config.seed}"]
+    variable = config.lengths is not None
     header = (f"{'policy':<12} {'makespan ms':>12} {'lower bound ms':>15} {'x bound':>8} {'bubble':>7}  "
-              f"peak activations per rank")
+              + (f"{'tokens/Megatron':>15} {'plan ms':>8}  peak activation tokens per rank" if variable
+                 else "peak activations per rank"))
     lines.append(header)
     for result in results:
         peaks = result.peak_activations
+        extra = ""
+        if variable:
+            peaks = [int(round(p)) for p in result.peak_activation_tokens]
+            extra = f"{result.peak_tokens_over_megatron:>15.3f} {result.planning_s * 1e3:>8.1f}  "
         peak_text = (",".join(map(str, peaks)) if len(peaks) <= MAX_LISTED_RANKS
                      else f"max {max(peaks)} (rank {peaks.index(max(peaks))})")
         ratio = result.makespan_us / result.lower_bound_us if result.lower_bound_us > 0 else math.nan
         lines.append(f"{result.policy:<12} {result.makespan_us / US_PER_MS:>12.3f} "
                      f"{result.lower_bound_us / US_PER_MS:>15.3f} {ratio:>8.3f} {result.bubble_ratio:>7.1%}  "
-                     f"{peak_text}")
+                     f"{extra}{peak_text}")
     return "\n".join(lines)
 
 

@@ -12,13 +12,52 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from megatron_app.schedule import PipelineShape, ScheduleConfigError
+from megatron_app.schedule import KINDS_BY_INDEX, Kind, PipelineShape, ScheduleConfigError, Task
 
 from .checks import check_number
 
-# durations[rank][kind][chunk][microbatch] in microseconds; kind 0 = forward, 1 = backward
-Durations = List[List[List[List[float]]]]
-FORWARD_INDEX, BACKWARD_INDEX = 0, 1
+FORWARD_INDEX, BACKWARD_INDEX = Kind.FORWARD.index, Kind.BACKWARD.index
+
+
+class DurationTable:
+    """Microseconds of every task of one iteration, per rank: `us(rank, task)`. Built from a (ranks, kinds,
+    chunks, microbatches) array (kinds in Kind.index order); np.asarray(table) gives that array back and
+    table[rank] the rank's [kind][chunk][microbatch] rows."""
+
+    __slots__ = ("_array", "_rows")
+
+    def __init__(self, times):
+        array = np.array(times, dtype=float)
+        if array.ndim != 4 or array.shape[1] != len(KINDS_BY_INDEX):
+            raise ScheduleConfigError(f"durations must be a (ranks, {len(KINDS_BY_INDEX)} kinds, chunks, "
+                                      f"microbatches) table, got shape {array.shape}")
+        array.setflags(write=False)
+        self._array = array
+        self._rows = array.tolist()     # nested lists: the simulator reads one task at a time
+
+    def us(self, rank: int, task: Task) -> float:
+        return self._rows[rank][task.kind.index][task.chunk][task.microbatch]
+
+    @property
+    def num_ranks(self) -> int:
+        return self._array.shape[0]
+
+    def __getitem__(self, rank: int) -> List[List[List[float]]]:
+        return self._rows[rank]
+
+    def __len__(self) -> int:
+        return self.num_ranks
+
+    def __iter__(self):
+        return iter(self._rows)
+
+    def __array__(self, dtype=None, copy=None):
+        return self._array if dtype is None else self._array.astype(dtype)
+
+    def __repr__(self) -> str:
+        ranks, kinds, chunks, microbatches = self._array.shape
+        return f"DurationTable(ranks={ranks}, kinds={kinds}, chunks={chunks}, microbatches={microbatches})"
+
 
 _JITTER_STREAM, _STRAGGLER_STREAM = 1, 2
 
@@ -84,8 +123,9 @@ class ComputePerturbations:
 
 
 def draw_durations(shape: PipelineShape, costs: ComputeCosts, perturbations: ComputePerturbations, seed: int,
-                   iteration: int) -> Durations:
-    """Every task's duration for one iteration (see the module doc for why draws are keyed per rank)."""
+                   iteration: int, microbatch_factors: Optional[Sequence[float]] = None) -> DurationTable:
+    """Every task's duration for one iteration (see the module doc for why draws are keyed per rank).
+    microbatch_factors: per microbatch, a factor on all its tasks (its cost for its length; lengths.py)."""
     costs.check_shape(shape)
     perturbations.check_shape(shape)
     V, m = shape.num_chunks, shape.num_microbatches
@@ -93,6 +133,8 @@ def draw_durations(shape: PipelineShape, costs: ComputeCosts, perturbations: Com
     for rank in range(shape.num_stages):
         base = np.array([costs.forward_us[rank], costs.backward_us[rank]], dtype=float)     # (2, V)
         times = np.broadcast_to(base[:, :, None], (2, V, m)).copy()
+        if microbatch_factors is not None:
+            times *= np.asarray(microbatch_factors, dtype=float)[None, None, :]
         if rank == perturbations.slow_rank:
             times *= perturbations.slow_factor
         if perturbations.jitter > 0:
@@ -102,5 +144,5 @@ def draw_durations(shape: PipelineShape, costs: ComputeCosts, perturbations: Com
             rng = np.random.default_rng([seed, _STRAGGLER_STREAM, iteration, rank])
             times = np.where(rng.random(times.shape) < perturbations.straggler_prob,
                              times * perturbations.straggler_factor, times)
-        result.append(times.tolist())
-    return result
+        result.append(times)
+    return DurationTable(result)

@@ -14,18 +14,18 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
-from megatron_app.schedule import Kind, PipelineShape, Policy, RankState, ScheduleStallError, Task, make_policy
+from megatron_app.schedule import KINDS_BY_INDEX, PipelineShape, Policy, RankState, ScheduleStallError, Task, make_policy
 from megatron_app.schedule.driver import stall_report
 
-from .costs import BACKWARD_INDEX, FORWARD_INDEX, Durations
+from .costs import DurationTable
 from .network import Network
 from .trace_output import SimTrace
 
 _FINISH, _ARRIVE, _DECIDE = 0, 1, 2   # tie-break at equal times
-_KIND_INDEX = {Kind.FORWARD: FORWARD_INDEX, Kind.BACKWARD: BACKWARD_INDEX}
 US_PER_S = 1e6
 
 
@@ -37,6 +37,8 @@ class IterationOutcome:
     busy_us: List[float]                 # per rank: sum of its task durations
     peak_activations: List[int]          # per rank
     orders: List[List[Task]] = field(repr=False)   # per rank, tasks in execution order
+    peak_activation_sizes: List[float] = field(default_factory=list)   # per rank: tokens with lengths, else count
+    planning_s: float = 0.0              # wall time rank 0's policy spent choosing this iteration's plan
 
     @property
     def makespan_us(self) -> float:
@@ -50,8 +52,10 @@ class IterationOutcome:
         return sum(1.0 - busy / self.makespan_us for busy in self.busy_us) / len(self.busy_us)
 
 
-def make_policies(shape: PipelineShape, name: str, memory_cap: Optional[int] = None) -> List[Policy]:
-    return [make_policy(name, shape, rank, memory_cap) for rank in range(shape.num_stages)]
+def make_policies(shape: PipelineShape, name: str, memory_cap: Optional[int] = None,
+                  memory_factor: Optional[float] = None) -> List[Policy]:
+    factor = memory_factor if name == "planned" else None
+    return [make_policy(name, shape, rank, memory_cap, factor) for rank in range(shape.num_stages)]
 
 
 class TaskTable:
@@ -59,7 +63,7 @@ class TaskTable:
     allocates Tasks nor re-derives the dependency arithmetic (a large share of its time at P=64, m=512)."""
 
     def __init__(self, shape: PipelineShape):
-        kinds = (Kind.FORWARD, Kind.BACKWARD)
+        kinds = KINDS_BY_INDEX
         self.tasks = [[[Task(kind, chunk, mb) for mb in range(shape.num_microbatches)]
                        for chunk in range(shape.num_chunks)] for kind in kinds]
         self.consumers = []      # [rank][kind index][chunk] -> (peer rank, peer chunk) or None
@@ -75,20 +79,31 @@ class TaskTable:
 
     def consumer(self, rank: int, task: Task) -> Optional[tuple]:
         """(peer rank, peer task) that takes `task`'s output, or None."""
-        kind = _KIND_INDEX[task.kind]
+        kind = task.kind.index
         target = self.consumers[rank][kind][task.chunk]
         if target is None:
             return None
         return target[0], self.tasks[kind][target[1]][task.microbatch]
 
 
-def run_iteration(shape: PipelineShape, policies: Sequence[Policy], durations: Durations, network: Network,
+def run_iteration(shape: PipelineShape, policies: Sequence[Policy], durations: DurationTable, network: Network,
                   iteration: int, start_us: float, trace: Optional[SimTrace] = None,
-                  table: Optional[TaskTable] = None) -> IterationOutcome:
-    """Simulate one iteration from start_us; raises ScheduleStallError (every rank's state) if it would hang."""
+                  table: Optional[TaskTable] = None, lengths: Optional[Sequence[int]] = None
+                  ) -> IterationOutcome:
+    """Simulate one iteration from start_us; raises ScheduleStallError (every rank's state) if it would hang.
+    lengths: tokens per microbatch. Planning policies get them (rank 0 plans, every rank adopts the plan, as the
+    runtime's broadcast does) and activations are sized by them (peaks in tokens); None counts activations."""
     P = shape.num_stages
+    planning_s = 0.0
+    if policies[0].plans_iterations:
+        began = time.perf_counter()
+        plan = policies[0].plan_iteration(lengths)
+        planning_s = time.perf_counter() - began
+        for policy in policies:
+            policy.use_plan(lengths, plan)
+    activation_sizes = lengths
     table = table or TaskTable(shape)
-    states = [RankState(shape, rank) for rank in range(P)]
+    states = [RankState(shape, rank, activation_sizes) for rank in range(P)]
     busy = [False] * P
     decision_pending = [False] * P
     idle_since: List[Optional[float]] = [start_us] * P   # set while a rank waits for an input
@@ -112,7 +127,7 @@ def run_iteration(shape: PipelineShape, policies: Sequence[Policy], durations: D
         state = states[rank]
         if kind == _FINISH:
             state.mark_done(task)
-            duration = durations[rank][_KIND_INDEX[task.kind]][task.chunk][task.microbatch]
+            duration = durations.us(rank, task)
             policies[rank].observe(task, duration / US_PER_S)
             busy[rank] = False
             end_us[rank] = now
@@ -142,7 +157,7 @@ def run_iteration(shape: PipelineShape, policies: Sequence[Policy], durations: D
             idle_since[rank] = None
             state.mark_started(chosen)
             busy[rank] = True
-            duration = durations[rank][_KIND_INDEX[chosen.kind]][chosen.chunk][chosen.microbatch]
+            duration = durations.us(rank, chosen)
             busy_us[rank] += duration
             if trace is not None:
                 trace.compute(rank, iteration, chosen, now, now + duration)
@@ -154,4 +169,5 @@ def run_iteration(shape: PipelineShape, policies: Sequence[Policy], durations: D
             trace.iteration(rank, iteration, start_us, end_us[rank])
     return IterationOutcome(iteration=iteration, start_us=start_us, end_us=max(end_us), busy_us=busy_us,
                             peak_activations=[state.peak_activations for state in states],
+                            peak_activation_sizes=[state.peak_size for state in states], planning_s=planning_s,
                             orders=[state.done_tasks for state in states])

@@ -25,13 +25,17 @@ US_PER_MS = 1000.0
 
 @dataclass(frozen=True)
 class SlowLink:
-    """Both directions between rank_a and rank_b are `factor` times slower during [start_us, end_us)."""
+    """The one slow-link concept of the package (simulator, compute emulation, benchmarks): both directions between
+    rank_a and rank_b are slow during [start_us, end_us): a message starting then takes `factor` times longer and
+    arrives `delay_us` later. Times count from a reference the user picks: the simulation's start for the
+    simulator's --slow-link (a factor), each iteration's start for the trainer's --slow-link (a delay)."""
 
     rank_a: int
     rank_b: int
     start_us: float
     end_us: float
-    factor: float
+    factor: float = 1.0
+    delay_us: float = 0.0
 
     def __post_init__(self):
         for name in ("rank_a", "rank_b"):
@@ -43,31 +47,57 @@ class SlowLink:
         check_number("slow link start", self.start_us, 0.0)
         check_number("slow link end", self.end_us, self.start_us, inclusive=False)
         check_number("slow link factor", self.factor, 1.0)
+        check_number("slow link delay", self.delay_us, 0.0)
 
     @classmethod
     def parse(cls, text: str) -> "SlowLink":
         """'A-B:START_MS-END_MS:FACTOR', e.g. '1-2:0-500:4' (times in simulated milliseconds)."""
-        match = _SLOW_LINK_RE.match(text.strip())
-        if match is None:
-            raise ScheduleConfigError(f"slow link {text!r} is not A-B:START_MS-END_MS:FACTOR (e.g. 1-2:0-500:4)")
-        a, b, start, end, factor = match.groups()
-        try:
-            start_ms, end_ms, factor_value = float(start), float(end), float(factor)
-        except ValueError:
-            raise ScheduleConfigError(f"slow link {text!r} has a malformed number") from None
-        if not end_ms > start_ms:
-            raise ScheduleConfigError(f"slow link {text!r}: the window must end after it starts "
-                                      f"({end_ms:g} ms <= {start_ms:g} ms)")
-        return cls(int(a), int(b), start_ms * US_PER_MS, end_ms * US_PER_MS, factor_value)
+        a, b, start_ms, end_ms, factor = _parse_window(text, "slow link", "FACTOR", "1-2:0-500:4")
+        return cls(a, b, start_ms * US_PER_MS, end_ms * US_PER_MS, factor=factor)
+
+    @classmethod
+    def parse_delay(cls, text: str) -> "SlowLink":
+        """The trainer's --slow-link 'A-B:START_MS-END_MS:DELAY_MS', e.g. '1-2:0-300:12' (ms into each iteration)."""
+        a, b, start_ms, end_ms, delay_ms = _parse_window(text, "--slow-link", "DELAY_MS", "1-2:0-300:12")
+        return cls(a, b, start_ms * US_PER_MS, end_ms * US_PER_MS, delay_us=delay_ms * US_PER_MS)
+
+    def joins(self, src: int, dst: int) -> bool:
+        return {src, dst} == {self.rank_a, self.rank_b}
+
+    def is_slow(self, src: int, dst: int, time_us: float) -> bool:
+        return self.joins(src, dst) and self.start_us <= time_us < self.end_us
 
     def factor_at(self, src: int, dst: int, time_us: float) -> float:
-        if {src, dst} == {self.rank_a, self.rank_b} and self.start_us <= time_us < self.end_us:
-            return self.factor
-        return 1.0
+        return self.factor if self.is_slow(src, dst, time_us) else 1.0
+
+    def delay_at_us(self, src: int, dst: int, time_us: float) -> float:
+        return self.delay_us if self.is_slow(src, dst, time_us) else 0.0
+
+    def check_ranks(self, num_stages: int) -> None:
+        for rank in (self.rank_a, self.rank_b):
+            if rank >= num_stages:
+                raise ScheduleConfigError(f"--slow-link rank {rank} is outside 0..{num_stages - 1}")
 
     def __str__(self) -> str:
-        return (f"{self.rank_a}-{self.rank_b}:{self.start_us / US_PER_MS:g}-{self.end_us / US_PER_MS:g}:"
-                f"{self.factor:g}")
+        effect = self.delay_us / US_PER_MS if self.delay_us and self.factor == 1.0 else self.factor
+        return f"{self.rank_a}-{self.rank_b}:{self.start_us / US_PER_MS:g}-{self.end_us / US_PER_MS:g}:{effect:g}"
+
+
+def _parse_window(text: str, what: str, effect: str, example: str) -> Tuple[int, int, float, float, float]:
+    match = _SLOW_LINK_RE.match(str(text).strip())
+    if match is None:
+        raise ScheduleConfigError(f"{what} {text!r} is not A-B:START_MS-END_MS:{effect} (e.g. {example})")
+    a, b, start, end, value = match.groups()
+    try:
+        start_ms, end_ms, number = float(start), float(end), float(value)
+    except ValueError:
+        raise ScheduleConfigError(f"{what} {text!r} has a malformed number") from None
+    if int(a) == int(b):
+        raise ScheduleConfigError(f"{what} {text!r} joins a rank to itself")
+    if not end_ms > start_ms:
+        raise ScheduleConfigError(f"{what} {text!r}: the window must end after it starts "
+                                  f"({end_ms:g} ms <= {start_ms:g} ms)")
+    return int(a), int(b), start_ms, end_ms, number
 
 
 def pipeline_links(shape: PipelineShape) -> Set[Tuple[int, int]]:
@@ -100,6 +130,9 @@ class LinkCosts:
         if isinstance(self.tensor_bytes, bool) or not isinstance(self.tensor_bytes, int) or self.tensor_bytes < 0:
             raise ScheduleConfigError(f"tensor_bytes must be an int >= 0, got {self.tensor_bytes!r}")
         object.__setattr__(self, "slow_links", tuple(self.slow_links))
+        for slow in self.slow_links:
+            if slow.delay_us:   # a fixed delay per iteration is the emulation's rule (emulation.SlowLinkNetwork)
+                raise ScheduleConfigError(f"slow link {slow}: the simulator's links take a factor, not a delay")
 
     @property
     def transmit_us(self) -> float:

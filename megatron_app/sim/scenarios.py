@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
-from megatron_app.schedule import POLICY_NAMES, PipelineShape
+from megatron_app.schedule import PipelineShape, policies_for
 
 from .costs import ComputeCosts, ComputePerturbations
 from .network import US_PER_MS, LinkCosts, SlowLink
@@ -41,10 +41,6 @@ class ScenarioRow:
     makespan_ms: float        # mean over seeds
     lower_bound_ms: float     # mean over seeds (the same for every policy)
     peak_activations: List[int]
-
-
-def policies_for(shape: PipelineShape) -> List[str]:
-    return [name for name in POLICY_NAMES if not (name == "1f1b" and shape.num_chunks > 1)]
 
 
 def run_scenarios(seeds: Sequence[int] = range(5), shape: PipelineShape = ISSUE_SHAPE,

@@ -15,8 +15,7 @@ from typing import List
 from megatron_app.schedule import Kind, PipelineShape, Task
 from megatron_app.trace import TraceMeta, Tracer
 
-_COMPUTE_KIND = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward"}
-_DIRECTION = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward"}
+_DIRECTION = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward"}   # what a task's output carries downstream
 
 
 class SimTrace:
@@ -42,7 +41,7 @@ class SimTrace:
         if source is not None:
             tracer.record("recv", start_us, start_us, iteration=iteration, chunk=task.chunk,
                           microbatch=task.microbatch, peer=source[0], nbytes=self.tensor_bytes)
-        tracer.record(_COMPUTE_KIND[task.kind], start_us, end_us, iteration=iteration, chunk=task.chunk,
+        tracer.record(task.kind.trace_name, start_us, end_us, iteration=iteration, chunk=task.chunk,
                       microbatch=task.microbatch)
 
     def send(self, rank: int, iteration: int, task: Task, peer: int, posted_us: float, arrival_us: float) -> None:

@@ -5,7 +5,6 @@ The analysis modules (metrics, causality, chrome, column_layout, xlsx_sheet, tim
 the tools only.
 """
 
-from .clock import measure_clock_offset
 from .reader import RankTrace, TraceRun, read_trace_dir
 from .schema import KNOWN_KINDS, SCHEMA_VERSION, TraceError, TraceEvent, TraceMeta, trace_file_name
 from .tracer import Tracer
@@ -19,7 +18,6 @@ __all__ = [
     "TraceMeta",
     "TraceRun",
     "Tracer",
-    "measure_clock_offset",
     "read_trace_dir",
     "trace_file_name",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from megatron_app.schedule import KIND_OF_TRACE_NAME, PipelineShape, ScheduleConfigError, Task
+
 from .schema import BACKWARD, FORWARD, TraceError, TraceEvent
 
 TaskKey = tuple[int, str, int, int]  # (pp_rank, kind, chunk, microbatch)
@@ -11,24 +13,19 @@ class InputSources:
     """Maps a forward/backward event on a pipeline rank to the key of the task whose output it consumes."""
 
     def __init__(self, pipeline_parallel: int, model_chunks: int, microbatches: int) -> None:
-        from megatron_app.schedule import Kind, PipelineShape, ScheduleConfigError, Task
-
         try:
             self._shape = PipelineShape(num_stages=pipeline_parallel, num_chunks=model_chunks,
                                         num_microbatches=microbatches)
         except ScheduleConfigError as exc:
             raise TraceError(f"trace shape P={pipeline_parallel} V={model_chunks} m={microbatches} is not a valid "
                              f"pipeline: {exc}") from None
-        self._task = Task
-        self._to_kind = {FORWARD: Kind.FORWARD, BACKWARD: Kind.BACKWARD}
-        self._from_kind = {Kind.FORWARD: FORWARD, Kind.BACKWARD: BACKWARD}
 
     def producer(self, pp_rank: int, kind: str, chunk: int, microbatch: int) -> TaskKey | None:
-        source = self._shape.input_source(pp_rank, self._task(self._to_kind[kind], chunk, microbatch))
+        source = self._shape.input_source(pp_rank, Task(KIND_OF_TRACE_NAME[kind], chunk, microbatch))
         if source is None:
             return None
         peer_rank, peer_task = source
-        return (peer_rank, self._from_kind[peer_task.kind], peer_task.chunk, peer_task.microbatch)
+        return (peer_rank, peer_task.kind.trace_name, peer_task.chunk, peer_task.microbatch)
 
     def producer_of(self, event: TraceEvent) -> TaskKey | None:
         return self.producer(event.pp_rank, event.kind, event.chunk, event.microbatch)

@@ -10,12 +10,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_app.schedule.tasks import Kind, TASK_KINDS
+
 SCHEMA_VERSION = "1.1"
 FORMAT_NAME = "megatron_app.trace"
 FILE_PATTERN = "trace_rank{rank}.jsonl"
 
-FORWARD = "forward"
-BACKWARD = "backward"
+FORWARD = Kind.FORWARD.trace_name
+BACKWARD = Kind.BACKWARD.trace_name
 SEND = "send"
 RECV = "recv"
 WAIT = "wait"
@@ -24,8 +26,8 @@ ITERATION = "iteration"
 EVAL = "eval"
 LOSS = "loss"  # packet-loss statistics of one link and direction for one iteration (schema 1.1)
 
-COMPUTE_KINDS = frozenset({FORWARD, BACKWARD})
-KNOWN_KINDS = frozenset({FORWARD, BACKWARD, SEND, RECV, WAIT, OPTIMIZER, ITERATION, EVAL, LOSS})
+COMPUTE_KINDS = frozenset(info.trace_name for info in TASK_KINDS.values())   # the schedule's task kinds
+KNOWN_KINDS = COMPUTE_KINDS | {SEND, RECV, WAIT, OPTIMIZER, ITERATION, EVAL, LOSS}
 SOURCES = frozenset({"runtime", "sim"})
 
 

@@ -31,12 +31,13 @@ def check_schedule(args) -> None:
 def check_forced_rdma(args) -> None:
     """MEGATRON_APP_TRANSPORT=rdma on a host without a usable device: one line now, before any rank starts."""
     from megatron_app.transport import TRANSPORT_ENV, rdma_status, requested_mode
+    from megatron_app.transport.backends import RDMA
 
     try:
         mode = requested_mode()
     except ValueError as exc:  # an unknown name in the environment
         _fail(str(exc))
-    if args.pipeline_parallel < 2 or mode != "rdma":
+    if args.pipeline_parallel < 2 or mode != RDMA:
         return
     built, usable, detail = rdma_status()
     if not usable:

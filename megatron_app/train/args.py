@@ -13,11 +13,13 @@ import os
 from typing import Mapping, Optional, Sequence
 
 from megatron_app.lossy.config import TP_SITES
+from megatron_app.schedule import ADAPTIVE_POLICY_NAMES, STATIC_POLICY_NAMES
 
 from .text_tokenizers import TOKENIZER_TYPES
 
-SCHEDULES = ("app", "interleaved", "1f1b", "megatron")
-POLICIES = ("dfc", "bfc", "adaptive")
+MEGATRON_SCHEDULE = "megatron"   # Megatron-Core's own forward_backward function, not our runtime
+SCHEDULES = ("app",) + STATIC_POLICY_NAMES + (MEGATRON_SCHEDULE,)
+POLICIES = ADAPTIVE_POLICY_NAMES
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_MICROBATCHES = 8
 DEFAULT_VOCAB_SIZE = 1024  # mock data; with --data-path the size comes from the tokenizer or the data
@@ -79,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(train, "--lr", type=float, default=1e-3)
     _add_flag(train, "--data-path", nargs="+", default=None, metavar="PREFIX",
               help="Megatron indexed dataset prefix(es) [weight prefix ...]; default: mock data")
+    _add_flag(train, "--variable-seq-lengths", action="store_true",
+              help="one document per sample (no packing), truncated at --seq-length, each microbatch padded to its "
+                   "own longest sample; needs --data-path; implies --calculate-per-token-loss")
+    _add_flag(train, "--calculate-per-token-loss", action="store_true",
+              help="Megatron's per-token loss: gradients are divided by the global batch's token count instead of "
+                   "averaging per-microbatch means (the result does not depend on how samples form microbatches)")
     _add_flag(train, "--split", default=DEFAULT_SPLIT, metavar="TRAIN,VALID,TEST",
               help=f"document shares of the splits of each --data-path dataset (default: {DEFAULT_SPLIT})")
     _add_flag(train, "--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
@@ -93,8 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sched = parser.add_argument_group("schedule")
     _add_flag(sched, "--schedule", choices=SCHEDULES, default="app",
-              help="app: adaptive runtime; interleaved/1f1b: static orders run by the runtime; "
-                   "megatron: Megatron-Core's own forward_backward function")
+              help=f"app: adaptive runtime; {'/'.join(STATIC_POLICY_NAMES)}: static orders run by the runtime; "
+                   f"{MEGATRON_SCHEDULE}: Megatron-Core's own forward_backward function")
     _add_flag(sched, "--policy", choices=POLICIES, default="dfc", help="task policy of the app schedule")
 
     emulation = parser.add_argument_group("compute emulation (timed waits instead of the model)")
@@ -340,9 +348,20 @@ def validate(args: argparse.Namespace, environ: Mapping[str, str]) -> argparse.N
             "--schedule megatron with --pipeline_parallel > 1 needs CUDA (Megatron's p2p code is CUDA-only); "
             "use --schedule app|interleaved|1f1b on CPU")
     _check_checkpointing(args)
+    _check_variable_lengths(args)
     _check_emulation(args)
     _check_loss(args)
     return args
+
+
+def _check_variable_lengths(args: argparse.Namespace) -> None:
+    """Variable-length samples are whole documents of an indexed dataset; they need per-token loss."""
+    if not getattr(args, "variable_seq_lengths", False):
+        return
+    if args.data_path is None:
+        raise UsageError("--variable-seq-lengths needs --data-path (one document per sample; mock data has no "
+                         "documents; tools/make_corpus.py builds a real corpus)")
+    args.calculate_per_token_loss = True
 
 
 def _check_loss(args: argparse.Namespace) -> None:
@@ -363,8 +382,7 @@ def _check_emulation(args: argparse.Namespace) -> None:
     """The emulation flags parse, fit the pipeline, and come with --emulate-compute."""
     from megatron_app.schedule import PipelineShape, ScheduleConfigError
 
-    from .emulation_spec import spec_from_args
-    from .link_delay import SlowLinkSpec
+    from megatron_app.emulation import SlowLink, spec_from_args
 
     emulating = getattr(args, "emulate_compute", None) is not None
     if not emulating:
@@ -379,7 +397,7 @@ def _check_emulation(args: argparse.Namespace) -> None:
         spec = spec_from_args(args)
         spec.check_shape(PipelineShape(args.pipeline_parallel, args.model_chunks, args.num_microbatches))
         if args.slow_link is not None:
-            SlowLinkSpec.parse(args.slow_link).check_ranks(args.pipeline_parallel)
+            SlowLink.parse_delay(args.slow_link).check_ranks(args.pipeline_parallel)
     except ScheduleConfigError as exc:
         raise UsageError(str(exc)) from None
 

@@ -19,6 +19,8 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.tokenizers import MegatronTokenizer
 
+from .document_data import DocumentDataset, pad_to_longest, padded_lengths, sample_length
+
 DEFAULT_SPLIT = "949,50,1"
 
 # "Unable to save MockGPTDataset indexes because path_to_cache is None", once per split and rank.
@@ -74,7 +76,9 @@ def build_datasets(args):
     if not need_validation:
         config.split_matrix[1] = None
     sizes = [train_samples(args), validation_samples(args), 0]
-    dataset_class = GPTDataset if data_path else MockGPTDataset
+    dataset_class = MockGPTDataset
+    if data_path:
+        dataset_class = DocumentDataset if getattr(args, "variable_seq_lengths", False) else GPTDataset
     train, valid, _test = BlendedMegatronDatasetBuilder(dataset_class, sizes, lambda: True, config).build()
     if len(train) < sizes[0]:
         raise ValueError(f"dataset has {len(train)} training samples, the run needs {sizes[0]}")
@@ -108,10 +112,32 @@ class MicrobatchSampler:
         for start in range(self.consumed_samples, self.total_samples - self.span + 1, self.span):
             yield list(range(start + first, start + first + self.micro_batch_size))
 
+    def microbatches_from(self, first_sample: int, count: int) -> List[List[int]]:
+        """Sample indices of ``count`` microbatches of this rank, the first starting at ``first_sample``."""
+        first = first_sample + self.dp_rank * self.micro_batch_size
+        return [list(range(first + k * self.span, first + k * self.span + self.micro_batch_size))
+                for k in range(count)]
+
 
 def microbatch_iterator(dataset, sampler: MicrobatchSampler) -> Iterator[dict]:
-    """Batches of {'tokens', 'labels', 'loss_mask', 'position_ids'}, each [MBS, seq]."""
-    return iter(DataLoader(dataset, batch_sampler=sampler, num_workers=0))
+    """Batches of {'tokens', 'labels', 'loss_mask', 'position_ids'}, each [MBS, seq] (variable-length
+    samples: [MBS, longest sample of the microbatch])."""
+    collate = pad_to_longest if isinstance(dataset, DocumentDataset) or _blends_documents(dataset) else None
+    return iter(DataLoader(dataset, batch_sampler=sampler, num_workers=0, collate_fn=collate))
+
+
+def _blends_documents(dataset) -> bool:
+    return isinstance(getattr(dataset, "datasets", [None])[0], DocumentDataset)
+
+
+def microbatch_lengths(args, dataset, dp_rank: int, first_sample: int) -> List[int]:
+    """Padded sequence length of each microbatch this data-parallel rank feeds into the global batch that starts
+    at ``first_sample``, in data order: seq_length for packed data, the longest sample for documents."""
+    if not getattr(args, "variable_seq_lengths", False):
+        return [args.seq_length] * args.num_microbatches
+    sampler = MicrobatchSampler(first_sample + args.global_batch_size, args.micro_batch_size, dp_rank,
+                                args.data_parallel)
+    return padded_lengths(dataset, sampler.microbatches_from(first_sample, args.num_microbatches))
 
 
 def build_data_iterators(args, num_chunks: int, dp_rank: int, consumed_samples: int = 0,
@@ -138,3 +164,10 @@ def build_data_iterators(args, num_chunks: int, dp_rank: int, consumed_samples: 
 
 def move_batch(batch: dict, device: torch.device) -> dict:
     return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+
+
+def global_batch_tokens(args, dataset, first_sample: int) -> int:
+    """Tokens (padding excluded) of the global batch that starts at ``first_sample``."""
+    if not getattr(args, "variable_seq_lengths", False):
+        return args.global_batch_size * args.seq_length
+    return sum(sample_length(dataset, index) for index in range(first_sample, first_sample + args.global_batch_size))

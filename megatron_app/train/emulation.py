@@ -1,151 +1,40 @@
-"""Compute emulation: model chunks whose forward and backward are timed waits, on the real runtime code path.
-
-`--emulate-compute FWD_MS,BWD_MS[,JITTER]` swaps the GPT chunks for EmulatedChunk: a tiny MegatronModule that moves
-real [seq, mbs, hidden] activations through Megatron's forward_step/backward_step, forward_backward_app and the
-transport, but whose compute is time.sleep (blocks, no CPU). So schedules compare at P up to 8 on 2 cores without
-CPU contention distorting the result.
-
-Durations come from emulation_spec.TaskDurations (megatron_app.sim's own draws), so all schedules and the simulator
-meet the same ones.
-"""
+"""The trainer's side of --emulate-compute / --slow-link: emulated chunks built from its flags, its loss function,
+and the slow-link delay put around the runtime's transport (megatron_app.emulation does the emulating)."""
 
 from __future__ import annotations
 
-import time
-from typing import Callable, Iterator, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
-from megatron.core.enums import ModelType
-from megatron.core.transformer.module import MegatronModule
 
-from megatron_app.schedule import Kind, PipelineShape
+from megatron_app.emulation import EmulationSpec, SlowLink, TaskDurations, spec_from_args
+from megatron_app.emulation.compute import EmulatedChunk, emulated_forward_step, emulated_microbatches
+from megatron_app.emulation.link_delay import LinkDelay
+from megatron_app.runtime import add_transport_wrapper, remove_transport_wrapper
+from megatron_app.runtime.session import current_session
+from megatron_app.schedule import PipelineShape
 
-from .emulation_spec import EmulationSpec, TaskDurations, spec_from_args
-from .link_delay import LinkDelay, SlowLinkSpec
 from .step import loss_func
-
-
-# ---- the timed wait --------------------------------------------------------------------------------------------
-_wait: Callable[[float], None] = time.sleep
-
-
-def emulated_wait(seconds: float) -> None:
-    """Stand-in for compute: blocks without using the CPU (a link-delay emulation may post due sends meanwhile)."""
-    if seconds > 0:
-        _wait(seconds)
-
-
-def set_wait_function(wait: Optional[Callable[[float], None]]) -> None:
-    """Replace how emulated compute waits (None restores time.sleep); used by link_delay to post sends on time."""
-    global _wait
-    _wait = time.sleep if wait is None else wait
-
-
-class TimedScale(torch.autograd.Function):
-    """y = x * weight; forward waits forward_s, backward waits backward_s, then returns both gradients.
-    on_backward(start_s, end_s), when given, is told when the backward ran (monotonic seconds)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, forward_s: float, backward_s: float, on_backward=None):
-        emulated_wait(forward_s)
-        ctx.backward_s = backward_s
-        ctx.on_backward = on_backward
-        ctx.save_for_backward(x, weight)
-        return x * weight
-
-    @staticmethod
-    def backward(ctx, grad):
-        start = time.monotonic()
-        x, weight = ctx.saved_tensors
-        emulated_wait(ctx.backward_s)
-        grad_x = grad * weight if ctx.needs_input_grad[0] else None
-        grad_weight = (grad * x).sum(dim=tuple(range(grad.dim() - 1)))
-        if ctx.on_backward is not None:
-            ctx.on_backward(start, time.monotonic())
-        return grad_x, grad_weight, None, None, None
-
-
-def tokens_to_activation(tokens: torch.Tensor, hidden_size: int, vocab_size: int) -> torch.Tensor:
-    """[mbs, seq] token ids -> a [seq, mbs, hidden] activation (Megatron's layout), cheap and deterministic."""
-    scaled = tokens.t().to(torch.float32).div(vocab_size).unsqueeze(-1)
-    return scaled.expand(-1, -1, hidden_size).contiguous()
-
-
-class EmulatedChunk(MegatronModule):
-    """One model chunk whose compute is a timed wait. Exposes what the runtime and Megatron's step functions read:
-    config, model_type, pre_process/post_process, vp_stage and set_input_tensor."""
-
-    def __init__(self, config, durations: TaskDurations, pp_rank: int, chunk: int, pre_process: bool,
-                 post_process: bool, vp_stage: Optional[int], vocab_size: int):
-        super().__init__(config=config)
-        self.model_type = ModelType.encoder_or_decoder
-        self.durations = durations
-        self.pp_rank = pp_rank
-        self.chunk = chunk
-        self.pre_process = pre_process
-        self.post_process = post_process
-        self.vp_stage = vp_stage
-        self.vocab_size = vocab_size
-        self.weight = torch.nn.Parameter(torch.ones(config.hidden_size, dtype=torch.float32))
-        self.input_tensor: Optional[torch.Tensor] = None
-
-    def set_input_tensor(self, input_tensor) -> None:
-        if isinstance(input_tensor, (list, tuple)):
-            input_tensor = input_tensor[0]
-        self.input_tensor = input_tensor
-
-    def forward(self, tokens: Optional[torch.Tensor], iteration: int, microbatch: int) -> torch.Tensor:
-        if self.pre_process:
-            x = tokens_to_activation(tokens, self.config.hidden_size, self.vocab_size)
-        else:
-            if self.input_tensor is None:
-                raise RuntimeError(f"emulated chunk {self.chunk} on pipeline rank {self.pp_rank} got no input tensor")
-            x = self.input_tensor
-        seconds = self.durations.seconds
-        y = TimedScale.apply(x, self.weight,
-                             seconds(iteration, self.pp_rank, Kind.FORWARD, self.chunk, microbatch),
-                             seconds(iteration, self.pp_rank, Kind.BACKWARD, self.chunk, microbatch))
-        if self.post_process:
-            return y.pow(2).mean(dim=-1).t().contiguous()   # per-token "loss", [mbs, seq] like GPTModel's
-        return y
-
-
-def forward_step(data_iterator, model: EmulatedChunk):
-    """forward_step_func for emulated chunks: every chunk draws its microbatch's item, which names the
-    (iteration, microbatch) whose duration to emulate."""
-    from megatron.core.utils import get_attr_wrapped_model
-
-    item = next(data_iterator)
-    pre_process = get_attr_wrapped_model(model, "pre_process")
-    device = next(model.parameters()).device
-    tokens = item["tokens"].to(device) if pre_process else None
-    output = model(tokens, item["iteration"], item["microbatch"])
-    return output, lambda out: loss_func(item["loss_mask"].to(device), out)
-
-
-def emulated_microbatches(num_microbatches: int, micro_batch_size: int, seq_length: int, vocab_size: int,
-                          iterations: int) -> Iterator[dict]:
-    """Items for `iterations` iterations of `num_microbatches`: tokens, loss mask and the (iteration, microbatch)."""
-    base = torch.arange(micro_batch_size * seq_length).view(micro_batch_size, seq_length)
-    for iteration in range(iterations):
-        for microbatch in range(num_microbatches):
-            yield {"tokens": (base + microbatch) % vocab_size, "loss_mask": torch.ones(micro_batch_size, seq_length),
-                   "iteration": iteration, "microbatch": microbatch}
 
 
 class ComputeEmulation:
     """What the trainer swaps in when emulating: chunks, data, forward_step, and the per-iteration hooks."""
 
-    def __init__(self, args, spec: EmulationSpec, slow_link: Optional[SlowLinkSpec] = None):
+    def __init__(self, args, spec: EmulationSpec, slow_link: Optional[SlowLink] = None):
         self.args = args
         self.spec = spec
         self.shape = PipelineShape(args.pipeline_parallel, args.model_chunks, args.num_microbatches)
         self.durations = TaskDurations(spec, self.shape)
         self.link_delay = None if slow_link is None else LinkDelay(slow_link)
-        self.forward_step = forward_step
+        self.forward_step = self.trainer_forward_step
+
+    @staticmethod
+    def trainer_forward_step(data_iterator, model: EmulatedChunk):
+        """forward_step_func for emulated chunks, with the trainer's loss function."""
+        return emulated_forward_step(data_iterator, model, loss_func)
 
     @classmethod
     def from_args(cls, args) -> Optional["ComputeEmulation"]:
@@ -154,7 +43,7 @@ class ComputeEmulation:
         if spec is None:
             return None
         slow_link = getattr(args, "slow_link", None)
-        return cls(args, spec, SlowLinkSpec.parse(slow_link) if slow_link else None)
+        return cls(args, spec, SlowLink.parse_delay(slow_link) if slow_link else None)
 
     def build_chunks(self) -> List[EmulatedChunk]:
         from .model import build_transformer_config   # the config GPT chunks would get: same Megatron fields
@@ -181,8 +70,15 @@ class ComputeEmulation:
 
     def begin_iteration(self, iteration: int) -> None:
         """Before forward_backward of `iteration` (0-based): restart the slow-link window."""
-        if self.link_delay is not None:
-            self.link_delay.begin_iteration()
+        if self.link_delay is None:
+            return
+        if self.link_delay.transport is None:
+            # Open the runtime's transport now (a collective: every rank is here together), so the first window
+            # starts after it; the loss layer, registered earlier, stays the inner wrapper.
+            add_transport_wrapper(self.link_delay.wrap)
+            group = parallel_state.get_pipeline_model_parallel_group()
+            current_session().ensure_transport(dist.get_process_group_ranks(group))
+        self.link_delay.begin_iteration()
 
     def end_iteration(self) -> None:
         """Every rank ends an iteration together, as under Megatron's grad-norm all-reduce and in the simulator."""
@@ -191,6 +87,6 @@ class ComputeEmulation:
 
     def close(self) -> None:
         if self.link_delay is not None:
+            remove_transport_wrapper(self.link_delay.wrap)
             self.link_delay.close()
             self.link_delay = None
-

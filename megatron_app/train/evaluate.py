@@ -11,21 +11,25 @@ from typing import Callable, List, Optional
 import torch
 from megatron.core import parallel_state
 
-from .data import build_data_iterators, validation_samples
+from .data import build_data_iterators, microbatch_lengths, validation_samples
+from .forward_backward import tell_microbatch_lengths
 from .report import reduce_lm_loss
 from .step import forward_step
 
 
 def evaluate(args, chunks: List[torch.nn.Module], forward_backward: Callable, valid_dataset) -> Optional[float]:
     """Token-weighted validation loss on last-stage ranks (a collective over the DP group); None elsewhere."""
-    iterators = build_data_iterators(args, args.model_chunks, parallel_state.get_data_parallel_rank(),
+    dp_rank = parallel_state.get_data_parallel_rank()
+    iterators = build_data_iterators(args, args.model_chunks, dp_rank,
                                      dataset=valid_dataset, num_samples=validation_samples(args))
     for chunk in chunks:
         chunk.eval()
     entries = []
     try:
         with torch.no_grad():
-            for _ in range(args.eval_iters):
+            for batch in range(args.eval_iters):
+                tell_microbatch_lengths(args.schedule, microbatch_lengths(
+                    args, valid_dataset, dp_rank, batch * args.global_batch_size))
                 entries += forward_backward(
                     forward_step_func=forward_step,
                     data_iterator=iterators,

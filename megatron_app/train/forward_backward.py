@@ -14,9 +14,8 @@ from typing import Callable
 
 import megatron.core.pipeline_parallel as megatron_pp
 
+from .args import MEGATRON_SCHEDULE as MEGATRON
 from .cpu_compat import CudaDeviceToCpu
-
-MEGATRON = "megatron"
 
 
 def _on_cpu(func: Callable) -> Callable:
@@ -47,6 +46,16 @@ def optimizer_span(schedule: str, iteration: int):
 
     tracer = current_tracer()
     return contextlib.nullcontext() if tracer is None else tracer.span(OPTIMIZER, iteration=iteration - 1)
+
+
+def tell_microbatch_lengths(schedule: str, lengths) -> None:
+    """Tell our schedule each microbatch's padded length before a forward_backward call (Megatron's own
+    schedule has no use for them)."""
+    if schedule == MEGATRON:
+        return
+    from megatron_app.runtime import set_microbatch_lengths
+
+    set_microbatch_lengths(lengths)
 
 
 def close_schedule(schedule: str) -> None:

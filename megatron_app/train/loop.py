@@ -11,11 +11,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_app.lossy.training import start_loss_layer
+from megatron_app.runtime import add_transport_wrapper, current_tracer, remove_transport_wrapper
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .data import build_data_iterators, build_datasets
+from .data import build_data_iterators, build_datasets, global_batch_tokens, microbatch_lengths
 from .dumps import dump_grads, dump_weights
-from .forward_backward import close_schedule, optimizer_span, select_forward_backward_func
+from .forward_backward import close_schedule, optimizer_span, select_forward_backward_func, tell_microbatch_lengths
 from .init import init_distributed, init_model_parallel, seed_all, shutdown
 from .model import build_model_chunks
 from .optim import build_optimizer, finalize_model_grads
@@ -27,7 +28,8 @@ _RUN_CONFIG_KEYS = (
     "pipeline_parallel", "model_chunks", "tensor_parallel", "data_parallel", "world_size",
     "num_microbatches", "num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
     "micro_batch_size", "global_batch_size", "iters", "seed", "lr", "schedule", "policy", "device",
-    "data_path", "split", "eval_interval", "eval_iters", "save", "save_interval", "load", "start_iteration",
+    "data_path", "variable_seq_lengths", "calculate_per_token_loss", "split", "eval_interval", "eval_iters", "save",
+    "save_interval", "load", "start_iteration",
 )
 
 
@@ -48,6 +50,8 @@ class Trainer:
     start_iteration: int = 0        # iterations already done (from a checkpoint)
     forward_step_func: Callable = forward_step
     emulation: object = None        # a ComputeEmulation under --emulate-compute
+    train_dataset: object = None    # where each microbatch's length comes from (None under emulation)
+    dp_rank: int = 0
 
 
 def _resume(args, chunks, optimizer) -> Tuple[int, str]:
@@ -76,6 +80,7 @@ def build_trainer(args) -> Trainer:
     optimizer = build_optimizer(chunks, args.lr)
     start_iteration, resume_note = _resume(args, chunks, optimizer)
     args.start_iteration = start_iteration
+    train_dataset = None
     if emulation is None:
         train_dataset, valid_dataset = build_datasets(args)
         data_iterator = build_data_iterators(args, args.model_chunks, parallel_state.get_data_parallel_rank(),
@@ -91,7 +96,8 @@ def build_trainer(args) -> Trainer:
         reporter.note(resume_note)
     return Trainer(args, chunks, optimizer, data_iterator, forward_backward, reporter, valid_dataset,
                    start_iteration, forward_step_func=forward_step if emulation is None else emulation.forward_step,
-                   emulation=emulation)
+                   emulation=emulation, train_dataset=train_dataset,
+                   dp_rank=parallel_state.get_data_parallel_rank())
 
 
 def train_step(trainer: Trainer, iteration: int) -> Optional[float]:
@@ -100,6 +106,9 @@ def train_step(trainer: Trainer, iteration: int) -> Optional[float]:
     trainer.optimizer.zero_grad(set_to_none=True)
     if trainer.emulation is not None:
         trainer.emulation.begin_iteration(iteration - 1)
+    else:
+        tell_microbatch_lengths(args.schedule, microbatch_lengths(
+            args, trainer.train_dataset, trainer.dp_rank, (iteration - 1) * args.global_batch_size))
     losses_reduced = trainer.forward_backward(
         forward_step_func=trainer.forward_step_func,
         data_iterator=trainer.data_iterator,
@@ -155,20 +164,26 @@ def train(args) -> None:
                             args.distributed_timeout_minutes)
         trainer = build_trainer(args)
         loss_layer = start_loss_layer(args, dist.get_rank())  # before the first step creates the transport
+        if loss_layer is not None:
+            add_transport_wrapper(loss_layer.wrap_transport)
         if trainer.reporter.enabled:
             print("megatron_app.train: " + " ".join(f"{k}={v}" for k, v in run_config(args).items()), flush=True)
         for iteration in range(trainer.start_iteration + 1, args.iters + 1):
             start = time.perf_counter()
             loss = train_step(trainer, iteration)
-            trainer.reporter.record(iteration, loss, time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            tokens = None if trainer.emulation is not None or not trainer.reporter.enabled else global_batch_tokens(
+                args, trainer.train_dataset, (iteration - 1) * args.global_batch_size)
+            trainer.reporter.record(iteration, loss, seconds, tokens)
             if loss_layer is not None:
-                loss_layer.end_iteration(iteration)
+                loss_layer.end_iteration(iteration, current_tracer())
             if not after_iteration(trainer, iteration):
                 break
         if args.dump_weights:
             dump_weights(trainer.chunks, args.dump_weights)
     finally:
         if loss_layer is not None:
+            remove_transport_wrapper(loss_layer.wrap_transport)
             loss_layer.close()
         if trainer is not None:
             if trainer.emulation is not None:

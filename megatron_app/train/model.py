@@ -38,6 +38,7 @@ def layer_spec_for(device_type: str) -> ModuleSpec:
 def build_transformer_config(args) -> TransformerConfig:
     """The one TransformerConfig shared by all chunks (the schedules read it from chunk.config)."""
     model_chunks = args.model_chunks
+    variable = bool(getattr(args, "variable_seq_lengths", False))
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -53,7 +54,12 @@ def build_transformer_config(args) -> TransformerConfig:
         perform_initialization=True,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        calculate_per_token_loss=False,
+        calculate_per_token_loss=bool(getattr(args, "calculate_per_token_loss", False)),
+        # Megatron's own p2p (--schedule megatron on CUDA) then exchanges shapes before every message; our transport
+        # carries the shape with the message and ignores this.
+        variable_seq_lengths=variable,
+        # Megatron refuses variable lengths with the default MoE dispatcher even without experts (there are none).
+        moe_token_dispatcher_type="alltoall" if variable else "allgather",
         cuda_graph_scope=[],  # the default "full" is deprecated and warns
     )
 

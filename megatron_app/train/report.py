@@ -59,10 +59,11 @@ class IterationReporter:
         self.log_json = log_json
         self.payload = {"schema": LOG_SCHEMA, "config": run_config, "iterations": [], "validation": []}
 
-    def record(self, iteration: int, loss: Optional[float], seconds: float) -> None:
+    def record(self, iteration: int, loss: Optional[float], seconds: float, tokens: Optional[int] = None) -> None:
+        """``tokens``: the iteration's tokens when they vary (variable-length samples), else the fixed count."""
         if not self.enabled:
             return
-        tokens_per_s = self.tokens_per_iteration / seconds
+        tokens_per_s = (self.tokens_per_iteration if tokens is None else tokens) / seconds
         print(f"iter {iteration}/{self.iters} | loss {loss:.4f} | {seconds * 1e3:.1f} ms | "
               f"{tokens_per_s:.0f} tokens/s", flush=True)
         self.payload["iterations"].append({

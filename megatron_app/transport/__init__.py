@@ -11,14 +11,18 @@ Public API:
     open_transport(store, rank, world_size, job_id, peers, *, mode=None, master_addr=None, timeout_s, ...):
         chooses each link's backend and exchanges addresses through the torch.distributed store
     requested_mode(value=None) ($MEGATRON_APP_TRANSPORT: auto|shm|tcp|rdma), choose_backends(...), rdma_status()
-    make_tag / split_tag / describe_tag, Direction, cleanup_job(job_id)
+    make_tag / split_tag / describe_tag / direction_code_of, Direction, cleanup_job(job_id)
+    PipelineTransport (what the runtime needs), TransportWrapper (filter_arrival / send hooks for layers above)
+    Transport.attach_loss_injector(loss_injection.LossInjector)   (loss_injection: the core's loss-model types)
     Errors: ValueError / TypeError (bad arguments; BackendUnavailable, a ValueError, for a forced backend that
     cannot serve a link), TransportTimeout (a TimeoutError), PeerDied and TransportClosed (RuntimeErrors).
 """
 
 from .backend_choice import TRANSPORT_ENV, BackendUnavailable, choose_backends, requested_mode
 from .rendezvous import open_transport
-from .tags import Direction, describe_tag, make_tag, split_tag
+from . import loss_injection
+from .protocol import PipelineTransport, SendCompletion, TransportWrapper
+from .tags import Direction, describe_tag, direction_code_of, make_tag, split_tag
 from .transport import (
     PeerDied,
     SendHandle,
@@ -32,6 +36,11 @@ from .transport import (
 __all__ = [
     "BackendUnavailable",
     "Direction",
+    "PipelineTransport",
+    "SendCompletion",
+    "TransportWrapper",
+    "direction_code_of",
+    "loss_injection",
     "TRANSPORT_ENV",
     "PeerDied",
     "SendHandle",

@@ -11,9 +11,10 @@ import os
 import socket
 from collections.abc import Iterable, Mapping
 
+from .backends import AUTO, MODES, RDMA, SHM, TCP
+
 TRANSPORT_ENV = "MEGATRON_APP_TRANSPORT"
 HOST_ADDRESS_ENV = "MEGATRON_APP_HOST_ADDRESS"
-MODES = ("auto", "shm", "tcp", "rdma")
 
 
 class BackendUnavailable(ValueError):
@@ -23,7 +24,7 @@ class BackendUnavailable(ValueError):
 
 def requested_mode(value: str | None = None) -> str:
     """The forced backend: `value`, else $MEGATRON_APP_TRANSPORT, else auto. ValueError for an unknown name."""
-    mode = (value if value is not None else os.environ.get(TRANSPORT_ENV, "")).strip().lower() or "auto"
+    mode = (value if value is not None else os.environ.get(TRANSPORT_ENV, "")).strip().lower() or AUTO
     if mode not in MODES:
         raise ValueError(f"{TRANSPORT_ENV}={mode!r} is not a transport; choose one of {', '.join(MODES)}")
     return mode
@@ -71,15 +72,15 @@ def choose_backends(my_rank: int, peers: Iterable[int], hosts: Mapping[int, str]
     for peer in peers:
         same_host = hosts[peer] == hosts[my_rank]
         both_rdma = bool(rdma_usable.get(peer)) and bool(rdma_usable.get(my_rank))
-        if mode == "shm" and not same_host:
+        if mode == SHM and not same_host:
             raise BackendUnavailable(f"{TRANSPORT_ENV}=shm but rank {peer} runs on another host ({hosts[peer]}) "
                                      f"than rank {my_rank} ({hosts[my_rank]}); use tcp or auto")
-        if mode == "rdma" and not both_rdma:
+        if mode == RDMA and not both_rdma:
             without = [rank for rank in (my_rank, peer) if not rdma_usable.get(rank)]
             raise BackendUnavailable(f"{TRANSPORT_ENV}=rdma but rank(s) {without} have no usable RDMA device "
                                      "(see tools/rdma_check.py); use tcp or auto")
-        if mode == "auto":
-            chosen[peer] = "shm" if same_host else ("rdma" if both_rdma else "tcp")
+        if mode == AUTO:
+            chosen[peer] = SHM if same_host else (RDMA if both_rdma else TCP)
         else:
             chosen[peer] = mode
     return chosen

@@ -11,6 +11,7 @@ import json
 from collections.abc import Iterable
 
 from ._core import core
+from .backends import BACKENDS, RDMA
 from .backend_choice import BackendUnavailable, advertised_address, choose_backends, host_identity, requested_mode
 from .transport import Transport
 
@@ -54,10 +55,10 @@ def open_transport(store, rank: int, world_size: int, job_id: str, peers: Iterab
         backends = choose_backends(rank, peers, {r: info["host"] for r, info in infos.items()},
                                    {r: info["rdma"] for r, info in infos.items()}, mode)
     except BackendUnavailable as error:
-        if mode == "rdma" and not mine["rdma"]:  # say why this host has none
+        if mode == RDMA and not mine["rdma"]:  # say why this host has none
             raise BackendUnavailable(f"{error} [rank {rank}: {rdma_detail}]") from None
         raise
-    remote = {peer: kind for peer, kind in backends.items() if kind != "shm"}
+    remote = {peer: kind for peer, kind in backends.items() if BACKENDS[kind].remote}
     host = advertised_address(master_addr) if remote else "127.0.0.1"
     transport = Transport(rank, world_size, job_id, peers=peers, timeout_s=timeout_s, backends=remote,
                           listen_host=host, **transport_options)

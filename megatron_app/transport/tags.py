@@ -12,6 +12,8 @@ class Direction(enum.IntEnum):
 
 
 MAX_TAG = (1 << 64) - 1
+# csrc/shm_tensor_rdma/tag.h: | direction (4 bits) | iteration (28 bits) | virtual microbatch (32 bits) |
+_DIRECTION_SHIFT = 64 - 4
 
 
 def _non_negative_int(value, name: str) -> int:
@@ -55,3 +57,9 @@ def validate_tag(tag) -> int:
     if tag > MAX_TAG:
         raise ValueError(f"tag {tag} does not fit in 64 bits")
     return tag
+
+
+def direction_code_of(tag: int) -> int:
+    """The raw direction field of any 64-bit tag (a Direction value for tags made by make_tag; any other value
+    for foreign tags, where split_tag raises). Called per received message, so no validation."""
+    return tag >> _DIRECTION_SHIFT

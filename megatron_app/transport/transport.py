@@ -148,6 +148,11 @@ class Transport:
                 raise TypeError(f"address of peer {peer} must be a 'host:port' str, got {type(address).__name__}")
             self._core.set_peer_address(_int_arg(peer, "peer"), address)
 
+    # -- loss emulation ------------------------------------------------------------------------------------------
+    def attach_loss_injector(self, injector) -> None:
+        """Run `injector` (a loss_injection.LossInjector) on every message this rank receives; None detaches."""
+        core.attach_loss_injector(self._core, injector)
+
     # -- sending -----------------------------------------------------------------------------------------------
     def send(self, peer: int, tag: int, tensor: torch.Tensor) -> SendHandle:
         """Posts `tensor` to `peer` under `tag` and returns at once; background workers do the copy."""

@@ -8,6 +8,7 @@ name and, on the rank that reports losses, writes the per-iteration losses.
 import argparse
 import json
 import os
+import shlex
 import sys
 
 import torch.distributed as dist
@@ -22,6 +23,10 @@ def main():
     parser.add_argument("--schedules", required=True, help="comma list of SCHEDULE[:POLICY]")
     parser.add_argument("--out", required=True)
     parser.add_argument("--trace-dir", default=None)
+    parser.add_argument("--extra", default="", help="more trainer flags for every schedule, one string")
+    parser.add_argument("--tell-lengths", action="store_true",
+                        help="before each step, tell the schedule uneven microbatch lengths (a planning policy then "
+                             "reorders the microbatches: the losses must not change)")
     opts = parser.parse_args()
 
     from megatron_app.train.args import parse_args
@@ -39,9 +44,24 @@ def main():
                  "--schedule", schedule, "--policy", policy or "dfc",
                  "--dump-grads", os.path.join(opts.out, f"grads_{name}")]
         flags += ["--trace-dir", opts.trace_dir] if opts.trace_dir else ["--no-trace"]
+        flags += shlex.split(opts.extra)
         args = parse_args(flags)
         trainer = build_trainer(args)
-        losses = [train_step(trainer, it) for it in range(1, opts.iters + 1)]
+        losses = []
+        for it in range(1, opts.iters + 1):
+            if opts.tell_lengths and schedule == "app":
+                from megatron_app.runtime import set_microbatch_lengths
+
+                m = args.num_microbatches
+                set_microbatch_lengths([1 + (37 * (i + it) ** 2) % 97 for i in range(m)])
+            losses.append(train_step(trainer, it))
+            if opts.tell_lengths and schedule == "app":
+                from megatron_app.runtime.session import current_session
+
+                orders = [list(p.current_plan.start_order) for p in current_session().policies_in_use()
+                          if hasattr(p, "current_plan")]
+                with open(os.path.join(opts.out, f"plans_{name}_rank{dist.get_rank()}.jsonl"), "a") as f:
+                    f.write(json.dumps(orders) + "\n")
         if losses[0] is not None and trainer.reporter.enabled:
             with open(os.path.join(opts.out, f"losses_{name}.json"), "w") as f:
                 json.dump(losses, f)

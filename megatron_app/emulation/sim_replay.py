@@ -10,15 +10,43 @@ that the simulator explains real runs).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
-from megatron_app.schedule import Kind, PipelineShape
+from megatron_app.schedule import KIND_OF_TRACE_NAME, KINDS_BY_INDEX, PipelineShape
 from megatron_app.sim import lower_bounds, run_iteration
-from megatron_app.sim.costs import BACKWARD_INDEX, FORWARD_INDEX
+from megatron_app.sim.costs import DurationTable
 from megatron_app.sim.engine import TaskTable, make_policies
+from megatron_app.sim.network import SlowLink
 
-from .emulation_spec import EmulationSpec
-from .link_delay import SlowLinkNetwork, SlowLinkSpec
+from .spec import EmulationSpec
+
+
+class SlowLinkNetwork:
+    """megatron_app.sim's Network interface under the --slow-link rule (link_delay.py: a delay for messages posted
+    inside each iteration's window, the link kept FIFO) plus a fixed latency on every message."""
+
+    def __init__(self, spec: Optional[SlowLink], latency_us: float = 0.0):
+        self.spec = spec
+        self.latency_us = latency_us
+        self.iteration_start_us = 0.0
+        self._last_arrival: Dict[Tuple[int, int], float] = {}
+
+    def begin_iteration(self, start_us: float) -> None:
+        self.iteration_start_us = start_us
+
+    @property
+    def min_transfer_us(self) -> float:
+        return self.latency_us
+
+    def send(self, src: int, dst: int, posted_us: float) -> Tuple[float, float]:
+        if src == dst:
+            return posted_us, posted_us
+        arrival = posted_us + self.latency_us
+        if self.spec is not None and self.spec.joins(src, dst):
+            arrival += self.spec.delay_at_us(src, dst, posted_us - self.iteration_start_us)
+            arrival = max(arrival, self._last_arrival.get((src, dst), arrival))   # FIFO link
+            self._last_arrival[(src, dst)] = arrival
+        return posted_us, arrival
 
 
 @dataclass(frozen=True)
@@ -30,7 +58,7 @@ class SimulatedIteration:
 
 
 def simulate_emulation(spec: EmulationSpec, shape: PipelineShape, policy: str, iterations: int,
-                       slow_link: Optional[SlowLinkSpec] = None, latency_us: float = 0.0,
+                       slow_link: Optional[SlowLink] = None, latency_us: float = 0.0,
                        memory_cap: Optional[int] = None) -> List[SimulatedIteration]:
     network = SlowLinkNetwork(slow_link, latency_us)
     table = TaskTable(shape)
@@ -47,33 +75,31 @@ def simulate_emulation(spec: EmulationSpec, shape: PipelineShape, policy: str, i
     return results
 
 
-def measured_durations(run, iteration: int) -> list:
-    """durations[pp_rank][kind][chunk][microbatch] (us) of one traced iteration, from the first TP/DP rank of each
-    stage; ValueError when a task has no forward/backward event or more than one."""
+def measured_durations(run, iteration: int) -> DurationTable:
+    """The task durations (us) of one traced iteration, from the first TP/DP rank of each stage; ValueError when a
+    task has no forward/backward event or more than one."""
     shape = PipelineShape(run.pipeline_parallel, run.model_chunks, run.microbatches)
     V, m = shape.num_chunks, shape.num_microbatches
-    table = [[[[None] * m for _ in range(V)] for _ in range(2)] for _ in range(shape.num_stages)]
-    kinds = {"forward": FORWARD_INDEX, "backward": BACKWARD_INDEX}
+    table = [[[[None] * m for _ in range(V)] for _ in KINDS_BY_INDEX] for _ in range(shape.num_stages)]
     for rank in run.ranks:
         if rank.meta.tp_rank or rank.meta.dp_rank:
             continue
-        for event in rank.events_of(iteration, kinds):
-            cell = table[rank.meta.pp_rank][kinds[event.kind]][event.chunk]
+        for event in rank.events_of(iteration, KIND_OF_TRACE_NAME):
+            cell = table[rank.meta.pp_rank][KIND_OF_TRACE_NAME[event.kind].index][event.chunk]
             if cell[event.microbatch] is not None:
                 raise ValueError(f"iteration {iteration}: two {event.kind} events for chunk {event.chunk} microbatch "
                                  f"{event.microbatch} on pipeline rank {rank.meta.pp_rank}")
             cell[event.microbatch] = event.duration
     for r, per_kind in enumerate(table):
-        for k, per_chunk in enumerate(per_kind):
+        for kind, per_chunk in zip(KINDS_BY_INDEX, per_kind):
             for c, row in enumerate(per_chunk):
                 if None in row:
-                    kind = Kind.FORWARD if k == FORWARD_INDEX else Kind.BACKWARD
-                    raise ValueError(f"iteration {iteration}: pipeline rank {r} has no {kind.name.lower()} event for "
+                    raise ValueError(f"iteration {iteration}: pipeline rank {r} has no {kind.trace_name} event for "
                                      f"chunk {c} microbatch {row.index(None)}")
-    return table
+    return DurationTable(table)
 
 
-def replay_trace_iteration(run, iteration: int, policy: str, slow_link: Optional[SlowLinkSpec] = None,
+def replay_trace_iteration(run, iteration: int, policy: str, slow_link: Optional[SlowLink] = None,
                            latency_us: float = 0.0, memory_cap: Optional[int] = None) -> SimulatedIteration:
     """Simulate `policy` on a traced iteration's measured task durations."""
     shape = PipelineShape(run.pipeline_parallel, run.model_chunks, run.microbatches)

@@ -12,12 +12,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_app.schedule import Kind, PipelineShape, ScheduleConfigError
-from megatron_app.sim.costs import BACKWARD_INDEX, FORWARD_INDEX, ComputeCosts, ComputePerturbations, draw_durations
+from megatron_app.sim.costs import ComputeCosts, ComputePerturbations, DurationTable, draw_durations
 
 US_PER_MS = 1000.0
 DEFAULT_SLOW_FACTOR = 1.5
 DEFAULT_STRAGGLER_FACTOR = 3.0
-_KIND_INDEX = {Kind.FORWARD: FORWARD_INDEX, Kind.BACKWARD: BACKWARD_INDEX}
 
 
 @dataclass(frozen=True)
@@ -61,8 +60,8 @@ class EmulationSpec:
     def check_shape(self, shape: PipelineShape) -> None:
         self.perturbations.check_shape(shape)
 
-    def draw(self, shape: PipelineShape, iteration: int):
-        """durations[rank][kind][chunk][microbatch] in microseconds (kind 0 forward, 1 backward)."""
+    def draw(self, shape: PipelineShape, iteration: int) -> DurationTable:
+        """Every task's duration (microseconds) in `iteration`."""
         return draw_durations(shape, self.costs(shape), self.perturbations, self.seed, iteration)
 
 
@@ -80,7 +79,7 @@ class TaskDurations:
         if iteration != self._iteration:
             self._table = self.spec.draw(self.shape, iteration)
             self._iteration = iteration
-        return self._table[rank][_KIND_INDEX[kind]][chunk][microbatch] / 1e6
+        return self._table[rank][kind.index][chunk][microbatch] / 1e6
 
 
 def spec_from_args(args) -> Optional[EmulationSpec]:

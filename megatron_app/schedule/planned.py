@@ -1,0 +1,122 @@
+"""`planned`: per iteration, choose the microbatch order and warm-up depth from the microbatches' lengths under an
+activation-memory cap, then run it like `adaptive` (keep the plan while it is on time, let a critical backward go
+first when a plan input is late).
+
+  * Costs: duration = f(tokens) per (kind, chunk), learnt from observe() (length_costs.py).
+  * Memory: a chunk's activation is sized by its microbatch's tokens; the cap per rank is memory_factor x the peak
+    of held tokens that Megatron's interleaved order reaches on that rank for the same microbatches in data order.
+    The plan's own peak must stay within it (plan_search.py); run-time deviations are backwards only, which free
+    memory, so the peak never exceeds the plan's.
+  * Agreement: one rank plans (plan_iteration) and every rank adopts that plan (use_plan): the simulator hands it
+    over, the runtime broadcasts it. Each rank's order is then Megatron's order over the same microbatch order, so
+    all orders together complete (adaptive.py's argument (a)) whatever each rank learnt.
+  * Without lengths (a loop that tells none) or under an explicit count cap (memory_cap), the plan is Megatron's
+    order in data order: the policy is then `adaptive` exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence, Tuple
+
+from .adaptive import DEFAULT_PATIENCE, AdaptivePolicy
+from .admission import check_memory_cap
+from .errors import ScheduleConfigError
+from .length_costs import LengthCostModel
+from .megatron_order import megatron_interleaved_cap, megatron_order, peak_activations_of_order
+from .plan_search import DEFAULT_EVALUATIONS, Plan, PlanChoice, PlanSearch, order_peak_size, plan_order
+from .greedy import make_dfc
+from .shape import PipelineShape
+from .state import RankState
+from .tasks import Kind, Task
+
+DEFAULT_MEMORY_FACTOR = 1.0
+
+
+def check_memory_factor(memory_factor) -> float:
+    if isinstance(memory_factor, bool) or not isinstance(memory_factor, (int, float)) or not memory_factor >= 1.0:
+        raise ScheduleConfigError(f"memory factor must be a number >= 1 (x Megatron's peak activation bytes), "
+                                  f"got {memory_factor!r}")
+    return float(memory_factor)
+
+
+def megatron_peak_sizes(shape: PipelineShape, sizes: Sequence[float]) -> Tuple[float, ...]:
+    """Per rank, the peak of held activation sizes under Megatron's interleaved order in data order."""
+    return tuple(order_peak_size(megatron_order(shape, rank), sizes) for rank in range(shape.num_stages))
+
+
+class PlannedPolicy(AdaptivePolicy):
+    name = "planned"
+    plans_iterations = True
+
+    def __init__(self, shape: PipelineShape, rank: int, memory_cap: Optional[int] = None,
+                 memory_factor: Optional[float] = None, evaluations: int = DEFAULT_EVALUATIONS,
+                 patience: int = DEFAULT_PATIENCE):
+        self.reorders = memory_cap is None     # an explicit count cap keeps data order (module doc)
+        if memory_cap is None:
+            memory_cap = megatron_interleaved_cap(shape, rank)
+        check_memory_cap(shape, memory_cap)
+        super().__init__(shape, rank, memory_cap, megatron_order(shape, rank),
+                         below_plan_cap=make_dfc(shape, rank, memory_cap),
+                         keeps_oldest_moving=not self.reorders, patience=patience)
+        self.memory_factor = check_memory_factor(DEFAULT_MEMORY_FACTOR if memory_factor is None else memory_factor)
+        self.costs = LengthCostModel()
+        self.search = PlanSearch(shape, evaluations=evaluations)
+        self.lengths: Optional[Tuple[int, ...]] = None
+        self.current_plan = Plan(tuple(range(shape.num_microbatches)))
+        self.last_choice: Optional[PlanChoice] = None
+
+    # ---- planning (one rank) and adoption (every rank) ----------------------------------------------------------
+    def plan_iteration(self, lengths: Optional[Sequence[int]], stop: Optional[Callable[[], bool]] = None
+                       ) -> Plan:
+        """The plan for an iteration whose microbatches have `lengths` tokens (None: unknown, data order)."""
+        shape = self.shape
+        data_order = Plan(tuple(range(shape.num_microbatches)))
+        if lengths is None or not self.reorders or shape.forward_only:
+            self.last_choice = None
+            return data_order
+        sizes = _check_lengths(shape, lengths)
+        caps = [peak * self.memory_factor for peak in megatron_peak_sizes(shape, sizes)]
+        V, m = shape.num_chunks, shape.num_microbatches
+        durations = [[[self.costs.seconds(kind, chunk, sizes[mb]) for mb in range(m)] for chunk in range(V)]
+                     for kind in (Kind.FORWARD, Kind.BACKWARD)]
+        self.last_choice = self.search.choose(sizes, caps, durations, stop=stop)
+        return self.last_choice.plan
+
+    def use_plan(self, lengths: Optional[Sequence[int]], plan: Optional[Plan]) -> None:
+        """Run the next iteration (next fresh RankState) by `plan` (None: data order); lengths feed learning."""
+        self.lengths = None if lengths is None else _check_lengths(self.shape, lengths)
+        plan = plan or Plan(tuple(range(self.shape.num_microbatches)))
+        if sorted(plan.start_order) != list(range(self.shape.num_microbatches)):
+            raise ScheduleConfigError(f"a plan must order microbatches 0..{self.shape.num_microbatches - 1} once "
+                                      f"each, got {list(plan.start_order)}")
+        if plan != self.current_plan:
+            order = plan_order(self.shape, self.rank, plan)
+            self.current_plan = plan
+            self.plan = order
+            self._position = {task: index for index, task in enumerate(order)}
+            self.follows_plan = self.reorders or self.memory_cap >= peak_activations_of_order(self.shape, order)
+            self._state = None     # re-synchronise the cursor on the next state
+
+    # ---- learning -----------------------------------------------------------------------------------------------
+    def observe(self, task: Task, duration_s: float) -> None:
+        super().observe(task, duration_s)
+        if self.lengths is not None:
+            self.costs.observe(task.kind, task.chunk, self.lengths[task.microbatch], duration_s)
+
+    def _fits(self, state: RankState, task: Task) -> bool:
+        # With reordering every rank runs the same plan, whose peak was checked against the byte cap when it was
+        # chosen; the count cap (Megatron's) does not bound a plan with extra warm-up.
+        return self.reorders or super()._fits(state, task)
+
+
+def _check_lengths(shape: PipelineShape, lengths: Sequence[int]) -> Tuple[int, ...]:
+    values = tuple(lengths)
+    if len(values) != shape.num_microbatches or not all(
+            not isinstance(v, bool) and isinstance(v, (int, float)) and v > 0 for v in values):
+        raise ScheduleConfigError(f"need {shape.num_microbatches} positive microbatch lengths, got {list(values)!r}")
+    return values
+
+
+def make_planned(shape: PipelineShape, rank: int, memory_cap: Optional[int] = None,
+                 memory_factor: Optional[float] = None) -> PlannedPolicy:
+    return PlannedPolicy(shape, rank, memory_cap, memory_factor=memory_factor)

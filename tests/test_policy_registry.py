@@ -1,0 +1,62 @@
+"""The policy registry is the one list of policies: flag choices, settings validation, the simulator, the benchmark
+and the README table all come from it."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from megatron_app.schedule import (ADAPTIVE_POLICY_NAMES, POLICIES, POLICY_NAMES, STATIC_POLICY_NAMES, PipelineShape,
+                                   ScheduleConfigError, make_policy, policies_for)
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_policy_table() -> str:
+    """The README's policy table as the registry says it should read."""
+    lines = ["| policy | chosen with | what it does |", "|---|---|---|"]
+    for name, entry in POLICIES.items():
+        flag = f"`--schedule {name}`" if entry.static else f"`--policy {name}`"
+        lines.append(f"| `{name}` | {flag} | {entry.summary} |")
+    return "\n".join(lines)
+
+
+def test_readme_policy_table_matches_the_registry():
+    text = README.read_text()
+    match = re.search(r"<!-- policies: begin.*?-->\n(.*?)\n<!-- policies: end -->", text, re.S)
+    assert match, "README.md has no <!-- policies: begin --> ... <!-- policies: end --> block"
+    assert match.group(1).strip() == readme_policy_table(), "regenerate the table:\n" + readme_policy_table()
+
+
+def test_every_registered_policy_builds_and_unknown_names_say_which_exist():
+    shape = PipelineShape(3, 2, 6)
+    for name in policies_for(shape):
+        policy = make_policy(name, shape, 1)
+        assert policy.name == name
+    with pytest.raises(ScheduleConfigError, match="choose one of " + ", ".join(POLICY_NAMES)):
+        make_policy("nope", shape, 0)
+    assert "1f1b" not in policies_for(shape) and "1f1b" in policies_for(PipelineShape(3, 1, 6))
+    assert set(ADAPTIVE_POLICY_NAMES) | set(STATIC_POLICY_NAMES) == set(POLICY_NAMES)
+
+
+def test_flags_settings_and_benchmark_read_the_registry():
+    import sys
+
+    from megatron_app.runtime.settings import ADAPTIVE_POLICIES, SCHEDULES, AppConfigError, AppSettings
+    from megatron_app.train.args import POLICIES as TRAIN_POLICIES
+    from megatron_app.train.args import SCHEDULES as TRAIN_SCHEDULES
+
+    assert ADAPTIVE_POLICIES == ADAPTIVE_POLICY_NAMES == TRAIN_POLICIES
+    assert set(SCHEDULES) == {"app", *STATIC_POLICY_NAMES} and set(TRAIN_SCHEDULES) == {*SCHEDULES, "megatron"}
+    for name in ADAPTIVE_POLICY_NAMES:
+        AppSettings(policy=name).validate()
+    for name in STATIC_POLICY_NAMES:
+        assert AppSettings(schedule=name).validate().policy_name == name
+    with pytest.raises(AppConfigError):
+        AppSettings(policy="nope").validate()
+    sys.path.insert(0, str(README.parent / "tools"))
+    try:
+        import bench_schedule
+    finally:
+        sys.path.pop(0)
+    assert set(POLICY_NAMES) <= set(bench_schedule.SCHEDULES)

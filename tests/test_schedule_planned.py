@@ -1,0 +1,212 @@
+"""Variable-length microbatches in the schedule package: size-aware admission (deadlock freedom with random sizes and
+start orders, under adversarial message timing), the learnt f(tokens) cost model, the plan search and the
+`planned` policy (same memory bound as Megatron's order, and it adopts one plan on every rank)."""
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from megatron_app.schedule import Kind, PipelineShape, Policy, RankState, ScheduleConfigError, Task, make_policy
+from megatron_app.schedule.admission import admission_need, forward_fits, minimum_size_cap
+from megatron_app.schedule.length_costs import LengthCostModel
+from megatron_app.schedule.megatron_order import megatron_order
+from megatron_app.schedule.plan_search import Plan, PlanSearch, order_peak_size, plan_order, predicted_makespan
+from megatron_app.schedule.planned import megatron_peak_sizes
+from test_schedule_properties import consumer, producers
+
+F, B = Kind.FORWARD, Kind.BACKWARD
+
+
+class SizedGreedy(Policy):
+    """Backward first; forwards by start position then deepest chunk, each admitted by size-aware forward_fits."""
+
+    name = "sized-greedy"
+
+    def __init__(self, shape, rank, cap, sizes, start_order):
+        super().__init__(shape, rank, cap)
+        self.sizes, self.start_order = sizes, start_order
+        self.position = {mb: i for i, mb in enumerate(start_order)}
+
+    def next(self, state):
+        ready = state.ready()
+        backwards = [t for t in ready if t.kind is B]
+        if backwards:
+            return min(backwards, key=lambda t: (self.position[t.microbatch], -t.chunk))
+        for task in sorted(ready, key=lambda t: (self.position[t.microbatch], -t.chunk)):
+            if forward_fits(state, task, self.memory_cap, self.sizes, self.start_order):
+                return task
+        return None
+
+
+def run_adversarially(shape, policies, sizes, rng):
+    """Random interleaving of rank steps and message deliveries; returns per-rank peak held sizes. Asserts
+    dependencies (by virtual-stage arithmetic) and completion."""
+    P = shape.num_stages
+    states = [RankState(shape, rank, sizes) for rank in range(P)]
+    runnable, in_flight, finished = list(range(P)), [], set()
+    while runnable or in_flight:
+        choice = rng.randrange(len(runnable) + len(in_flight))
+        if choice >= len(runnable):
+            rank, task = in_flight.pop(choice - len(runnable))
+            states[rank].mark_arrived(task)
+            if rank not in runnable:
+                runnable.append(rank)
+            continue
+        rank = runnable[choice]
+        task = policies[rank].next(states[rank])
+        if task is None:
+            runnable.remove(rank)
+            continue
+        for need in producers(shape, rank, task):
+            assert need in finished, f"rank {rank} started {task} before {need}"
+        states[rank].mark_started(task)
+        states[rank].mark_done(task)
+        finished.add((rank, task.kind, task.chunk, task.microbatch))
+        target = consumer(shape, rank, task)
+        if target is not None:
+            in_flight.append((target[0], Task(target[1], target[2], task.microbatch)))
+    assert all(state.finished for state in states), "stalled:\n" + "\n".join(s.describe() for s in states)
+    return [state.peak_size for state in states]
+
+
+@st.composite
+def sized_pipelines(draw):
+    P = draw(st.integers(2, 4))
+    V = draw(st.integers(1, 3))
+    m = draw(st.integers(P, 2 * P + 2)) if V == 1 else P * draw(st.integers(1, 2))
+    shape = PipelineShape(P, V, m)
+    sizes = draw(st.lists(st.integers(1, 9), min_size=m, max_size=m))
+    start_order = draw(st.permutations(list(range(m))))
+    slack = draw(st.integers(0, sum(sizes)))
+    return shape, sizes, tuple(start_order), draw(st.integers(0, 2 ** 32 - 1)), slack
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sized_pipelines())
+def test_size_aware_admission_never_deadlocks_and_holds_its_cap(case):
+    shape, sizes, start_order, seed, slack = case
+    cap = minimum_size_cap(shape, sizes) + slack
+    policies = [SizedGreedy(shape, rank, cap, sizes, start_order) for rank in range(shape.num_stages)]
+    peaks = run_adversarially(shape, policies, sizes, random.Random(seed))
+    assert all(peak <= cap for peak in peaks)
+
+
+def test_admission_need_is_the_smallest_cap_that_admits():
+    shape = PipelineShape(2, 2, 4)
+    sizes = [3, 1, 4, 1]
+    state = RankState(shape, 0, sizes)
+    task = Task(F, 0, 2)
+    start_order = (2, 0, 1, 3)
+    need = admission_need(state, task, sizes, start_order)
+    assert need == 8                      # microbatch 2: its own two chunks of 4 tokens
+    assert forward_fits(state, task, need, sizes, start_order)
+    assert not forward_fits(state, task, need - 1, sizes, start_order)
+    assert not forward_fits(state, Task(F, 0, 0), 100, sizes, start_order)   # 2 starts first in this order
+
+
+# ---- learnt costs ------------------------------------------------------------------------------------------------
+def test_length_cost_model_recovers_a_quadratic_and_starts_proportional():
+    model = LengthCostModel()
+    assert model.seconds(B, 0, 100) == 2 * model.seconds(F, 0, 100)     # prior: backward twice forward
+    true = lambda length: 0.002 + 3e-5 * length + 2e-7 * length ** 2
+    model.observe(F, 1, 100, true(100))
+    assert model.seconds(F, 1, 200) == pytest.approx(2 * true(100))    # one length seen: proportional
+    for length in (50, 300, 700, 20, 512):
+        model.observe(F, 1, length, true(length))
+    for length in (10, 256, 800):
+        assert model.seconds(F, 1, length) == pytest.approx(true(length), rel=1e-6)
+    assert model.seconds(F, 0, 256) == pytest.approx(true(256), rel=1e-6)   # unseen chunk: same kind's fit
+    with pytest.raises(ScheduleConfigError):
+        model.observe(F, 0, 0, 1.0)
+
+
+# ---- plans -----------------------------------------------------------------------------------------------------
+def _durations(shape, lengths):
+    cost = [0.7 * L + 0.3 * L * L / 256 for L in lengths]
+    return [[[c for c in cost] for _ in range(shape.num_chunks)], [[2 * c for c in cost] for _ in range(shape.num_chunks)]]
+
+
+def test_plan_orders_are_megatrons_over_the_start_order():
+    shape = PipelineShape(4, 2, 8)
+    identity = Plan(tuple(range(8)))
+    for rank in range(4):
+        assert plan_order(shape, rank, identity) == megatron_order(shape, rank)
+    reversed_plan = Plan(tuple(reversed(range(8))))
+    mapped = tuple(Task(t.kind, t.chunk, 7 - t.microbatch) for t in megatron_order(shape, 0))
+    assert plan_order(shape, 0, reversed_plan) == mapped
+
+
+def test_plan_search_is_deterministic_within_caps_and_not_worse_than_data_order():
+    shape = PipelineShape(4, 2, 16)
+    lengths = [random.Random(3).randint(8, 800) for _ in range(16)]
+    lengths = [int(v) for v in random.Random(5).sample(range(8, 900), 16)]
+    durations = _durations(shape, lengths)
+    caps = megatron_peak_sizes(shape, lengths)
+    first = PlanSearch(shape, evaluations=30).choose(lengths, caps, durations)
+    again = PlanSearch(shape, evaluations=30).choose(lengths, caps, durations)
+    assert first == again
+    assert first.predicted_makespan <= first.predicted_data_order_makespan
+    for rank in range(4):
+        order = plan_order(shape, rank, first.plan)
+        assert order_peak_size(order, lengths) <= caps[rank] + 1e-9
+    orders = [plan_order(shape, rank, first.plan) for rank in range(4)]
+    assert predicted_makespan(shape, orders, durations) == pytest.approx(first.predicted_makespan)
+
+
+def test_predicted_makespan_reports_a_deadlock_as_infinite():
+    shape = PipelineShape(2, 1, 2)
+    good = [megatron_order(shape, r) for r in range(2)]
+    bad = [good[0], tuple(reversed(good[1]))]    # rank 1 would start with a backward whose forward comes later
+    durations = [[[1.0, 1.0]], [[2.0, 2.0]]]
+    assert predicted_makespan(shape, good, durations) == 9.0      # (m + P - 1) * (f + b)
+    assert predicted_makespan(shape, bad, durations) == float("inf")
+
+
+@pytest.mark.parametrize("factor", [1.0, 1.25])
+def test_planned_policy_keeps_its_token_cap_under_adversarial_timing(factor):
+    for seed in range(4):
+        rng = random.Random(seed)
+        shape = PipelineShape(4, 2, 8)
+        lengths = [rng.randint(4, 600) for _ in range(8)]
+        policies = [make_policy("planned", shape, rank, memory_factor=factor) for rank in range(4)]
+        for rank in range(4):     # learn something first so the plan is not the prior's
+            for mb in range(8):
+                policies[rank].lengths = tuple(lengths)
+                policies[rank].observe(Task(F, 0, mb), 0.001 * lengths[mb] ** 1.5)
+        plan = policies[0].plan_iteration(lengths)
+        for policy in policies:
+            policy.use_plan(lengths, plan)
+        peaks = run_adversarially(shape, policies, lengths, rng)
+        limits = megatron_peak_sizes(shape, lengths)
+        assert all(peak <= factor * limit + 1e-9 for peak, limit in zip(peaks, limits))
+
+
+def test_planned_without_lengths_is_megatrons_order():
+    shape = PipelineShape(4, 2, 8)
+    policy = make_policy("planned", shape, 1)
+    plan = policy.plan_iteration(None)
+    assert plan == Plan(tuple(range(8)))
+    policy.use_plan(None, plan)
+    assert policy.plan == megatron_order(shape, 1)
+    assert policy.expected_next(RankState(shape, 1)) == megatron_order(shape, 1)[0]
+
+
+def test_planned_under_an_explicit_count_cap_keeps_data_order():
+    shape = PipelineShape(4, 2, 8)
+    policy = make_policy("planned", shape, 0, memory_cap=6)
+    assert policy.plan_iteration([5, 400, 3, 90, 7, 600, 2, 1]) == Plan(tuple(range(8)))
+
+
+def test_planned_rejects_bad_options():
+    shape = PipelineShape(4, 2, 8)
+    with pytest.raises(ScheduleConfigError, match="memory factor"):
+        make_policy("planned", shape, 0, memory_factor=0.9)
+    with pytest.raises(ScheduleConfigError, match="memory_factor applies"):
+        make_policy("dfc", shape, 0, memory_factor=1.1)
+    policy = make_policy("planned", shape, 0)
+    with pytest.raises(ScheduleConfigError, match="positive microbatch lengths"):
+        policy.plan_iteration([1, 2, 3])
+    with pytest.raises(ScheduleConfigError, match="once each"):
+        policy.use_plan(None, Plan((0, 0, 1, 2, 3, 4, 5, 6)))
