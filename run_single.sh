@@ -41,6 +41,9 @@ cleanup() { "$VENV_PY" -c "from megatron_app.transport import cleanup_job; clean
 trap cleanup EXIT
 
 echo "[run_single] $world ranks: pipeline $P x tensor $T x data $D, $V model chunks per rank (job $MEGATRON_APP_JOB_ID)" >&2
-"$VENV_PY" -m torch.distributed.run --standalone --nnodes 1 --nproc_per_node "$world" \
-    --max_restarts 0 --redirects 3 --tee 3 --log_dir "${LOG_DIR:-logs}/torchrun" \
+# run_ranks.py: a failed rank ends the output with one line naming it, instead of torchrun's traceback.
+torchrun_logs="${LOG_DIR:-logs}/torchrun"
+"$VENV_PY" tools/run_ranks.py --name run_single.sh --log-dir "$torchrun_logs" --job-id "$MEGATRON_APP_JOB_ID" -- \
+    "$VENV_PY" -m torch.distributed.run --standalone --nnodes 1 --nproc_per_node "$world" \
+    --max_restarts 0 --redirects 3 --tee 3 --log_dir "$torchrun_logs" \
     -m megatron_app.train "${layout[@]}" "${passthrough[@]}"

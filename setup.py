@@ -1,4 +1,8 @@
-"""Build megatron_app and its compiled transport core: `pip install -e . --no-build-isolation --no-deps`."""
+"""Build megatron_app and its compiled transport core.
+
+Into an existing Megatron environment: `pip install .` (or `pip install -e .` for a checkout you edit). The test
+command (tools/run_tests.sh) uses `pip install -e . --no-build-isolation --no-deps` inside its own .venv.
+"""
 
 import os
 import tempfile
@@ -73,6 +77,18 @@ setup(
     version="0.1.0",
     description="Adaptive pipeline schedule and shared-memory tensor transport for Megatron-Core",
     python_requires=">=3.10",
+    # torch is left out on purpose: the environment's own (CUDA) torch is used, and megatron-core asks for one.
+    # megatron-core: the range megatron_compat supports; pip picks the newest that installs for the interpreter
+    # (0.19 needs Python >= 3.12 and imports triton, which a CPU torch does not bring).
+    install_requires=[
+        "megatron-core>=0.16,<0.20",
+        'triton; python_version >= "3.12" and sys_platform == "linux"',
+        "numpy>=1.26",
+        "packaging",
+    ],
+    extras_require={
+        "tools": ["openpyxl==3.1.5", "matplotlib==3.11.2", "tokenizers==0.23.3"],
+    },
     packages=find_packages(include=["megatron_app", "megatron_app.*"]),
     ext_modules=[shm_tensor_rdma],
     cmdclass={"build_ext": build_ext},

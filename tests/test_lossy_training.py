@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megatron_app.lossy import TP_SITES
+from megatron_app.trace.schema import SCHEMA_VERSION
 from megatron_app.train.args import UsageError, parse_args
 from pipeline_runs import REPO, run_env
 
@@ -100,9 +101,9 @@ def _train(tmp_path, name, *flags, layout=("--pipeline_parallel", "2")):
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [entry["loss"] for entry in json.loads(log_json.read_text())["iterations"]]
     events = []
-    for path in sorted(traces.glob("trace_rank*.jsonl")):
+    for path in sorted((traces / "latest").glob("trace_rank*.jsonl")):
         lines = path.read_text().splitlines()
-        assert json.loads(lines[0])["schema_version"] == "1.1"
+        assert json.loads(lines[0])["schema_version"] == SCHEMA_VERSION
         events += [event for event in map(json.loads, lines[1:]) if event["kind"] == "loss"]
     return result.stdout, losses, events
 
@@ -163,6 +164,29 @@ def test_loss_sweep_grid_and_baseline():
     assert results[1]["delta"] == pytest.approx(0.5) and results[1]["relative"] == pytest.approx(0.25)
     assert results[2]["lossless_final_loss"] == 2.0 and results[2]["relative"] == pytest.approx(0.5)
     assert results[3]["delta"] is None and results[3]["relative"] is None
+
+
+def test_loss_sweep_narrows_to_pipeline_rates_at_the_default_model_size():
+    sweep = _load_sweep()
+    args = sweep.parse_args(["--traffic", "pipeline", "--rates", "0.1,0.005,0.02", "--num-layers", "8"])
+    assert sweep.grid(args) == [("pipeline", "none", 0.0)] + [
+        ("pipeline", model, rate) for model in sweep.MODELS for rate in (0.005, 0.02, 0.1)]
+    flags = sweep.model_flags(args.num_layers)
+    assert flags[flags.index("--num-layers") + 1] == "8" and sweep.MODEL_FLAGS[1] == "4"
+    only_ce = sweep.grid(sweep.parse_args(["--traffic", "tp_all_sites", "--models", "bernoulli", "--rates", "0.01"]))
+    assert only_ce == [("tp", "none", 0.0), ("tp_all_sites", "bernoulli", 0.01)]  # its lossless run still comes
+    assert [sweep.percent(rate) for rate in (0.1, 0.01, 0.005, 0.002)] == ["10%", "1%", "0.5%", "0.2%"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--rates", "0.1,x"], "--rates takes a comma list"), (["--rates", "0,0.1"], "between 0 and 1"),
+    (["--traffic", "pipe"], "--traffic takes a comma list"), (["--models", "uniform"], "--models takes"),
+    (["--num-layers", "0"], "--num-layers must be positive")])
+def test_loss_sweep_refuses_bad_grid_flags(flags, message, capsys):
+    sweep = _load_sweep()
+    with pytest.raises(SystemExit) as exit_info:
+        sweep.parse_args(flags)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("traffic, sites", [

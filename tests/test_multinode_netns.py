@@ -70,7 +70,7 @@ def test_two_hosts_train_like_one_and_their_traces_merge(tmp_path):
     # The last pipeline stage (global rank 1, on the worker host) computes and logs the losses.
     assert _losses(tmp_path / "w.json") == _losses(tmp_path / "single.json")
     headers = {}
-    for path in sorted(traces.glob("trace_rank*.jsonl")):
+    for path in sorted((traces / "latest").glob("trace_rank*.jsonl")):
         header = json.loads(path.read_text().splitlines()[0])
         headers[header["global_rank"]] = header
     assert set(headers) == {0, 1}

@@ -1,12 +1,15 @@
 """The test that matters most: pipelined training gives the same losses and gradients as unpipelined training.
 
-Same seed, dropout off. Reference: P=1 through Megatron-Core's own forward_backward_no_pipelining. Each layout
+Same seed, dropout off unless said. Reference: P=1 through Megatron-Core's own forward_backward_no_pipelining. Each layout
 (P, V, T) runs every policy and static order in one process group, one after the other, from the same initial
 weights; losses of 3 iterations must match within 1e-5 relative and the first iteration's gradients closely.
 
 Variable lengths (--variable-seq-lengths on tools/make_corpus.py's real corpus: one document per sample, each
 microbatch padded to its own longest sample, per-token loss): the same comparison at P=2 V=2 and at P=2 with two
 data-parallel ranks, and the P=1 result must not depend on how the global batch is cut into microbatches.
+
+Dropout 0.1 too: the masks are keyed by (seed, iteration, microbatch, layer) (runtime/keyed_randomness.py), so no
+schedule, P, V or T changes them.
 """
 
 import json
@@ -92,7 +95,7 @@ def _check_against_reference(out, schedules, reference):
         _assert_same(name, _losses_and_grads(out, name), reference)
 
 
-# Longer than most documents (median about 50 tokens) but not all: about a fifth are truncated.
+# Longer than most documents (median 51 tokens) but not all: about a quarter are truncated.
 VARLEN_SEQ_LENGTH = 96
 VARLEN_GLOBAL_BATCH = 16
 
@@ -127,3 +130,29 @@ def test_variable_length_schedules_match_unpipelined_training(tmp_path, real_cor
     for spec in schedules:
         name = spec.replace(":", "-")
         _assert_same(f"variable length {name}", _losses_and_grads(out, name), varlen_reference)
+
+
+DROPOUT = 0.1
+
+
+@pytest.fixture(scope="module")
+def dropout_reference(tmp_path_factory):
+    out = _run(tmp_path_factory.mktemp("dropout_reference"), 1, 1, 1, ["megatron"], "--dropout", DROPOUT)
+    return _losses_and_grads(out)
+
+
+DROPOUT_LAYOUTS = [(2, 2, 2), (4, 1, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("P,V,T", DROPOUT_LAYOUTS, ids=[f"P{p}-V{v}-T{t}" for p, v, t in DROPOUT_LAYOUTS])
+def test_with_dropout_every_schedule_matches_unpipelined_training(tmp_path, dropout_reference, P, V, T):
+    schedules = ["app:dfc", "app:bfc", "app:adaptive", "interleaved"] + (["1f1b"] if V == 1 else [])
+    out = _run(tmp_path, P, V, T, schedules, "--dropout", DROPOUT)
+    _check_against_reference(out, schedules, dropout_reference)
+
+
+@pytest.mark.slow
+def test_dropout_is_really_on_in_the_dropout_grid(reference, dropout_reference):
+    assert all(abs(a - b) > 1e-4 * abs(b) for a, b in zip(dropout_reference[0], reference[0])), \
+        (dropout_reference[0], reference[0])

@@ -181,7 +181,8 @@ def test_default_trace_dir_is_traces(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     code, _, _ = run_tool(capsys, "--pipeline-parallel", 2, "--model-chunks", 1)
     assert code == 0
-    assert all(p.exists() for p in outputs(tmp_path, 2, 1))
+    assert all(p.exists() for p in outputs(tmp_path / "traces", 2, 1))  # beside the traces, not in the cwd
+    assert not list(tmp_path.glob("trace_pipeline_*"))
 
 
 def test_script_runs_as_a_command(tmp_path):

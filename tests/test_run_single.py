@@ -42,6 +42,11 @@ def test_run_single_p2_v2_traces_through_process_and_visualize(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     iteration_lines = re.findall(r"iter (\d+)/2 \| loss ([0-9.]+) \| ([0-9.]+) ms \| (\d+) tokens/s", result.stdout)
     assert [int(i) for i, *_ in iteration_lines] == [1, 2]
+    # This run's traces are in a directory of their own, which traces/latest points at and the log names.
+    run_dir = (traces / "latest").resolve()
+    assert run_dir.parent == traces.resolve() and sorted(p.name for p in run_dir.iterdir()) == [
+        "trace_rank0.jsonl", "trace_rank1.jsonl"]
+    assert f"traces: {traces / run_dir.name} ({traces / 'latest'} points there)" in result.stdout
 
     m = 8
     for tool in ("process_trace.py", "visualize_trace.py"):

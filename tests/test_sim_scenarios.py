@@ -3,7 +3,8 @@ asserted; for the ones that cannot hold, the test asserts why (the lower bound l
 
 import pytest
 
-from megatron_app.sim.scenarios import SCENARIOS, format_rows, main, run_scenarios
+from megatron_app.schedule import policies_for
+from megatron_app.sim.scenarios import ISSUE_SHAPE, SCENARIOS, format_rows, main, run_scenarios
 
 APP = ("dfc", "bfc", "adaptive")
 STATIC = ("interleaved",)
@@ -64,6 +65,6 @@ def test_app_policies_hold_no_more_activations_than_interleaved(table):
 def test_scenarios_command_prints_the_table(capsys, table):
     assert main(["--seeds", "1"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split()[:3] == ["scenario", "policy", "makespan"] and len(out) == 1 + len(SCENARIOS) * 5   # dfc bfc interleaved adaptive planned
+    assert out[0].split()[:3] == ["scenario", "policy", "makespan"] and len(out) == 1 + len(SCENARIOS) * len(policies_for(ISSUE_SHAPE))
     assert "homogeneous          adaptive" in "\n".join(out)
     assert format_rows(list(table.values())).count("\n") == len(table)

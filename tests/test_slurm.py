@@ -89,7 +89,7 @@ def test_sbatch_trains_across_two_nodes_like_run_single(cluster, tmp_path):
         assert list((run_logs / f"torchrun_node{node}").glob("*/attempt_0/0/stderr.log")), sorted(run_logs.rglob("*"))
     # Each rank ran in its own namespace: the link between them is TCP, not shared memory.
     links = {}
-    for path in traces.glob("trace_rank*.jsonl"):
+    for path in (traces / "latest").glob("trace_rank*.jsonl"):
         header = json.loads(path.read_text().splitlines()[0])
         links[header["global_rank"]] = header["extra"]["links"]
     assert links == {0: {"1": "tcp"}, 1: {"0": "tcp"}}

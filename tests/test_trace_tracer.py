@@ -32,7 +32,9 @@ def test_header_then_events_round_trip_through_reader(tmp_path):
     assert header["schema_version"] == SCHEMA_VERSION
     assert (header["global_rank"], header["pp_rank"], header["clock_offset_us"]) == (1, 1, 12.5)
     assert header["extra"] == {"note": "x"}
-    assert len(lines) == 1 + 6
+    assert len(lines) == 1 + 6 + 1
+    assert json.loads(lines[-1]) == {"rank": 1, "pp_rank": 1, "iteration": 3, "kind": "closed", "start": 315.0 + 20,
+                                     "end": 315.0 + 20}  # closed by the tracer: the rank finished
 
     run = read_trace_dir(tmp_path, pipeline_parallel=2, model_chunks=1)
     assert [r.meta.global_rank for r in run.ranks] == [0, 1]
@@ -51,7 +53,8 @@ def test_span_records_the_block_duration_with_now_us(tmp_path):
         time.sleep(0.002)
     after = tracer.now_us()
     tracer.close()
-    (event,) = read_trace_dir(tmp_path).ranks[0].events
+    event, closing = read_trace_dir(tmp_path).ranks[0].events
+    assert closing.kind == "closed" and closing.start == event.end
     assert event.kind == "forward" and event.microbatch == 1
     assert before <= event.start and event.end <= after
     assert event.duration >= 2000.0
@@ -75,7 +78,7 @@ def test_buffer_limit_forces_a_flush(tmp_path):
         tracer.record("wait", i, i + 0.5, iteration=0)
     assert len((tmp_path / "trace_rank0.jsonl").read_text().splitlines()) == 1 + 6
     tracer.close()
-    assert len((tmp_path / "trace_rank0.jsonl").read_text().splitlines()) == 1 + 7
+    assert len((tmp_path / "trace_rank0.jsonl").read_text().splitlines()) == 1 + 7 + 1  # + the closing line
 
 
 def test_disabled_tracer_writes_nothing(tmp_path):

@@ -59,6 +59,8 @@ def test_microbatches_from_global_batch():
     (["--schedule", "megatron", "--pipeline_parallel", "2", "--device", "cpu"], "2", "needs CUDA"),
     (["--data-path", "/nonexistent/prefix"], "1", "/nonexistent/prefix.bin does not exist"),
     (["--schedule", "gpipe"], "1", "invalid choice"),
+    (["--policy", "planned", "--memory-factor", "0.5"], "1", "--memory-factor must be >= 1"),
+    (["--policy", "adaptive", "--memory-factor", "1.1"], "1", "--memory-factor applies to --policy planned"),
     (["--num-layers", "many"], "1", "invalid int value"),
     (["--no-such-flag"], "1", "unrecognized arguments"),
     ([], "zero", "WORLD_SIZE='zero' is not an integer"),

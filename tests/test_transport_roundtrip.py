@@ -184,3 +184,18 @@ def test_large_odd_sized_messages_with_default_slots(job_id, nbytes):
         tensor = random_tensor(torch.Generator().manual_seed(nbytes), torch.uint8, (nbytes,))
         sender.send(1, 1, tensor)
         assert same_bits(receiver.recv(0, 1, timeout=20), tensor)
+
+
+def test_messages_split_between_caller_and_worker_keep_their_order(job_id):
+    """A message's first chunks are copied on the caller's thread and the rest by the send worker; with a ring
+    that fills up, later messages of the same tag must still arrive whole and in the order they were sent."""
+    sizes = [1 << 20, 4096, 3 * (1 << 20) + 5, 4, 100_000, 0, 300_001, 4096]
+    with Transport(0, 2, job_id, slot_bytes=256 * 1024, num_slots=4, timeout_s=30) as sender, \
+            Transport(1, 2, job_id, slot_bytes=256 * 1024, num_slots=4, timeout_s=30) as receiver:
+        tensors = [random_tensor(torch.Generator().manual_seed(index), torch.uint8, (nbytes,))
+                   for index, nbytes in enumerate(sizes * 3)]
+        for tensor in tensors:
+            sender.send(1, 7, tensor)  # the receiver is not receiving yet: the ring fills after a few chunks
+        for index, tensor in enumerate(tensors):
+            assert same_bits(receiver.recv(0, 7, timeout=20), tensor), index
+        sender.wait_sends(timeout=20)

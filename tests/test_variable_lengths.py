@@ -113,11 +113,16 @@ def test_a_sample_is_one_document_truncated_at_seq_length(real_corpus):
     assert 0 < truncated < len(dataset)
 
 
-def test_fixed_length_data_tells_seq_length_for_every_microbatch():
+def test_fixed_length_data_tells_nothing_so_lengths_told_by_an_embedding_loop_stand():
+    from megatron_app.runtime import set_microbatch_lengths, take_microbatch_lengths
     from megatron_app.train.data import microbatch_lengths
+    from megatron_app.train.forward_backward import tell_microbatch_lengths
 
     args = SimpleNamespace(seq_length=64, num_microbatches=3, variable_seq_lengths=False)
-    assert microbatch_lengths(args, None, 0, 0) == [64, 64, 64]
+    assert microbatch_lengths(args, None, 0, 0) is None
+    set_microbatch_lengths([5, 9, 7])
+    tell_microbatch_lengths("app", microbatch_lengths(args, None, 0, 0))
+    assert take_microbatch_lengths(3) == (5, 9, 7)
 
 
 def test_padding_does_not_change_the_real_tokens_outputs():
@@ -134,3 +139,29 @@ def test_padding_does_not_change_the_real_tokens_outputs():
     alone = attention(q, k, v, None)
     padded = attention(*(torch.cat([t, torch.randn(3, 1, 2, 8)]) for t in (q, k, v)), None)
     assert torch.allclose(padded[:5], alone, atol=1e-6)
+
+
+def test_train_step_tells_the_schedule_the_lengths_of_the_microbatches_it_then_feeds(real_corpus, monkeypatch):
+    import contextlib
+
+    from megatron_app.train import loop
+    from megatron_app.train.data import build_data_iterators, build_datasets
+
+    args = _args(real_corpus, schedule="app", dump_grads=None)
+    dataset = build_datasets(args)[0]
+    told, fed = [], []
+    monkeypatch.setattr(loop, "tell_microbatch_lengths", lambda schedule, lengths: told.append(list(lengths)))
+    monkeypatch.setattr(loop, "reduce_lm_loss", lambda entries: None)
+    monkeypatch.setattr(loop, "optimizer_span", lambda schedule, iteration: contextlib.nullcontext())
+
+    def forward_backward(*, data_iterator, num_microbatches, **_):
+        fed.append([next(data_iterator)["tokens"].shape[1] for _ in range(num_microbatches)])
+        return []
+
+    optimizer = SimpleNamespace(zero_grad=lambda set_to_none: None, step=lambda: None)
+    trainer = loop.Trainer(args, [], optimizer, build_data_iterators(args, 1, 0, dataset=dataset), forward_backward,
+                           reporter=None, train_dataset=dataset, dp_rank=0)
+    for iteration in range(1, args.iters + 1):
+        loop.train_step(trainer, iteration)
+    assert told == fed and len(told) == args.iters
+    assert len({length for lengths in told for length in lengths}) > 2   # the lengths really vary

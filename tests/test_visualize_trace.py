@@ -201,6 +201,6 @@ def test_script_runs_as_a_command(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPT), "--pipeline_parallel", "2", "--model_chunks", "1"],
                           capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert (tmp_path / "trace_pipeline_2_model_chunks_1.xlsx").exists()
-    assert (tmp_path / "trace_pipeline_2_model_chunks_1.png").exists()
     assert trace_dir == tmp_path / "traces"
+    assert (trace_dir / "trace_pipeline_2_model_chunks_1.xlsx").exists()  # beside the traces, not in the cwd
+    assert (trace_dir / "trace_pipeline_2_model_chunks_1.png").exists()

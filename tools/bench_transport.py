@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import signal
@@ -41,6 +42,7 @@ for _path in (_root, Path(__file__).resolve().parent):
 
 import netns_pair  # noqa: E402
 from bench_transport_links import KIB, MIB  # noqa: E402
+from latency_model import fit_latency_model  # noqa: E402
 
 from megatron_app.lossy import LossConfigError, make_loss_config  # noqa: E402
 from megatron_app.trace.cli import OneLineArgumentParser, number, positive_int  # noqa: E402
@@ -186,6 +188,23 @@ def run_shm(args, scratch, job_id):
     return rows
 
 
+def shm_latency_models(rows):
+    """{method: fixed + per-byte model} fitted to the one-way medians (memcpy: one copy's time), or {} when fewer
+    than two sizes were measured."""
+    if len({row["size"] for row in rows}) < 2:
+        return {}
+    sizes = [row["size"] for row in rows]
+    times = {"ours": [row["ours_latency_median_us"] for row in rows],
+             "gloo": [row["gloo_latency_median_us"] for row in rows],
+             "memcpy": [row["size"] / row["memcpy_gbs"] / 1e3 for row in rows]}
+    models = {}
+    for method, values in times.items():
+        model = fit_latency_model(sizes, values)
+        models[method] = {"fixed_us": model.fixed_us, "gbs": None if math.isinf(model.gbs) else model.gbs,
+                          "worst_relative_error": model.worst_relative_error, "text": model.describe()}
+    return models
+
+
 def add_remote_ratios(rows, backend):
     for row in rows:
         row[f"{backend}_over_raw"] = row[f"{backend}_gbs"] / row["raw_gbs"]
@@ -288,6 +307,8 @@ def report(document):
     if "shm" in document["backends"]:
         print("shm: two processes on this host")
         print_table(SHM_COLUMNS, document["rows"])
+        for method, model in document.get("latency_model", {}).items():
+            print(f"latency model {method:>6}: one way = {model['text']}")
     for backend in ("tcp", "rdma"):
         section = document.get(backend)
         if section is None:
@@ -327,6 +348,8 @@ def main(argv=None):
             for backend in args.backends:
                 result = runners[backend](args, Path(scratch), f"{job_id}{backend}")
                 document["rows" if backend == "shm" else backend] = result
+                if backend == "shm":
+                    document["latency_model"] = shm_latency_models(result)
             if args.loss_compare:
                 document["loss_compare"] = run_loss_compare(args, Path(scratch), f"{job_id}loss")
     except (BenchError, RuntimeError) as error:

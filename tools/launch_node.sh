@@ -68,12 +68,14 @@ nproc=$((world / nnodes))
 
 source tools/setup_env.sh
 layout=(--pipeline_parallel "$P" --model_chunks "$V" --tensor_parallel "$T" --data_parallel "$D")
-WORLD_SIZE=$world "$VENV_PY" -m megatron_app.train "${layout[@]}" "${passthrough[@]}" --check-config || exit 2
+WORLD_SIZE=$world LOCAL_WORLD_SIZE=$nproc NODE_RANK=$node_rank "$VENV_PY" -m megatron_app.train "${layout[@]}" "${passthrough[@]}" --check-config || exit 2
 
 layout_json="{\"pipeline_parallel\": $P, \"model_chunks\": $V, \"tensor_parallel\": $T, \"data_parallel\": $D, \"nnodes\": $nnodes, \"transport\": \"$transport\"}"
 job_id=${MEGATRON_APP_JOB_ID:-multi$$x$(date +%s)}
 echo "[$script] node $node_rank of $nnodes: checking in with $master_addr:$master_port" >&2
-job_id=$(TORCH_CPP_LOG_LEVEL=FATAL "$VENV_PY" -m megatron_app.transport.preflight --role "$role" --nnodes "$nnodes" \
+# Run as a file, not with -m: importing the megatron_app.transport package loads torch and the extension, which takes
+# seconds on a loaded host and would count against --rendezvous_timeout before the first connection attempt.
+job_id=$(TORCH_CPP_LOG_LEVEL=FATAL "$VENV_PY" megatron_app/transport/preflight.py --role "$role" --nnodes "$nnodes" \
     --node_rank "$node_rank" --master_addr "$master_addr" --master_port "$master_port" \
     --job_id "$job_id" --timeout "$rdzv_timeout" --layout "$layout_json" -- ${passthrough[@]+"${passthrough[@]}"}) || exit 2
 
@@ -91,7 +93,10 @@ cleanup() { "$VENV_PY" -c "from megatron_app.transport import cleanup_job; clean
 trap cleanup EXIT
 
 echo "[$script] node $node_rank: $nproc of $world ranks (pipeline $P x tensor $T x data $D, $V chunks), transport $transport, job $job_id" >&2
-"$VENV_PY" -m torch.distributed.run --nnodes "$nnodes" --node_rank "$node_rank" --nproc_per_node "$nproc" \
+# run_ranks.py: a failed rank ends the output with one line naming it, instead of torchrun's traceback.
+torchrun_logs="${LOG_DIR:-logs}/torchrun_node$node_rank"
+"$VENV_PY" tools/run_ranks.py --name "$script (node $node_rank)" --log-dir "$torchrun_logs" --job-id "$job_id" -- \
+    "$VENV_PY" -m torch.distributed.run --nnodes "$nnodes" --node_rank "$node_rank" --nproc_per_node "$nproc" \
     --master_addr "$master_addr" --master_port "$master_port" --max_restarts 0 \
-    --redirects 3 --tee 3 --log_dir "${LOG_DIR:-logs}/torchrun_node$node_rank" \
+    --redirects 3 --tee 3 --log_dir "$torchrun_logs" \
     -m megatron_app.train "${layout[@]}" ${passthrough[@]+"${passthrough[@]}"}

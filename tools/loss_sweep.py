@@ -2,6 +2,8 @@
 """Train the tiny GPT under packet loss and compare with the lossless run.
 
     python tools/loss_sweep.py [--out-dir loss_sweep] [--iters 80] [--quick] [--markdown]
+                               [--rates 0.01,0.05,0.1] [--traffic pipeline,tp,...] [--models bernoulli,...]
+                               [--num-layers 4]
 
 Grid: loss rates 0, 1%, 5%, 10% x (bernoulli, gilbert-elliott with mean burst --burst-length) x traffic:
   pipeline       P=2, --loss-on forward,backward (activations and gradients between the stages);
@@ -14,7 +16,9 @@ Grid: loss rates 0, 1%, 5%, 10% x (bernoulli, gilbert-elliott with mean burst --
 Every run starts from the same seed and data, so differences come from the loss alone; both tp groups share one
 lossless run. Writes <out-dir>/loss_sweep.json and loss_sweep.png (loss curves; non-finite points are left out) and
 prints the table of final loss (mean of the last --tail iterations) against the lossless run of the same layout.
---quick: 0 and 10%, bernoulli only, 4 iterations (a smoke test).
+--quick: 0 and 10%, bernoulli only, 4 iterations (a smoke test). --num-layers 8 is the trainer's default model size
+(the 4-layer default keeps the README's first table reproducible); --rates, --traffic and --models narrow or widen
+the grid, e.g. a pipeline-only sweep down to where learning resumes.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ if __package__ in (None, ""):  # run as a script from a checkout: make megatron_
         sys.path.insert(0, str(REPO))
 
 from megatron_app.lossy.config import TP_SITES  # noqa: E402
+from megatron_app.trace.runs import LATEST  # noqa: E402
 
 RATES = (0.0, 0.01, 0.05, 0.10)
 MODELS = ("bernoulli", "gilbert-elliott")
@@ -49,7 +54,8 @@ TRAFFIC = {  # name -> (layout flags, loss-placement flags, label in the table a
     "tp_all_sites": (TP_LAYOUT, ["--loss-on", "tp", "--loss-tp-sites", "all"], "tp (T=2) incl. cross-entropy"),
 }
 SHARED_BASELINE = {"tp_all_sites": "tp"}  # same layout, so the same lossless run
-MODEL_FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+DEFAULT_NUM_LAYERS = 4
+MODEL_FLAGS = ["--num-layers", str(DEFAULT_NUM_LAYERS), "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
                "--micro-batch-size", "2", "--global-batch-size", "16"]
 
 
@@ -69,6 +75,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="0 and 10%% bernoulli only, few iterations")
     parser.add_argument("--markdown", action="store_true",
                         help="also print the change of final loss per traffic, model and rate as a Markdown table")
+    parser.add_argument("--rates", default=None, metavar="R1,R2,...",
+                        help="loss rates in (0, 1) (default 0.01,0.05,0.1; 0.1 with --quick); 0 always runs")
+    parser.add_argument("--traffic", default=",".join(TRAFFIC), metavar="NAMES",
+                        help=f"comma list of {', '.join(TRAFFIC)} (default: all)")
+    parser.add_argument("--models", default=None, metavar="NAMES",
+                        help=f"comma list of {', '.join(MODELS)} (default: both; bernoulli with --quick)")
+    parser.add_argument("--num-layers", type=int, default=DEFAULT_NUM_LAYERS,
+                        help=f"transformer layers of the tiny GPT (default {DEFAULT_NUM_LAYERS}; the trainer's own "
+                             "default is 8)")
     args = parser.parse_args(argv)
     if args.iters is None:
         args.iters = 4 if args.quick else 80
@@ -76,18 +91,47 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--iters and --tail must be positive")
     if args.burst_length < 1:
         parser.error(f"--burst-length must be >= 1 packet, got {args.burst_length}")
+    if args.num_layers < 1:
+        parser.error(f"--num-layers must be positive, got {args.num_layers}")
+    args.traffic = _names(parser, "--traffic", args.traffic, TRAFFIC)
+    args.models = _names(parser, "--models", args.models, MODELS) if args.models else (
+        ("bernoulli",) if args.quick else MODELS)
+    args.rates = _rates(parser, args.rates) if args.rates else ((0.10,) if args.quick else RATES[1:])
     return args
+
+
+def _names(parser, flag: str, text: str, known) -> tuple:
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        parser.error(f"{flag} takes a comma list of {', '.join(known)}, got '{text}'")
+    return names
+
+
+def _rates(parser, text: str) -> tuple:
+    try:
+        rates = tuple(sorted({float(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        parser.error(f"--rates takes a comma list of numbers between 0 and 1, got '{text}'")
+    if not rates or not all(0 < rate < 1 for rate in rates):
+        parser.error(f"--rates takes a comma list of numbers between 0 and 1 (exclusive), got '{text}'")
+    return rates
+
+
+def model_flags(num_layers: int) -> list:
+    flags = list(MODEL_FLAGS)
+    flags[flags.index("--num-layers") + 1] = str(num_layers)
+    return flags
 
 
 def grid(args) -> list:
     """(traffic, model, rate) of every run; rate 0 is one lossless run per layout."""
-    rates = (0.0, 0.10) if args.quick else RATES
-    models = ("bernoulli",) if args.quick else MODELS
     runs = []
-    for traffic in TRAFFIC:
-        if traffic not in SHARED_BASELINE:
-            runs.append((traffic, "none", 0.0))
-        runs.extend((traffic, model, rate) for model in models for rate in rates if rate > 0)
+    for traffic in (name for name in TRAFFIC if name in args.traffic):
+        baseline = SHARED_BASELINE.get(traffic)
+        if baseline is None or baseline not in args.traffic:
+            runs.append((baseline or traffic, "none", 0.0))
+        runs.extend((traffic, model, rate) for model in args.models for rate in args.rates)
     return runs
 
 
@@ -100,7 +144,7 @@ def train_once(args, out_dir: Path, traffic: str, model: str, rate: float) -> di
     layout, placement, _ = TRAFFIC[traffic]
     log_json = out_dir / f"{name}.json"
     trace_dir = out_dir / f"{name}_trace"
-    flags = layout + MODEL_FLAGS + ["--iters", str(args.iters), "--seed", str(args.seed), "--log-json", str(log_json),
+    flags = layout + model_flags(args.num_layers) + ["--iters", str(args.iters), "--seed", str(args.seed), "--log-json", str(log_json),
                                     "--trace-dir", str(trace_dir)]
     if model != "none":
         flags += ["--loss-model", model, "--loss-rate", str(rate), *placement, "--loss-fill", args.fill,
@@ -132,9 +176,10 @@ def summarize_losses(losses: list, tail: int) -> dict:
 
 
 def observed_loss(trace_dir: Path) -> tuple:
-    """Packets sent and lost over all ranks, from the trace's `loss` events."""
+    """Packets sent and lost over all ranks, from the trace's `loss` events (of the run trace_dir/latest points to:
+    each sweep run has a trace root of its own)."""
     packets = lost = 0
-    for path in sorted(trace_dir.glob("trace_rank*.jsonl")):
+    for path in sorted((trace_dir / LATEST).glob("trace_rank*.jsonl")):
         with open(path, encoding="utf-8") as handle:
             next(handle, None)  # header
             for line in handle:
@@ -163,11 +208,16 @@ def outcome(result: dict) -> Optional[str]:
     return f"diverged ({result['diverged']['value']} at iter {result['diverged']['iteration']})"
 
 
+def percent(rate: float) -> str:
+    """0.1 -> '10%', 0.005 -> '0.5%' (the rates of a fine sweep stay apart)."""
+    return f"{rate * 100:.3g}%"
+
+
 def table_rows(results: list) -> list:
     header = ["traffic", "model", "rate", "observed", "final loss", "lossless", "delta", "rel"]
     rows = [header]
     for r in results:
-        row = [TRAFFIC[r["traffic"]][2], r["model"], f"{r['rate']:.0%}", f"{r['observed_rate']:.2%}"]
+        row = [TRAFFIC[r["traffic"]][2], r["model"], percent(r["rate"]), f"{r['observed_rate']:.2%}"]
         base = "-" if r["lossless_final_loss"] is None else f"{r['lossless_final_loss']:.4f}"
         if r["diverged"] is not None:
             row += [outcome(r), base, "-", "-"]
@@ -191,7 +241,7 @@ def print_table(results: list) -> None:
 def markdown_table(results: list) -> str:
     """Change of final loss against the lossless run, one row per traffic and model, one column per rate."""
     rates = sorted({r["rate"] for r in results if r["model"] != "none"})
-    lines = ["| traffic | model | " + " | ".join(f"{rate:.0%}" for rate in rates) + " |",
+    lines = ["| traffic | model | " + " | ".join(percent(rate) for rate in rates) + " |",
              "|---|---|" + "---|" * len(rates)]
     for traffic in TRAFFIC:
         for model in MODELS:
@@ -222,7 +272,7 @@ def plot(results: list, path: Path) -> None:
     for axis, traffic in zip(axes[0], traffics):
         base = lossless.get(SHARED_BASELINE.get(traffic, traffic))
         for r in ([base] if base else []) + [r for r in results if r["traffic"] == traffic and r["model"] != "none"]:
-            label = "lossless" if r["model"] == "none" else f"{r['model']} {r['rate']:.0%}"
+            label = "lossless" if r["model"] == "none" else f"{r['model']} {percent(r['rate'])}"
             if r["diverged"] is not None:
                 label += f": {outcome(r)}"
             points = [(number, loss) for number, loss in enumerate(r["losses"], start=1) if loss is not None]
@@ -258,11 +308,12 @@ def main(argv=None) -> int:
     print_table(results)
     if args.markdown:
         print(markdown_table(results))
-    settings = {key: getattr(args, key) for key in ("iters", "tail", "burst_length", "fill", "packet_bytes", "seed")}
+    settings = {key: getattr(args, key) for key in ("iters", "tail", "burst_length", "fill", "packet_bytes", "seed",
+                                                    "num_layers")}
     traffic = {name: {"flags": layout + placement, "label": label}
                for name, (layout, placement, label) in TRAFFIC.items()}
     (out_dir / "loss_sweep.json").write_text(json.dumps(
-        {"settings": settings, "model_flags": MODEL_FLAGS, "traffic": traffic, "runs": results,
+        {"settings": settings, "model_flags": model_flags(args.num_layers), "traffic": traffic, "runs": results,
          "wall_seconds": time.perf_counter() - started}, indent=1, allow_nan=False))
     plot(results, out_dir / "loss_sweep.png")
     print(f"wrote {out_dir / 'loss_sweep.json'} and {out_dir / 'loss_sweep.png'} "

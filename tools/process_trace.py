@@ -4,8 +4,9 @@
     python tools/process_trace.py --pipeline_parallel P --model_chunks V [--trace-dir D] [--iteration K|last|all]
                                   [--out-dir O] [--strict] [--tolerance-us T]
 
+Reads the newest complete run of that shape under D (default traces/: traces/latest first) and says which.
 Writes trace_pipeline_<P>_model_chunks_<V>.json (open in ui.perfetto.dev), ..._metrics.json, ..._metrics.csv
-and prints a summary. Exit codes: 0 ok, 1 causality violations with --strict, 2 bad input.
+beside the traces (or in O) and prints a summary. Exit codes: 0 ok, 1 causality violations with --strict, 2 bad input.
 """
 
 from __future__ import annotations
@@ -20,11 +21,10 @@ if __package__ in (None, ""):  # run as a script from a checkout: make megatron_
     if (_root / "megatron_app").is_dir() and str(_root) not in sys.path:
         sys.path.insert(0, str(_root))
 
-from megatron_app.trace import read_trace_dir  # noqa: E402
 from megatron_app.trace.causality import check_causality  # noqa: E402
 from megatron_app.trace.chrome import chrome_trace  # noqa: E402
 from megatron_app.trace.cli import (OutputSet, base_parser, iteration_choice, output_stem,  # noqa: E402
-                                    resolve_trace_dir, run_cli)
+                                    read_chosen_run, run_cli)
 from megatron_app.trace.metrics import CSV_COLUMNS, IterationMetrics, csv_rows, iteration_metrics  # noqa: E402
 
 PROG = "process_trace.py"
@@ -44,7 +44,7 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    run = read_trace_dir(resolve_trace_dir(args.trace_dir), args.pipeline_parallel, args.model_chunks)
+    run, out_dir = read_chosen_run(args)
     iterations = run.select_iterations(args.iteration)
     metrics = [iteration_metrics(run, k) for k in iterations]
     violations = check_causality(run, iterations, tolerance_us=args.tolerance_us)
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
         "source": run.source, "ranks": len(run.ranks), "iterations": [m.to_dict() for m in metrics],
         "causality_violations": [v.to_dict() for v in violations],
     }
-    with OutputSet(args.out_dir) as outputs:
+    with OutputSet(out_dir) as outputs:
         _write_json(outputs.temp_path(f"{stem}.json"), chrome_trace(run, iterations))
         _write_json(outputs.temp_path(f"{stem}_metrics.json"), summary)
         with open(outputs.temp_path(f"{stem}_metrics.csv"), "w", newline="", encoding="utf-8") as handle:

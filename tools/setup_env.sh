@@ -32,20 +32,25 @@ if [ ! -f "$deps_stamp" ]; then
     fi
     log "installing pinned dependencies (requirements.txt)"
     pip_quiet -r "$repo_root/requirements.txt"
-    "$VENV_PY" -c 'import torch, megatron.core, pybind11, pytest, openpyxl, matplotlib, hypothesis' \
+    "$VENV_PY" -W ignore::UserWarning -c 'import torch, megatron.core, pybind11, pytest, openpyxl, matplotlib, hypothesis' \
         || die "dependencies did not install; see pip's output above"
     rm -f "$venv"/.deps-*
     touch "$deps_stamp"
 fi
 
-# Rebuild the extension whenever its sources or the build script change.
-build_inputs=$(find "$repo_root/csrc" "$repo_root/setup.py" -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.hpp' -o -name 'setup.py' \) 2>/dev/null | sort)
-build_stamp="$venv/.build-$(file_hash $build_inputs)"
+# Rebuild the extension whenever its sources, its build script or what the build probes change (rdma-core installed
+# after a first build, another compiler or torch): the stamp file holds that description.
+build_description=$(repo_root="$repo_root" VENV_PY="$VENV_PY" bash "$repo_root/tools/build_stamp.sh") \
+    || die "could not describe the build (tools/build_stamp.sh failed)"
+build_stamp="$venv/.build-$(echo "$build_description" | sha256sum | cut -c1-16)"
 if [ ! -f "$build_stamp" ] || ! "$VENV_PY" -c 'import megatron_app._shm_tensor_rdma' 2>/dev/null; then
-    log "building the extension (csrc/shm_tensor_rdma)"
+    previous=$(ls "$venv"/.build-* 2>/dev/null | head -n1 || true)
+    changed=$( [ -s "$previous" ] && diff <(cat "$previous") <(echo "$build_description") | sed -n 's/^> //p' \
+        | grep -v '^sources:' | paste -sd ';' - || true)
+    log "building the extension (csrc/shm_tensor_rdma)${changed:+; changed since the last build: $changed}"
     (cd "$repo_root" && "$VENV_PY" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e . 2>&1 \
         | grep -v -E '^WARNING: Location' ) || true
     "$VENV_PY" -c 'import megatron_app._shm_tensor_rdma' || die "the extension did not build; see the compiler output above"
     rm -f "$venv"/.build-*
-    touch "$build_stamp"
+    echo "$build_description" > "$build_stamp"
 fi

@@ -4,7 +4,8 @@
     python tools/visualize_trace.py --pipeline_parallel P --model_chunks V [--trace-dir D] [--iteration K|last]
                                     [--out-dir O]
 
-Writes trace_pipeline_<P>_model_chunks_<V>.xlsx and trace_pipeline_<P>_model_chunks_<V>.png.
+Reads the newest complete run of that shape under D (default traces/: traces/latest first) and says which.
+Writes trace_pipeline_<P>_model_chunks_<V>.xlsx and .png beside the traces (or in O).
 Exit codes: 0 ok, 2 bad input.
 """
 
@@ -18,9 +19,9 @@ if __package__ in (None, ""):  # run as a script from a checkout: make megatron_
     if (_root / "megatron_app").is_dir() and str(_root) not in sys.path:
         sys.path.insert(0, str(_root))
 
-from megatron_app.trace import TraceError, read_trace_dir  # noqa: E402
+from megatron_app.trace import TraceError  # noqa: E402
 from megatron_app.trace.cli import (OutputSet, base_parser, iteration_choice, output_stem,  # noqa: E402
-                                    resolve_trace_dir, run_cli)
+                                    read_chosen_run, run_cli)
 from megatron_app.trace.column_layout import layout_columns  # noqa: E402
 from megatron_app.trace.dependencies import InputSources  # noqa: E402
 from megatron_app.trace.metrics import iteration_metrics  # noqa: E402
@@ -43,7 +44,7 @@ def main(argv=None) -> int:
     if args.iteration == "all":
         raise TraceError("--iteration all is not supported here: the pictures show one iteration "
                          "(give a number or 'last')")
-    run = read_trace_dir(resolve_trace_dir(args.trace_dir), args.pipeline_parallel, args.model_chunks)
+    run, out_dir = read_chosen_run(args)
     (iteration,) = run.select_iterations(args.iteration)
     stages = run.pipeline_view()
     metrics = iteration_metrics(run, iteration)
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
     rows = layout_columns([stage.events_of(iteration, COMPUTE_KINDS) for stage in stages], sources)
 
     stem = output_stem(args.pipeline_parallel, args.model_chunks)
-    with OutputSet(args.out_dir) as outputs:
+    with OutputSet(out_dir) as outputs:
         write_pipeline_xlsx(outputs.temp_path(f"{stem}.xlsx"), rows, info, metrics)
         write_timeline_png(outputs.temp_path(f"{stem}.png"), stages, iteration, info, metrics)
         written = outputs.commit()

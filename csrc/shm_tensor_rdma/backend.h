@@ -57,13 +57,14 @@ class Backend {
   // Where `peer` listens. Sends to a peer wait (bounded by their timeout) until its address is known.
   virtual void set_peer_address(int peer, const std::string& address) = 0;
 
-  // Whether try_send_now() can ever succeed (the transport then tries small messages on the caller's thread).
+  // Whether send_now() can ever send anything (the transport then starts sends on the caller's thread).
   virtual bool sends_inline() const { return false; }
-  // Sends the whole message now if that cannot block; otherwise does nothing and returns false.
-  virtual bool try_send_now(int peer, const OutgoingMessage& message) { return false; }
-  // Blocks until the whole message is handed over (the caller's buffer is free again). Throws PeerDiedError,
-  // ClosedError, TimeoutError.
-  virtual void send(int peer, const OutgoingMessage& message, const SendLimits& limits) = 0;
+  // Sends the message from byte `*offset` on, as far as that cannot block and while `*offset` < `until`;
+  // advances `*offset`. Returns true once the whole message is sent.
+  virtual bool send_now(int peer, const OutgoingMessage& message, uint64_t* offset, uint64_t until) { return false; }
+  // Blocks until the message from byte `offset` on (what send_now() left; 0 for backends that never send inline)
+  // is handed over: the caller's buffer is free again. Throws PeerDiedError, ClosedError, TimeoutError.
+  virtual void send(int peer, const OutgoingMessage& message, const SendLimits& limits, uint64_t offset) = 0;
 
   // Publishes arrivals that wait for a caller's thread (shm copies chunks out of its rings; remote backends
   // publish from their own threads). With wait_for_lock=false, returns at once if another thread is at it.

@@ -246,7 +246,7 @@ uint64_t RdmaBackend::wait_for_slot(SendLink& link, const SendLimits& limits, co
   }
 }
 
-void RdmaBackend::send(int peer, const OutgoingMessage& message, const SendLimits& limits) {
+void RdmaBackend::send(int peer, const OutgoingMessage& message, const SendLimits& limits, uint64_t) {
   auto found = outbound_.find(peer);
   if (found == outbound_.end()) {
     throw std::invalid_argument("rank " + std::to_string(peer) + " is not an rdma peer of rank " +

@@ -47,7 +47,8 @@ class RdmaBackend : public Backend {
   const char* name() const override { return "rdma"; }
   std::string local_address() const override { return listener_.address(); }
   void set_peer_address(int peer, const std::string& address) override;
-  void send(int peer, const OutgoingMessage& message, const SendLimits& limits) override;
+  // `offset` is always 0: this backend never sends inline.
+  void send(int peer, const OutgoingMessage& message, const SendLimits& limits, uint64_t offset) override;
   std::optional<PeerFailure> failure(int peer) override;
   void close() override;
 

@@ -37,14 +37,14 @@ void ShmBackend::set_peer_address(int peer, const std::string&) {
   throw std::invalid_argument(peer_name(peer) + " is reached through shared memory");
 }
 
-bool ShmBackend::try_send_now(int peer, const OutgoingMessage& message) {
+bool ShmBackend::send_now(int peer, const OutgoingMessage& message, uint64_t* offset, uint64_t until) {
   ShmChannel* channel = connector_->channel_if_ready(peer);
-  return channel != nullptr && channel->try_send_now(message);
+  return channel != nullptr && channel->send_now(message, offset, until);
 }
 
-void ShmBackend::send(int peer, const OutgoingMessage& message, const SendLimits& limits) {
+void ShmBackend::send(int peer, const OutgoingMessage& message, const SendLimits& limits, uint64_t offset) {
   ShmChannel& channel = connector_->wait_channel(peer, message.header.tag, limits.timeout_s, *limits.stopping);
-  channel.send(message, limits);
+  channel.send(message, limits, offset);
 }
 
 std::unique_ptr<Backend::ForegroundWait> ShmBackend::foreground_wait() {

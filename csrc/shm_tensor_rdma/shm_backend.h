@@ -25,8 +25,8 @@ class ShmBackend : public Backend {
   std::string local_address() const override;
   void set_peer_address(int peer, const std::string& address) override;
   bool sends_inline() const override { return true; }
-  bool try_send_now(int peer, const OutgoingMessage& message) override;
-  void send(int peer, const OutgoingMessage& message, const SendLimits& limits) override;
+  bool send_now(int peer, const OutgoingMessage& message, uint64_t* offset, uint64_t until) override;
+  void send(int peer, const OutgoingMessage& message, const SendLimits& limits, uint64_t offset) override;
   void collect_arrivals(bool wait_for_lock) override { receiver_->drain_available(wait_for_lock); }
   std::unique_ptr<ForegroundWait> foreground_wait() override;
   std::optional<PeerFailure> failure(int peer) override;

@@ -17,6 +17,13 @@ namespace {
 using Clock = std::chrono::steady_clock;
 // How often a sender blocked on a full ring re-checks that the receiver is alive.
 constexpr auto kLivenessInterval = kWaitTick;
+// A message is cut into about this many chunks, so copy-in and copy-out overlap for all but one chunk...
+constexpr uint64_t kChunksPerMessage = 8;
+// ...but no chunk is smaller than this (unless the message is): each chunk costs a doorbell and a receiver pass.
+constexpr uint64_t kMinChunkBytes = 64 * 1024;
+constexpr uint64_t kChunkAlignBytes = 4096;
+
+uint64_t round_up(uint64_t value, uint64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
 }  // namespace
 
@@ -60,52 +67,49 @@ ShmChannel::ShmChannel(std::unique_ptr<ShmSegment> segment, SegmentView view, ui
       peer_rank_(peer_rank),
       owner_(view.owner()) {}
 
-uint64_t ShmChannel::chunks_for(uint64_t nbytes) const {
-  const uint64_t slot_bytes = view_.slot_bytes();
-  return std::max<uint64_t>(1, (nbytes + slot_bytes - 1) / slot_bytes);
+uint64_t ShmChannel::chunk_bytes_for(uint64_t nbytes) const {
+  const uint64_t share = round_up((nbytes + kChunksPerMessage - 1) / kChunksPerMessage, kChunkAlignBytes);
+  return std::min(std::max(share, kMinChunkBytes), view_.slot_bytes());
 }
 
-void ShmChannel::write_chunk(const OutgoingMessage& message, uint64_t offset, uint64_t length, uint64_t head) {
+bool ShmChannel::ring_full() const {
+  return ring_.head.load(std::memory_order_relaxed) - ring_.tail.load(std::memory_order_acquire) >=
+         view_.slots_per_ring();
+}
+
+uint64_t ShmChannel::publish_chunk(const OutgoingMessage& message, uint64_t offset) {
+  const uint64_t length = std::min(chunk_bytes_for(message.header.nbytes), message.header.nbytes - offset);
+  const uint64_t head = ring_.head.load(std::memory_order_relaxed);
   const uint64_t slot = head % view_.slots_per_ring();
   ChunkHeader& chunk = view_.chunk(ring_index_, slot);
   chunk.message = message.header;
   chunk.offset = offset;
   chunk.length = length;
   if (length > 0) std::memcpy(view_.slot_data(ring_index_, slot), message.data + offset, length);
+  ring_.head.store(head + 1, std::memory_order_seq_cst);
+  notify_chunk_published(view_.header());  // per chunk: the receiver copies it out while we copy in the next
+  return length;
 }
 
-bool ShmChannel::try_send_now(const OutgoingMessage& message) {
-  const uint64_t chunks = chunks_for(message.header.nbytes);
-  const uint64_t head = ring_.head.load(std::memory_order_relaxed);
-  const uint64_t tail = ring_.tail.load(std::memory_order_acquire);
-  if (head - tail + chunks > view_.slots_per_ring() || owner_closed()) return false;
-  const uint64_t slot_bytes = view_.slot_bytes();
-  for (uint64_t i = 0; i < chunks; ++i) {
-    const uint64_t offset = i * slot_bytes;
-    write_chunk(message, offset, std::min(slot_bytes, message.header.nbytes - offset), head + i);
+bool ShmChannel::send_now(const OutgoingMessage& message, uint64_t* offset, uint64_t until) {
+  if (owner_closed()) return false;
+  for (;;) {
+    if (ring_full()) return false;
+    *offset += publish_chunk(message, *offset);
+    if (*offset >= message.header.nbytes) return true;
+    if (*offset >= until) return false;
   }
-  ring_.head.store(head + chunks, std::memory_order_seq_cst);
-  notify_chunk_published(view_.header());
-  return true;
 }
 
-void ShmChannel::send(const OutgoingMessage& message, const SendLimits& limits) {
+void ShmChannel::send(const OutgoingMessage& message, const SendLimits& limits, uint64_t offset) {
   if (owner_closed()) {
     throw ClosedError(peer_name(peer_rank_) + " closed its transport before rank " +
                       std::to_string(limits.my_rank) + " sent " + describe_tag(message.header.tag));
   }
-  const uint64_t nbytes = message.header.nbytes;
-  const uint64_t slot_bytes = view_.slot_bytes();
-  uint64_t offset = 0;
   do {
     wait_for_free_slot(message, limits);
-    const uint64_t length = std::min(slot_bytes, nbytes - offset);
-    const uint64_t head = ring_.head.load(std::memory_order_relaxed);
-    write_chunk(message, offset, length, head);
-    ring_.head.store(head + 1, std::memory_order_seq_cst);
-    notify_chunk_published(view_.header());  // per chunk: the receiver copies out while we copy in the next
-    offset += length;
-  } while (offset < nbytes);
+    offset += publish_chunk(message, offset);
+  } while (offset < message.header.nbytes);
 }
 
 void ShmChannel::wait_for_free_slot(const OutgoingMessage& message, const SendLimits& limits) {

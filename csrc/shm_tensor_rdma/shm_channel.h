@@ -22,11 +22,16 @@ class ShmChannel {
   // process. Throws std::runtime_error if the segment does not accept messages from `my_rank`.
   static std::unique_ptr<ShmChannel> attach(const std::string& job_id, int my_rank, int world_size, int peer_rank);
 
-  // Copies the whole message now if the ring has room for all of it; otherwise does nothing and returns false.
-  bool try_send_now(const OutgoingMessage& message);
-  // Copies the message chunk by chunk, sleeping while the ring is full. Throws PeerDiedError, ClosedError,
-  // TimeoutError.
-  void send(const OutgoingMessage& message, const SendLimits& limits);
+  // Bytes per chunk for a message of `nbytes`: a message is cut into several chunks, published one by one, so
+  // that the receiver copies chunk k out while chunk k+1 is copied in (at most one slot each).
+  uint64_t chunk_bytes_for(uint64_t nbytes) const;
+  // Copies the chunks of `message` from `*offset` on while the ring has free slots and `*offset` < `until`,
+  // publishing each at once; advances `*offset`. Never blocks. Returns true once the whole message is sent
+  // (false when nothing could be sent, or only part of it).
+  bool send_now(const OutgoingMessage& message, uint64_t* offset, uint64_t until);
+  // Copies the message from `offset` on, chunk by chunk, sleeping while the ring is full. Throws PeerDiedError,
+  // ClosedError, TimeoutError.
+  void send(const OutgoingMessage& message, const SendLimits& limits, uint64_t offset = 0);
 
   const ProcessIdentity& owner() const { return owner_; }
   bool owner_closed() const { return view_.header().closed.load(std::memory_order_acquire) != 0; }
@@ -37,8 +42,9 @@ class ShmChannel {
 
  private:
   ShmChannel(std::unique_ptr<ShmSegment> segment, SegmentView view, uint32_t ring_index, int peer_rank);
-  uint64_t chunks_for(uint64_t nbytes) const;
-  void write_chunk(const OutgoingMessage& message, uint64_t offset, uint64_t length, uint64_t head);
+  bool ring_full() const;
+  // Writes the chunk starting at `offset` into the next slot and publishes it; returns its length.
+  uint64_t publish_chunk(const OutgoingMessage& message, uint64_t offset);
   void wait_for_free_slot(const OutgoingMessage& message, const SendLimits& limits);
 
   std::unique_ptr<ShmSegment> segment_;

@@ -126,7 +126,7 @@ void TcpBackend::connect(int peer, Outbound& link, const OutgoingMessage& messag
   link.socket = std::move(connection.socket);
 }
 
-void TcpBackend::send(int peer, const OutgoingMessage& message, const SendLimits& limits) {
+void TcpBackend::send(int peer, const OutgoingMessage& message, const SendLimits& limits, uint64_t) {
   auto found = outbound_.find(peer);
   if (found == outbound_.end()) {
     throw std::invalid_argument("rank " + std::to_string(peer) + " is not a tcp peer of rank " +

@@ -19,7 +19,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Messages up to this size are copied on the caller's thread when the ring has room (no worker hand-off).
+// The caller's thread copies a shared-memory message's first chunks itself, up to at least this many bytes, when
+// its link is idle and the ring has room: smaller messages need no worker hand-off at all, and for larger ones
+// the receiver starts copying out while the worker is still waking up for the rest.
 constexpr uint64_t kInlineSendBytes = 64 * 1024;
 // Received buffers kept for reuse once Python drops them.
 constexpr size_t kMaxCachedReceiveBytes = size_t{256} << 20;
@@ -225,23 +227,37 @@ std::shared_ptr<SendRequest> Transport::send(int peer, uint64_t tag, uint32_t dt
   if (nbytes > 0 && data == nullptr) throw std::invalid_argument("null data pointer for a non-empty message");
   const OutgoingMessage message{make_message_header(tag, dtype_code, shape, nbytes),
                                 static_cast<const uint8_t*>(data)};
-  if (nbytes <= kInlineSendBytes && sends_inline_[peer]) {
+  if (sends_inline_[peer]) {
     Backend* backend = backend_of_[peer];
-    if (workers_->run_inline_if_idle(peer, [&] { return backend->try_send_now(peer, message); })) return nullptr;
+    uint64_t sent = 0;
+    std::shared_ptr<SendRequest> rest;
+    const bool handled = workers_->run_inline_if_idle(peer, [&] {
+      if (backend->send_now(peer, message, &sent, kInlineSendBytes)) return true;
+      if (sent == 0) return false;
+      // The first chunks are sent: queue the rest on the lane before it is free again, keeping the order.
+      rest = post_send(peer, message, sent);
+      return true;
+    });
+    if (handled) return rest;  // nullptr when the whole message is sent
   }
+  return post_send(peer, message, 0);
+}
+
+std::shared_ptr<SendRequest> Transport::post_send(int peer, const OutgoingMessage& message, uint64_t offset) {
   auto request = std::make_shared<SendRequest>();
-  workers_->submit(peer, [this, request, peer, message] { perform_send(request, peer, message); });
+  workers_->submit(peer, [this, request, peer, message, offset] { perform_send(request, peer, message, offset); });
   track(request);
   return request;
 }
 
-void Transport::perform_send(const std::shared_ptr<SendRequest>& request, int peer, const OutgoingMessage& message) {
+void Transport::perform_send(const std::shared_ptr<SendRequest>& request, int peer, const OutgoingMessage& message,
+                             uint64_t offset) {
   try {
     if (closing_.load()) {
       throw ClosedError("transport closed before " + describe_tag(message.header.tag) + " to " + peer_name(peer) +
                         " was sent");
     }
-    backend_of_[peer]->send(peer, message, SendLimits{options_.rank, options_.timeout_s, &closing_});
+    backend_of_[peer]->send(peer, message, SendLimits{options_.rank, options_.timeout_s, &closing_}, offset);
     request->complete();
   } catch (...) {
     request->fail(std::current_exception());

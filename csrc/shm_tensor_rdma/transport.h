@@ -71,7 +71,10 @@ class Transport {
   // Raises (once) every send failure not reported yet, as one exception.
   void report_pending_failure();
   static void raise_first_failure(const std::vector<std::shared_ptr<SendRequest>>& failed);
-  void perform_send(const std::shared_ptr<SendRequest>& request, int peer, const OutgoingMessage& message);
+  // Queues `message` from byte `offset` on for the peer's send worker; returns its request.
+  std::shared_ptr<SendRequest> post_send(int peer, const OutgoingMessage& message, uint64_t offset);
+  void perform_send(const std::shared_ptr<SendRequest>& request, int peer, const OutgoingMessage& message,
+                    uint64_t offset);
   // Makes one backend per kind in use (registry order) and maps each peer to its backend.
   void create_backends();
   void make_backend(const BackendKind& kind, const std::map<std::string, std::vector<int>>& peers_of);

@@ -16,15 +16,17 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.schedules import (
-    backward_step,
     check_first_val_step,
     deallocate_output_tensor,
     forward_step,
 )
 from megatron.core.utils import get_model_config, get_model_type
 
+from megatron_app.megatron_compat import backward_step, megatron_core_version
 from megatron_app.schedule import Kind, PipelineShape, RankState, Task
 
+from . import keyed_randomness
+from .call_contract import ScheduleGroups, apply_tensor_shape_hook, full_checkpoint_flags, resolve_groups
 from .links import PipelineLinks, direction_of
 from .microbatch_data import MicrobatchReplay
 from .microbatch_lengths import take_microbatch_lengths
@@ -103,7 +105,7 @@ class PipelineStep:
     """One forward_backward call on one rank."""
 
     def __init__(self, session: RuntimeSession, *, forward_step_func, data_iterator, model, num_microbatches: int,
-                 forward_only: bool, collect_non_loss_data: bool, first_val_step, pg_collection,
+                 forward_only: bool, collect_non_loss_data: bool, first_val_step, groups: ScheduleGroups,
                  force_all_reduce: bool):
         self.session = session
         self.settings = session.settings
@@ -122,7 +124,7 @@ class PipelineStep:
         self.forward_only = forward_only
         self.collect_non_loss_data = collect_non_loss_data
         self.first_val_step = first_val_step
-        self.pg_collection = pg_collection
+        self.pg_collection = groups.pg_collection
         self.force_all_reduce = force_all_reduce
         self.num_microbatches = num_microbatches
 
@@ -130,12 +132,7 @@ class PipelineStep:
         if getattr(self.config, "defer_embedding_wgrad_compute", False):
             raise ValueError("megatron_app does not support defer_embedding_wgrad_compute yet")
         self.model_type = get_model_type(self.models[0])
-        pp_group = pg_collection.pp if pg_collection is not None else \
-            parallel_state.get_pipeline_model_parallel_group()
-        tp_group = pg_collection.tp if pg_collection is not None else \
-            parallel_state.get_tensor_model_parallel_group()
-        self.cp_size = pg_collection.cp.size() if pg_collection is not None else \
-            parallel_state.get_context_parallel_world_size()
+        pp_group, tp_group, self.cp_size = groups.pp, groups.tp, groups.cp_size
         P = dist.get_world_size(pp_group)
         self.pp_rank = dist.get_rank(pp_group)
         pp_global = dist.get_process_group_ranks(pp_group)
@@ -144,8 +141,13 @@ class PipelineStep:
                                    forward_only=forward_only,
                                    microbatch_group_size=getattr(self.config, "microbatch_group_size_per_vp_stage",
                                                                  None) if V > 1 else None)
+        self.full_checkpoint = full_checkpoint_flags(
+            self.shape, self.pp_rank, getattr(self.config, "num_microbatches_with_partial_activation_checkpoints", None))
         self.policy = session.policy_for(self.shape, self.pp_rank,
                                          None if forward_only else self.settings.memory_cap)
+        session.announce_once(f"rank {dist.get_rank()} (pipeline rank {self.pp_rank}): schedule "
+                              f"policy={self.policy.name} P={P} V={V} memory_cap={self.policy.memory_cap} "
+                              f"(megatron-core {megatron_core_version()})")
         # Tokens per microbatch, told by the loop (set_microbatch_lengths); sizes activations, feeds planning.
         self.lengths = take_microbatch_lengths(num_microbatches)
         self._pp_group, self._pp_global = pp_group, pp_global
@@ -173,6 +175,9 @@ class PipelineStep:
     def _adopt_shared_plan(self, pp_group, pp_global):
         """Pipeline rank 0 plans this call (within its time budget) and every rank adopts that plan, so all ranks
         run orders that fit together (schedule/planned.py)."""
+        if self.lengths is None:   # every rank knows no lengths were told: data order, no collective needed
+            self.policy.use_plan(None, None)
+            return
         plan = None
         if self.pp_rank == 0:
             start = time.perf_counter()
@@ -271,21 +276,24 @@ class PipelineStep:
         store: list = []
         self.state.mark_started(task)
         start = self._now()
-        output_tensor, num_tokens = forward_step(
-            self.forward_step_func,
-            None if self.data[c] is None else self.data[c].select(i),
-            self.models[c],
-            self.num_microbatches,
-            input_tensor,
-            store,
-            self.config,
-            self.cp_size,
-            self.collect_non_loss_data,
-            is_first_microbatch=check_first_val_step(self.first_val_step, self.forward_only, first),
-            current_microbatch=i,
-            vp_stage=c if len(self.models) > 1 else None,
-            is_last_stage=is_last,
-        )
+        with keyed_randomness.microbatch_scope(i):   # dropout keyed by microbatch, whatever the order
+            output_tensor, num_tokens = forward_step(
+                self.forward_step_func,
+                None if self.data[c] is None else self.data[c].select(i),
+                self.models[c],
+                self.num_microbatches,
+                input_tensor,
+                store,
+                self.config,
+                self.cp_size,
+                self.collect_non_loss_data,
+                checkpoint_activations_microbatch=None if self.full_checkpoint is None else
+                self.full_checkpoint[(c, i)],
+                is_first_microbatch=check_first_val_step(self.first_val_step, self.forward_only, first),
+                current_microbatch=i,
+                vp_stage=c if len(self.models) > 1 else None,
+                is_last_stage=is_last,
+            )
         self._trace(task.kind.trace_name, start, self._now(), task)
         self.state.mark_done(task)
         self.policy.observe(task, (self._now() - start) / 1e6)
@@ -309,7 +317,8 @@ class PipelineStep:
         start = self._now()
         sync = self.grad_sync.around_last_backward(c) if self._backwards_left[c] == 0 else contextlib.nullcontext()
         with sync:
-            input_grad = backward_step(input_tensor, output_tensor, output_grad, self.model_type, self.config)
+            with keyed_randomness.microbatch_scope(i):   # recomputation redraws the forward's masks
+                input_grad = backward_step(input_tensor, output_tensor, output_grad, self.model_type, self.config)
         self._trace(task.kind.trace_name, start, self._now(), task)
         self.state.mark_done(task)
         self.policy.observe(task, (self._now() - start) / 1e6)
@@ -367,19 +376,24 @@ def forward_backward_app(
     pg_collection=None,
     force_all_reduce: Optional[bool] = False,
 ):
-    """Drop-in for megatron-core 0.16's forward_backward_pipelining_with_interleaving (and the other two).
+    """Drop-in for megatron-core's three forward_backward functions (0.16 - 0.19), same keywords and rules.
 
-    Message shapes come with the messages, so seq_length / micro_batch_size / decoder_seq_length are accepted for
-    signature compatibility and not needed; p2p_communicator is replaced by our transport.
-    Returns the forward data store (loss dicts on the last stage, in microbatch order), like Megatron.
+    Message shapes come with the messages, so seq_length / micro_batch_size / decoder_seq_length only feed
+    adjust_tensor_shapes_fn, which is called where Megatron calls it (1F1B without interleaving) and refused where
+    Megatron refuses it. p2p_communicator's pipeline group is the one our transport connects; its own send/recv is
+    not used. Returns the forward data store (loss dicts on the last stage, in microbatch order), like Megatron.
     """
-    if adjust_tensor_shapes_fn is not None:
-        raise ValueError("adjust_tensor_shapes_fn is not supported by the megatron_app schedule")
+    groups = resolve_groups(p2p_communicator, pg_collection)
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    apply_tensor_shape_hook(adjust_tensor_shapes_fn, num_stages=dist.get_world_size(groups.pp),
+                            num_chunks=len(chunks), seq_length=seq_length, micro_batch_size=micro_batch_size,
+                            decoder_seq_length=decoder_seq_length, config=get_model_config(chunks[0]),
+                            tp_group=groups.tp, cp_group=groups.cp)
     session = current_session()
     step = PipelineStep(session, forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
                         num_microbatches=num_microbatches, forward_only=forward_only,
                         collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
-                        pg_collection=pg_collection, force_all_reduce=bool(force_all_reduce))
+                        groups=groups, force_all_reduce=bool(force_all_reduce))
     session.calls += 1
     if step.tracer is not None:
         session.training_calls += 1
@@ -389,5 +403,6 @@ def forward_backward_app(
         session.last_iteration_s = (end - start) / 1e6
         step.tracer.record("iteration", start, end, iteration=step.iteration)
         step.tracer.flush()   # a crash loses at most the iteration in flight
+        keyed_randomness.training_call_done()
         return result
     return step.run()

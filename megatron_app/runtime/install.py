@@ -23,10 +23,19 @@ _originals: Optional[Dict[str, object]] = None
 
 def install(schedule: str = "app", policy: str = "dfc", trace_dir: Optional[str] = None, *,
             memory_cap: Optional[int] = None, timeout_s: float = 300.0, job_id: Optional[str] = None,
-            tracing: bool = True, memory_factor: Optional[float] = None) -> AppSettings:
-    """Route Megatron's forward_backward functions to ours. Idempotent; a second call updates the settings."""
+            tracing: bool = True, memory_factor: Optional[float] = None,
+            allow_untested_megatron: Optional[bool] = None) -> AppSettings:
+    """Route Megatron's forward_backward functions to ours. Idempotent; a second call updates the settings.
+
+    An installed megatron-core outside the tested range is refused (UnsupportedMegatronError, one line) unless
+    allow_untested_megatron (or $MEGATRON_APP_ALLOW_UNTESTED_MEGATRON=1) says to try anyway.
+    """
     global _originals
     from megatron.core.pipeline_parallel import schedules
+
+    from megatron_app.megatron_compat import check_megatron_version
+
+    check_megatron_version(allow_untested_megatron)
 
     from .executor import forward_backward_app
 
@@ -66,6 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--app-memory-factor", type=float, default=None,
                        help="policy planned: activation bytes a rank may hold, x Megatron's peak (default 1.0)")
     group.add_argument("--app-trace-dir", default=None)
+    group.add_argument("--app-allow-untested-megatron", action="store_true",
+                       help="run with a megatron-core version megatron_app was not tested with")
     return parser
 
 
@@ -74,4 +85,5 @@ def install_from_args(args: argparse.Namespace) -> Optional[AppSettings]:
     if not getattr(args, "use_app", False):
         return None
     return install(schedule=args.app_schedule, policy=args.app_policy, trace_dir=args.app_trace_dir,
-                   memory_cap=args.app_memory_cap, memory_factor=getattr(args, "app_memory_factor", None))
+                   memory_cap=args.app_memory_cap, memory_factor=getattr(args, "app_memory_factor", None),
+                   allow_untested_megatron=getattr(args, "app_allow_untested_megatron", False) or None)

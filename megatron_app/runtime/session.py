@@ -10,6 +10,7 @@ import atexit
 import os
 import re
 import socket
+import sys
 import uuid
 from typing import Callable, List, Optional
 
@@ -58,6 +59,13 @@ class RuntimeSession:
         self.last_iteration_s: Optional[float] = None   # wall time of the last training call
         self.last_planning_s: Optional[float] = None    # its planning time (pipeline rank 0, planning policies)
         self._closed = False
+        self._announced = False
+
+    def announce_once(self, what: str) -> None:
+        """One line per rank on stderr the first time the schedule runs, so a user sees the plugin is active."""
+        if not self._announced:
+            self._announced = True
+            print(f"megatron_app: {what}", file=sys.stderr, flush=True)
 
     def planning_budget_s(self) -> Optional[float]:
         """Time a planning policy may spend on the next call: a share of the last call (None before one ran)."""

@@ -30,7 +30,7 @@ from .tasks import Kind, Task
 # durations[kind index: 0 forward, 1 backward][chunk][microbatch] -> predicted time (any unit, the same for all)
 DurationTable = Sequence[Sequence[Sequence[float]]]
 
-DEFAULT_EVALUATIONS = 48
+DEFAULT_EVALUATIONS = 150
 
 
 @dataclass(frozen=True)

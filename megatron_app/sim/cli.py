@@ -23,6 +23,7 @@ import warnings
 from pathlib import Path
 from typing import List, Optional
 
+from megatron_app.quiet import silence_third_party_warnings
 from megatron_app.schedule import POLICY_NAMES, PipelineShape, ScheduleConfigError, policies_for
 from megatron_app.trace.cli import EXIT_BAD_INPUT, OneLineArgumentParser, non_negative_int, number, positive_int
 
@@ -166,7 +167,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     with warnings.catch_warnings():
         # megatron-core (imported for its static orders) warns that optional CUDA extensions are missing.
-        warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+        silence_third_party_warnings()
         return _run(args)
 
 

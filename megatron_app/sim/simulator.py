@@ -105,7 +105,7 @@ class SimResult:
 
     @property
     def planning_s(self) -> float:
-        """Mean wall time spent planning per iteration (rank 0)."""
+        """Mean CPU time spent planning per iteration (rank 0)."""
         return sum(it.planning_s for it in self.iterations) / len(self.iterations)
 
     @property

@@ -8,7 +8,7 @@ Timestamps are microseconds from the first exported event.
 from __future__ import annotations
 
 from .reader import TraceRun
-from .schema import BACKWARD, FORWARD, RECV, SEND
+from .schema import BACKWARD, CLOSED, FORWARD, RECV, SEND
 
 _THREADS = ["compute", "recv", "wait", "optimizer", "iteration", "eval"]
 _THREAD_OF_KIND = {FORWARD: "compute", BACKWARD: "compute"}
@@ -17,7 +17,8 @@ _SHORT = {FORWARD: "F", BACKWARD: "B"}
 
 def chrome_trace(run: TraceRun, iterations: list[int]) -> dict:
     selected = set(iterations)
-    events_by_rank = [(rank, [e for e in rank.events if e.iteration in selected]) for rank in run.ranks]
+    events_by_rank = [(rank, [e for e in rank.events if e.iteration in selected and e.kind != CLOSED])
+                      for rank in run.ranks]
     all_starts = [e.start for _, events in events_by_rank for e in events]
     origin = min(all_starts) if all_starts else 0.0
     out: list[dict] = []

@@ -9,6 +9,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .reader import TraceRun, read_trace_dir
+from .runs import ChosenRun, choose_run, holds_trace_files
 from .schema import TraceError
 
 EXIT_BAD_INPUT = 2
@@ -77,25 +79,34 @@ def base_parser(prog: str, description: str) -> OneLineArgumentParser:
     parser.add_argument("--model_chunks", "--model-chunks", dest="model_chunks", type=positive_int, required=True,
                         help="model chunks per rank V of the traced run")
     parser.add_argument("--trace-dir", "--trace_dir", dest="trace_dir", default=None,
-                        help=f"directory of trace_rank<N>.jsonl files (default: ./{DEFAULT_TRACE_DIR}, or the "
-                             "current directory when it holds the files)")
-    parser.add_argument("--out-dir", "--out_dir", dest="out_dir", default=".",
-                        help="where to write the outputs (default: current directory)")
+                        help=f"a run's directory of trace_rank<N>.jsonl files, or a directory of runs (then its "
+                             f"newest complete run of the asked shape, 'latest' first; default: ./{DEFAULT_TRACE_DIR})")
+    parser.add_argument("--out-dir", "--out_dir", dest="out_dir", default=None,
+                        help="where to write the outputs (default: beside the traces, in the run's directory)")
     return parser
 
 
-def resolve_trace_dir(given: str | None) -> Path:
-    """--trace-dir if given; else ./traces; else the current directory when it holds trace files (seed usage)."""
+def resolve_trace_dir(given: str | None, pipeline_parallel: int, model_chunks: int) -> ChosenRun:
+    """The run to read: under --trace-dir if given, else ./traces, else the current directory when it holds trace
+    files (seed usage). A directory of run directories gives its newest complete run of the asked shape."""
     if given is not None:
-        return Path(given)
+        return choose_run(Path(given), pipeline_parallel, model_chunks)
     default = Path(DEFAULT_TRACE_DIR)
-    for candidate in (default, Path(".")):
-        if candidate.is_dir() and any(candidate.glob("trace_rank*.jsonl")):
-            return candidate
-    if default.is_dir():
-        return default  # the reader names what is wrong with it
-    raise TraceError(f"no trace files: ./{DEFAULT_TRACE_DIR}/ does not exist and the current directory holds no "
-                     "trace_rank<N>.jsonl (use --trace-dir)")
+    if not default.is_dir() and holds_trace_files(Path(".")):
+        return choose_run(Path("."), pipeline_parallel, model_chunks)
+    if not default.is_dir():
+        raise TraceError(f"no trace files: ./{DEFAULT_TRACE_DIR}/ does not exist and the current directory holds no "
+                         "trace_rank<N>.jsonl (use --trace-dir)")
+    return choose_run(default, pipeline_parallel, model_chunks)
+
+
+def read_chosen_run(args) -> tuple[TraceRun, Path]:
+    """Choose the run (saying which on stdout), read it, and return it with the output directory: --out-dir, else
+    the run's own directory, beside its traces."""
+    chosen = resolve_trace_dir(args.trace_dir, args.pipeline_parallel, args.model_chunks)
+    print(chosen.note)
+    run = read_trace_dir(chosen.directory, args.pipeline_parallel, args.model_chunks)
+    return run, Path(args.out_dir) if args.out_dir is not None else chosen.directory
 
 
 def output_stem(pipeline_parallel: int, model_chunks: int) -> str:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+from .runs import LATEST
 from .schema import (BACKWARD, COMPUTE_KINDS, FORWARD, TraceError, TraceEvent, TraceMeta, check_schema_version,
                      trace_file_name)
 
@@ -120,11 +121,14 @@ class TraceRun:
 
 def read_trace_dir(trace_dir: str | os.PathLike, pipeline_parallel: int | None = None,
                    model_chunks: int | None = None) -> TraceRun:
-    """Load and validate every `trace_rank<N>.jsonl` in `trace_dir`; raise TraceError on the first problem."""
+    """Load and validate every `trace_rank<N>.jsonl` in `trace_dir` (or in its `latest` run, when it is a root of
+    run directories); raise TraceError on the first problem."""
     directory = Path(trace_dir)
     if not directory.is_dir():
         raise TraceError(f"{directory}: trace directory does not exist")
     files = sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := _FILE_RE.match(p.name)))
+    if not files and (directory / LATEST).is_dir():  # a root of run directories: its latest run
+        return read_trace_dir(directory / LATEST, pipeline_parallel, model_chunks)
     if not files:
         raise TraceError(f"{directory}: no trace files (trace_rank<N>.jsonl)")
     ranks = [_read_rank_file(path, rank, pipeline_parallel, model_chunks) for rank, path in files]

@@ -12,7 +12,7 @@ from typing import Any
 
 from megatron_app.schedule.tasks import Kind, TASK_KINDS
 
-SCHEMA_VERSION = "1.1"
+SCHEMA_VERSION = "1.2"
 FORMAT_NAME = "megatron_app.trace"
 FILE_PATTERN = "trace_rank{rank}.jsonl"
 
@@ -25,9 +25,10 @@ OPTIMIZER = "optimizer"
 ITERATION = "iteration"
 EVAL = "eval"
 LOSS = "loss"  # packet-loss statistics of one link and direction for one iteration (schema 1.1)
+CLOSED = "closed"  # the file's last line once its tracer closed it normally (schema 1.2): the rank finished
 
 COMPUTE_KINDS = frozenset(info.trace_name for info in TASK_KINDS.values())   # the schedule's task kinds
-KNOWN_KINDS = COMPUTE_KINDS | {SEND, RECV, WAIT, OPTIMIZER, ITERATION, EVAL, LOSS}
+KNOWN_KINDS = COMPUTE_KINDS | {SEND, RECV, WAIT, OPTIMIZER, ITERATION, EVAL, LOSS, CLOSED}
 SOURCES = frozenset({"runtime", "sim"})
 
 

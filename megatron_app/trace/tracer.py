@@ -9,7 +9,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from .schema import KNOWN_KINDS, TraceMeta, trace_file_name
+from .schema import CLOSED, KNOWN_KINDS, TraceMeta, trace_file_name
 
 # Bounds memory when the caller never flushes (e.g. a long evaluation loop); about 100 bytes per event.
 DEFAULT_MAX_BUFFERED_EVENTS = 100_000
@@ -73,6 +73,7 @@ class Tracer:
         self._extra_cache: dict[tuple, str] = {}
         self._lock = threading.Lock()  # serialises flush() and close(); record() belongs to the rank's main thread
         self._file = None
+        self._last_event = (0, None)  # iteration and end of the last flushed event: the closing line's
         if self.enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "w", encoding="utf-8")
@@ -107,16 +108,22 @@ class Tracer:
         with self._lock:
             events, self._buffer = self._buffer, []
             if events and self._file is not None:
+                self._last_event = (int(events[-1][3]), float(events[-1][2]))
                 encode = self._encoder()
                 self._file.write("".join([encode(event) for event in events]))
                 self._file.flush()
 
     def close(self) -> None:
+        """Flush and end the file with a `closed` line, which tells readers this rank finished normally."""
         if not self.enabled:
             return
         self.flush()
         with self._lock:
             if self._file is not None:
+                # At the last event's end, not the clock's now: the simulator's times are virtual.
+                iteration, end = self._last_event
+                end = self.now_us() if end is None else end
+                self._file.write(self._encoder()((CLOSED, end, end, iteration, None, None, None, None, {})))
                 self._file.close()
                 self._file = None
         self.record = self._record_after_close  # instance attribute: no per-call cost before close

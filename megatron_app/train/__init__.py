@@ -6,7 +6,7 @@ data), step (forward_step), optim (Adam + DP gradient sync), forward_backward (s
 dumps (gradient and weight dumps by global name), report (loss/log), loop (the iterations).
 """
 
-import warnings
+from megatron_app.quiet import silence_third_party_warnings
 
-# Megatron-Core warns on import that Apex / Transformer Engine are absent; on CPU that is expected.
-warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed.*")
+# Before megatron-core is imported: it warns on import that Apex / Transformer Engine are absent (expected on CPU).
+silence_third_party_warnings()

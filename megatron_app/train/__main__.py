@@ -45,6 +45,44 @@ def check_forced_rdma(args) -> None:
               "see tools/rdma_check.py, or use tcp or auto")
 
 
+def check_shared_memory(args) -> None:
+    """Refuse with the number when /dev/shm cannot hold this host's receive rings (Docker's default is 64 MiB)."""
+    from megatron_app.transport import requested_mode
+
+    if args.pipeline_parallel < 2 or requested_mode() in ("tcp", "rdma"):
+        return
+    from .shm_budget import estimate, free_and_total
+
+    space = free_and_total()
+    if space is None:
+        return  # no /dev/shm to measure: the transport names what it cannot open
+    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
+    node_rank = int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0")))
+    needed = estimate(args.pipeline_parallel, args.tensor_parallel, args.data_parallel, ranks_per_node, node_rank)
+    reason = needed.shortfall(*space)
+    if reason is not None:
+        _fail(reason)
+
+
+def environment_failure(exc: BaseException) -> str | None:
+    """The one-line text of a failure of this host's environment (no space, no permission, a port in use, a
+    missing device or file), else None: a bug keeps its traceback."""
+    if isinstance(exc, OSError):
+        return str(exc)
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    markers = ("No space left on device", "Permission denied", "Address already in use", "No such device",
+               "No such file or directory", "Operation not permitted", "Cannot allocate memory", "is /dev/shm full",
+               "Read-only file system", "Disk quota exceeded")
+    if isinstance(exc, RuntimeError) and any(marker in text for marker in markers):
+        return first if any(marker in first for marker in markers) else f"{first} ({_marker_line(text, markers)})"
+    return None
+
+
+def _marker_line(text: str, markers) -> str:
+    return next(line.strip() for line in text.splitlines() if any(marker in line for marker in markers))
+
+
 def main(argv=None) -> None:
     try:
         args = parse_args(argv)
@@ -56,6 +94,7 @@ def main(argv=None) -> None:
         except ValueError as exc:
             _fail(str(exc))
         check_forced_rdma(args)
+        check_shared_memory(args)
         print(f"megatron_app.train: config ok: {args.world_size} ranks, P={args.pipeline_parallel} "
               f"V={args.model_chunks} T={args.tensor_parallel} D={args.data_parallel} m={args.num_microbatches}")
         return
@@ -72,6 +111,12 @@ def main(argv=None) -> None:
     except (PeerDied, TransportTimeout, PipelineStallError) as exc:
         # A fault of another rank, not of this one: name it in one line instead of a traceback.
         print(f"megatron_app.train: rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
+    except (OSError, RuntimeError) as exc:
+        reason = environment_failure(exc)
+        if reason is None:
+            raise
+        print(f"megatron_app.train: rank {os.environ.get('RANK', '0')}: error: {reason}", file=sys.stderr, flush=True)
         raise SystemExit(1)
 
 

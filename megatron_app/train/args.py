@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(model, "--vocab-size", type=int, default=None,
               help=f"total vocabulary, end-of-document token included (default: {DEFAULT_VOCAB_SIZE} on mock data; "
                    "with --data-path the tokenizer's or the data's size, padded like Megatron)")
+    _add_flag(model, "--hidden-dropout", type=float, default=0.0, metavar="P",
+              help="dropout after attention and MLP (Megatron-LM's flag; its default is 0.1), keyed by (seed, "
+                   "iteration, microbatch, layer) so every schedule, P and V draws the same masks")
+    _add_flag(model, "--attention-dropout", type=float, default=0.0, metavar="P",
+              help="dropout on attention probabilities (Megatron-LM's flag; its default is 0.1), keyed the same way")
     _add_flag(model, "--make-vocab-size-divisible-by", type=int, default=128, metavar="N",
               help="pad a derived vocabulary size to a multiple of N x tensor_parallel (Megatron's rule)")
 
@@ -104,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
               help=f"app: adaptive runtime; {'/'.join(STATIC_POLICY_NAMES)}: static orders run by the runtime; "
                    f"{MEGATRON_SCHEDULE}: Megatron-Core's own forward_backward function")
     _add_flag(sched, "--policy", choices=POLICIES, default="dfc", help="task policy of the app schedule")
+    _add_flag(sched, "--memory-factor", type=float, default=None, metavar="X",
+              help="policy planned: activation bytes a rank may hold, x what Megatron's interleaved order holds for "
+                   "the same microbatches (default 1.0)")
 
     emulation = parser.add_argument_group("compute emulation (timed waits instead of the model)")
     _add_flag(emulation, "--emulate-compute", default=None, metavar="FWD_MS,BWD_MS[,JITTER]",
@@ -203,6 +211,9 @@ def _check_scalars(args: argparse.Namespace) -> None:
         raise UsageError(f"--seed must be non-negative, got {args.seed}")
     if not args.lr > 0:
         raise UsageError(f"--lr must be positive, got {args.lr}")
+    for dest in ("hidden_dropout", "attention_dropout"):
+        if not 0.0 <= getattr(args, dest) < 1.0:
+            raise UsageError(f"{_flag(dest)} must be in [0, 1), got {getattr(args, dest)}")
 
 
 def _derive_layout(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
@@ -351,7 +362,17 @@ def validate(args: argparse.Namespace, environ: Mapping[str, str]) -> argparse.N
     _check_variable_lengths(args)
     _check_emulation(args)
     _check_loss(args)
+    _check_memory_factor(args)
     return args
+
+
+def _check_memory_factor(args: argparse.Namespace) -> None:
+    if args.memory_factor is None:
+        return
+    if not args.memory_factor >= 1.0:
+        raise UsageError(f"--memory-factor must be >= 1 (x Megatron's peak activation bytes), got {args.memory_factor}")
+    if args.schedule != "app" or args.policy != "planned":
+        raise UsageError("--memory-factor applies to --policy planned (under --schedule app) only")
 
 
 def _check_variable_lengths(args: argparse.Namespace) -> None:

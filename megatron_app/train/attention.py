@@ -3,6 +3,10 @@
 Megatron's local ``DotProductAttention`` takes its score buffer from a CUDA global memory buffer, so
 it cannot run on CPU. This module does the same job with ``scaled_dot_product_attention`` and plugs
 into the spec slot ``self_attention.submodules.core_attention``.
+
+With attention dropout, the mask is drawn for all heads from the default stream (the same on every tensor-parallel
+rank) and each rank keeps its heads' part, so the masks do not depend on the tensor-parallel size; together with
+runtime.keyed_randomness they depend on nothing but (seed, iteration, microbatch, layer).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -44,8 +48,10 @@ class SdpaCoreAttention(MegatronModule):
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         tp_size = config.tensor_model_parallel_size
-        if pg_collection is not None and getattr(pg_collection, "tp", None) is not None:
-            tp_size = pg_collection.tp.size()
+        self._tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
+        if self._tp_group is not None:
+            tp_size = self._tp_group.size()
+        self.tp_size = tp_size
         self.heads_per_partition = divide(config.num_attention_heads, tp_size)
         self.query_groups_per_partition = divide(config.num_query_groups, tp_size)
         head_dim = divide(config.kv_channels * config.num_attention_heads, config.num_attention_heads)
@@ -80,18 +86,32 @@ class SdpaCoreAttention(MegatronModule):
         # Megatron masks mark positions to drop (True); SDPA boolean masks mark positions to keep.
         keep_mask = None if is_causal or attention_mask is None else ~attention_mask
         dropout_p = self.dropout_p if self.training else 0.0
-        if dropout_p > 0.0 and not self.config.sequence_parallel:
-            # Attention dropout differs per TP rank, as in Megatron's DotProductAttention.
-            with tensor_parallel.get_cuda_rng_tracker().fork():
-                context = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=keep_mask, dropout_p=dropout_p, is_causal=is_causal,
-                    scale=self.softmax_scale,
-                )
+        if dropout_p > 0.0:
+            context = self._attention_with_dropout(q, k, v, keep_mask, is_causal, dropout_p)
         else:
-            context = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=keep_mask, dropout_p=dropout_p, is_causal=is_causal,
-                scale=self.softmax_scale,
-            )
+            context = F.scaled_dot_product_attention(q, k, v, attn_mask=keep_mask, is_causal=is_causal,
+                                                     scale=self.softmax_scale)
         # [b, h, s, d] -> [s, b, h * d]
         context = context.permute(2, 0, 1, 3).contiguous()
         return context.view(context.size(0), context.size(1), -1)
+
+    def _tp_rank(self) -> int:
+        if self._tp_group is not None:
+            return self._tp_group.rank()
+        return parallel_state.get_tensor_model_parallel_rank() if self.tp_size > 1 else 0
+
+    def _attention_with_dropout(self, q, k, v, keep_mask, is_causal: bool, dropout_p: float) -> torch.Tensor:
+        """softmax(q k^T) with dropout, then v; the dropout mask is this rank's heads of an all-heads mask."""
+        scores = torch.matmul(q, k.transpose(-2, -1)) * self.softmax_scale
+        if is_causal:
+            causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+            scores = scores.masked_fill(~causal, float("-inf"))
+        elif keep_mask is not None:
+            scores = scores.masked_fill(~keep_mask, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        batch, heads, rows, cols = probs.shape
+        draw = torch.rand(batch, heads * self.tp_size, rows, cols, device=probs.device)
+        first = self._tp_rank() * heads
+        keep = draw[:, first:first + heads] >= dropout_p
+        probs = probs * keep / (1.0 - dropout_p)
+        return torch.matmul(probs, v)

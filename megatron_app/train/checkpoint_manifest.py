@@ -70,7 +70,8 @@ def manifest_for(args, iteration: int, consumed_samples: int, files) -> dict:
         "layout": {key: getattr(args, key) for key in LAYOUT_KEYS + ("data_parallel",)},
         "model": {key: getattr(args, key) for key in MODEL_KEYS},
         "training": {"global_batch_size": args.global_batch_size, "micro_batch_size": args.micro_batch_size,
-                     "seed": args.seed, "iters": args.iters, "data_path": args.data_path},
+                     "seed": args.seed, "iters": args.iters, "data_path": args.data_path,
+                     "variable_seq_lengths": bool(getattr(args, "variable_seq_lengths", False))},
         "files": sorted(files),
     }
 

@@ -17,7 +17,8 @@ from torch.utils.data import DataLoader
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_from_list
-from megatron.core.tokenizers import MegatronTokenizer
+
+from megatron_app.megatron_compat import null_tokenizer
 
 from .document_data import DocumentDataset, pad_to_longest, padded_lengths, sample_length
 
@@ -33,7 +34,7 @@ def build_tokenizer(vocab_size: int):
     The GPT datasets read only its vocabulary size and end-of-document id, and the id matters only with
     reset_position_ids / reset_attention_mask / eod_mask_loss, all off here.
     """
-    return MegatronTokenizer.from_pretrained(metadata_path={"library": "null"}, vocab_size=vocab_size - 1)
+    return null_tokenizer(vocab_size)
 
 
 def train_samples(args) -> int:
@@ -130,11 +131,12 @@ def _blends_documents(dataset) -> bool:
     return isinstance(getattr(dataset, "datasets", [None])[0], DocumentDataset)
 
 
-def microbatch_lengths(args, dataset, dp_rank: int, first_sample: int) -> List[int]:
+def microbatch_lengths(args, dataset, dp_rank: int, first_sample: int) -> Optional[List[int]]:
     """Padded sequence length of each microbatch this data-parallel rank feeds into the global batch that starts
-    at ``first_sample``, in data order: seq_length for packed data, the longest sample for documents."""
+    at ``first_sample``, in data order (the longest sample of each); None for packed data, whose microbatches all
+    have seq_length tokens (the schedule's assumption when told nothing)."""
     if not getattr(args, "variable_seq_lengths", False):
-        return [args.seq_length] * args.num_microbatches
+        return None
     sampler = MicrobatchSampler(first_sample + args.global_batch_size, args.micro_batch_size, dp_rank,
                                 args.data_parallel)
     return padded_lengths(dataset, sampler.microbatches_from(first_sample, args.num_microbatches))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Callable
+from typing import Callable, Optional
 
 import megatron.core.pipeline_parallel as megatron_pp
 
@@ -27,13 +27,13 @@ def _on_cpu(func: Callable) -> Callable:
 
 
 def select_forward_backward_func(schedule: str, policy: str, trace_dir, tracing: bool,
-                                 device_type: str) -> Callable:
+                                 device_type: str, memory_factor: Optional[float] = None) -> Callable:
     if schedule == MEGATRON:
         func = megatron_pp.get_forward_backward_func()
         return _on_cpu(func) if device_type == "cpu" else func
     from megatron_app.runtime import install
 
-    install(schedule=schedule, policy=policy, trace_dir=trace_dir, tracing=tracing)
+    install(schedule=schedule, policy=policy, trace_dir=trace_dir, tracing=tracing, memory_factor=memory_factor)
     return megatron_pp.get_forward_backward_func()
 
 
@@ -49,9 +49,9 @@ def optimizer_span(schedule: str, iteration: int):
 
 
 def tell_microbatch_lengths(schedule: str, lengths) -> None:
-    """Tell our schedule each microbatch's padded length before a forward_backward call (Megatron's own
-    schedule has no use for them)."""
-    if schedule == MEGATRON:
+    """Tell our schedule each microbatch's padded length before a forward_backward call. Nothing to tell for
+    equal lengths (None), nor to Megatron's own schedule."""
+    if schedule == MEGATRON or lengths is None:
         return
     from megatron_app.runtime import set_microbatch_lengths
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -11,23 +12,28 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_app.lossy.training import start_loss_layer
+from megatron_app.runtime import enable_keyed_randomness, set_iteration
 from megatron_app.runtime import add_transport_wrapper, current_tracer, remove_transport_wrapper
+from megatron_app.trace.runs import LATEST
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import build_data_iterators, build_datasets, global_batch_tokens, microbatch_lengths
 from .dumps import dump_grads, dump_weights
-from .forward_backward import close_schedule, optimizer_span, select_forward_backward_func, tell_microbatch_lengths
+from .forward_backward import (MEGATRON, close_schedule, optimizer_span, select_forward_backward_func,
+                               tell_microbatch_lengths)
 from .init import init_distributed, init_model_parallel, seed_all, shutdown
 from .model import build_model_chunks
 from .optim import build_optimizer, finalize_model_grads
 from .evaluate import evaluate
 from .report import IterationReporter, reduce_lm_loss
 from .step import forward_step
+from .trace_run import start_trace_run
 
 _RUN_CONFIG_KEYS = (
     "pipeline_parallel", "model_chunks", "tensor_parallel", "data_parallel", "world_size",
     "num_microbatches", "num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
-    "micro_batch_size", "global_batch_size", "iters", "seed", "lr", "schedule", "policy", "device",
+    "micro_batch_size", "global_batch_size", "iters", "seed", "lr", "hidden_dropout", "attention_dropout",
+    "schedule", "policy", "device",
     "data_path", "variable_seq_lengths", "calculate_per_token_loss", "split", "eval_interval", "eval_iters", "save",
     "save_interval", "load", "start_iteration",
 )
@@ -76,6 +82,8 @@ def build_trainer(args) -> Trainer:
 
         emulation = ComputeEmulation.from_args(args)
     chunks = build_model_chunks(args) if emulation is None else emulation.build_chunks()
+    if emulation is None and (getattr(args, "hidden_dropout", 0.0) or getattr(args, "attention_dropout", 0.0)):
+        enable_keyed_randomness(chunks, args.seed)   # the same masks under every schedule, P and V
     chunks[0].config.finalize_model_grads_func = finalize_model_grads  # shared by all chunks
     optimizer = build_optimizer(chunks, args.lr)
     start_iteration, resume_note = _resume(args, chunks, optimizer)
@@ -88,12 +96,17 @@ def build_trainer(args) -> Trainer:
                                              dataset=train_dataset)
     else:
         valid_dataset, data_iterator = None, emulation.data_iterators()
-    forward_backward = select_forward_backward_func(
-        args.schedule, args.policy, None if args.no_trace else args.trace_dir, not args.no_trace, args.device)
+    # Megatron's own schedules write no trace: no run directory for them.
+    tracing = not args.no_trace and args.schedule != MEGATRON
+    trace_dir = start_trace_run(args.trace_dir) if tracing else None
+    forward_backward = select_forward_backward_func(args.schedule, args.policy, trace_dir, not args.no_trace,
+                                                    args.device, memory_factor=args.memory_factor)
     reporter = IterationReporter(run_config(args), args.iters, args.global_batch_size * args.seq_length,
                                  args.log_json)
     if resume_note:
         reporter.note(resume_note)
+    if trace_dir is not None:
+        reporter.note(f"traces: {trace_dir} ({Path(args.trace_dir) / LATEST} points there)")
     return Trainer(args, chunks, optimizer, data_iterator, forward_backward, reporter, valid_dataset,
                    start_iteration, forward_step_func=forward_step if emulation is None else emulation.forward_step,
                    emulation=emulation, train_dataset=train_dataset,
@@ -104,6 +117,7 @@ def train_step(trainer: Trainer, iteration: int) -> Optional[float]:
     """One iteration (1-based); returns the global-batch loss on the last stage, None elsewhere."""
     args = trainer.args
     trainer.optimizer.zero_grad(set_to_none=True)
+    set_iteration(iteration)   # keys this step's dropout masks (no-op without dropout)
     if trainer.emulation is not None:
         trainer.emulation.begin_iteration(iteration - 1)
     else:

@@ -52,8 +52,8 @@ def build_transformer_config(args) -> TransformerConfig:
         # overwrite the values with layout-independent ones.
         use_cpu_initialization=True,
         perform_initialization=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+        hidden_dropout=getattr(args, "hidden_dropout", 0.0),
+        attention_dropout=getattr(args, "attention_dropout", 0.0),
         calculate_per_token_loss=bool(getattr(args, "calculate_per_token_loss", False)),
         # Megatron's own p2p (--schedule megatron on CUDA) then exchanges shapes before every message; our transport
         # carries the shape with the message and ignores this.

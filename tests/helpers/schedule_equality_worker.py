@@ -23,6 +23,7 @@ def main():
     parser.add_argument("--schedules", required=True, help="comma list of SCHEDULE[:POLICY]")
     parser.add_argument("--out", required=True)
     parser.add_argument("--trace-dir", default=None)
+    parser.add_argument("--dropout", type=float, default=0.0, help="--hidden-dropout and --attention-dropout")
     parser.add_argument("--extra", default="", help="more trainer flags for every schedule, one string")
     parser.add_argument("--tell-lengths", action="store_true",
                         help="before each step, tell the schedule uneven microbatch lengths (a planning policy then "
@@ -44,10 +45,16 @@ def main():
                  "--schedule", schedule, "--policy", policy or "dfc",
                  "--dump-grads", os.path.join(opts.out, f"grads_{name}")]
         flags += ["--trace-dir", opts.trace_dir] if opts.trace_dir else ["--no-trace"]
+        flags += ["--hidden-dropout", str(opts.dropout), "--attention-dropout", str(opts.dropout)]
         flags += shlex.split(opts.extra)
         args = parse_args(flags)
         trainer = build_trainer(args)
         losses = []
+        if opts.tell_lengths:
+            # This test's uneven lengths must be the ones used (the trainer tells none for packed data; make sure).
+            import megatron_app.train.loop as train_loop
+
+            train_loop.tell_microbatch_lengths = lambda schedule, lengths: None
         for it in range(1, opts.iters + 1):
             if opts.tell_lengths and schedule == "app":
                 from megatron_app.runtime import set_microbatch_lengths

@@ -1,0 +1,134 @@
+"""Schedule-independent model randomness: dropout keyed by (seed, iteration, microbatch, layer).
+
+Megatron's dropout draws from one random stream per rank in execution order, so a schedule that runs microbatches
+in another order (or another P, V) gives other masks, and other losses. Here every transformer layer (and the
+embedding, as layer 0) reseeds the default generator, and Megatron's model-parallel stream, from its key just
+before it runs. The same key gives the same masks on any rank, in any order, and again when activation
+recomputation reruns the layer during backward: the executor names the microbatch of every task it runs, forward
+and backward; outside the executor (Megatron's own schedules) the microbatch Megatron's forward_step sets on the
+layers (``current_microbatch``) is used.
+
+Use: ``enable_keyed_randomness(model_chunks, seed)`` once; ``set_iteration(i)`` before each training step (left
+out, the iteration advances by one after each training forward_backward call).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from typing import List, Optional
+
+import torch
+
+_KEY_BITS = 63
+
+
+class KeyedRandomness:
+    def __init__(self, seed: int):
+        self.seed = seed
+        self.iteration = 0
+        self._iteration_set = False
+        self.microbatch: Optional[int] = None   # set by the executor around each task
+        self._handles: List = []
+
+    def key(self, microbatch: int, layer: int, stream: str) -> int:
+        text = f"{self.seed}:{self.iteration}:{microbatch}:{layer}:{stream}".encode()
+        return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> (64 - _KEY_BITS)
+
+    def reseed(self, microbatch: Optional[int], layer: int) -> None:
+        if microbatch is None:
+            raise RuntimeError(f"keyed randomness: layer {layer} runs with no microbatch known; run it through "
+                               "forward_backward_app or Megatron's forward_step")
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import random as megatron_random
+
+        tracker = megatron_random.get_cuda_rng_tracker()
+        name = megatron_random._MODEL_PARALLEL_RNG_TRACKER_NAME
+        if name in tracker.get_states():
+            # Megatron's per-TP-rank stream (its attention dropout on CUDA): keyed too, with the TP rank in it.
+            tp_rank = parallel_state.get_tensor_model_parallel_rank() \
+                if parallel_state.model_parallel_is_initialized() else 0
+            with tracker.fork(name):
+                torch.manual_seed(self.key(microbatch, layer, f"tp{tp_rank}"))
+        torch.manual_seed(self.key(microbatch, layer, "default"))
+
+    def training_call_done(self) -> None:
+        if not self._iteration_set:
+            self.iteration += 1
+        self._iteration_set = False
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+_active: Optional[KeyedRandomness] = None
+
+
+def _chunk_layers(chunk: torch.nn.Module):
+    """(embedding or None, transformer layers) of one model chunk, unwrapping DDP / Float16 wrappers."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    model = get_attr_wrapped_model(chunk, "decoder", return_model_obj=True)
+    embedding = getattr(model, "embedding", None) if getattr(model, "pre_process", False) else None
+    return embedding, list(model.decoder.layers)
+
+
+def enable_keyed_randomness(model_chunks, seed: int) -> KeyedRandomness:
+    """Key every layer's randomness of these chunks by (seed, iteration, microbatch, layer); replaces an earlier
+    call's hooks."""
+    global _active
+    disable_keyed_randomness()
+    state = KeyedRandomness(seed)
+    chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    for chunk in chunks:
+        embedding, layers = _chunk_layers(chunk)
+
+        def megatron_microbatch(layers=layers):
+            return layers[0].current_microbatch if layers and hasattr(layers[0], "current_microbatch") else None
+
+        def hook_for(layer_number: int):
+            def reseed(module, args):
+                microbatch = state.microbatch if state.microbatch is not None else megatron_microbatch()
+                state.reseed(microbatch, layer_number)
+            return reseed
+
+        if embedding is not None:
+            state._handles.append(embedding.register_forward_pre_hook(hook_for(0)))
+        for layer in layers:
+            state._handles.append(layer.register_forward_pre_hook(hook_for(layer.layer_number)))
+    _active = state
+    return state
+
+
+def disable_keyed_randomness() -> None:
+    global _active
+    if _active is not None:
+        _active.close()
+        _active = None
+
+
+def set_iteration(iteration: int) -> None:
+    """The iteration of the next training step's keys (a resumed run continues its masks)."""
+    if _active is not None:
+        _active.iteration = iteration
+        _active._iteration_set = True
+
+
+@contextlib.contextmanager
+def microbatch_scope(microbatch: int):
+    """The executor runs every task (forward, and backward with its recomputation) inside this."""
+    if _active is None:
+        yield
+        return
+    outer, _active.microbatch = _active.microbatch, microbatch
+    try:
+        yield
+    finally:
+        _active.microbatch = outer
+
+
+def training_call_done() -> None:
+    if _active is not None:
+        _active.training_call_done()

@@ -1,0 +1,81 @@
+"""The extension is rebuilt when what its build probed changes, not only its sources: a fresh checkout built without
+rdma-core, then rdma-core installed (here: a verbs header put on the compiler's path), must build again."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def fresh_checkout(tmp_path):
+    """What a clone of this tree holds: tracked and not-ignored files only (no .venv, no build)."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    root = tmp_path / "checkout"
+    for name in filter(None, listed):
+        source = REPO / name
+        if source.is_file():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, root / name)
+    return root
+
+
+def fake_verbs_header(tmp_path) -> Path:
+    include = tmp_path / "include"
+    (include / "infiniband").mkdir(parents=True)
+    (include / "infiniband" / "verbs.h").write_text("/* stands in for rdma-core's header */\n")
+    return include
+
+
+def describe(root: Path, **env) -> dict:
+    done = subprocess.run(["bash", "tools/build_stamp.sh"], cwd=root, capture_output=True, text=True, check=True,
+                          env={**os.environ, "VENV_PY": sys.executable, **env})
+    return dict(line.split(": ", 1) if ": " in line else (line.rstrip(":"), "") for line in done.stdout.splitlines())
+
+
+def test_build_description_names_what_the_build_probed(fresh_checkout, tmp_path):
+    import torch
+
+    plain = describe(fresh_checkout, CPATH="")
+    assert plain["torch"] == torch.__version__
+    assert plain["verbs header"] == ("present" if Path("/usr/include/infiniband/verbs.h").exists() else "absent")
+    assert plain["compiler"].split()[0] and plain["python"] == sys.version.split()[0]
+    with_header = describe(fresh_checkout, CPATH=str(fake_verbs_header(tmp_path)))
+    assert with_header["verbs header"] == "present"
+    assert {key for key in plain if plain[key] != with_header[key]} <= {"verbs header"}
+
+
+def test_setup_rebuilds_a_fresh_checkout_once_rdma_core_appears(fresh_checkout, tmp_path):
+    """setup_env.sh's decision, with pip stubbed: the real build is the same either way and takes minutes."""
+    builds = tmp_path / "builds.log"
+    venv_bin = fresh_checkout / ".venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    # The checkout's python: this interpreter with this tree's built extension; `pip install -e .` only logs.
+    (venv_bin / "python").write_text(
+        "#!/usr/bin/env bash\n"
+        f'if [ "$1 $2 $3" = "-m pip install" ]; then echo build >> "{builds}"; exit 0; fi\n'
+        f'PYTHONPATH="{REPO}" exec "{sys.executable}" "$@"\n')
+    (venv_bin / "python").chmod(0o755)
+    requirements_hash = subprocess.run(f"cat requirements.txt | sha256sum | cut -c1-16", shell=True,
+                                       cwd=fresh_checkout, capture_output=True, text=True, check=True).stdout.strip()
+    (fresh_checkout / ".venv" / f".deps-{requirements_hash}").touch()
+
+    def setup(**env):
+        done = subprocess.run(["bash", "-c", "source tools/setup_env.sh"], cwd=fresh_checkout, capture_output=True,
+                              text=True, env={**os.environ, "CPATH": "", **env}, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stderr, builds.read_text().count("build") if builds.exists() else 0
+
+    assert setup()[1] == 1  # the first set-up builds (without verbs here)
+    assert setup()[1] == 1  # nothing changed: no build
+    log, count = setup(CPATH=str(fake_verbs_header(tmp_path)))  # `apt-get install libibverbs-dev`, as it were
+    assert count == 2, log
+    assert "changed since the last build: verbs header: present" in log
+    stamps = list((fresh_checkout / ".venv").glob(".build-*"))
+    assert len(stamps) == 1 and "verbs header: present" in stamps[0].read_text()

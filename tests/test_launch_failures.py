@@ -1,0 +1,172 @@
+"""What a user reads when a run fails: one line of our own naming the failed rank (signal or error, last iteration,
+log path) instead of torchrun's traceback; one line for a host that lacks room in /dev/shm, before any rank starts;
+one line for an environment failure inside a rank."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_app.train.__main__ import environment_failure
+from megatron_app.train.shm_budget import estimate, local_ring_counts, segment_bytes
+from pipeline_runs import REPO, run_env
+
+sys.path.insert(0, str(REPO / "tools"))
+import run_ranks  # noqa: E402
+
+MiB = 2**20
+ROOT_CAUSE = """\
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+megatron_app.train FAILED
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-23_12:00:00
+  host      : node7
+  rank      : 3 (local_rank: 1)
+  exitcode  : -9 (pid: 4242)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 4242
+============================================================
+"""
+
+
+def test_root_cause_names_rank_signal_iteration_and_log(tmp_path):
+    rank_dir = tmp_path / "abc_1" / "attempt_0" / "1"
+    rank_dir.mkdir(parents=True)
+    (rank_dir / "stderr.log").write_text("warming up\n")
+    (tmp_path / "abc_1" / "attempt_0" / "0").mkdir()
+    (tmp_path / "abc_1" / "attempt_0" / "0" / "stdout.log").write_text(
+        "iter 1/50 | loss 6.9 | 10 ms | 1 tokens/s\niter 2/50 | loss 6.8 | 10 ms | 1 tokens/s\n")
+    line = run_ranks.failure_line("run_single.sh", tmp_path, tmp_path / "agent.log", ROOT_CAUSE, 1)
+    assert line == (f"run_single.sh: rank 3 on node7 failed (killed by SIGKILL) after iteration 2 of 50; "
+                    f"its log: {rank_dir}/stderr.log")
+    (rank_dir / "stderr.log").write_text("megatron_app.train: rank 3: error: [Errno 28] No space left on device\n")
+    assert run_ranks.failure_line("x", tmp_path, tmp_path / "a.log", ROOT_CAUSE.replace("-9 (pid", "1 (pid"), 1) \
+        .startswith("x: rank 3 on node7 failed (exit code 1) after iteration 2 of 50: [Errno 28] No space left")
+    assert run_ranks.failure_line("x", tmp_path / "none", tmp_path / "a.log", "no report", 1) == (
+        f"x: the job failed (torchrun exit 1) before the first iteration ended; torchrun's report: {tmp_path}/a.log")
+
+
+def _descendants(pid: int) -> list[int]:
+    children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(c) for c in children] + [d for c in children for d in _descendants(int(c))]
+
+
+def _rank_pid(launcher_pid: int, rank: int) -> int | None:
+    for pid in _descendants(launcher_pid):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ and b"megatron_app.train" in command:
+            return pid
+    return None
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_rank_ends_with_one_line_naming_it(tmp_path):
+    log_dir = tmp_path / "logs"
+    launcher = subprocess.Popen(
+        ["bash", str(REPO / "run_single.sh"), "--pipeline_parallel", "2", "--model_chunks", "1", "--iters", "400",
+         "--num-layers", "2", "--no-trace"], cwd=REPO, env=run_env(LOG_DIR=str(log_dir)),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        seen = ""
+        deadline = time.monotonic() + 240
+        while "iter 2/400" not in seen and time.monotonic() < deadline:
+            line = launcher.stdout.readline()
+            if not line:
+                break
+            seen += line
+        assert "iter 2/400" in seen, seen[-2000:]
+        victim = _rank_pid(launcher.pid, 1)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        out, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    assert launcher.returncode != 0
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("run_single.sh: rank 1 on ") and "failed (killed by SIGKILL) after iteration " in last
+    assert last.endswith("/attempt_0/1/stderr.log") and f"its log: {log_dir}/" in last, last
+    assert "Traceback" not in err and "ChildFailedError" not in err, err[-3000:]
+    assert list(log_dir.glob("torchrun/torchrun_agent_*.log"))  # torchrun's own report is kept, not shown
+
+
+def test_shm_estimate_matches_the_transport_and_counts_local_peers():
+    # The transport reserved 16785408 bytes for one ring of 16 x 1 MiB slots (issue 15); we allow one page more.
+    assert 16785408 <= segment_bytes(1, 1 << 20, 16) <= 16785408 + 4096
+    assert local_ring_counts(4, 1, 1, ranks_per_node=4, node_rank=0) == [3, 3, 3, 3]
+    assert local_ring_counts(2, 1, 1, ranks_per_node=1, node_rank=1) == [0]  # its only peer is on another host
+    assert local_ring_counts(2, 2, 1, ranks_per_node=2, node_rank=0) == [0, 0]  # tp pairs per host: no shm peer
+    needed = estimate(4, 1, 1, ranks_per_node=4, sizes=(1 << 20, 16))  # 3 rings of 5 slots each per rank
+    assert (needed.ranks, needed.per_rank) == (4, segment_bytes(3, 1 << 20, 16))
+    assert 60 * MiB < needed.needed < 61 * MiB
+    reason = needed.shortfall(free=56 * MiB, total=64 * MiB)
+    assert reason.startswith("this job needs about 60.0 MiB of shared memory in /dev/shm (4 rank(s) on this host")
+    assert "only 56.0 MiB is free there (size 64.0 MiB)" in reason and needed.shortfall(1 << 30, 1 << 30) is None
+
+
+def test_environment_failures_become_one_line_and_bugs_do_not():
+    shm = RuntimeError("cannot reserve 16785408 bytes in /dev/shm/mapp_x.init1 (is /dev/shm full?): No space left "
+                       "on device")
+    assert environment_failure(shm) == str(shm)
+    assert environment_failure(OSError(errno.ENOSPC, "No space left on device")) == "[Errno 28] No space left on device"
+    port = RuntimeError("The server socket has failed to listen on any local network address.\n"
+                        "port: 29500, useIpv6: false, code: -98, name: EADDRINUSE, message: Address already in use")
+    assert environment_failure(port) == ("The server socket has failed to listen on any local network address. "
+                                         "(port: 29500, useIpv6: false, code: -98, name: EADDRINUSE, message: "
+                                         "Address already in use)")
+    assert environment_failure(ValueError("bad")) is None and environment_failure(RuntimeError("a bug")) is None
+
+
+def _can_mount_private_tmpfs() -> bool:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                           "mount -t tmpfs -o size=1m tmpfs /mnt"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount_private_tmpfs(), reason="needs root and unshare to give the run a small /dev/shm")
+def test_a_small_dev_shm_is_refused_with_the_number_before_any_rank_starts(tmp_path):
+    """Docker-like small /dev/shm (16 MiB, in a private mount namespace): one line, exit 2, no rank started."""
+    command = (f"mount -t tmpfs -o size=16m tmpfs /dev/shm && exec bash {REPO / 'run_single.sh'} "
+               "--pipeline_parallel 2 --model_chunks 1 --iters 1 --num-layers 2 --no-trace")
+    start = time.monotonic()
+    done = subprocess.run(["unshare", "-m", "--propagation", "private", "bash", "-c", command], cwd=REPO,
+                          env=run_env(LOG_DIR=str(tmp_path / "logs")), capture_output=True, text=True, timeout=180)
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if not line.startswith("[setup]")]
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("megatron_app.train: error: this job needs about 32.0 MiB of shared memory in "
+                               "/dev/shm (2 rank(s) on this host") and "only 16.0 MiB is free" in lines[0]
+    assert not (tmp_path / "logs").exists()  # torchrun never started
+    assert time.monotonic() - start < 120
+
+
+@pytest.mark.slow
+def test_an_environment_failure_inside_the_ranks_is_one_line_per_rank_and_one_summary(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    done = subprocess.run(
+        ["bash", str(REPO / "run_single.sh"), "--pipeline_parallel", "2", "--model_chunks", "1", "--iters", "1",
+         "--num-layers", "2", "--trace-dir", str(blocker / "traces")], cwd=REPO,
+        env=run_env(LOG_DIR=str(tmp_path / "logs")), capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("run_single.sh: rank 0 on ") and "failed (exit code 1) before the first iteration ended: " \
+        "[Errno 20] Not a directory" in last, last
