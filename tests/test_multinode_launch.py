@@ -3,6 +3,7 @@ in use, a worker started twice and mismatched flags each end every launcher with
 
 import socket
 import subprocess
+import threading
 import time
 
 import pytest
@@ -51,6 +52,34 @@ def test_run_config_ignores_host_local_paths_and_spellings():
     assert describe_mismatch(a, c, 1) == "--data-path: master 'x y', node 1 'x z'; --iters: master '3', node 1 '4'"
 
 
+class TimedStderr:
+    """Reads a launcher's stderr in the background, noting when each line arrived."""
+
+    def __init__(self, process):
+        self.process = process
+        self.lines = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.process.stderr:
+            self.lines.append((time.monotonic(), line))
+
+    def finish(self, timeout=180):
+        try:
+            self.process.wait(timeout=timeout)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+        self._reader.join(timeout=10)
+        ended = time.monotonic()
+        return self.process.returncode, "".join(line for _, line in self.lines), ended
+
+    def when(self, text):
+        return next((at for at, line in self.lines if text in line), None)
+
+
 def test_worker_without_a_master_gives_up_with_a_clear_line():
     started = time.monotonic()
     rc, err = finish(launch("run_worker.sh", free_port(), node_rank=1, timeout="3"))
@@ -58,6 +87,15 @@ def test_worker_without_a_master_gives_up_with_a_clear_line():
     assert "worker node 1: no master answered at 127.0.0.1:" in err and "within 3 s" in err, err
     assert "Traceback" not in err
     assert time.monotonic() - started < 45
+
+
+def test_the_rendezvous_timeout_holds_within_seconds():
+    """Measured from the check-in line: the store client's own connect retries used to add a minute and more."""
+    worker = TimedStderr(launch("run_worker.sh", free_port(), node_rank=1, timeout="10"))
+    rc, err, ended = worker.finish()
+    checking_in = worker.when("checking in with")
+    assert rc == 2 and "no master answered" in err and checking_in is not None, err
+    assert 10 <= ended - checking_in < 10 + 4, (ended - checking_in, err)
 
 
 @pytest.mark.slow
@@ -96,6 +134,53 @@ def test_a_worker_started_twice_is_named():
     for process in (master, first):
         rc, err = finish(process)
         assert rc == 2 and "worker node(s) [2] did not check in within 20 s" in err, err
+
+
+@pytest.mark.slow
+def test_a_worker_started_twice_after_the_job_began_is_named_at_once(tmp_path):
+    """The second copy reaches torchrun's store (the check-in store is gone by then): named, not a 40 s wait."""
+    port = free_port()
+    train = ["--iters", "200", "--num-layers", "2", "--no-trace"]
+    env = run_env(PYTHONPATH="", LOG_DIR=str(tmp_path / "logs"))
+
+    def start(script, node_rank=None, timeout="60"):
+        argv = ["bash", script, *LAYOUT, "--nnodes", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
+                "--rendezvous_timeout", timeout, *train]
+        if node_rank is not None:
+            argv[2:2] = ["--node_rank", str(node_rank)]
+        return subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+
+    master = start("run_master.sh")
+    worker = start("run_worker.sh", node_rank=1)
+    try:
+        progress = ""
+        deadline = time.monotonic() + 240
+        while "iter 2/200" not in progress and time.monotonic() < deadline:  # the worker hosts the last stage
+            line = worker.stdout.readline()
+            if not line:
+                break
+            progress += line
+        assert "iter 2/200" in progress, progress[-2000:]
+        twice = TimedStderr(start("run_worker.sh", node_rank=1, timeout="40"))
+        rc, err, ended = twice.finish()
+        checking_in = twice.when("checking in with")
+        assert rc == 2 and "started twice" in err and "already running" in err, err
+        assert ended - checking_in < 2 + 4, (ended - checking_in, err)
+        assert master.poll() is None and worker.poll() is None  # the running job goes on
+    finally:
+        import os
+        import signal
+
+        for process in (master, worker):
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in (master, worker):
+            try:
+                process.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.communicate()
 
 
 @pytest.mark.parametrize("args, message", [

@@ -35,6 +35,13 @@ def test_dash_and_underscore_spellings_are_equivalent():
     assert (a.num_layers, a.pipeline_parallel) == (b.num_layers, b.pipeline_parallel) == (4, 2)
 
 
+def test_dropout_flags_reach_the_model_config():
+    from megatron_app.train.model import build_transformer_config
+
+    config = build_transformer_config(parse_args(["--hidden-dropout", "0.1", "--attention_dropout", "0.2"]))
+    assert (config.hidden_dropout, config.attention_dropout) == (0.1, 0.2)
+
+
 def test_microbatches_from_global_batch():
     args = _parse("--global-batch-size", "24", "--micro-batch-size", "3", "--data_parallel", "2", world="2")
     assert args.num_microbatches == 4
@@ -56,6 +63,8 @@ def test_microbatches_from_global_batch():
     (["--iters", "0"], "1", "--iters must be a positive integer"),
     (["--distributed-timeout-minutes", "0"], "1", "--distributed-timeout-minutes must be a positive integer"),
     (["--lr", "-1"], "1", "--lr must be positive"),
+    (["--hidden-dropout", "1.5"], "1", "--hidden-dropout must be in [0, 1), got 1.5"),
+    (["--attention-dropout", "-0.1"], "1", "--attention-dropout must be in [0, 1), got -0.1"),
     (["--schedule", "megatron", "--pipeline_parallel", "2", "--device", "cpu"], "2", "needs CUDA"),
     (["--data-path", "/nonexistent/prefix"], "1", "/nonexistent/prefix.bin does not exist"),
     (["--schedule", "gpipe"], "1", "invalid choice"),

@@ -33,12 +33,9 @@ from megatron_app.train.corpus import (  # noqa: E402
     DEFAULT_VOCAB_SIZE, SHUFFLE_SEED, SOURCES, CorpusError, LengthStats, collect_documents,
     indexed_document_lengths, train_bpe, write_jsonl)
 
+from megatron_app.trace.cli import OneLineArgumentParser  # noqa: E402
+
 PROG = "make_corpus.py"
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message):  # noqa: D401 - argparse API
-        _fail(message)
 
 
 def _fail(message: str, status: int = 2):
@@ -48,8 +45,8 @@ def _fail(message: str, status: int = 2):
 
 def build_parser() -> argparse.ArgumentParser:
     description, _, epilog = __doc__.partition("\n\n")
-    parser = _OneLineParser(prog=PROG, description=description.strip(), epilog=epilog,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineArgumentParser(prog=PROG, description=description.strip(), epilog=epilog,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", required=True, help="created if missing")
     parser.add_argument("--sources", nargs="+", choices=SOURCES, default=list(SOURCES),
                         help="text sources (default: all)")

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "backend_registry.h"
 #include "errors.h"
 #include "loss_bindings.h"
 #include "rdma_backend.h"
@@ -65,6 +66,9 @@ PYBIND11_MODULE(_shm_tensor_rdma, m) {
   m.attr("DIRECTION_BACKWARD") = static_cast<uint32_t>(Direction::kBackward);
   m.attr("DIRECTION_CONTROL") = static_cast<uint32_t>(Direction::kControl);
   m.attr("MAX_DIMS") = kMaxDims;
+  py::list backend_names;
+  for (const BackendKind& kind : backend_kinds()) backend_names.append(kind.name);
+  m.attr("BACKENDS") = py::tuple(backend_names);  // from backend_registry.cpp, in creation order
 
   m.def("make_tag", &make_tag, py::arg("direction"), py::arg("microbatch"), py::arg("iteration"));
   m.def(

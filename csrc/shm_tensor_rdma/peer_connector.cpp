@@ -1,7 +1,6 @@
 #include "peer_connector.h"
 
 #include <poll.h>
-#include <sys/eventfd.h>
 #include <sys/inotify.h>
 #include <unistd.h>
 
@@ -9,6 +8,7 @@
 #include <cstdint>
 
 #include "errors.h"
+#include "peer_name.h"
 #include "shm_segment.h"
 #include "tag.h"
 #include "wait_tick.h"
@@ -31,15 +31,9 @@ void drain_fd(int fd) {
 PeerConnector::PeerConnector(std::string job_id, int my_rank, int world_size, const std::vector<int>& peers)
     : job_id_(std::move(job_id)), my_rank_(my_rank), world_size_(world_size) {
   for (int peer : peers) links_[peer];
-  inotify_fd_ = ::inotify_init1(IN_CLOEXEC | IN_NONBLOCK);
-  if (inotify_fd_ >= 0 && ::inotify_add_watch(inotify_fd_, kShmDirectory, IN_CREATE | IN_MOVED_TO) < 0) {
-    ::close(inotify_fd_);
-    inotify_fd_ = -1;
-  }
-  stop_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (stop_fd_ < 0) {
-    if (inotify_fd_ >= 0) ::close(inotify_fd_);
-    throw std::runtime_error(system_error_text("eventfd", errno));
+  inotify_.reset(::inotify_init1(IN_CLOEXEC | IN_NONBLOCK));
+  if (inotify_.valid() && ::inotify_add_watch(inotify_.get(), kShmDirectory, IN_CREATE | IN_MOVED_TO) < 0) {
+    inotify_.reset();
   }
   thread_ = std::thread([this] { run(); });
 }
@@ -47,16 +41,9 @@ PeerConnector::PeerConnector(std::string job_id, int my_rank, int world_size, co
 PeerConnector::~PeerConnector() { stop(); }
 
 void PeerConnector::stop() {
-  if (!stopping_.exchange(true)) {
-    const uint64_t one = 1;
-    if (::write(stop_fd_, &one, sizeof(one)) < 0) {
-      // The thread still notices stopping_ at its next fallback re-check.
-    }
-  }
+  if (!stopping_.exchange(true)) stop_.signal();
   if (thread_.joinable()) thread_.join();
-  if (inotify_fd_ >= 0) ::close(inotify_fd_);
-  if (stop_fd_ >= 0) ::close(stop_fd_);
-  inotify_fd_ = stop_fd_ = -1;
+  inotify_.reset();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     for (auto& [peer, link] : links_) {
@@ -70,11 +57,11 @@ void PeerConnector::run() {
   while (!stopping_.load(std::memory_order_acquire)) {
     if (attach_missing()) break;
     struct pollfd fds[2];
-    fds[0] = {stop_fd_, POLLIN, 0};
-    fds[1] = {inotify_fd_, POLLIN, 0};
-    const nfds_t count = inotify_fd_ >= 0 ? 2 : 1;
-    ::poll(fds, count, inotify_fd_ >= 0 ? kRecheckWithInotifyMs : kRecheckWithoutInotifyMs);
-    if (inotify_fd_ >= 0) drain_fd(inotify_fd_);
+    fds[0] = {stop_.fd(), POLLIN, 0};
+    fds[1] = {inotify_.get(), POLLIN, 0};
+    const nfds_t count = inotify_.valid() ? 2 : 1;
+    ::poll(fds, count, inotify_.valid() ? kRecheckWithInotifyMs : kRecheckWithoutInotifyMs);
+    if (inotify_.valid()) drain_fd(inotify_.get());
   }
 }
 
@@ -123,12 +110,12 @@ ShmChannel& PeerConnector::wait_channel(int peer, uint64_t tag, double timeout_s
     if (link.channel) return *link.channel;
     if (link.error) std::rethrow_exception(link.error);
     if (stopping.load() || stopping_.load()) {
-      throw ClosedError("transport closed while rank " + std::to_string(my_rank_) + " waited for peer rank " +
-                        std::to_string(peer) + " to start (sending " + describe_tag(tag) + ")");
+      throw ClosedError("transport closed while rank " + std::to_string(my_rank_) + " waited for " + peer_name(peer) +
+                        " to start (sending " + describe_tag(tag) + ")");
     }
     if (Clock::now() >= give_up_at) {
-      throw TimeoutError("timed out after " + format_seconds(timeout_s) + " waiting for peer rank " +
-                         std::to_string(peer) + " to start (rank " + std::to_string(my_rank_) + " was sending " +
+      throw TimeoutError("timed out after " + format_seconds(timeout_s) + " waiting for " + peer_name(peer) +
+                         " to start (rank " + std::to_string(my_rank_) + " was sending " +
                          describe_tag(tag) + ")");
     }
     link_changed_.wait_until(lock, give_up_at);

@@ -16,6 +16,7 @@
 
 #include "process_identity.h"
 #include "shm_channel.h"
+#include "unique_fd.h"
 
 namespace mapp {
 
@@ -55,8 +56,8 @@ class PeerConnector {
   std::condition_variable link_changed_;
   std::unordered_map<int, Link> links_;
   std::atomic<bool> stopping_{false};
-  int inotify_fd_ = -1;
-  int stop_fd_ = -1;  // eventfd that interrupts the thread's poll()
+  UniqueFd inotify_;  // invalid where inotify is unavailable: the thread re-checks on a timer
+  EventFd stop_;      // interrupts the thread's poll()
   std::thread thread_;
 };
 

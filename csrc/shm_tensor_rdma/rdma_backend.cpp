@@ -25,14 +25,14 @@ RdmaStatus rdma_status() {
   }
 }
 
-std::unique_ptr<RemoteBackend> make_rdma_backend(RemoteContext context, const std::string& listen_host) {
+std::unique_ptr<Backend> make_rdma_backend(const BackendContext& context) {
   RdmaSettings settings;
   try {
     settings = rdma_settings_from_environment();
   } catch (const std::invalid_argument& error) {
     throw std::invalid_argument(std::string("no usable RDMA device: ") + error.what());
   }
-  return std::make_unique<RdmaBackend>(std::move(context), listen_host, settings);
+  return std::make_unique<RdmaBackend>(context, settings);
 }
 
 #else
@@ -41,7 +41,7 @@ RdmaStatus rdma_status() {
   return RdmaStatus{false, false, "not built (libibverbs headers were missing at build time)"};
 }
 
-std::unique_ptr<RemoteBackend> make_rdma_backend(RemoteContext, const std::string&) {
+std::unique_ptr<Backend> make_rdma_backend(const BackendContext&) {
   throw std::invalid_argument("no usable RDMA device: the rdma backend is not built (install libibverbs-dev and "
                               "rebuild)");
 }

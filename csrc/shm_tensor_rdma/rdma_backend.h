@@ -5,7 +5,7 @@
 #include <memory>
 #include <string>
 
-#include "remote_backend.h"
+#include "backend.h"
 
 namespace mapp {
 
@@ -19,6 +19,6 @@ struct RdmaStatus {
 RdmaStatus rdma_status();
 // Throws std::invalid_argument ("no usable RDMA device: ...") when the backend is not built or no device is
 // usable, or when an MEGATRON_APP_RDMA_* setting is bad.
-std::unique_ptr<RemoteBackend> make_rdma_backend(RemoteContext context, const std::string& listen_host);
+std::unique_ptr<Backend> make_rdma_backend(const BackendContext& context);
 
 }  // namespace mapp

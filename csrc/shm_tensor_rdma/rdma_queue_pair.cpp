@@ -10,6 +10,8 @@
 #include <random>
 #include <stdexcept>
 
+#include "peer_name.h"
+
 namespace mapp {
 namespace {
 
@@ -83,7 +85,7 @@ void RdmaQueuePair::describe_local(RdmaEndpointInfo& info) const {
 
 void RdmaQueuePair::connect(const RdmaEndpointInfo& remote) {
   if (remote.link_layer != device_.link_layer()) {
-    throw std::runtime_error("peer rank " + std::to_string(remote.rank) + " uses " +
+    throw std::runtime_error(peer_name(remote.rank) + " uses " +
                              (remote.link_layer == kLinkLayerEthernet ? "RoCE" : "InfiniBand") + ", this rank " +
                              (device_.link_layer() == kLinkLayerEthernet ? "RoCE" : "InfiniBand"));
   }

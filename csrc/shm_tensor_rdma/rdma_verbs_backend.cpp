@@ -4,7 +4,6 @@
 
 #include <arpa/inet.h>
 #include <poll.h>
-#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -15,6 +14,7 @@
 #include <vector>
 
 #include "errors.h"
+#include "peer_name.h"
 #include "tag.h"
 #include "wait_tick.h"
 
@@ -35,19 +35,6 @@ uint64_t work_id(WorkKind kind, uint64_t index) {
 }
 WorkKind kind_of(uint64_t wr_id) { return static_cast<WorkKind>(wr_id >> kWorkKindShift); }
 
-bool is_wildcard(const std::string& host) { return host.empty() || host == "0.0.0.0" || host == "::"; }
-
-std::string local_hostname() {
-  char name[256] = {0};
-  if (::gethostname(name, sizeof(name) - 1) != 0) return "localhost";
-  return name;
-}
-
-void set_receive_timeout(int fd, int seconds) {
-  timeval limit{seconds, 0};
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof(limit));
-}
-
 // Reads one endpoint info within the socket's receive timeout; nullopt if the stream ended or timed out first.
 std::optional<std::vector<uint8_t>> read_endpoint_bytes(int fd) {
   std::vector<uint8_t> bytes(rdma_endpoint_info_bytes());
@@ -63,58 +50,25 @@ const char* status_text(ibv_wc_status status) { return ::ibv_wc_status_str(statu
 
 }  // namespace
 
-EventFd::EventFd() : fd_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {
-  if (fd_ < 0) throw std::runtime_error(system_error_text("eventfd", errno));
-}
-
-EventFd::~EventFd() {
-  if (fd_ >= 0) ::close(fd_);
-}
-
-void EventFd::signal() {
-  const uint64_t one = 1;
-  (void)!::write(fd_, &one, sizeof(one));
-}
-
-void EventFd::clear() {
-  uint64_t count = 0;
-  (void)!::read(fd_, &count, sizeof(count));
-}
-
-RdmaBackend::RdmaBackend(RemoteContext context, const std::string& listen_host, const RdmaSettings& settings)
-    : context_(std::move(context)), settings_(settings), device_(std::make_unique<RdmaDevice>(settings)) {
-  listener_ = tcp_listen(listen_host, 0);
-  port_ = tcp_bound_port(listener_);
-  advertised_host_ = is_wildcard(listen_host) ? local_hostname() : listen_host;
+RdmaBackend::RdmaBackend(BackendContext context, const RdmaSettings& settings)
+    : context_(std::move(context)),
+      settings_(settings),
+      device_(std::make_unique<RdmaDevice>(settings)),
+      addresses_("rdma", context_.rank, context_.peers),
+      listener_(context_.listen_host, 0) {
   for (int peer : context_.peers) {
     outbound_[peer].id = LinkId{peer, true};
     inbound_[peer].id = LinkId{peer, false};
   }
   progress_thread_ = std::thread([this] { progress_loop(); });
-  accept_thread_ = std::thread([this] { accept_loop(); });
+  listener_.start([this](TcpSocket socket) { admit(std::move(socket)); });
 }
 
 RdmaBackend::~RdmaBackend() { close(); }
 
-std::string RdmaBackend::describe_peer_locked(int peer) const {
-  return describe_remote_peer(peer, outbound_.at(peer).address);
-}
+void RdmaBackend::set_peer_address(int peer, const std::string& address) { addresses_.set(peer, address); }
 
-void RdmaBackend::set_peer_address(int peer, const std::string& address) {
-  const HostPort parsed = parse_host_port(address);
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto found = outbound_.find(peer);
-    if (found == outbound_.end()) {
-      throw std::invalid_argument("rank " + std::to_string(peer) + " is not an rdma peer of rank " +
-                                  std::to_string(context_.rank));
-    }
-    found->second.address = parsed;
-  }
-  changed_.notify_all();
-}
-
-std::optional<PeerFailure> RdmaBackend::failure(int peer) const {
+std::optional<PeerFailure> RdmaBackend::failure(int peer) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto found = inbound_.find(peer);
   if (found == inbound_.end()) return std::nullopt;
@@ -123,24 +77,9 @@ std::optional<PeerFailure> RdmaBackend::failure(int peer) const {
 
 // ---- set-up: the receiving side ------------------------------------------------------------------------------
 
-void RdmaBackend::accept_loop() {
-  while (!stopping_.load()) {
-    pollfd fds[2] = {{listener_.fd(), POLLIN, 0}, {accept_stop_.fd(), POLLIN, 0}};
-    if (::poll(fds, 2, -1) < 0) {
-      if (errno == EINTR) continue;
-      return;
-    }
-    if (stopping_.load() || (fds[1].revents & POLLIN)) return;
-    if (!(fds[0].revents & POLLIN)) continue;
-    const int fd = ::accept4(listener_.fd(), nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) continue;  // the connecting side retries
-    admit(TcpSocket(fd));
-  }
-}
-
 void RdmaBackend::admit(TcpSocket socket) {
   tcp_tune(socket);
-  set_receive_timeout(socket.fd(), kHelloTimeoutS);
+  tcp_set_receive_timeout(socket.fd(), kHelloTimeoutS);
   const std::optional<std::vector<uint8_t>> bytes = read_endpoint_bytes(socket.fd());
   if (!bytes) return;  // a stranger or a dead connector: drop it
   RdmaEndpointInfo sender;
@@ -158,13 +97,13 @@ void RdmaBackend::admit(TcpSocket socket) {
     if (link.qp || link.failure) {
       // Two processes claim the same rank: the job is misconfigured; say so rather than mixing their streams.
       if (!link.failure) {
-        set_failure(link, true, "a second connection claims to be peer rank " + std::to_string(peer) +
+        set_failure(link, true, "a second connection claims to be " + peer_name(peer) +
                                     " (is that rank started twice?)");
       }
       return;
     }
   }
-  const std::string who = "peer rank " + std::to_string(peer);
+  const std::string who = peer_name(peer);
   try {
     const uint32_t slots = std::min(settings_.slot_count, sender.slot_count);
     const uint64_t slot_bytes = settings_.slot_bytes;
@@ -212,7 +151,7 @@ void RdmaBackend::admit(TcpSocket socket) {
     set_failure(link, true, "the rdma link from " + who + " could not be set up: " + error.what());
     return;
   }
-  set_receive_timeout(socket.fd(), 0);
+  tcp_set_receive_timeout(socket.fd(), 0);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     link.bootstrap = std::move(socket);
@@ -224,33 +163,9 @@ void RdmaBackend::admit(TcpSocket socket) {
 // ---- set-up and sending: the sending side --------------------------------------------------------------------
 
 void RdmaBackend::connect(int peer, SendLink& link, const OutgoingMessage& message, const SendLimits& limits) {
-  const auto deadline = deadline_after(limits.timeout_s);
-  HostPort address;
-  {
-    std::unique_lock<std::mutex> lock(mutex_);
-    while (!link.address) {
-      if (limits.stopping->load() || stopping_.load()) {
-        throw ClosedError("transport closed before " + describe_tag(message.header.tag) + " to peer rank " +
-                          std::to_string(peer) + " was sent");
-      }
-      if (std::chrono::steady_clock::now() >= deadline) {
-        throw TimeoutError("rank " + std::to_string(limits.my_rank) + " never learned the address of peer rank " +
-                           std::to_string(peer) + " (waited " + format_seconds(limits.timeout_s) + " to send " +
-                           describe_tag(message.header.tag) + ")");
-      }
-      changed_.wait_for(lock, kWaitTick);
-    }
-    address = *link.address;
-  }
-  const std::string who = "peer rank " + std::to_string(peer) + " (" + format_host_port(address.host, address.port) + ")";
-  TcpSocket socket;
-  try {
-    socket = tcp_connect(address.host, address.port, deadline, *limits.stopping);
-  } catch (const TimeoutError& error) {
-    throw TimeoutError("rank " + std::to_string(limits.my_rank) + " cannot reach peer rank " +
-                       std::to_string(peer) + ": " + error.what());
-  }
-  tcp_tune(socket);
+  AddressBook::Connection connection = addresses_.connect(peer, message.header.tag, limits);
+  TcpSocket socket = std::move(connection.socket);
+  const std::string who = peer_name(peer, connection.address);
   const uint32_t depth = settings_.slot_count + kSpareWorkRequests;
   auto cq = std::make_unique<RdmaCompletionQueue>(*device_, static_cast<int>(2 * depth), &link.id);
   auto qp = std::make_unique<RdmaQueuePair>(*device_, cq->get(), depth, depth);
@@ -268,7 +183,7 @@ void RdmaBackend::connect(int peer, SendLink& link, const OutgoingMessage& messa
   if (tcp_write_all(socket.fd(), &iov, 1, *limits.stopping, limits.timeout_s).status != TcpWriteStatus::kDone) {
     throw PeerDiedError(who + " dropped the rdma connection of rank " + std::to_string(limits.my_rank) + " at once");
   }
-  set_receive_timeout(socket.fd(), kHelloTimeoutS);
+  tcp_set_receive_timeout(socket.fd(), kHelloTimeoutS);
   const std::optional<std::vector<uint8_t>> bytes = read_endpoint_bytes(socket.fd());
   if (!bytes) {
     throw PeerDiedError(who + " did not answer the rdma connection set-up of rank " + std::to_string(limits.my_rank) +
@@ -290,7 +205,7 @@ void RdmaBackend::connect(int peer, SendLink& link, const OutgoingMessage& messa
   qp->connect(receiver);
   auto staging = std::make_unique<RdmaMemory>(device_->pd(), receiver.slot_count * receiver.slot_bytes,
                                               IBV_ACCESS_LOCAL_WRITE);
-  set_receive_timeout(socket.fd(), 0);
+  tcp_set_receive_timeout(socket.fd(), 0);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     link.remote = receiver;
@@ -323,7 +238,7 @@ uint64_t RdmaBackend::wait_for_slot(SendLink& link, const SendLimits& limits, co
       give_up_at = deadline_after(limits.timeout_s);
     } else if (now >= give_up_at) {
       // Part of a message may be in the receiver's slots already: the link cannot carry another one.
-      link.broken = PeerFailure{true, describe_peer_locked(link.id.peer) + " stopped reading"};
+      link.broken = PeerFailure{true, addresses_.describe(link.id.peer) + " stopped reading"};
       throw TimeoutError("rank " + std::to_string(limits.my_rank) + " made no progress for " +
                          format_seconds(limits.timeout_s) + " sending " + what + " (it stopped reading)");
     }
@@ -331,14 +246,14 @@ uint64_t RdmaBackend::wait_for_slot(SendLink& link, const SendLimits& limits, co
   }
 }
 
-void RdmaBackend::send(int peer, const OutgoingMessage& message, const SendLimits& limits) {
+void RdmaBackend::send(int peer, const OutgoingMessage& message, const SendLimits& limits, uint64_t) {
   auto found = outbound_.find(peer);
   if (found == outbound_.end()) {
     throw std::invalid_argument("rank " + std::to_string(peer) + " is not an rdma peer of rank " +
                                 std::to_string(context_.rank));
   }
   SendLink& link = found->second;  // only this peer's worker uses it, one send at a time
-  const std::string what = describe_tag(message.header.tag) + " to peer rank " + std::to_string(peer);
+  const std::string what = describe_tag(message.header.tag) + " to " + peer_name(peer);
   bool connected = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -363,7 +278,7 @@ void RdmaBackend::send(int peer, const OutgoingMessage& message, const SendLimit
                                          static_cast<uint32_t>(sequence));
     } catch (const std::runtime_error& error) {
       std::lock_guard<std::mutex> lock(mutex_);
-      mark_send_broken(link, true, describe_peer_locked(peer) + ": " + error.what());
+      mark_send_broken(link, true, addresses_.describe(peer) + ": " + error.what());
       throw_broken(*link.broken, " while rank " + std::to_string(limits.my_rank) + " sent " + what);
     }
   }
@@ -428,7 +343,7 @@ void RdmaBackend::drain(ibv_cq* cq, LinkId id) {
     const int count = ::ibv_poll_cq(cq, kCompletionsPerPoll, completions);
     std::lock_guard<std::mutex> lock(mutex_);
     if (count < 0) {
-      const std::string text = "polling the rdma completion queue of peer rank " + std::to_string(id.peer) + " failed";
+      const std::string text = "polling the rdma completion queue of " + peer_name(id.peer) + " failed";
       if (id.outbound) mark_send_broken(outbound_.at(id.peer), true, text);
       else set_failure(inbound_.at(id.peer), true, text);
       return;
@@ -446,7 +361,7 @@ void RdmaBackend::on_send_side_completion(SendLink& link, const ibv_wc& wc) {
   const WorkKind kind = kind_of(wc.wr_id);
   if (wc.status != IBV_WC_SUCCESS) {
     if (!(stopping_.load() && wc.status == IBV_WC_WR_FLUSH_ERR)) {
-      mark_send_broken(link, true, describe_peer_locked(link.id.peer) + ": rdma " +
+      mark_send_broken(link, true, addresses_.describe(link.id.peer) + ": rdma " +
                                        (kind == WorkKind::kDataWrite ? "write" : "credit receive") + " failed (" +
                                        status_text(wc.status) + ")");
     }
@@ -461,14 +376,14 @@ void RdmaBackend::on_send_side_completion(SendLink& link, const ibv_wc& wc) {
       link.qp->post_receive(wc.wr_id);
     }
   } catch (const std::exception& error) {
-    mark_send_broken(link, true, describe_peer_locked(link.id.peer) + " broke the rdma protocol: " + error.what());
+    mark_send_broken(link, true, addresses_.describe(link.id.peer) + " broke the rdma protocol: " + error.what());
     link.qp->fail();
   }
 }
 
 void RdmaBackend::on_receive_side_completion(ReceiveLink& link, const ibv_wc& wc) {
   if (link.failure) return;  // leftovers (flushes) of a link that already failed
-  const std::string who = "peer rank " + std::to_string(link.id.peer);
+  const std::string who = peer_name(link.id.peer);
   const WorkKind kind = kind_of(wc.wr_id);
   if (wc.status != IBV_WC_SUCCESS) {
     if (!(stopping_.load() && wc.status == IBV_WC_WR_FLUSH_ERR)) {
@@ -509,7 +424,7 @@ void RdmaBackend::return_credits(ReceiveLink& link, bool idle) {
   try {
     link.qp->post_send_immediate(work_id(WorkKind::kCreditSend, *count), static_cast<uint32_t>(*count));
   } catch (const std::exception& error) {
-    set_failure(link, true, "the rdma link from peer rank " + std::to_string(link.id.peer) +
+    set_failure(link, true, "the rdma link from " + peer_name(link.id.peer) +
                                 " cannot return credits: " + error.what());
     link.qp->fail();
   }
@@ -529,12 +444,12 @@ void RdmaBackend::on_async_events() {
           const uint32_t qp_num = event.element.qp->qp_num;
           for (auto& [peer, link] : outbound_) {
             if (link.qp && link.qp->qp_num() == qp_num) {
-              mark_send_broken(link, true, describe_peer_locked(peer) + ": rdma queue pair failed (" + what + ")");
+              mark_send_broken(link, true, addresses_.describe(peer) + ": rdma queue pair failed (" + what + ")");
             }
           }
           for (auto& [peer, link] : inbound_) {
             if (link.qp && link.qp->qp_num() == qp_num) {
-              set_failure(link, true, "the rdma link from peer rank " + std::to_string(peer) + " failed (" + what + ")");
+              set_failure(link, true, "the rdma link from " + peer_name(peer) + " failed (" + what + ")");
             }
           }
           break;
@@ -547,7 +462,7 @@ void RdmaBackend::on_async_events() {
             if (link.qp) mark_send_broken(link, true, text);
           }
           for (auto& [peer, link] : inbound_) {
-            if (link.qp) set_failure(link, true, text + " (on the link from peer rank " + std::to_string(peer) + ")");
+            if (link.qp) set_failure(link, true, text + " (on the link from " + peer_name(peer) + ")");
           }
           break;
         }
@@ -580,7 +495,7 @@ void RdmaBackend::on_bootstrap_readable(LinkId id) {
     problem = error.what();
   }
   if (stopping_.load()) return;  // our own close() shut the socket
-  const std::string who = "peer rank " + std::to_string(id.peer);
+  const std::string who = peer_name(id.peer);
   if (id.outbound) {
     std::lock_guard<std::mutex> lock(mutex_);
     SendLink& link = outbound_.at(id.peer);
@@ -588,7 +503,7 @@ void RdmaBackend::on_bootstrap_readable(LinkId id) {
     if (bye) {
       mark_send_broken(link, false, who + " closed its transport");
     } else {
-      mark_send_broken(link, true, describe_peer_locked(id.peer) + " went away: its rdma connection closed " +
+      mark_send_broken(link, true, addresses_.describe(id.peer) + " went away: its rdma connection closed " +
                                        (problem.empty() ? "without a goodbye" : "(" + problem + ")"));
     }
     return;
@@ -633,8 +548,8 @@ void RdmaBackend::close() {
     if (closed_) return;
     closed_ = true;
   }
-  accept_stop_.signal();
-  if (accept_thread_.joinable()) accept_thread_.join();
+  addresses_.close();
+  listener_.stop();
   // Goodbyes: on each outbound link once our last writes have landed (the progress thread still runs to see
   // them), so the peer publishes everything and then reports ClosedError rather than PeerDied; on each inbound
   // link so the peer's later sends fail as closed.

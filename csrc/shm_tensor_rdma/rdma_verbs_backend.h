@@ -24,44 +24,32 @@
 #include <string>
 #include <thread>
 
+#include "address_book.h"
+#include "listener.h"
 #include "rdma_chunk.h"
 #include "rdma_device.h"
 #include "rdma_flow.h"
 #include "rdma_queue_pair.h"
 #include "rdma_settings.h"
-#include "remote_backend.h"
-#include "tcp_frame.h"
+#include "backend.h"
 #include "tcp_socket.h"
+#include "unique_fd.h"
 
 namespace mapp {
 
-// An owned eventfd: one thread signals, another wakes from poll() on it.
-class EventFd {
+class RdmaBackend : public Backend {
  public:
-  EventFd();  // throws std::runtime_error
-  ~EventFd();
-  EventFd(const EventFd&) = delete;
-  EventFd& operator=(const EventFd&) = delete;
-  int fd() const { return fd_; }
-  void signal();
-  void clear();
-
- private:
-  int fd_ = -1;
-};
-
-class RdmaBackend : public RemoteBackend {
- public:
-  // Opens the device and listens for bootstrap connections on listen_host (any free port). Throws
+  // Opens the device and listens for bootstrap connections on context.listen_host (any free port). Throws
   // std::invalid_argument when no device is usable, std::runtime_error when a resource cannot be had.
-  RdmaBackend(RemoteContext context, const std::string& listen_host, const RdmaSettings& settings);
+  RdmaBackend(BackendContext context, const RdmaSettings& settings);
   ~RdmaBackend() override;  // close()
 
   const char* name() const override { return "rdma"; }
-  std::string local_address() const override { return format_host_port(advertised_host_, port_); }
+  std::string local_address() const override { return listener_.address(); }
   void set_peer_address(int peer, const std::string& address) override;
-  void send(int peer, const OutgoingMessage& message, const SendLimits& limits) override;
-  std::optional<PeerFailure> failure(int peer) const override;
+  // `offset` is always 0: this backend never sends inline.
+  void send(int peer, const OutgoingMessage& message, const SendLimits& limits, uint64_t offset) override;
+  std::optional<PeerFailure> failure(int peer) override;
   void close() override;
 
  private:
@@ -73,7 +61,6 @@ class RdmaBackend : public RemoteBackend {
   // Destruction order matters: queue pair, then completion queue, then registered memory.
   struct SendLink {
     LinkId id;
-    std::optional<HostPort> address;
     TcpSocket bootstrap;
     bool watching = false;  // the progress thread polls the bootstrap socket
     std::unique_ptr<RdmaMemory> staging;
@@ -98,7 +85,6 @@ class RdmaBackend : public RemoteBackend {
     std::optional<PeerFailure> failure;
   };
 
-  void accept_loop();
   void admit(TcpSocket socket);
   void connect(int peer, SendLink& link, const OutgoingMessage& message, const SendLimits& limits);
   uint64_t wait_for_slot(SendLink& link, const SendLimits& limits, const std::string& what);
@@ -116,26 +102,22 @@ class RdmaBackend : public RemoteBackend {
   void on_bootstrap_readable(LinkId id);
   void mark_send_broken(SendLink& link, bool died, const std::string& text);
   void set_failure(ReceiveLink& link, bool died, const std::string& text);
-  std::string describe_peer_locked(int peer) const;  // "peer rank 3 (10.0.0.2:41234)"; caller holds mutex_
 
-  const RemoteContext context_;
+  const BackendContext context_;
   const RdmaSettings settings_;
   std::unique_ptr<RdmaDevice> device_;  // outlives every link (declared before the link maps)
-  TcpSocket listener_;
-  std::string advertised_host_;
-  int port_ = 0;
-  EventFd accept_stop_;    // ends the accept thread
+  AddressBook addresses_;
+  Listener listener_;
   EventFd progress_stop_;  // ends the progress thread (after the goodbyes, which need it)
   EventFd progress_wake_;  // a link was added: re-read the set of sockets to watch
   std::atomic<bool> stopping_{false};
 
   mutable std::mutex mutex_;
-  std::condition_variable changed_;  // an address, a credit, a completion or a failure arrived
+  std::condition_variable changed_;  // a credit, a completion or a failure arrived
   std::map<int, SendLink> outbound_;  // keys fixed at construction
   std::map<int, ReceiveLink> inbound_;
   bool closed_ = false;
 
-  std::thread accept_thread_;
   std::thread progress_thread_;
 };
 

@@ -6,6 +6,7 @@
 
 #include "doorbell.h"
 #include "errors.h"
+#include "peer_name.h"
 #include "shm_names.h"
 #include "tag.h"
 #include "wait_tick.h"
@@ -102,7 +103,7 @@ bool ShmChannel::send_now(const OutgoingMessage& message, uint64_t* offset, uint
 
 void ShmChannel::send(const OutgoingMessage& message, const SendLimits& limits, uint64_t offset) {
   if (owner_closed()) {
-    throw ClosedError("peer rank " + std::to_string(peer_rank_) + " closed its transport before rank " +
+    throw ClosedError(peer_name(peer_rank_) + " closed its transport before rank " +
                       std::to_string(limits.my_rank) + " sent " + describe_tag(message.header.tag));
   }
   do {
@@ -117,7 +118,7 @@ void ShmChannel::wait_for_free_slot(const OutgoingMessage& message, const SendLi
   auto next_liveness_check = Clock::now();  // check at once: queued sends to a dead peer fail without delay
   const auto what = [&] {
     return "rank " + std::to_string(limits.my_rank) + " was sending " + describe_tag(message.header.tag) +
-           " to peer rank " + std::to_string(peer_rank_);
+           " to " + peer_name(peer_rank_);
   };
   for (;;) {
     const uint32_t seen = space.snapshot();
@@ -125,12 +126,12 @@ void ShmChannel::wait_for_free_slot(const OutgoingMessage& message, const SendLi
     if (head - ring_.tail.load(std::memory_order_acquire) < view_.slots_per_ring()) return;
     if (limits.stopping->load(std::memory_order_acquire)) throw ClosedError("transport closed while " + what());
     if (owner_closed()) {
-      throw ClosedError("peer rank " + std::to_string(peer_rank_) + " closed its transport while " + what());
+      throw ClosedError(peer_name(peer_rank_) + " closed its transport while " + what());
     }
     const auto now = Clock::now();
     if (now >= next_liveness_check) {
       if (!owner_.alive()) {
-        throw PeerDiedError("peer rank " + std::to_string(peer_rank_) + " (pid " + std::to_string(owner_.pid) +
+        throw PeerDiedError(peer_name(peer_rank_) + " (pid " + std::to_string(owner_.pid) +
                             ") died while " + what());
       }
       next_liveness_check = now + kLivenessInterval;

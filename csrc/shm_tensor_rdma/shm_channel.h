@@ -9,23 +9,12 @@
 #include <string>
 
 #include "message.h"
+#include "outgoing_message.h"
 #include "process_identity.h"
 #include "shm_layout.h"
 #include "shm_segment.h"
 
 namespace mapp {
-
-struct OutgoingMessage {
-  MessageHeader header;
-  const uint8_t* data;
-};
-
-// What a blocking send needs to know to give up with a clear error.
-struct SendLimits {
-  int my_rank;
-  double timeout_s;                  // without progress, give up after this long
-  const std::atomic<bool>* stopping; // the transport is closing
-};
 
 class ShmChannel {
  public:

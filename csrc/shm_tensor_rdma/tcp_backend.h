@@ -6,7 +6,6 @@
 #pragma once
 
 #include <atomic>
-#include <condition_variable>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -14,23 +13,27 @@
 #include <string>
 #include <thread>
 
-#include "remote_backend.h"
+#include "address_book.h"
+#include "listener.h"
+#include "backend.h"
 #include "tcp_frame.h"
 #include "tcp_socket.h"
 
 namespace mapp {
 
-class TcpBackend : public RemoteBackend {
+class TcpBackend : public Backend {
  public:
-  // Listens on listen_host (port 0: any free port) at once. Throws std::runtime_error if it cannot.
-  TcpBackend(RemoteContext context, const std::string& listen_host, int listen_port);
+  // Listens on context.listen_host:listen_port (port 0: any free port) at once. Throws std::runtime_error if it
+  // cannot.
+  explicit TcpBackend(BackendContext context);
   ~TcpBackend() override;  // close()
 
   const char* name() const override { return "tcp"; }
-  std::string local_address() const override { return format_host_port(advertised_host_, port_); }
+  std::string local_address() const override { return listener_.address(); }
   void set_peer_address(int peer, const std::string& address) override;
-  void send(int peer, const OutgoingMessage& message, const SendLimits& limits) override;
-  std::optional<PeerFailure> failure(int peer) const override;
+  // `offset` is always 0: this backend never sends inline.
+  void send(int peer, const OutgoingMessage& message, const SendLimits& limits, uint64_t offset) override;
+  std::optional<PeerFailure> failure(int peer) override;
   void close() override;
 
  private:
@@ -40,28 +43,21 @@ class TcpBackend : public RemoteBackend {
     std::optional<PeerFailure> failure;
   };
   struct Outbound {
-    std::optional<HostPort> address;
     TcpSocket socket;
     std::optional<std::string> broken;  // why the stream is unusable
   };
 
-  void accept_loop();
   void admit(TcpSocket socket);
   void receive_loop(int peer, int fd);
   void connect(int peer, Outbound& link, const OutgoingMessage& message, const SendLimits& limits);
   void set_failure(int peer, bool died, const std::string& text);
-  std::string describe_peer(int peer) const;
 
-  const RemoteContext context_;
-  TcpSocket listener_;
-  std::string advertised_host_;
-  int port_ = 0;
-  int stop_fd_ = -1;  // eventfd: wakes the accept thread's poll()
+  const BackendContext context_;
+  AddressBook addresses_;
+  Listener listener_;
   std::atomic<bool> stopping_{false};
-  std::thread accept_thread_;
 
   mutable std::mutex mutex_;
-  std::condition_variable address_known_;
   std::map<int, Inbound> inbound_;    // keys fixed at construction
   std::map<int, Outbound> outbound_;  // keys fixed at construction; a link's socket is used by one worker at a time
   bool closed_ = false;

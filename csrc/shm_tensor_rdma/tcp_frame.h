@@ -5,7 +5,6 @@
 #pragma once
 
 #include <cstdint>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -41,15 +40,5 @@ TcpFrameHeader make_tcp_data_frame(const MessageHeader& message);
 TcpFrameHeader make_tcp_bye_frame();
 // "" if the frame is well formed and its payload fits max_message_bytes, else why not.
 std::string check_tcp_frame(const TcpFrameHeader& frame, uint64_t max_message_bytes);
-
-// "host:port" <-> parts. Throws std::invalid_argument naming the bad text. IPv6 literals go in brackets.
-struct HostPort {
-  std::string host;
-  int port;
-};
-HostPort parse_host_port(const std::string& address);
-std::string format_host_port(const std::string& host, int port);
-// How error messages name a remote peer: "peer rank 3 (10.0.0.2:41234)", or "peer rank 3" before its address is known.
-std::string describe_remote_peer(int peer, const std::optional<HostPort>& address);
 
 }  // namespace mapp

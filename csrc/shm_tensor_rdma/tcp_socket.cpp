@@ -15,7 +15,7 @@
 #include <thread>
 
 #include "errors.h"
-#include "tcp_frame.h"
+#include "host_port.h"
 #include "wait_tick.h"
 
 namespace mapp {
@@ -52,21 +52,8 @@ void set_int_option(int fd, int level, int name, int value) {
 
 }  // namespace
 
-TcpSocket::~TcpSocket() {
-  if (fd_ >= 0) ::close(fd_);
-}
-
-TcpSocket& TcpSocket::operator=(TcpSocket&& other) noexcept {
-  if (this != &other) {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = other.fd_;
-    other.fd_ = -1;
-  }
-  return *this;
-}
-
 void TcpSocket::shutdown_both() const {
-  if (fd_ >= 0) ::shutdown(fd_, SHUT_RDWR);
+  if (fd_.valid()) ::shutdown(fd_.get(), SHUT_RDWR);
 }
 
 TcpSocket tcp_listen(const std::string& host, int port) {
@@ -130,6 +117,11 @@ void tcp_tune(const TcpSocket& socket) {
   set_int_option(fd, IPPROTO_TCP, TCP_KEEPINTVL, 2);
   set_int_option(fd, IPPROTO_TCP, TCP_KEEPCNT, 4);
   set_int_option(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, 30000);  // ms of unacknowledged data before the kernel gives up
+}
+
+void tcp_set_receive_timeout(int fd, int seconds) {
+  timeval limit{seconds, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof(limit));
 }
 
 size_t tcp_read_full(int fd, void* data, size_t size) {

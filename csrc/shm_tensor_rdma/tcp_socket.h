@@ -11,25 +11,22 @@
 #include <cstddef>
 #include <string>
 
+#include "unique_fd.h"
+
 namespace mapp {
 
 class TcpSocket {
  public:
   TcpSocket() = default;
   explicit TcpSocket(int fd) : fd_(fd) {}
-  ~TcpSocket();
-  TcpSocket(TcpSocket&& other) noexcept : fd_(other.fd_) { other.fd_ = -1; }
-  TcpSocket& operator=(TcpSocket&& other) noexcept;
-  TcpSocket(const TcpSocket&) = delete;
-  TcpSocket& operator=(const TcpSocket&) = delete;
 
-  int fd() const { return fd_; }
-  bool valid() const { return fd_ >= 0; }
+  int fd() const { return fd_.get(); }
+  bool valid() const { return fd_.valid(); }
   // Wakes every thread blocked on this socket (reads return 0, writes fail); the fd stays open.
   void shutdown_both() const;
 
  private:
-  int fd_ = -1;
+  UniqueFd fd_;
 };
 
 // Listens on host:port (port 0: any free port). Throws std::runtime_error naming the address ("port in use").
@@ -43,6 +40,9 @@ TcpSocket tcp_connect(const std::string& host, int port, std::chrono::steady_clo
 
 // No Nagle, keepalive probes that notice a vanished host within ~15 s, a user timeout for stuck writes.
 void tcp_tune(const TcpSocket& socket);
+
+// Reads on `fd` give up (EAGAIN) after `seconds` without data; 0: never. Bounds the wait for a peer's hello.
+void tcp_set_receive_timeout(int fd, int seconds);
 
 // Reads exactly `size` bytes unless the stream ends first; returns the bytes read (size, or less at EOF).
 // Throws std::runtime_error with the errno text (e.g. "Connection reset by peer").

@@ -3,15 +3,16 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
+#include <map>
 #include <stdexcept>
 #include <string>
 
+#include "backend_registry.h"
 #include "errors.h"
-#include "rdma_backend.h"
-#include "shm_names.h"
+#include "peer_name.h"
 #include "tag.h"
-#include "tcp_backend.h"
 
 namespace mapp {
 namespace {
@@ -33,7 +34,7 @@ std::string rank_list(const std::vector<int>& ranks) {
 }
 
 std::string describe_key(const MessageKey& key) {
-  return describe_tag(key.second) + " from peer rank " + std::to_string(key.first);
+  return describe_tag(key.second) + " from " + peer_name(key.first);
 }
 
 std::string describe_keys(const std::vector<MessageKey>& keys) {
@@ -64,13 +65,18 @@ Transport::Transport(TransportOptions options)
       is_peer_(options_.world_size, false),
       pool_(BufferPool::create(kMaxCachedReceiveBytes)) {
   for (int peer : peers_) is_peer_[peer] = true;
-  remote_of_.assign(options_.world_size, nullptr);
+  backend_of_.assign(options_.world_size, nullptr);
+  sends_inline_.assign(options_.world_size, false);
   if (peers_.empty()) return;  // nothing to exchange with: no segment, no threads
-  std::vector<int> shm_peers, tcp_peers, rdma_peers;
+  create_backends();
+  workers_ = std::make_unique<WorkerPool>(static_cast<size_t>(options_.send_workers));
+}
+
+void Transport::create_backends() {
+  std::map<std::string, std::vector<int>> peers_of;  // backend name -> its peers (names checked by validate_options)
   for (int peer : peers_) {
     auto named = options_.peer_backends.find(peer);
-    const std::string backend = named == options_.peer_backends.end() ? "shm" : named->second;
-    (backend == "tcp" ? tcp_peers : backend == "rdma" ? rdma_peers : shm_peers).push_back(peer);
+    peers_of[named == options_.peer_backends.end() ? default_backend_name() : named->second].push_back(peer);
   }
   for (const auto& [peer, backend] : options_.peer_backends) {
     if (peer < 0 || peer >= options_.world_size || !is_peer_[peer]) {
@@ -78,52 +84,59 @@ Transport::Transport(TransportOptions options)
                                   ", which is not among the peers " + rank_list(peers_));
     }
   }
-  if (!shm_peers.empty()) {
-    ReceiverConfig config{options_.job_id, options_.rank,       options_.world_size,
-                          shm_peers,       options_.slot_bytes, options_.num_slots};
-    receiver_ = std::make_unique<ShmReceiver>(config, &inbox_, pool_);
-    connector_ = std::make_unique<PeerConnector>(options_.job_id, options_.rank, options_.world_size, shm_peers);
+  try {
+    for (const BackendKind& kind : backend_kinds()) make_backend(kind, peers_of);
+  } catch (...) {
+    while (!backends_.empty()) backends_.pop_back();  // reverse order: later backends may ring an earlier one's bell
+    throw;
   }
-  auto context_for = [this](const std::vector<int>& peers) {
-    return RemoteContext{options_.rank, options_.job_id, peers, options_.max_message_bytes, &inbox_, &arrivals(),
-                         pool_};
-  };
-  if (!tcp_peers.empty()) {
-    remote_backends_.push_back(
-        std::make_unique<TcpBackend>(context_for(tcp_peers), options_.listen_host, options_.listen_port));
-    for (int peer : tcp_peers) remote_of_[peer] = remote_backends_.back().get();
+}
+
+void Transport::make_backend(const BackendKind& kind, const std::map<std::string, std::vector<int>>& peers_of) {
+  auto group = peers_of.find(kind.name);
+  if (group == peers_of.end()) return;
+  const BackendContext context{options_.rank,       options_.world_size, options_.job_id,      group->second,
+                               options_.max_message_bytes, &inbox_,     arrivals_,            pool_,
+                               options_.slot_bytes, options_.num_slots,  options_.listen_host, options_.listen_port};
+  backends_.push_back(kind.create(context));
+  Backend* backend = backends_.back().get();
+  if (Doorbell* own = backend->own_arrivals()) {
+    if (backends_.size() > 1) {
+      throw std::logic_error(std::string("backend ") + kind.name +
+                             " brings its own arrivals doorbell: it must come first in backend_registry.cpp");
+    }
+    arrivals_ = own;
   }
-  if (!rdma_peers.empty()) {
-    remote_backends_.push_back(make_rdma_backend(context_for(rdma_peers), options_.listen_host));
-    for (int peer : rdma_peers) remote_of_[peer] = remote_backends_.back().get();
+  for (int peer : group->second) {
+    backend_of_[peer] = backend;
+    sends_inline_[peer] = backend->sends_inline();
   }
-  workers_ = std::make_unique<WorkerPool>(static_cast<size_t>(options_.send_workers));
 }
 
 Transport::~Transport() {
   if (static_cast<int>(::getpid()) != creator_pid_) {
     // Forked child: the threads are not ours and the names are the parent's. Leave everything alone.
     (void)workers_.release();
-    for (auto& backend : remote_backends_) (void)backend.release();
-    (void)connector_.release();
-    (void)receiver_.release();
+    for (auto& backend : backends_) (void)backend.release();
     return;
   }
   close();
+  workers_.reset();
+  while (!backends_.empty()) backends_.pop_back();  // later backends may ring an earlier one's doorbell
 }
 
 void Transport::close() {
   if (static_cast<int>(::getpid()) != creator_pid_) return;
   std::lock_guard<std::mutex> lock(close_mutex_);
   if (closing_.exchange(true)) return;
-  if (connector_) connector_->wake_senders();  // workers blocked on full rings see closing_ and give up
-  if (workers_) workers_->shutdown();           // queued sends fail fast with ClosedError
-  for (auto& backend : remote_backends_) backend->close();  // goodbye to remote peers, join their threads
-  if (connector_) connector_->stop();
-  if (receiver_) receiver_->close();  // also wakes threads blocked in wait_any; they see closing_
-  if (!receiver_) own_arrivals_.ring();
+  for (auto& backend : backends_) backend->wake_senders();  // workers blocked in a send see closing_ and give up
+  if (workers_) workers_->shutdown();                          // queued sends fail fast with ClosedError
+  // Remote backends say goodbye and join their threads; shm closes last (also waking threads blocked in wait_any,
+  // which see closing_).
+  for (auto backend = backends_.rbegin(); backend != backends_.rend(); ++backend) (*backend)->close();
+  if (arrivals_ == &own_arrivals_) own_arrivals_.ring();
   try {
-    remove_dead_job_segments(options_.job_id);
+    remove_dead_job_leftovers(options_.job_id);
   } catch (const std::exception&) {
     // Best effort: a leftover of a dead process is removed by the next close() or cleanup_job().
   }
@@ -131,25 +144,22 @@ void Transport::close() {
 
 std::string Transport::backend_of(int peer) const {
   validate_peer(peer, "reach");
-  return remote_of_[peer] ? remote_of_[peer]->name() : "shm";
+  return backend_of_[peer]->name();
 }
 
 std::string Transport::local_address(const std::string& backend) const {
-  for (const auto& remote : remote_backends_) {
-    if (backend == remote->name()) return remote->local_address();
+  for (const auto& candidate : backends_) {
+    if (backend == candidate->name()) return candidate->local_address();
   }
   throw std::invalid_argument("rank " + std::to_string(options_.rank) + " has no " + backend + " peers");
 }
 
 void Transport::set_peer_address(int peer, const std::string& address) {
   validate_peer(peer, "reach");
-  if (!remote_of_[peer]) {
-    throw std::invalid_argument("peer rank " + std::to_string(peer) + " is reached through shared memory");
-  }
-  remote_of_[peer]->set_peer_address(peer, address);
+  backend_of_[peer]->set_peer_address(peer, address);
 }
 
-std::vector<std::string> Transport::cleanup_job(const std::string& job_id) { return remove_dead_job_segments(job_id); }
+std::vector<std::string> Transport::cleanup_job(const std::string& job_id) { return remove_dead_job_leftovers(job_id); }
 
 void Transport::check_usable() {
   if (closing_.load()) throw ClosedError("transport of rank " + std::to_string(options_.rank) + " is closed");
@@ -217,19 +227,18 @@ std::shared_ptr<SendRequest> Transport::send(int peer, uint64_t tag, uint32_t dt
   if (nbytes > 0 && data == nullptr) throw std::invalid_argument("null data pointer for a non-empty message");
   const OutgoingMessage message{make_message_header(tag, dtype_code, shape, nbytes),
                                 static_cast<const uint8_t*>(data)};
-  if (remote_of_[peer] == nullptr) {
+  if (sends_inline_[peer]) {
+    Backend* backend = backend_of_[peer];
     uint64_t sent = 0;
     std::shared_ptr<SendRequest> rest;
     const bool handled = workers_->run_inline_if_idle(peer, [&] {
-      ShmChannel* channel = connector_->channel_if_ready(peer);
-      if (channel == nullptr) return false;
-      if (channel->send_now(message, &sent, kInlineSendBytes)) return true;
+      if (backend->send_now(peer, message, &sent, kInlineSendBytes)) return true;
       if (sent == 0) return false;
-      // The first chunks are in the ring: queue the rest on the lane before it is free again, keeping the order.
+      // The first chunks are sent: queue the rest on the lane before it is free again, keeping the order.
       rest = post_send(peer, message, sent);
       return true;
     });
-    if (handled) return rest;  // nullptr when the whole message is in the ring
+    if (handled) return rest;  // nullptr when the whole message is sent
   }
   return post_send(peer, message, 0);
 }
@@ -245,16 +254,10 @@ void Transport::perform_send(const std::shared_ptr<SendRequest>& request, int pe
                              uint64_t offset) {
   try {
     if (closing_.load()) {
-      throw ClosedError("transport closed before " + describe_tag(message.header.tag) + " to peer rank " +
-                        std::to_string(peer) + " was sent");
+      throw ClosedError("transport closed before " + describe_tag(message.header.tag) + " to " + peer_name(peer) +
+                        " was sent");
     }
-    if (RemoteBackend* remote = remote_of_[peer]) {
-      remote->send(peer, message, SendLimits{options_.rank, options_.timeout_s, &closing_});
-      request->complete();
-      return;
-    }
-    ShmChannel& channel = connector_->wait_channel(peer, message.header.tag, options_.timeout_s, closing_);
-    channel.send(message, SendLimits{options_.rank, options_.timeout_s, &closing_}, offset);
+    backend_of_[peer]->send(peer, message, SendLimits{options_.rank, options_.timeout_s, &closing_}, offset);
     request->complete();
   } catch (...) {
     request->fail(std::current_exception());
@@ -267,7 +270,7 @@ void Transport::note_failure(const std::shared_ptr<SendRequest>& request) {
     std::lock_guard<std::mutex> lock(requests_mutex_);
     failures_.push_back(request);
   }
-  if (!closing_.load()) arrivals().ring();  // a thread blocked in wait_any reports it now
+  if (!closing_.load()) arrivals_->ring();  // a thread blocked in wait_any reports it now
 }
 
 void Transport::track(const std::shared_ptr<SendRequest>& request) {
@@ -311,21 +314,21 @@ void Transport::wait_sends(std::optional<double> timeout_s) {
 
 std::vector<MessageKey> Transport::poll() {
   check_usable();
-  drain_shm(/*wait_for_lock=*/false);
+  collect_arrivals(/*wait_for_lock=*/false);
   return inbox_.ready();
 }
 
 std::optional<MessageHeader> Transport::peek(int peer, uint64_t tag) {
   check_usable();
   validate_peer(peer, "receive from");
-  drain_shm(/*wait_for_lock=*/false);
+  collect_arrivals(/*wait_for_lock=*/false);
   return inbox_.peek(MessageKey(peer, tag));
 }
 
 std::optional<Message> Transport::try_take(int peer, uint64_t tag) {
   check_usable();
   validate_peer(peer, "receive from");
-  drain_shm(/*wait_for_lock=*/false);
+  collect_arrivals(/*wait_for_lock=*/false);
   return inbox_.take(MessageKey(peer, tag));
 }
 
@@ -353,12 +356,12 @@ MessageKey Transport::wait_for_keys(const std::vector<MessageKey>& keys, std::op
   const auto start = Clock::now();
   const auto give_up_at = deadline_after(limit_s);
   auto next_liveness_check = start + kWaitTick;
-  Doorbell& bell = arrivals();
-  std::optional<ShmReceiver::ForegroundWait> drain_here;
-  if (receiver_) drain_here.emplace(*receiver_);
+  Doorbell& bell = *arrivals_;
+  std::array<std::unique_ptr<Backend::ForegroundWait>, kBackendKinds> waiting_here;
+  for (size_t i = 0; i < backends_.size(); ++i) waiting_here[i] = backends_[i]->foreground_wait();
   for (;;) {
     const uint32_t seen = bell.snapshot();
-    drain_shm();
+    collect_arrivals();
     if (std::optional<MessageKey> key = inbox_.find_any(keys)) return *key;
     if (closing_.load()) {
       throw ClosedError("transport of rank " + std::to_string(options_.rank) + " closed while it waited for " +
@@ -385,30 +388,14 @@ std::optional<MessageKey> Transport::check_senders(const std::vector<MessageKey>
     const int peer = key.first;
     if (std::find(checked.begin(), checked.end(), peer) != checked.end()) continue;
     checked.push_back(peer);
-    if (RemoteBackend* remote = remote_of_[peer]) {
-      std::optional<PeerFailure> failure = remote->failure(peer);
-      if (!failure) continue;
-      // The backend published everything that arrived before it noticed the failure.
-      if (std::optional<MessageKey> found = inbox_.find_any(keys)) return found;
-      const std::string waited = " while rank " + std::to_string(options_.rank) + " waited for " +
-                                 describe_tags_of(peer, keys);
-      if (failure->died) throw PeerDiedError(failure->text + waited);
-      throw ClosedError(failure->text + waited);
-    }
-    std::optional<ProcessIdentity> identity = connector_->owner_of(peer);
-    if (!identity) identity = receiver_->producer(peer);
-    const bool closed = receiver_->producer_closed(peer) || connector_->peer_closed(peer);
-    const bool died = !closed && identity && !identity->alive();
-    if (!died && !closed) continue;
-    // Whatever the peer published before it went away is still ours to collect.
-    drain_shm();
+    std::optional<PeerFailure> failure = backend_of_[peer]->failure(peer);
+    if (!failure) continue;
+    // The backend published everything that arrived before it noticed the failure.
     if (std::optional<MessageKey> found = inbox_.find_any(keys)) return found;
-    const std::string waited = "rank " + std::to_string(options_.rank) + " waited for " + describe_tags_of(peer, keys);
-    if (died) {
-      throw PeerDiedError("peer rank " + std::to_string(peer) + " (pid " + std::to_string(identity->pid) +
-                          ") died while " + waited);
-    }
-    throw ClosedError("peer rank " + std::to_string(peer) + " closed its transport while " + waited);
+    const std::string waited =
+        " while rank " + std::to_string(options_.rank) + " waited for " + describe_tags_of(peer, keys);
+    if (failure->died) throw PeerDiedError(failure->text + waited);
+    throw ClosedError(failure->text + waited);
   }
   return std::nullopt;
 }

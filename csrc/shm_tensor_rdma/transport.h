@@ -1,21 +1,23 @@
-// One rank's endpoint: owns the receive side (this rank's segment + inbox), the send side (a channel per peer,
-// attached by the connector) and the send workers. Validates every argument; errors are the types in errors.h.
+// One rank's endpoint: owns the inbox, one backend per kind its peers use (made by the factory in
+// backend_registry.h, all behind the Backend interface) and the send workers. Validates every argument; errors are
+// the types in errors.h.
 #pragma once
 
 #include <atomic>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "backend.h"
+#include "backend_registry.h"
 #include "buffer_pool.h"
+#include "doorbell.h"
 #include "inbox.h"
 #include "message.h"
-#include "peer_connector.h"
-#include "remote_backend.h"
 #include "send_request.h"
-#include "shm_receiver.h"
 #include "transport_options.h"
 #include "wait_tick.h"
 #include "worker_pool.h"
@@ -52,7 +54,7 @@ class Transport {
   // Runs on every complete incoming message before it is published, whatever backend carried it (the loss layer).
   void set_arrival_filter(std::shared_ptr<ArrivalFilter> filter) { inbox_.set_arrival_filter(std::move(filter)); }
   const std::vector<int>& peers() const { return peers_; }
-  // "shm", "tcp" or "rdma": how this rank reaches `peer`.
+  // The name of the backend through which this rank reaches `peer` ("shm", "tcp", "rdma").
   std::string backend_of(int peer) const;
   // Where peers reach this rank over `backend` ("host:port"); throws std::invalid_argument if it serves no peer.
   std::string local_address(const std::string& backend) const;
@@ -60,7 +62,7 @@ class Transport {
   void set_peer_address(int peer, const std::string& address);
   int rank() const { return options_.rank; }
 
-  // Removes segments of `job_id` whose owner process is gone; returns their names.
+  // Removes what processes of `job_id` that are gone left behind (shm segments); returns their names.
   static std::vector<std::string> cleanup_job(const std::string& job_id);
 
  private:
@@ -73,10 +75,11 @@ class Transport {
   std::shared_ptr<SendRequest> post_send(int peer, const OutgoingMessage& message, uint64_t offset);
   void perform_send(const std::shared_ptr<SendRequest>& request, int peer, const OutgoingMessage& message,
                     uint64_t offset);
-  // The doorbell every backend rings when a message arrives: the shm receiver's, or ours when no peer uses shm.
-  Doorbell& arrivals() { return receiver_ ? receiver_->arrivals() : own_arrivals_; }
-  void drain_shm(bool wait_for_lock = true) {
-    if (receiver_) receiver_->drain_available(wait_for_lock);
+  // Makes one backend per kind in use (registry order) and maps each peer to its backend.
+  void create_backends();
+  void make_backend(const BackendKind& kind, const std::map<std::string, std::vector<int>>& peers_of);
+  void collect_arrivals(bool wait_for_lock = true) {
+    for (const auto& backend : backends_) backend->collect_arrivals(wait_for_lock);
   }
   void note_failure(const std::shared_ptr<SendRequest>& request);
   void track(const std::shared_ptr<SendRequest>& request);
@@ -92,12 +95,13 @@ class Transport {
   std::vector<bool> is_peer_;
   std::shared_ptr<BufferPool> pool_;
   Inbox inbox_;
-  std::unique_ptr<ShmReceiver> receiver_;
-  std::unique_ptr<PeerConnector> connector_;
   DoorbellWords own_arrival_words_;
   Doorbell own_arrivals_{&own_arrival_words_};
-  std::vector<std::unique_ptr<RemoteBackend>> remote_backends_;
-  std::vector<RemoteBackend*> remote_of_;  // per rank: its remote backend, nullptr for shm
+  // The doorbell every backend rings when a message arrives: ours, or one a backend brings (Backend::own_arrivals).
+  Doorbell* arrivals_ = &own_arrivals_;
+  std::vector<std::unique_ptr<Backend>> backends_;  // registry order; closed and destroyed in reverse
+  std::vector<Backend*> backend_of_;                // per rank: its backend, nullptr for ranks that are not peers
+  std::vector<bool> sends_inline_;                  // per rank: its backend's sends_inline()
   std::unique_ptr<WorkerPool> workers_;
   std::atomic<bool> closing_{false};
   std::mutex close_mutex_;

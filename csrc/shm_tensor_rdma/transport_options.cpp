@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "backend_registry.h"
 #include "shm_names.h"
 
 namespace mapp {
@@ -45,7 +46,7 @@ TransportOptions validate_options(TransportOptions options) {
   for (const auto& [peer, backend] : options.peer_backends) {
     if (!is_backend_name(backend)) {
       throw std::invalid_argument("unknown backend '" + backend + "' for peer " + std::to_string(peer) +
-                                  "; choose shm, tcp or rdma");
+                                  "; choose " + backend_name_list());
     }
   }
   if (options.listen_port < 0 || options.listen_port > 65535) {
@@ -54,7 +55,7 @@ TransportOptions validate_options(TransportOptions options) {
   return options;
 }
 
-bool is_backend_name(const std::string& name) { return name == "shm" || name == "tcp" || name == "rdma"; }
+bool is_backend_name(const std::string& name) { return find_backend_kind(name) != nullptr; }
 
 std::vector<int> resolve_peers(const TransportOptions& options) {
   std::vector<int> peers;

@@ -22,7 +22,8 @@ struct TransportOptions {
   int send_workers = 2;
   std::optional<std::vector<int>> peers;  // default: every other rank
   double timeout_s = 300.0;
-  // Backend per peer: "shm" (default for peers not named), "tcp" or "rdma". The caller decides (it knows hosts).
+  // Backend per peer, a name from backend_registry.h: "shm" (default for peers not named), "tcp" or "rdma". The
+  // caller decides (it knows hosts).
   std::map<int, std::string> peer_backends;
   std::string listen_host = "127.0.0.1";  // where remote backends listen, and the address peers are told
   int listen_port = 0;                     // 0: any free port

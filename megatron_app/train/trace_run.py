@@ -10,7 +10,7 @@ import torch.distributed as dist
 from megatron_app.trace.runs import new_run_name, point_latest
 
 _STORE_KEY = "megatron_app/trace_run_name"
-_calls = 0   # every rank starts the same runs in the same order: one store key per run, never a stale name
+_runs_started = 0   # a process group may train several times (benchmarks, tests): one store key per run
 
 
 def job_name() -> str:
@@ -24,14 +24,12 @@ def job_name() -> str:
 
 def start_trace_run(root: str | os.PathLike) -> Path:
     """Rank 0 names the run; every host's first local rank creates it and points root/latest at it."""
-    global _calls
-    _calls += 1
+    global _runs_started
+    _runs_started += 1
+    key = f"{_STORE_KEY}/{_runs_started}"
     name = new_run_name(job_name()) if dist.get_rank() == 0 else None
     if dist.get_world_size() > 1:
-        # One process group can train several runs (tools/bench_schedule_worker.py): a key of its own per run, or
-        # a rank could read the previous run's name before rank 0 sets the new one.
         store = dist.distributed_c10d._get_default_store()
-        key = f"{_STORE_KEY}/{_calls}"
         if name is not None:
             store.set(key, name)
         else:

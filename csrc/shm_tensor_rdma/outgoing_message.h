@@ -1,0 +1,23 @@
+// What every backend's send() gets, whatever carries it (shm, tcp, rdma): the message, and the limits a blocking
+// send honours to give up with a clear error.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+#include "message.h"
+
+namespace mapp {
+
+struct OutgoingMessage {
+  MessageHeader header;
+  const uint8_t* data;  // header.nbytes bytes; the caller keeps them valid until the send completes
+};
+
+struct SendLimits {
+  int my_rank;
+  double timeout_s;                  // without progress, give up after this long
+  const std::atomic<bool>* stopping; // the transport is closing
+};
+
+}  // namespace mapp

@@ -1,0 +1,42 @@
+// The shared-memory backend: the receive side is this rank's segment (ShmReceiver), the send side a ring in
+// each peer's segment (PeerConnector attaches the ShmChannels). Peers find each other by job id and rank, so
+// no address is exchanged.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "backend.h"
+#include "peer_connector.h"
+#include "shm_receiver.h"
+
+namespace mapp {
+
+class ShmBackend : public Backend {
+ public:
+  // Creates and publishes this rank's segment, then starts attaching to the peers'. Throws std::runtime_error.
+  explicit ShmBackend(const BackendContext& context);
+  ~ShmBackend() override;  // close()
+
+  const char* name() const override { return "shm"; }
+  // Producers in other processes ring this doorbell (it lives in our segment).
+  Doorbell* own_arrivals() override { return &receiver_->arrivals(); }
+  std::string local_address() const override;
+  void set_peer_address(int peer, const std::string& address) override;
+  bool sends_inline() const override { return true; }
+  bool send_now(int peer, const OutgoingMessage& message, uint64_t* offset, uint64_t until) override;
+  void send(int peer, const OutgoingMessage& message, const SendLimits& limits, uint64_t offset) override;
+  void collect_arrivals(bool wait_for_lock) override { receiver_->drain_available(wait_for_lock); }
+  std::unique_ptr<ForegroundWait> foreground_wait() override;
+  std::optional<PeerFailure> failure(int peer) override;
+  void wake_senders() override { connector_->wake_senders(); }
+  void close() override;
+
+ private:
+  const int rank_;
+  std::unique_ptr<ShmReceiver> receiver_;
+  std::unique_ptr<PeerConnector> connector_;
+};
+
+}  // namespace mapp
