@@ -7,11 +7,15 @@ ScheduleInterleavedZeroBubble), same process count, same per-task durations, in 
                                    [--iters 5 --warmup 2 --repeats 1] [--scenarios ...] [--schedules ...]
                                    [--json FILE] [--png FILE] [--work-dir DIR] [--quick]
     python tools/bench_schedule.py --replay-trace TRACE_DIR [--policy NAME]   # simulator vs a traced run
+    python tools/bench_schedule.py [same flags] --analyse-only WORK_DIR/benchXXXX  # re-analyse a kept run
 
 Scenarios: homogeneous; one rank 1.5x slower; per-task jitter +-30%; stragglers (10% of tasks 3x); one slow link
 (messages between the two middle ranks posted in the first 30 forward-times of an iteration arrive 1.2 forward-times
-late). Compute is emulated by timed waits (megatron_app.emulation), so P ranks share 2 cores without CPU
-contention. Prints a table (iteration time = median of the measured iterations, bubble ratio, peak activations per
+late). On request, `--scenarios variable-length`: microbatch lengths drawn per iteration from a real corpus's token
+counts (--lengths-file, default tools/corpus_lengths.py's), every task scaled by the simulator's f(tokens),
+activations sized by tokens, the lengths told to the schedule; rows average over iterations, add peak activation
+tokens per rank, and skip torch.distributed.pipelining (one shape per stage). Compute is emulated by timed waits
+(megatron_app.emulation), so P ranks share 2 cores without CPU contention. Prints a table (iteration time = median of the measured iterations, bubble ratio, peak activations per
 rank, the simulator's prediction from the same cost model, its lower bound, and its error when fed with the run's
 measured task durations), then the issue's targets, pass or fail. 1f1b rows run with one chunk per rank and each task V times longer (the same model).
 Bad options print one line and exit 2; a failed worker exits 1.
