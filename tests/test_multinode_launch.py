@@ -140,7 +140,7 @@ def test_a_worker_started_twice_is_named():
 def test_a_worker_started_twice_after_the_job_began_is_named_at_once(tmp_path):
     """The second copy reaches torchrun's store (the check-in store is gone by then): named, not a 40 s wait."""
     port = free_port()
-    train = ["--iters", "200", "--num-layers", "2", "--no-trace"]
+    train = ["--iters", "200", "--num-layers", "4", "--no-trace"]  # layers divide by P x V = 4
     env = run_env(PYTHONPATH="", LOG_DIR=str(tmp_path / "logs"))
 
     def start(script, node_rank=None, timeout="60"):
