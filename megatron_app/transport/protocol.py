@@ -49,7 +49,21 @@ class PipelineTransport(Protocol):
     def close(self) -> None: ...
 
 
-class TransportWrapper:
+class ClosesOnExit:
+    """`with transport:` waits for posted sends when the block ends normally, and always closes."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        try:
+            if exc_type is None and not self.closed:
+                self.wait_sends()
+        finally:
+            self.close()
+
+
+class TransportWrapper(ClosesOnExit):
     """A PipelineTransport around another one. Subclasses override `filter_arrival(peer, tag, tensor)` to change
     what a receive returns, `send` to change what is sent and when, or any other call; the rest is forwarded."""
 
@@ -105,16 +119,6 @@ class TransportWrapper:
 
     def close(self) -> None:
         self.inner.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, traceback) -> None:
-        try:
-            if exc_type is None and not self.closed:
-                self.wait_sends()
-        finally:
-            self.close()
 
     @property
     def _filters(self) -> bool:

@@ -16,6 +16,7 @@ import torch
 from . import codec
 from ._core import core
 from .dtypes import dtype_from_code
+from .protocol import ClosesOnExit
 from .tags import MAX_TAG, describe_tag, validate_tag
 
 TransportTimeout = core.TransportTimeout
@@ -78,7 +79,7 @@ class SendHandle:
         return f"SendHandle(peer={self.peer}, {describe_tag(self.tag)}, {state})"
 
 
-class Transport:
+class Transport(ClosesOnExit):
     """One rank's endpoint. See the package docstring for the semantics of each call."""
 
     def __init__(
@@ -245,16 +246,6 @@ class Transport:
         flush them. Idempotent."""
         self._core.close()
         self._pending.clear()
-
-    def __enter__(self) -> Transport:
-        return self
-
-    def __exit__(self, exc_type, exc, traceback) -> None:
-        try:
-            if exc_type is None and not self.closed:
-                self.wait_sends()
-        finally:
-            self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
