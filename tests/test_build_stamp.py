@@ -33,6 +33,23 @@ def fake_verbs_header(tmp_path) -> Path:
     return include
 
 
+def compiler_on_a_machine_without_rdma_core(tmp_path) -> tuple[Path, Path]:
+    """A C compiler that sees no rdma-core until the returned marker file exists, whatever this host has installed:
+    the probe `#include <infiniband/verbs.h>` fails and libibverbs.so is not found. Everything else goes to cc."""
+    marker = tmp_path / "rdma-core-installed"
+    compiler = tmp_path / "cc-without-rdma"
+    compiler.write_text(
+        "#!/usr/bin/env bash\n"
+        f'if [ ! -e "{marker}" ]; then\n'
+        '    case "$*" in *-print-file-name=libibverbs*) echo libibverbs.so; exit 0;; esac\n'
+        '    if [ "$1" = -E ]; then input=$(cat); case "$input" in *infiniband/verbs.h*) exit 1;; esac\n'
+        '        printf %s "$input" | exec cc "$@"; fi\n'
+        "fi\n"
+        'exec cc "$@"\n')
+    compiler.chmod(0o755)
+    return compiler, marker
+
+
 def describe(root: Path, **env) -> dict:
     done = subprocess.run(["bash", "tools/build_stamp.sh"], cwd=root, capture_output=True, text=True, check=True,
                           env={**os.environ, "VENV_PY": sys.executable, **env})
@@ -46,9 +63,15 @@ def test_build_description_names_what_the_build_probed(fresh_checkout, tmp_path)
     assert plain["torch"] == torch.__version__
     assert plain["verbs header"] == ("present" if Path("/usr/include/infiniband/verbs.h").exists() else "absent")
     assert plain["compiler"].split()[0] and plain["python"] == sys.version.split()[0]
-    with_header = describe(fresh_checkout, CPATH=str(fake_verbs_header(tmp_path)))
+    header_directory = fake_verbs_header(tmp_path)
+    with_header = describe(fresh_checkout, CPATH=str(header_directory))
     assert with_header["verbs header"] == "present"
     assert {key for key in plain if plain[key] != with_header[key]} <= {"verbs header"}
+    compiler, rdma_core_installed = compiler_on_a_machine_without_rdma_core(tmp_path)
+    without = describe(fresh_checkout, CPATH="", CC=str(compiler))
+    assert (without["verbs header"], without["verbs library"]) == ("absent", "absent")
+    rdma_core_installed.touch()
+    assert describe(fresh_checkout, CPATH=str(header_directory), CC=str(compiler))["verbs header"] == "present"
 
 
 def test_setup_rebuilds_a_fresh_checkout_once_rdma_core_appears(fresh_checkout, tmp_path):
@@ -66,15 +89,19 @@ def test_setup_rebuilds_a_fresh_checkout_once_rdma_core_appears(fresh_checkout, 
                                        cwd=fresh_checkout, capture_output=True, text=True, check=True).stdout.strip()
     (fresh_checkout / ".venv" / f".deps-{requirements_hash}").touch()
 
+    compiler, rdma_core_installed = compiler_on_a_machine_without_rdma_core(tmp_path)
+
     def setup(**env):
         done = subprocess.run(["bash", "-c", "source tools/setup_env.sh"], cwd=fresh_checkout, capture_output=True,
-                              text=True, env={**os.environ, "CPATH": "", **env}, timeout=120)
+                              text=True, env={**os.environ, "CPATH": "", "CC": str(compiler), **env}, timeout=120)
         assert done.returncode == 0, done.stderr
         return done.stderr, builds.read_text().count("build") if builds.exists() else 0
 
-    assert setup()[1] == 1  # the first set-up builds (without verbs here)
+    log, count = setup()
+    assert count == 1, log  # the first set-up builds, without verbs
     assert setup()[1] == 1  # nothing changed: no build
-    log, count = setup(CPATH=str(fake_verbs_header(tmp_path)))  # `apt-get install libibverbs-dev`, as it were
+    rdma_core_installed.touch()  # `apt-get install libibverbs-dev`, as it were
+    log, count = setup()
     assert count == 2, log
     assert "changed since the last build: verbs header: present" in log
     stamps = list((fresh_checkout / ".venv").glob(".build-*"))
