@@ -100,8 +100,8 @@ def test_setup_rebuilds_a_fresh_checkout_once_rdma_core_appears(fresh_checkout, 
     log, count = setup()
     assert count == 1, log  # the first set-up builds, without verbs
     assert setup()[1] == 1  # nothing changed: no build
-    rdma_core_installed.touch()  # `apt-get install libibverbs-dev`, as it were
-    log, count = setup()
+    rdma_core_installed.touch()  # `apt-get install libibverbs-dev`, as it were (the header also put on the path,
+    log, count = setup(CPATH=str(fake_verbs_header(tmp_path)))  # for hosts that have none)
     assert count == 2, log
     assert "changed since the last build: verbs header: present" in log
     stamps = list((fresh_checkout / ".venv").glob(".build-*"))
