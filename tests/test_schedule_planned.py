@@ -4,6 +4,7 @@ start orders, under adversarial message timing), the learnt f(tokens) cost model
 
 import random
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -12,7 +13,8 @@ from megatron_app.schedule import Kind, PipelineShape, Policy, RankState, Schedu
 from megatron_app.schedule.admission import admission_need, forward_fits, minimum_size_cap
 from megatron_app.schedule.length_costs import LengthCostModel
 from megatron_app.schedule.megatron_order import megatron_order
-from megatron_app.schedule.plan_search import Plan, PlanSearch, order_peak_size, plan_order, predicted_makespan
+from megatron_app.schedule.plan_search import (Plan, PlanSearch, _graph, order_peak_size, plan_order,
+                                              predicted_makespan)
 from megatron_app.schedule.planned import megatron_peak_sizes
 from test_schedule_properties import consumer, producers
 
@@ -210,3 +212,72 @@ def test_planned_rejects_bad_options():
         policy.plan_iteration([1, 2, 3])
     with pytest.raises(ScheduleConfigError, match="once each"):
         policy.use_plan(None, Plan((0, 0, 1, 2, 3, 4, 5, 6)))
+
+
+# ---- the batched evaluator and the annealing search ----------------------------------------------------------
+def _lognormal_lengths(seed, m, sigma=1.0):
+    rng = random.Random(seed)
+    return [max(4, int(96 * rng.lognormvariate(0, sigma))) for _ in range(m)]
+
+
+
+@pytest.mark.parametrize("shape", [PipelineShape(4, 2, 8), PipelineShape(3, 1, 7), PipelineShape(2, 3, 4),
+                                   PipelineShape(1, 1, 3)])
+def test_batched_evaluation_equals_the_list_evaluation(shape):
+    rng = random.Random(11)
+    P, m = shape.num_stages, shape.num_microbatches
+    lengths = _lognormal_lengths(2, m)
+    durations = _durations(shape, lengths)
+    table = np.array([durations[0][c] for c in range(shape.num_chunks)] +
+                     [durations[1][c] for c in range(shape.num_chunks)])
+    for transfer in (0.0, 3.5):
+        for _ in range(6):
+            extras = tuple(rng.randint(0, 3) for _ in range(P))
+            orders = np.array([rng.sample(range(m), m) for _ in range(5)])
+            makespans, peaks = _graph(shape, extras).evaluate(orders, table, np.array(lengths, float),
+                                                              [float("inf")] * P, transfer)
+            for row, makespan, peak in zip(orders, makespans, peaks):
+                plan = Plan(tuple(int(x) for x in row), extras)
+                per_rank = [plan_order(shape, rank, plan) for rank in range(P)]
+                assert makespan == pytest.approx(predicted_makespan(shape, per_rank, durations, transfer))
+                assert list(peak) == pytest.approx([order_peak_size(o, lengths) for o in per_rank])
+
+
+def test_plans_whose_warmups_wait_on_each_other_are_rejected():
+    shape = PipelineShape(2, 1, 4)
+    # A later rank warming up deeper than its predecessor can wait for a forward that waits for its own backward:
+    # the graph must flag exactly the combinations whose orders do not complete.
+    for extras in [(a, b) for a in range(4) for b in range(4)]:
+        graph = _graph(shape, extras)
+        orders = [plan_order(shape, rank, Plan((0, 1, 2, 3), extras)) for rank in range(2)]
+        complete = predicted_makespan(shape, orders, [[[1.0] * 4], [[2.0] * 4]]) < float("inf")
+        assert graph.acyclic == complete
+
+
+def test_plan_checks_its_warmups():
+    shape = PipelineShape(4, 2, 8)
+    Plan(tuple(range(8)), (0, 1, 2, 3)).check(shape)
+    for bad in [(0, 1, 2), (0, -1, 0, 0), 1.5, (0, 0, 0, True)]:
+        with pytest.raises(ScheduleConfigError, match="extra warm-up"):
+            Plan(tuple(range(8)), bad).check(shape)
+    order = plan_order(shape, 2, Plan(tuple(range(8)), (0, 0, 2, 0)))
+    deeper = plan_order(shape, 2, Plan(tuple(range(8)), 2))
+    assert order == deeper
+
+
+def test_annealing_search_finds_more_than_pair_swaps_at_megatrons_memory():
+    # Measured while building it, on these six lognormal(sigma 1) draws: the former search (150 one-at-a-time pair
+    # swaps, one warm-up depth for all ranks) found 1.084x over data order on average (1.009x .. 1.165x); the
+    # batched annealing over orders and per-rank warm-ups 1.133x (1.052x .. 1.225x).
+    shape = PipelineShape(4, 2, 16)
+    gains = []
+    for seed in range(6):
+        lengths = _lognormal_lengths(seed, 16)
+        durations = _durations(shape, lengths)
+        caps = megatron_peak_sizes(shape, lengths)
+        choice = PlanSearch(shape).choose(lengths, caps, durations)
+        assert all(need <= cap + 1e-9 for need, cap in zip(choice.admission_needs, caps))
+        orders = [plan_order(shape, rank, choice.plan) for rank in range(4)]
+        assert predicted_makespan(shape, orders, durations) == pytest.approx(choice.predicted_makespan)
+        gains.append(choice.predicted_data_order_makespan / choice.predicted_makespan)
+    assert min(gains) >= 1.0 and sum(gains) / len(gains) > 1.11, gains

@@ -2,41 +2,68 @@
 (and a chosen warm-up depth), picked by evaluating candidates on predicted task durations under a memory cap.
 
 A plan is (start_order, extra_warmup): start_order is the order in which microbatches enter the pipeline (the same
-on every rank), extra_warmup the forwards each rank runs before its first backward beyond Megatron's count. Every
-rank derives its task order from the plan with megatron-core's own table functions, so a plan is cheap to share:
-it is a function of the lengths and the cost model only (deterministic search, no clocks, no randomness that is not
-seeded by the lengths).
+on every rank), extra_warmup the forwards a rank runs before its first backward beyond Megatron's count (one number
+for every rank, or one per rank). Every rank derives its task order from the plan by Megatron's construction
+(megatron_order.py), so a plan is cheap to share: it is a function of the lengths and the cost model only
+(deterministic search, no clocks, no randomness that is not seeded by the lengths). Per-rank warm-ups can make the
+ranks' orders wait on each other; the search rejects such plans (PlanGraph.acyclic), so every plan it returns
+completes whatever the task durations.
 
 Why this family (measured with megatron_app.sim, see BENCHMARKS.md): Megatron's order is the best schedule when all
 microbatches cost the same; with variable lengths it loses in the fill and drain phases (a long microbatch first
 delays every rank's start, a long one last delays every rank's end) and to convoys in the steady phase. Greedy
 readiness-first orders lose more than they win at Megatron's memory. Reordering the microbatches keeps Megatron's
-steady 1F1B rhythm, which is what makes it memory-frugal, and the search keeps each rank's admission need (the cap
-under which admission.py lets the plan run unchanged) within the allowed cap.
+steady 1F1B rhythm, which is what makes it memory-frugal, and the search keeps each rank's peak of held tokens
+within the allowed cap. The search itself (measured, BENCHMARKS.md): annealing over start orders and per-rank
+warm-ups with a batched evaluator finds 1.13-1.15x at P=4 where 150 one-at-a-time pair swaps found 1.07x, in the
+same planning time.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import random
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple, Union
 
+import numpy as np
+
+from .errors import ScheduleConfigError
 from .megatron_order import megatron_forward_sequence, megatron_warmup_microbatches
+from .plan_graph import PlanGraph
 from .shape import PipelineShape
 from .tasks import Kind, Task
 
 # durations[kind index: 0 forward, 1 backward][chunk][microbatch] -> predicted time (any unit, the same for all)
 DurationTable = Sequence[Sequence[Sequence[float]]]
 
-DEFAULT_EVALUATIONS = 150
+DEFAULT_EVALUATIONS = 528       # 16 seeded candidates + 16 rounds of 32 neighbours (BATCH): about 1.5% of an iteration (BENCHMARKS.md)
+BATCH = 32
+MAX_EXTRA_WARMUP = 3
+TEMPERATURE = 0.01               # x the best seeded makespan: how much worse a neighbour may be and still be taken
+_WARMUP_MOVE_SHARE = 0.3         # rounds that also change one rank's warm-up
 
 
 @dataclass(frozen=True)
 class Plan:
     start_order: Tuple[int, ...]
-    extra_warmup: int = 0
+    extra_warmup: Union[int, Tuple[int, ...]] = 0      # the same for every rank, or one per rank
+
+    def extra_for(self, rank: int) -> int:
+        return self.extra_warmup if isinstance(self.extra_warmup, int) else self.extra_warmup[rank]
+
+    def check(self, shape: PipelineShape) -> None:
+        """Raise ScheduleConfigError unless this plan names every microbatch once and valid warm-ups."""
+        m, P = shape.num_microbatches, shape.num_stages
+        if sorted(self.start_order) != list(range(m)):
+            raise ScheduleConfigError(f"a plan must order microbatches 0..{m - 1} once each, got "
+                                      f"{list(self.start_order)}")
+        per_rank = isinstance(self.extra_warmup, tuple)
+        extras = list(self.extra_warmup) if per_rank else [self.extra_warmup]
+        if (per_rank and len(extras) != P) or not all(
+                isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in extras):
+            raise ScheduleConfigError(f"a plan's extra warm-up must be an int >= 0 or one per rank ({P}), got "
+                                      f"{self.extra_warmup!r}")
 
     def describe(self) -> str:
         return f"start order {list(self.start_order)}, extra warm-up {self.extra_warmup}"
@@ -54,7 +81,7 @@ class PlanChoice:
 def plan_order(shape: PipelineShape, rank: int, plan: Plan) -> Tuple[Task, ...]:
     """Rank `rank`'s tasks under `plan`: Megatron's interleaved order (1F1B when V == 1) over plan.start_order."""
     return tuple(Task(kind, chunk, plan.start_order[slot])
-                 for kind, chunk, slot in _slot_order(shape, rank, plan.extra_warmup))
+                 for kind, chunk, slot in _slot_order(shape, rank, plan.extra_for(rank)))
 
 
 @functools.lru_cache(maxsize=256)
@@ -147,77 +174,102 @@ def _evaluate(shape: PipelineShape, steps, start_order: Optional[Sequence[int]],
     return max(free_at)
 
 
-@functools.lru_cache(maxsize=256)
-def _slot_steps(shape: PipelineShape, rank: int, extra_warmup: int):
-    P = shape.num_stages
-    return tuple((kind is Kind.FORWARD, chunk, chunk * P + rank, slot)
-                 for kind, chunk, slot in _slot_order(shape, rank, extra_warmup))
-
-
-def _slot_peak(steps, start_order: Sequence[int], sizes: Sequence[float]) -> float:
-    held = peak = 0.0
-    for is_forward, _, _, slot in steps:
-        if is_forward:
-            held += sizes[start_order[slot]]
-            if held > peak:
-                peak = held
-        else:
-            held -= sizes[start_order[slot]]
-    return peak
-
-
 class PlanSearch:
-    """Chooses a Plan for one iteration's lengths: the data order, a few seeded orders (ascending cost, short at both
-    ends, alternating short/long), each with 0..max_extra_warmup extra warm-up forwards, then a local search of
-    pair swaps from the best, seeded by the lengths (deterministic) and bounded by `evaluations` or `stop`."""
+    """Chooses a Plan for one iteration's lengths: the data order and a few seeded orders (ascending cost, short at
+    both ends, alternating short/long), each with the same 0..max_extra_warmup extra warm-up forwards on every rank,
+    then simulated annealing from the best: each round evaluates `batch` neighbours of the current plan at once
+    (PlanGraph) -- one pair swap, move or reversed run of the start order each, sometimes with one rank's warm-up
+    one deeper or shallower -- and moves to the best of them when it is better, or with a probability that falls
+    with the loss and the remaining budget. Seeded by the lengths and costs (deterministic); bounded by
+    `evaluations` or `stop`, asked before each round."""
 
-    def __init__(self, shape: PipelineShape, evaluations: int = DEFAULT_EVALUATIONS, max_extra_warmup: int = 2):
+    def __init__(self, shape: PipelineShape, evaluations: int = DEFAULT_EVALUATIONS,
+                 max_extra_warmup: int = MAX_EXTRA_WARMUP, batch: int = BATCH, temperature: float = TEMPERATURE):
         self.shape = shape
         self.evaluations = evaluations
         self.max_extra_warmup = max_extra_warmup
+        self.batch = batch
+        self.temperature = temperature
 
     def choose(self, sizes: Sequence[float], caps: Sequence[float], durations: DurationTable,
                transfer: float = 0.0, stop: Optional[Callable[[], bool]] = None) -> PlanChoice:
         """sizes: activation size per microbatch; caps: per rank, the peak of held sizes a plan may reach;
-        stop: asked before each local-search step (a driver's time budget: policies read no clocks)."""
+        stop: asked before each round (a driver's time budget: policies read no clocks)."""
         shape = self.shape
-        m = shape.num_microbatches
+        P, V, m = shape.num_stages, shape.num_chunks, shape.num_microbatches
+        table = np.array([list(durations[0][c]) for c in range(V)] + [list(durations[1][c]) for c in range(V)],
+                         dtype=float)
+        size_array = np.asarray(sizes, dtype=float)
         count = 0
 
-        def score(plan: Plan) -> Tuple[float, Tuple[float, ...]]:
+        def evaluate(extras: Tuple[int, ...], orders: np.ndarray):
             nonlocal count
-            count += 1
-            steps = [_slot_steps(shape, rank, plan.extra_warmup) for rank in range(shape.num_stages)]
-            needs = tuple(_slot_peak(steps[rank], plan.start_order, sizes) for rank in range(shape.num_stages))
-            if any(need > cap * (1 + 1e-9) for need, cap in zip(needs, caps)):
-                return float("inf"), needs
-            return _evaluate(shape, steps, plan.start_order, durations, transfer), needs
+            count += len(orders)
+            return _graph(shape, extras).evaluate(orders, table, size_array, caps, transfer)
 
-        work = [sum(durations[k][c][i] for k in (0, 1) for c in range(shape.num_chunks)) for i in range(m)]
-        data = Plan(tuple(range(m)))
-        best_plan, (best, best_needs) = data, score(data)
-        data_makespan = best
+        work = table.sum(axis=0)
         ascending = tuple(sorted(range(m), key=lambda i: (work[i], i)))
-        seeds = [ascending, _short_ends(ascending), _alternating(ascending)]
-        for start_order in seeds:
-            for extra in range(self.max_extra_warmup + 1):
-                candidate = Plan(start_order, extra)
-                value, needs = score(candidate)
-                if value < best:
-                    best_plan, best, best_needs = candidate, value, needs
-        rng = random.Random(_seed_of(sizes, work))
-        while count < self.evaluations and not (stop is not None and stop()):
-            order = list(best_plan.start_order)
-            i, j = rng.sample(range(m), 2)
-            order[i], order[j] = order[j], order[i]
-            extra = best_plan.extra_warmup
-            if rng.random() < 0.25:
-                extra = min(self.max_extra_warmup, max(0, extra + rng.choice((-1, 1))))
-            candidate = Plan(tuple(order), extra)
-            value, needs = score(candidate)
-            if value < best:
-                best_plan, best, best_needs = candidate, value, needs
-        return PlanChoice(best_plan, best, data_makespan, best_needs, count)
+        seeds = np.array([tuple(range(m)), ascending, _short_ends(ascending), _alternating(ascending)],
+                         dtype=np.int64)
+        best = None                              # (makespan, start order, extras, peaks)
+        for extra in range(self.max_extra_warmup + 1):
+            extras = (extra,) * P
+            values, peaks = evaluate(extras, seeds)
+            if extra == 0:
+                data_makespan = float(values[0])
+            index = int(np.argmin(values))
+            if best is None or values[index] < best[0]:
+                best = (float(values[index]), seeds[index].copy(), extras, peaks[index])
+        current = best
+        rng = np.random.default_rng(_seed_of(sizes, work))
+        scale = self.temperature * best[0] if np.isfinite(best[0]) else 0.0
+        while count + self.batch <= self.evaluations and not (stop is not None and stop()):
+            extras = current[2]
+            if self.max_extra_warmup > 0 and rng.random() < _WARMUP_MOVE_SHARE:
+                changed = list(extras)
+                rank = int(rng.integers(P))
+                changed[rank] = int(min(self.max_extra_warmup, max(0, changed[rank] + rng.choice((-1, 1)))))
+                extras = tuple(changed)
+            candidates = np.repeat(current[1][None, :], self.batch, axis=0)
+            _move(candidates[1 if extras != current[2] else 0:], rng)
+            values, peaks = evaluate(extras, candidates)
+            index = int(np.argmin(values))
+            value = float(values[index])
+            heat = scale * max(0.0, 1.0 - count / self.evaluations)
+            if value < current[0] or (np.isfinite(value) and heat > 0
+                                      and rng.random() < np.exp(-(value - current[0]) / heat)):
+                current = (value, candidates[index].copy(), extras, peaks[index])
+                if value < best[0]:
+                    best = current
+        value, order, extras, peaks = best
+        plan = Plan(tuple(int(mb) for mb in order), extras[0] if len(set(extras)) == 1 else extras)
+        return PlanChoice(plan, value, data_makespan, tuple(float(p) for p in peaks), count)
+
+
+@functools.lru_cache(maxsize=512)
+def _graph(shape: PipelineShape, extras: Tuple[int, ...]) -> PlanGraph:
+    return PlanGraph(shape, extras, [_slot_order(shape, rank, extra) for rank, extra in enumerate(extras)])
+
+
+def _move(orders: np.ndarray, rng: np.random.Generator) -> None:
+    """One random neighbour per row, in place: swap two microbatches, move one, or reverse the run between two."""
+    rows, m = orders.shape
+    if m < 2 or rows == 0:
+        return
+    first = rng.integers(m, size=rows)
+    second = rng.integers(m - 1, size=rows)
+    second += second >= first                 # two distinct positions
+    kinds = rng.integers(3, size=rows)
+    for row, a, b, kind in zip(orders, first.tolist(), second.tolist(), kinds.tolist()):
+        i, j = (a, b) if a < b else (b, a)
+        if kind == 0:
+            row[i], row[j] = row[j], row[i]
+        elif kind == 1:
+            moved = row[i]                                  # i moves to j
+            row[i:j] = row[i + 1:j + 1].copy()
+            row[j] = moved
+        else:
+            row[i:j + 1] = row[i:j + 1][::-1].copy()
 
 
 def _short_ends(ascending: Sequence[int]) -> Tuple[int, ...]:

@@ -86,9 +86,7 @@ class PlannedPolicy(AdaptivePolicy):
         """Run the next iteration (next fresh RankState) by `plan` (None: data order); lengths feed learning."""
         self.lengths = None if lengths is None else _check_lengths(self.shape, lengths)
         plan = plan or Plan(tuple(range(self.shape.num_microbatches)))
-        if sorted(plan.start_order) != list(range(self.shape.num_microbatches)):
-            raise ScheduleConfigError(f"a plan must order microbatches 0..{self.shape.num_microbatches - 1} once "
-                                      f"each, got {list(plan.start_order)}")
+        plan.check(self.shape)
         if plan != self.current_plan:
             order = plan_order(self.shape, self.rank, plan)
             self.current_plan = plan
