@@ -13,8 +13,8 @@ from megatron_app.schedule import Kind, PipelineShape, Policy, RankState, Schedu
 from megatron_app.schedule.admission import admission_need, forward_fits, minimum_size_cap
 from megatron_app.schedule.length_costs import LengthCostModel
 from megatron_app.schedule.megatron_order import megatron_order
-from megatron_app.schedule.plan_search import (Plan, PlanSearch, _graph, order_peak_size, plan_order,
-                                              predicted_makespan)
+from megatron_app.schedule.plan_search import (MAX_EXTRA_WARMUP, Plan, PlanSearch, _graph, order_peak_size,
+                                              plan_order, predicted_makespan)
 from megatron_app.schedule.planned import megatron_peak_sizes
 from test_schedule_properties import consumer, producers
 
@@ -281,3 +281,16 @@ def test_annealing_search_finds_more_than_pair_swaps_at_megatrons_memory():
         assert predicted_makespan(shape, orders, durations) == pytest.approx(choice.predicted_makespan)
         gains.append(choice.predicted_data_order_makespan / choice.predicted_makespan)
     assert min(gains) >= 1.0 and sum(gains) / len(gains) > 1.11, gains
+
+
+def test_search_stops_when_told_and_tells_the_predicted_iteration():
+    # The runtime's budget is a share of the iteration being planned: stop() gets the data order's prediction.
+    shape = PipelineShape(4, 2, 8)
+    lengths = _lognormal_lengths(4, 8)
+    durations = _durations(shape, lengths)
+    caps = megatron_peak_sizes(shape, lengths)
+    asked = []
+    choice = PlanSearch(shape).choose(lengths, caps, durations, stop=lambda predicted: asked.append(predicted) or True)
+    assert asked == [choice.predicted_data_order_makespan]
+    assert choice.evaluations == 4 * (MAX_EXTRA_WARMUP + 1)          # the seeded candidates only
+    assert choice.predicted_makespan <= choice.predicted_data_order_makespan

@@ -182,7 +182,11 @@ class PipelineStep:
         if self.pp_rank == 0:
             start = time.perf_counter()
             budget = self.session.planning_budget_s()
-            stop = None if budget is None else (lambda: time.perf_counter() - start > budget)
+            share = self.session.settings.planning_share
+            # A share of the last call, and of this call's predicted time: lengths change from call to call, so a
+            # short iteration after a long one would otherwise spend far more than its share.
+            stop = None if budget is None else (
+                lambda predicted_s: time.perf_counter() - start > min(budget, share * predicted_s))
             plan = self.policy.plan_iteration(self.lengths, stop=stop)
             self.session.last_planning_s = time.perf_counter() - start
         if len(pp_global) > 1:

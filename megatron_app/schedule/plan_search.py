@@ -192,9 +192,10 @@ class PlanSearch:
         self.temperature = temperature
 
     def choose(self, sizes: Sequence[float], caps: Sequence[float], durations: DurationTable,
-               transfer: float = 0.0, stop: Optional[Callable[[], bool]] = None) -> PlanChoice:
+               transfer: float = 0.0, stop: Optional[Callable[[float], bool]] = None) -> PlanChoice:
         """sizes: activation size per microbatch; caps: per rank, the peak of held sizes a plan may reach;
-        stop: asked before each round (a driver's time budget: policies read no clocks)."""
+        stop: asked before each round with the data order's predicted makespan (a driver's time budget, which may
+        be a share of the iteration being planned: policies read no clocks)."""
         shape = self.shape
         P, V, m = shape.num_stages, shape.num_chunks, shape.num_microbatches
         table = np.array([list(durations[0][c]) for c in range(V)] + [list(durations[1][c]) for c in range(V)],
@@ -223,7 +224,7 @@ class PlanSearch:
         current = best
         rng = np.random.default_rng(_seed_of(sizes, work))
         scale = self.temperature * best[0] if np.isfinite(best[0]) else 0.0
-        while count + self.batch <= self.evaluations and not (stop is not None and stop()):
+        while count + self.batch <= self.evaluations and not (stop is not None and stop(data_makespan)):
             extras = current[2]
             if self.max_extra_warmup > 0 and rng.random() < _WARMUP_MOVE_SHARE:
                 changed = list(extras)

@@ -66,9 +66,10 @@ class PlannedPolicy(AdaptivePolicy):
         self.last_choice: Optional[PlanChoice] = None
 
     # ---- planning (one rank) and adoption (every rank) ----------------------------------------------------------
-    def plan_iteration(self, lengths: Optional[Sequence[int]], stop: Optional[Callable[[], bool]] = None
+    def plan_iteration(self, lengths: Optional[Sequence[int]], stop: Optional[Callable[[float], bool]] = None
                        ) -> Plan:
-        """The plan for an iteration whose microbatches have `lengths` tokens (None: unknown, data order)."""
+        """The plan for an iteration whose microbatches have `lengths` tokens (None: unknown, data order).
+        stop(predicted_s): asked before each search round with the data order's predicted iteration time."""
         shape = self.shape
         data_order = Plan(tuple(range(shape.num_microbatches)))
         if lengths is None or not self.reorders or shape.forward_only:

@@ -37,7 +37,8 @@ class Policy:
     plans_iterations = False
 
     def plan_iteration(self, lengths, stop=None):
-        """The plan for the next iteration, given its microbatch lengths (None: not told)."""
+        """The plan for the next iteration, given its microbatch lengths (None: not told). stop(predicted_s), when
+        given, is asked during the search with the predicted iteration time in seconds; True ends the search."""
         return None
 
     def use_plan(self, lengths, plan) -> None:
