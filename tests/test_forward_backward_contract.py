@@ -75,5 +75,5 @@ def test_one_line_per_rank_says_the_schedule_is_active(contract):
     assert len(lines) == 4, lines
     for rank in (0, 1):
         for V, cap in ((1, 2 - rank), (2, 5 - 2 * rank)):
-            assert any(f"rank {rank} (pipeline rank {rank}): schedule policy=dfc P=2 V={V} memory_cap={cap}" in line
+            assert any(f"rank {rank} (pipeline rank {rank}): schedule policy=planned P=2 V={V} memory_cap={cap}" in line
                        for line in lines), lines

@@ -60,3 +60,19 @@ def test_flags_settings_and_benchmark_read_the_registry():
     finally:
         sys.path.pop(0)
     assert set(POLICY_NAMES) <= set(bench_schedule.SCHEDULES)
+
+
+def test_every_entry_point_defaults_to_the_registry_default():
+    import argparse
+    import inspect
+
+    from megatron_app.runtime.install import add_arguments, install
+    from megatron_app.runtime.settings import AppSettings
+    from megatron_app.schedule import DEFAULT_POLICY
+    from megatron_app.train.args import build_parser
+
+    assert DEFAULT_POLICY == "planned" and DEFAULT_POLICY in ADAPTIVE_POLICY_NAMES
+    assert AppSettings().policy == DEFAULT_POLICY
+    assert build_parser().get_default("policy") == DEFAULT_POLICY
+    assert add_arguments(argparse.ArgumentParser()).get_default("app_policy") == DEFAULT_POLICY
+    assert inspect.signature(install).parameters["policy"].default == DEFAULT_POLICY

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from typing import Dict, Optional
 
+from megatron_app.schedule import DEFAULT_POLICY
+
 from .settings import AppSettings, SCHEDULES, ADAPTIVE_POLICIES
 from .session import current_session
 
@@ -21,7 +23,7 @@ _REPLACED = (
 _originals: Optional[Dict[str, object]] = None
 
 
-def install(schedule: str = "app", policy: str = "dfc", trace_dir: Optional[str] = None, *,
+def install(schedule: str = "app", policy: str = DEFAULT_POLICY, trace_dir: Optional[str] = None, *,
             memory_cap: Optional[int] = None, timeout_s: float = 300.0, job_id: Optional[str] = None,
             tracing: bool = True, memory_factor: Optional[float] = None,
             allow_untested_megatron: Optional[bool] = None) -> AppSettings:
@@ -70,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("megatron_app")
     group.add_argument("--use-app", action="store_true", help="run pipeline parallelism with megatron_app's schedule")
     group.add_argument("--app-schedule", default="app", choices=SCHEDULES)
-    group.add_argument("--app-policy", default="dfc", choices=ADAPTIVE_POLICIES)
+    group.add_argument("--app-policy", default=DEFAULT_POLICY, choices=ADAPTIVE_POLICIES)
     group.add_argument("--app-memory-cap", type=int, default=None)
     group.add_argument("--app-memory-factor", type=float, default=None,
                        help="policy planned: activation bytes a rank may hold, x Megatron's peak (default 1.0)")

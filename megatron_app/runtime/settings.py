@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from megatron_app.schedule import ADAPTIVE_POLICY_NAMES, STATIC_POLICY_NAMES
+from megatron_app.schedule import ADAPTIVE_POLICY_NAMES, DEFAULT_POLICY, STATIC_POLICY_NAMES
 
 # "app" runs an adaptive policy (AppSettings.policy); every static policy is a schedule of its own.
 SCHEDULES = ("app",) + STATIC_POLICY_NAMES
@@ -19,7 +19,7 @@ class AppConfigError(ValueError):
 @dataclasses.dataclass
 class AppSettings:
     schedule: str = "app"            # app = adaptive policy; interleaved / 1f1b = Megatron's fixed orders
-    policy: str = "dfc"              # used when schedule == "app"
+    policy: str = DEFAULT_POLICY     # used when schedule == "app"
     memory_cap: Optional[int] = None  # activations held per rank; None = Megatron's interleaved peak
     memory_factor: Optional[float] = None  # planned: activation bytes per rank, x Megatron's peak; None = 1.0
     planning_share: float = 0.02      # planned: planning time budget, share of the last iteration

@@ -8,8 +8,8 @@ from .driver import drive
 from .errors import ScheduleConfigError, ScheduleStallError, ScheduleStateError
 from .megatron_order import megatron_interleaved_cap, megatron_order, megatron_warmup_microbatches
 from .greedy import GreedyPolicy
-from .policies import (ADAPTIVE_POLICY_NAMES, POLICIES, POLICY_NAMES, STATIC_POLICY_NAMES, PolicyEntry, make_policy,
-                       policies_for)
+from .policies import (ADAPTIVE_POLICY_NAMES, DEFAULT_POLICY, POLICIES, POLICY_NAMES, STATIC_POLICY_NAMES, PolicyEntry,
+                       make_policy, policies_for)
 from .policy import Policy
 from .static_order import StaticOrderPolicy
 from .shape import PipelineShape
@@ -18,7 +18,7 @@ from .tasks import KIND_OF_TRACE_NAME, KINDS_BY_INDEX, TASK_KINDS, Kind, Task, T
 
 __all__ = [
     "Kind", "Task", "TASK_KINDS", "TaskKindInfo", "KIND_OF_TRACE_NAME", "KINDS_BY_INDEX", "PipelineShape", "RankState", "Policy", "GreedyPolicy", "StaticOrderPolicy", "make_policy",
-    "POLICY_NAMES", "POLICIES", "PolicyEntry", "ADAPTIVE_POLICY_NAMES", "STATIC_POLICY_NAMES", "policies_for",
+    "POLICY_NAMES", "POLICIES", "DEFAULT_POLICY", "PolicyEntry", "ADAPTIVE_POLICY_NAMES", "STATIC_POLICY_NAMES", "policies_for",
     "megatron_interleaved_cap", "megatron_order", "megatron_warmup_microbatches",
     "minimum_memory_cap", "forward_fits", "drive", "ScheduleConfigError", "ScheduleStateError",
     "ScheduleStallError",

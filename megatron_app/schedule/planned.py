@@ -1,6 +1,6 @@
-"""`planned`: per iteration, choose the microbatch order and warm-up depth from the microbatches' lengths under an
-activation-memory cap, then run it like `adaptive` (keep the plan while it is on time, let a critical backward go
-first when a plan input is late).
+"""`planned` (the default policy): per iteration, choose the microbatch order and each rank's warm-up depth from the
+microbatches' lengths under an activation-memory cap (plan_search.py), then run it like `adaptive` (keep the plan
+while it is on time, let a critical backward go first when a plan input is late).
 
   * Costs: duration = f(tokens) per (kind, chunk), learnt from observe() (length_costs.py).
   * Memory: a chunk's activation is sized by its microbatch's tokens; the cap per rank is memory_factor x the peak

@@ -13,7 +13,7 @@ import os
 from typing import Mapping, Optional, Sequence
 
 from megatron_app.lossy.config import TP_SITES
-from megatron_app.schedule import ADAPTIVE_POLICY_NAMES, STATIC_POLICY_NAMES
+from megatron_app.schedule import ADAPTIVE_POLICY_NAMES, DEFAULT_POLICY, STATIC_POLICY_NAMES
 
 from .text_tokenizers import TOKENIZER_TYPES
 
@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(sched, "--schedule", choices=SCHEDULES, default="app",
               help=f"app: adaptive runtime; {'/'.join(STATIC_POLICY_NAMES)}: static orders run by the runtime; "
                    f"{MEGATRON_SCHEDULE}: Megatron-Core's own forward_backward function")
-    _add_flag(sched, "--policy", choices=POLICIES, default="dfc", help="task policy of the app schedule")
+    _add_flag(sched, "--policy", choices=POLICIES, default=DEFAULT_POLICY, help="task policy of the app schedule")
     _add_flag(sched, "--memory-factor", type=float, default=None, metavar="X",
               help="policy planned: activation bytes a rank may hold, x what Megatron's interleaved order holds for "
                    "the same microbatches (default 1.0)")
