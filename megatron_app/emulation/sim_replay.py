@@ -67,12 +67,15 @@ def simulate_emulation(spec: EmulationSpec, shape: PipelineShape, policy: str, i
     table = TaskTable(shape)
     start_us = 0.0
     results = []
+    # One set of policies for the whole run, as the runtime keeps its policy objects from call to call: what they
+    # learn in one iteration (durations, f(tokens)) shapes the next one's decisions and plans.
+    policies = make_policies(shape, policy, memory_cap, memory_factor)
     for iteration in range(iterations):
         durations = spec.draw(shape, iteration)
         lengths = spec.microbatch_lengths(shape, iteration)
         network.begin_iteration(start_us)
-        outcome = run_iteration(shape, make_policies(shape, policy, memory_cap, memory_factor), durations, network,
-                                iteration, start_us, None, table, lengths=lengths)
+        outcome = run_iteration(shape, policies, durations, network, iteration, start_us, None, table,
+                                lengths=lengths)
         results.append(SimulatedIteration(outcome.makespan_us, lower_bounds(shape, durations, latency_us).best_us,
                                           outcome.bubble_ratio, list(outcome.peak_activations),
                                           None if lengths is None else list(outcome.peak_activation_sizes)))
