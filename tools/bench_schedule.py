@@ -54,10 +54,12 @@ EXIT_WORKER_FAILED = 1
 WORKER = Path(__file__).resolve().parent / "bench_schedule_worker.py"
 
 def _runtime_schedules() -> Dict[str, tuple]:
-    """One row per policy of the registry: adaptive rules run as the `app` schedule, static orders (Megatron-Core's)
-    as schedules of their own."""
+    """One row per policy of the registry (but split-backward-only orders): adaptive rules run as the `app`
+    schedule, static orders (Megatron-Core's) as schedules of their own."""
     rows = {}
     for name, entry in POLICIES.items():
+        if entry.split_only:     # W tasks: the benchmark's runtime rows run whole backwards
+            continue
         if entry.static:
             label = f"Megatron {name}{' V=1' if entry.single_chunk else ''} (our runtime)"
             rows[name] = (label, "app", name, "dfc", entry.single_chunk, name)

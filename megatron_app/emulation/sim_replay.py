@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from megatron_app.schedule import KIND_OF_TRACE_NAME, KINDS_BY_INDEX, PipelineShape
+from megatron_app.schedule import KIND_OF_TRACE_NAME, KINDS_BY_INDEX, Kind, PipelineShape
 from megatron_app.sim import lower_bounds, run_iteration
 from megatron_app.sim.costs import DurationTable
 from megatron_app.sim.engine import TaskTable, make_policies
@@ -97,6 +97,9 @@ def measured_durations(run, iteration: int) -> DurationTable:
             cell[event.microbatch] = event.duration
     for r, per_kind in enumerate(table):
         for kind, per_chunk in zip(KINDS_BY_INDEX, per_kind):
+            if kind is Kind.WEIGHT and all(cell is None for row in per_chunk for cell in row):
+                per_kind[kind.index] = [[0.0] * m for _ in range(V)]     # a whole-backward run has no W events
+                continue
             for c, row in enumerate(per_chunk):
                 if None in row:
                     raise ValueError(f"iteration {iteration}: pipeline rank {r} has no {kind.trace_name} event for "
