@@ -119,3 +119,12 @@ def test_module_entry_point():
     bad = subprocess.run([sys.executable, "-m", "megatron_app.sim", *BASE, "--jitter", "2"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stdout == "" and bad.stderr.count("\n") == 1
+
+
+def test_split_backward_rows_include_zb_h1_and_adaptive_reaches_its_bound(capsys):
+    code, out, err = run_main(capsys, *BASE, "--split-backward")
+    rows = table_rows(out)
+    assert code == 0 and err == "" and list(rows) == list(policies_for(PipelineShape(4, 2, 8, split_backward=True)))
+    # B = W = 10 ms: ZB-H1's closed form (3mV + P - 1) x 10 ms, also the split backward's path bound
+    assert rows["zb-h1"]["makespan"] == rows["adaptive"]["makespan"] == rows["adaptive"]["bound"] == 510.0
+    assert rows["interleaved"]["makespan"] > 510.0

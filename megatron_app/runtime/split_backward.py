@@ -55,7 +55,13 @@ def run_input_backward(input_tensor, output_tensor, output_grad, model_type, con
     if output_grad is None:
         output_grad = torch.ones_like(output_tensor)
     by_node = {_get_grad_fn_or_grad_acc(weight): weight for weight in weights}
-    input_grads, param_groups = stage_backward_input([output_tensor], [output_grad], [input_tensor], iter(weights))
+    try:
+        input_grads, param_groups = stage_backward_input([output_tensor], [output_grad], [input_tensor],
+                                                         iter(weights))
+    except RuntimeError as exc:     # e.g. reentrant activation recomputation refuses autograd.grad
+        raise RuntimeError(f"split backward: the input-gradient pass failed on this chunk ({exc.__cause__ or exc}); "
+                           f"a chunk with reentrant activation recomputation cannot split its backward: run without "
+                           f"--split-backward") from exc
     covered = set()
     groups = []
     for group in param_groups:
