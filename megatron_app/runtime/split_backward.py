@@ -7,7 +7,8 @@ W: autograd.backward from the kept intermediate gradients to the weights only (i
 the weight-gradient products and whatever lies between an intermediate and its weights, never the input-gradient
 chain again; and the weights' AccumulateGrad nodes run, so Megatron's DDP hooks (main_grad accumulation, overlapped
 gradient reduction) see each gradient exactly as after a whole backward. (torch's own stage_backward_weight writes
-.grad directly, which those hooks would miss.)
+.grad directly, which those hooks would miss.) Megatron's local linear layers compute both products in one autograd
+node; linear_wgrad.py makes that node do only its B half in B and its W half in W.
 
 A chunk without an input tensor (the first virtual stage: its input is data) has no input gradient to hurry: its B
 is Megatron's whole backward and its W does nothing.
@@ -23,6 +24,8 @@ from torch.autograd.graph import GradientEdge
 from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc, stage_backward_input
 
 from megatron_app.megatron_compat import backward_step
+
+from . import linear_wgrad
 
 
 @dataclass
@@ -55,9 +58,11 @@ def run_input_backward(input_tensor, output_tensor, output_grad, model_type, con
     if output_grad is None:
         output_grad = torch.ones_like(output_tensor)
     by_node = {_get_grad_fn_or_grad_acc(weight): weight for weight in weights}
+    linear_wgrad.install()
     try:
-        input_grads, param_groups = stage_backward_input([output_tensor], [output_grad], [input_tensor],
-                                                         iter(weights))
+        with linear_wgrad.phase(linear_wgrad.INPUT):
+            input_grads, param_groups = stage_backward_input([output_tensor], [output_grad], [input_tensor],
+                                                             iter(weights))
     except RuntimeError as exc:     # e.g. reentrant activation recomputation refuses autograd.grad
         raise RuntimeError(f"split backward: the input-gradient pass failed on this chunk ({exc.__cause__ or exc}); "
                            f"a chunk with reentrant activation recomputation cannot split its backward: run without "
@@ -94,7 +99,8 @@ def run_weight_backward(pending: Optional[PendingWeights]) -> None:
         # upstream one): pin each to its kept gradient, as torch's stage_backward_weight does.
         handles = [node.register_prehook(lambda grad_outputs, kept=kept: kept) for node, kept in pins]
         try:
-            torch.autograd.backward(edges, grad_tensors=grads, inputs=weights)
+            with linear_wgrad.phase(linear_wgrad.WEIGHT):
+                torch.autograd.backward(edges, grad_tensors=grads, inputs=weights)
         finally:
             for handle in handles:
                 handle.remove()
