@@ -80,10 +80,16 @@ def simulate_emulation(spec: EmulationSpec, shape: PipelineShape, policy: str, i
     return results
 
 
+def traced_shape(run, iteration: int) -> PipelineShape:
+    """The pipeline a traced iteration ran: split backward when it has W ('weight') events."""
+    split = any(True for rank in run.ranks for _ in rank.events_of(iteration, {Kind.WEIGHT.trace_name}))
+    return PipelineShape(run.pipeline_parallel, run.model_chunks, run.microbatches, split_backward=split)
+
+
 def measured_durations(run, iteration: int) -> DurationTable:
     """The task durations (us) of one traced iteration, from the first TP/DP rank of each stage; ValueError when a
     task has no forward/backward event or more than one."""
-    shape = PipelineShape(run.pipeline_parallel, run.model_chunks, run.microbatches)
+    shape = traced_shape(run, iteration)
     V, m = shape.num_chunks, shape.num_microbatches
     table = [[[[None] * m for _ in range(V)] for _ in KINDS_BY_INDEX] for _ in range(shape.num_stages)]
     for rank in run.ranks:
@@ -113,7 +119,7 @@ def replay_trace_iteration(run, iteration: int, policy: str, slow_link: Optional
                            memory_factor: Optional[float] = None) -> SimulatedIteration:
     """Simulate `policy` on a traced iteration's measured task durations (lengths: its microbatch lengths, which
     planning policies plan with)."""
-    shape = PipelineShape(run.pipeline_parallel, run.model_chunks, run.microbatches)
+    shape = traced_shape(run, iteration)
     durations = measured_durations(run, iteration)
     outcome = run_iteration(shape, make_policies(shape, policy, memory_cap, memory_factor), durations,
                             SlowLinkNetwork(slow_link, latency_us), iteration, 0.0, lengths=lengths)

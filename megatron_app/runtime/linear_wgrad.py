@@ -4,33 +4,19 @@ an input-gradient and a weight-gradient half.
 Their autograd node (LinearWithGradAccumulationAndAsyncCommunication) computes the input gradient and the weight
 gradient in one backward call, whatever is asked of it, so a graph-level split alone runs both products in B and
 both again in W (measured with tools/bench_split_backward.py: B 0.94x and W 0.86x of a whole backward). Inside
-`phase(INPUT)` the node computes only grad_output @ weight (and its tensor-parallel all-reduce); inside
-`phase(WEIGHT)` only the weight and bias gradients, with Megatron's own reshaping, so B + W do each product once,
+backward_phase INPUT the node computes only grad_output @ weight (and its tensor-parallel all-reduce); inside
+WEIGHT only the weight and bias gradients, with Megatron's own reshaping, so B + W do each product once,
 bit-identical to Megatron's backward. Cases this does not cover (sequence parallelism, gradient-accumulation fusion,
 deferred embedding gradients) run Megatron's own backward in both phases: correct, not cheaper.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Optional
-
 import torch
 
-INPUT, WEIGHT = "input", "weight"
-_phase: Optional[str] = None
+from megatron_app.backward_phase import INPUT, current
+
 _original = None
-
-
-@contextlib.contextmanager
-def phase(name: str):
-    """Run the linear layers' backward as only the `name` half (INPUT or WEIGHT) inside this block."""
-    global _phase
-    previous, _phase = _phase, name
-    try:
-        yield
-    finally:
-        _phase = previous
 
 
 def install() -> None:
@@ -53,13 +39,14 @@ def _plain(ctx) -> bool:
 
 
 def _split_backward(ctx, grad_output):
-    if _phase is None or not _plain(ctx):
+    phase = current()
+    if phase is None or not _plain(ctx):
         return _original(ctx, grad_output)
     from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
 
     input, weight = ctx.saved_tensors
     none = [None] * len(ctx.needs_input_grad)
-    if _phase == INPUT:
+    if phase == INPUT:
         grad_input = grad_output.matmul(weight)
         if getattr(ctx, "allreduce_dgrad", False):
             torch.distributed.all_reduce(grad_input, group=ctx.tp_group)

@@ -23,6 +23,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc, stage_backward_input
 
+from megatron_app import backward_phase
 from megatron_app.megatron_compat import backward_step
 
 from . import linear_wgrad
@@ -60,7 +61,7 @@ def run_input_backward(input_tensor, output_tensor, output_grad, model_type, con
     by_node = {_get_grad_fn_or_grad_acc(weight): weight for weight in weights}
     linear_wgrad.install()
     try:
-        with linear_wgrad.phase(linear_wgrad.INPUT):
+        with backward_phase.phase(backward_phase.INPUT):
             input_grads, param_groups = stage_backward_input([output_tensor], [output_grad], [input_tensor],
                                                              iter(weights))
     except RuntimeError as exc:     # e.g. reentrant activation recomputation refuses autograd.grad
@@ -99,7 +100,7 @@ def run_weight_backward(pending: Optional[PendingWeights]) -> None:
         # upstream one): pin each to its kept gradient, as torch's stage_backward_weight does.
         handles = [node.register_prehook(lambda grad_outputs, kept=kept: kept) for node, kept in pins]
         try:
-            with linear_wgrad.phase(linear_wgrad.WEIGHT):
+            with backward_phase.phase(backward_phase.WEIGHT):
                 torch.autograd.backward(edges, grad_tensors=grads, inputs=weights)
         finally:
             for handle in handles:

@@ -384,8 +384,6 @@ def _check_split_backward(args: argparse.Namespace) -> None:
         return
     if args.schedule == MEGATRON_SCHEDULE:
         raise UsageError("--split-backward needs a megatron_app schedule (not --schedule megatron)")
-    if args.emulate_compute is not None:
-        raise UsageError("--split-backward needs the real model: emulated compute has no weight gradients to split")
 
 
 def _check_memory_factor(args: argparse.Namespace) -> None:
