@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pipeline_runs import HELPERS, torchrun
+from pipeline_runs import HELPERS, forked_ranks
 
 WORKER = HELPERS / "forward_backward_contract_worker.py"
 SITES = ("0.16 train_step", "0.16 evaluate", "0.19 train_step", "0.19 evaluate")
@@ -28,7 +28,7 @@ EXPECTED_CHECKPOINT = {
 @pytest.fixture(scope="module")
 def contract(tmp_path_factory):
     out = tmp_path_factory.mktemp("contract")
-    result = torchrun(2, [WORKER, out])
+    result = forked_ranks(2, [WORKER, out])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     reports = [json.loads((out / f"contract_rank{rank}.json").read_text()) for rank in (0, 1)]
     return reports, result.stderr

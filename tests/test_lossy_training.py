@@ -1,5 +1,6 @@
-"""The loss layer in the trainer: flags checked at start-up (one line, exit 2), a P=2 run under loss logs and traces
-per-link statistics, p = 0 trains bit-identically to no loss layer; tools/loss_sweep.py's bookkeeping."""
+"""The loss layer in the trainer: flags checked at start-up (one line, exit 2), p = 0 trains bit-identically to no
+loss layer; tools/loss_sweep.py's bookkeeping, and its quick sweep, whose real runs show per-link loss statistics in
+logs and traces and --loss-tp-sites narrowing tensor-parallel loss."""
 
 import importlib.util
 import json
@@ -100,46 +101,25 @@ def _train(tmp_path, name, *flags, layout=("--pipeline_parallel", "2")):
         cwd=REPO, env=run_env(LOG_DIR=tmp_path / f"{name}_logs"), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [entry["loss"] for entry in json.loads(log_json.read_text())["iterations"]]
-    events = []
-    for path in sorted((traces / "latest").glob("trace_rank*.jsonl")):
-        lines = path.read_text().splitlines()
-        assert json.loads(lines[0])["schema_version"] == SCHEMA_VERSION
-        events += [event for event in map(json.loads, lines[1:]) if event["kind"] == "loss"]
-    return result.stdout, losses, events
+    return result.stdout, losses, _loss_events(traces)
 
 
 @pytest.mark.slow
-def test_pipeline_loss_in_training_is_logged_traced_and_zero_rate_is_exact(tmp_path):
+def test_zero_loss_rate_trains_bit_identically_to_no_loss_layer(tmp_path):
     _, clean_losses, no_events = _train(tmp_path, "clean")
     assert no_events == []
     _, zero_losses, zero_events = _train(tmp_path, "zero", "--loss-model", "bernoulli", "--loss-rate", "0")
     assert zero_losses == clean_losses  # p = 0 changes nothing, bit for bit
     assert zero_events and all(event["extra"]["lost"] == 0 for event in zero_events)
-    stdout, lossy_losses, events = _train(tmp_path, "lossy", "--loss-model", "bernoulli", "--loss-rate", "0.3",
-                                          "--loss-packet-bytes", "256")
-    assert lossy_losses != clean_losses
-    assert "[lossy] rank 0 iteration 1: lost" in stdout and "pipeline 1->0 backward" in stdout
-    links = {(event["extra"]["link"], event["extra"]["direction"]) for event in events}
-    assert links == {("0->1", "forward"), ("1->0", "backward")}
-    packets = sum(event["extra"]["packets"] for event in events)
-    lost = sum(event["extra"]["lost"] for event in events)
-    sigma = (0.3 * 0.7 / packets) ** 0.5
-    assert abs(lost / packets - 0.3) < 3 * sigma
 
 
-@pytest.mark.slow
-def test_loss_tp_sites_narrows_tensor_parallel_loss_in_training(tmp_path):
-    tp_loss = ["--loss-model", "bernoulli", "--loss-rate", "0.1", "--loss-on", "tp", "--iters", "1"]
-    t2 = ("--tensor_parallel", "2")
-    _, _, every_site = _train(tmp_path, "all_sites", *tp_loss, layout=t2)
-    assert any(event["extra"]["link"].startswith("tp:cross_entropy.") for event in every_site)
-    stdout, _, narrowed = _train(tmp_path, "no_cross_entropy", *tp_loss, "--loss-tp-sites", "mappings,layers",
-                                 layout=t2)
-    links = {event["extra"]["link"] for event in narrowed}
-    assert links and all(link.startswith(("tp:mappings.", "tp:layers.")) for link in links), links
-    lossy_lines = [line for line in stdout.splitlines() if "[lossy]" in line]
-    assert lossy_lines and "tp sites mappings,layers" in lossy_lines[0]
-    assert "tp:mappings.all_reduce@rank0" in links and not any("cross_entropy" in line for line in lossy_lines)
+def _loss_events(trace_root):
+    events = []
+    for path in sorted((trace_root / "latest").glob("trace_rank*.jsonl")):
+        lines = path.read_text().splitlines()
+        assert json.loads(lines[0])["schema_version"] == SCHEMA_VERSION
+        events += [event for event in map(json.loads, lines[1:]) if event["kind"] == "loss"]
+    return events
 
 
 def _load_sweep():
@@ -247,3 +227,21 @@ def test_loss_sweep_quick_runs_every_traffic_group(tmp_path):
     assert runs[("tp_all_sites", "bernoulli")]["packets"] > runs[("tp", "bernoulli")]["packets"]
     assert len(result.stdout.splitlines()) == 1 + len(runs) + 1  # header, one row per run, "wrote ..."
     assert (tmp_path / "loss_sweep.png").stat().st_size > 0
+
+    # Each run is a real training run under loss: its log and trace say what was lost, where.
+    pipeline_log = (tmp_path / "pipeline_bernoulli_0.1.log").read_text()
+    assert "[lossy] rank 0 iteration 1: lost" in pipeline_log and "pipeline 1->0 backward" in pipeline_log
+    events = _loss_events(tmp_path / "pipeline_bernoulli_0.1_trace")
+    assert {(event["extra"]["link"], event["extra"]["direction"]) for event in events} == {
+        ("0->1", "forward"), ("1->0", "backward")}
+    packets = sum(event["extra"]["packets"] for event in events)
+    lost = sum(event["extra"]["lost"] for event in events)
+    assert abs(lost / packets - 0.1) < 3 * (0.1 * 0.9 / packets) ** 0.5
+    # --loss-tp-sites narrows tensor-parallel loss: the "tp" group leaves the cross-entropy all-reduces exact.
+    every_site = {event["extra"]["link"] for event in _loss_events(tmp_path / "tp_all_sites_bernoulli_0.1_trace")}
+    assert any(link.startswith("tp:cross_entropy.") for link in every_site), every_site
+    narrowed = {event["extra"]["link"] for event in _loss_events(tmp_path / "tp_bernoulli_0.1_trace")}
+    assert narrowed and not any("cross_entropy" in link for link in narrowed), narrowed
+    assert "tp:mappings.all_reduce@rank0" in narrowed
+    lossy_lines = [line for line in (tmp_path / "tp_bernoulli_0.1.log").read_text().splitlines() if "[lossy]" in line]
+    assert lossy_lines and not any("cross_entropy" in line for line in lossy_lines)

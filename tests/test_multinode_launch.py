@@ -166,7 +166,8 @@ def test_a_worker_started_twice_after_the_job_began_is_named_at_once(tmp_path):
         rc, err, ended = twice.finish()
         checking_in = twice.when("checking in with")
         assert rc == 2 and "started twice" in err and "already running" in err, err
-        assert ended - checking_in < 2 + 4, (ended - checking_in, err)
+        # Far below the 40 s rendezvous timeout; 7.5 s was seen on a machine loaded 10 deep.
+        assert ended - checking_in < 15, (ended - checking_in, err)
         assert master.poll() is None and worker.poll() is None  # the running job goes on
     finally:
         import os

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from pipeline_runs import HELPERS, REPO, run_env, torchrun
+from pipeline_runs import HELPERS, REPO, forked_ranks, run_env
 
 WORKER = HELPERS / "megatron_call_site_worker.py"
 
@@ -20,7 +20,7 @@ def _read(out, name, rank):
 
 @pytest.mark.slow
 def test_install_reaches_megatrons_call_site_and_uninstall_restores_it(tmp_path):
-    result = torchrun(2, [WORKER, "train", tmp_path])
+    result = forked_ranks(2, [WORKER, "train", tmp_path])
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
         report = _read(tmp_path, "train", rank)
@@ -33,7 +33,7 @@ def test_install_reaches_megatrons_call_site_and_uninstall_restores_it(tmp_path)
 
 @pytest.mark.slow
 def test_a_rank_waiting_for_input_blocks_instead_of_spinning(tmp_path):
-    result = torchrun(2, [WORKER, "idle", tmp_path])
+    result = forked_ranks(2, [WORKER, "idle", tmp_path])
     assert result.returncode == 0, result.stderr[-3000:]
     report = _read(tmp_path, "idle", 1)
     (cpu_normal, _), (cpu_normal2, _), (cpu_delayed, wall_delayed) = report["cpu_wall"]

@@ -82,6 +82,34 @@ def test_messages_arrive_in_order_and_poll_sees_them(pair):
     assert [tag for _, tag in b.poll()] == [make_tag(FWD, 0, iteration=i) for i in range(50)]
 
 
+def test_small_sends_complete_on_the_callers_thread_once_connected(pair):
+    """A connected link writes a small frame from the caller's thread (no worker hand-off): the send is complete
+    when send() returns. The first send connects, on a worker."""
+    a, b = pair
+    a.send(1, make_tag(FWD, 0), torch.zeros(4)).wait(timeout=30)
+    handles = [a.send(1, make_tag(FWD, i), torch.full((1024,), float(i))) for i in range(1, 21)]
+    assert all(handle.completed_on_return for handle in handles)
+    assert b.recv(0, make_tag(FWD, 0), timeout=30).sum() == 0
+    for i in range(1, 21):
+        assert torch.equal(b.recv(0, make_tag(FWD, i), timeout=30), torch.full((1024,), float(i)))
+
+
+def test_inline_and_worker_sends_keep_their_order_when_the_socket_fills(pair):
+    """Frames just under the inline limit, sent faster than loopback drains them: some are written partly by the
+    caller and finished by the worker, large ones go to the worker; all arrive intact and in order."""
+    a, b = pair
+    generator = torch.Generator().manual_seed(11)
+    sent = []
+    for i in range(120):
+        elements = (15 << 10) if i % 10 else (1 << 20)  # 60 KiB, and a 4 MiB one every tenth
+        sent.append(random_tensor(generator, torch.float32, (elements,)))
+    for i, tensor in enumerate(sent):
+        a.send(1, make_tag(FWD, 0, iteration=i), tensor)
+    for i, tensor in enumerate(sent):
+        assert same_bits(b.recv(0, make_tag(FWD, 0, iteration=i), timeout=60), tensor), i
+    a.wait_sends(timeout=30)
+
+
 def test_clean_close_is_reported_as_closed_not_died(pair):
     a, b = pair
     a.send(1, make_tag(FWD, 0), torch.ones(4))

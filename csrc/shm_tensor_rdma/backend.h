@@ -2,7 +2,7 @@
 // Transport owns one Backend per kind in use, maps each peer to one, and knows nothing of how a backend moves
 // bytes. Backends are made by the factory in backend_registry.h.
 // Sends: the transport calls send() on its worker thread for that peer (one at a time per peer, in order), or
-// try_send_now() on the caller's thread for small messages when sends_inline().
+// send_now() on the caller's thread for small messages when sends_inline() (shm, tcp).
 // Receives: each backend publishes every complete message with Inbox::put (the one place every backend publishes,
 // so a hook there sees all traffic) and then rings the arrivals doorbell.
 #pragma once
@@ -59,10 +59,11 @@ class Backend {
 
   // Whether send_now() can ever send anything (the transport then starts sends on the caller's thread).
   virtual bool sends_inline() const { return false; }
-  // Sends the message from byte `*offset` on, as far as that cannot block and while `*offset` < `until`;
-  // advances `*offset`. Returns true once the whole message is sent.
+  // Sends the message from `*offset` on, as far as that cannot block and while `*offset` < `until`; advances
+  // `*offset`. Returns true once the whole message is sent. The offset is the backend's own progress count (shm:
+  // payload bytes; tcp: frame bytes, header included): the transport only hands it back to send().
   virtual bool send_now(int peer, const OutgoingMessage& message, uint64_t* offset, uint64_t until) { return false; }
-  // Blocks until the message from byte `offset` on (what send_now() left; 0 for backends that never send inline)
+  // Blocks until the message from `offset` on (what send_now() left; 0 for backends that never send inline)
   // is handed over: the caller's buffer is free again. Throws PeerDiedError, ClosedError, TimeoutError.
   virtual void send(int peer, const OutgoingMessage& message, const SendLimits& limits, uint64_t offset) = 0;
 

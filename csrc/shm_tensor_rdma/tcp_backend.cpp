@@ -126,7 +126,20 @@ void TcpBackend::connect(int peer, Outbound& link, const OutgoingMessage& messag
   link.socket = std::move(connection.socket);
 }
 
-void TcpBackend::send(int peer, const OutgoingMessage& message, const SendLimits& limits, uint64_t) {
+bool TcpBackend::send_now(int peer, const OutgoingMessage& message, uint64_t* offset, uint64_t until) {
+  if (*offset != 0 || message.header.nbytes > until) return false;
+  auto found = outbound_.find(peer);
+  // Not connected yet or broken: the worker connects, waits or reports.
+  if (found == outbound_.end() || found->second.broken || !found->second.socket.valid()) return false;
+  TcpFrameHeader frame = make_tcp_data_frame(message.header);
+  iovec iov[2] = {{&frame, sizeof(frame)},
+                  {const_cast<uint8_t*>(message.data), static_cast<size_t>(message.header.nbytes)}};
+  const int count = message.header.nbytes > 0 ? 2 : 1;
+  *offset = tcp_write_now(found->second.socket.fd(), iov, count);
+  return *offset == sizeof(frame) + message.header.nbytes;
+}
+
+void TcpBackend::send(int peer, const OutgoingMessage& message, const SendLimits& limits, uint64_t offset) {
   auto found = outbound_.find(peer);
   if (found == outbound_.end()) {
     throw std::invalid_argument("rank " + std::to_string(peer) + " is not a tcp peer of rank " +
@@ -150,8 +163,10 @@ void TcpBackend::send(int peer, const OutgoingMessage& message, const SendLimits
   TcpFrameHeader frame = make_tcp_data_frame(message.header);
   iovec iov[2] = {{&frame, sizeof(frame)},
                   {const_cast<uint8_t*>(message.data), static_cast<size_t>(message.header.nbytes)}};
-  const int count = message.header.nbytes > 0 ? 2 : 1;
-  const TcpWriteResult result = tcp_write_all(link.socket.fd(), iov, count, *limits.stopping, limits.timeout_s);
+  int count = message.header.nbytes > 0 ? 2 : 1;
+  iovec* unsent = iov;
+  skip_written(unsent, count, offset);  // what send_now() already wrote
+  const TcpWriteResult result = tcp_write_all(link.socket.fd(), unsent, count, *limits.stopping, limits.timeout_s);
   switch (result.status) {
     case TcpWriteStatus::kDone:
       return;

@@ -1,7 +1,8 @@
 // The TCP backend: one connection per direction and peer. This rank connects to each peer it sends to (lazily, on
 // the first send) and accepts one connection from each peer that sends to it. Each inbound connection has a thread
 // that reads frames in blocking calls and reads every payload straight into the buffer later handed to Python;
-// sends run on the transport's worker threads as vectored writes from the caller's tensor (no staging copy).
+// sends are vectored writes from the caller's tensor (no staging copy): small ones on the caller's thread when the
+// socket takes them at once, the rest on the transport's worker threads.
 // A peer's death shows as EOF without a goodbye, a reset, or a keepalive timeout: it becomes PeerDiedError.
 #pragma once
 
@@ -31,7 +32,10 @@ class TcpBackend : public Backend {
   const char* name() const override { return "tcp"; }
   std::string local_address() const override { return listener_.address(); }
   void set_peer_address(int peer, const std::string& address) override;
-  // `offset` is always 0: this backend never sends inline.
+  // Small messages go out on the caller's thread when the connected link's socket takes the whole frame at once
+  // (saves the hand-off to a worker); `offset` counts frame bytes written, header included.
+  bool sends_inline() const override { return true; }
+  bool send_now(int peer, const OutgoingMessage& message, uint64_t* offset, uint64_t until) override;
   void send(int peer, const OutgoingMessage& message, const SendLimits& limits, uint64_t offset) override;
   std::optional<PeerFailure> failure(int peer) override;
   void close() override;

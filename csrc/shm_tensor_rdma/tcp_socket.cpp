@@ -140,6 +140,30 @@ size_t tcp_read_full(int fd, void* data, size_t size) {
   return done;
 }
 
+void skip_written(struct iovec*& iov, int& count, size_t bytes) {
+  while (count > 0 && bytes >= iov->iov_len) {
+    bytes -= iov->iov_len;
+    ++iov;
+    --count;
+  }
+  if (count > 0) {
+    iov->iov_base = static_cast<uint8_t*>(iov->iov_base) + bytes;
+    iov->iov_len -= bytes;
+  }
+}
+
+size_t tcp_write_now(int fd, struct iovec* iov, int count) {
+  msghdr message;
+  std::memset(&message, 0, sizeof(message));
+  message.msg_iov = iov;
+  message.msg_iovlen = static_cast<size_t>(count);
+  ssize_t sent;
+  do {
+    sent = ::sendmsg(fd, &message, MSG_NOSIGNAL | MSG_DONTWAIT);
+  } while (sent < 0 && errno == EINTR);
+  return sent > 0 ? static_cast<size_t>(sent) : 0;
+}
+
 TcpWriteResult tcp_write_all(int fd, struct iovec* iov, int count, const std::atomic<bool>& stopping,
                              double idle_timeout_s) {
   auto give_up_at = deadline_after(idle_timeout_s);
@@ -151,16 +175,7 @@ TcpWriteResult tcp_write_all(int fd, struct iovec* iov, int count, const std::at
     message.msg_iovlen = static_cast<size_t>(count);
     const ssize_t sent = ::sendmsg(fd, &message, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (sent > 0) {
-      size_t left = static_cast<size_t>(sent);
-      while (count > 0 && left >= iov->iov_len) {
-        left -= iov->iov_len;
-        ++iov;
-        --count;
-      }
-      if (count > 0) {
-        iov->iov_base = static_cast<uint8_t*>(iov->iov_base) + left;
-        iov->iov_len -= left;
-      }
+      skip_written(iov, count, static_cast<size_t>(sent));
       give_up_at = deadline_after(idle_timeout_s);
       continue;
     }

@@ -59,4 +59,11 @@ struct TcpWriteResult {
 TcpWriteResult tcp_write_all(int fd, struct iovec* iov, int count, const std::atomic<bool>& stopping,
                              double idle_timeout_s);
 
+// Advances `iov` / `count` past `bytes` already written (a partial sendmsg); the last entry is trimmed in place.
+void skip_written(struct iovec*& iov, int& count, size_t bytes);
+
+// One non-blocking sendmsg of the whole array: the bytes it took, 0 if none (socket full or broken: a blocking
+// tcp_write_all then waits or reports why).
+size_t tcp_write_now(int fd, struct iovec* iov, int count);
+
 }  // namespace mapp

@@ -60,6 +60,11 @@ class SendHandle:
         self.peer = peer
         self.tag = tag
 
+    @property
+    def completed_on_return(self) -> bool:
+        """Whether send() finished the whole send on the caller's thread (no worker involved)."""
+        return self._request is None
+
     def done(self) -> bool:
         if self._request is None:
             return True
