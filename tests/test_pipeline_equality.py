@@ -28,8 +28,8 @@ def _run(tmp_path, P, V, T, schedules, *worker_flags, D=1, extra=""):
     out = tmp_path / f"p{P}v{V}t{T}d{D}"
     out.mkdir()
     result = forked_ranks(P * T * D, [WORKER, "--pipeline_parallel", P, "--model_chunks", V, "--tensor_parallel", T,
-                                  "--iters", ITERS, "--schedules", ",".join(schedules), "--out", out,
-                                  f"--extra={extra}", *worker_flags])   # "=": extra may start with "--"
+                                      "--iters", ITERS, "--schedules", ",".join(schedules), "--out", out,
+                                      f"--extra={extra}", *worker_flags])   # "=": extra may start with "--"
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out
 
