@@ -28,8 +28,8 @@ def _run(tmp_path, P, V, T, schedules, *worker_flags, D=1, extra=""):
     out = tmp_path / f"p{P}v{V}t{T}d{D}"
     out.mkdir()
     result = forked_ranks(P * T * D, [WORKER, "--pipeline_parallel", P, "--model_chunks", V, "--tensor_parallel", T,
-                                  "--iters", ITERS, "--schedules", ",".join(schedules), "--out", out,
-                                  "--extra", extra, *worker_flags])
+                                      "--iters", ITERS, "--schedules", ",".join(schedules), "--out", out,
+                                      f"--extra={extra}", *worker_flags])   # "=": extra may start with "--"
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out
 
@@ -157,3 +157,18 @@ def test_with_dropout_every_schedule_matches_unpipelined_training(tmp_path, drop
 def test_dropout_is_really_on_in_the_dropout_grid(reference, dropout_reference):
     assert all(abs(a - b) > 1e-4 * abs(b) for a, b in zip(dropout_reference[0], reference[0])), \
         (dropout_reference[0], reference[0])
+
+
+SPLIT_SCHEDULES = ["app:dfc", "app:bfc", "app:adaptive", "app:planned", "interleaved", "zb-h1"]
+
+
+@pytest.mark.slow
+def test_split_backward_every_schedule_matches_unpipelined_training(tmp_path, reference):
+    """--split-backward (B now, W later: runtime/split_backward.py) under every policy and ZB-H1, at P=2 V=2 only:
+    the split is per chunk, so one interleaved layout covers it without multiplying the grid."""
+    traces = tmp_path / "traces"
+    out = _run(tmp_path, 2, 2, 1, SPLIT_SCHEDULES, "--trace-dir", traces, extra="--split-backward")
+    _check_against_reference(out, SPLIT_SCHEDULES, reference)
+    kinds = [json.loads(line).get("kind") for path in traces.rglob("trace_rank*.jsonl")
+             for line in path.read_text().splitlines()[1:]]
+    assert kinds.count("weight") == kinds.count("backward") > 0     # every B's W ran and was traced

@@ -51,7 +51,11 @@ def test_flags_settings_and_benchmark_read_the_registry():
     for name in ADAPTIVE_POLICY_NAMES:
         AppSettings(policy=name).validate()
     for name in STATIC_POLICY_NAMES:
-        assert AppSettings(schedule=name).validate().policy_name == name
+        split = POLICIES[name].split_only
+        assert AppSettings(schedule=name, split_backward=split).validate().policy_name == name
+        if split:
+            with pytest.raises(AppConfigError, match=f"schedule '{name}' needs --split-backward"):
+                AppSettings(schedule=name).validate()
     with pytest.raises(AppConfigError):
         AppSettings(policy="nope").validate()
     sys.path.insert(0, str(README.parent / "tools"))

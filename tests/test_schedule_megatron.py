@@ -170,9 +170,9 @@ def test_schedule_package_and_simulator_import_without_torch_or_megatron():
              "import megatron_app.schedule, megatron_app.sim, megatron_app.trace\n"
              "from megatron_app.schedule import PipelineShape, make_policy\n"
              "from megatron_app.sim import SimConfig, ComputeCosts, simulate\n"
-             "shape = PipelineShape(2, 2, 4)\n"
-             "for name in megatron_app.schedule.POLICY_NAMES:\n"
-             "    make_policy(name if name != '1f1b' else 'interleaved', shape, 0)\n"
+             "shape = PipelineShape(2, 2, 4, split_backward=True)\n"
+             "for name in megatron_app.schedule.policies_for(shape):\n"
+             "    make_policy(name, shape, 0)\n"
              "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron'))\n"
              "print(loaded[:5])\n"
              "sys.exit(1 if loaded else 0)\n")

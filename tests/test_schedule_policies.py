@@ -2,9 +2,9 @@
 
 import pytest
 
-from megatron_app.schedule import (POLICY_NAMES, GreedyPolicy, Kind, PipelineShape, RankState, ScheduleConfigError,
+from megatron_app.schedule import (GreedyPolicy, Kind, PipelineShape, RankState, ScheduleConfigError,
                                    ScheduleStallError, Task, drive, forward_fits, make_policy,
-                                   megatron_interleaved_cap, minimum_memory_cap)
+                                   megatron_interleaved_cap, minimum_memory_cap, policies_for)
 
 F, B = Kind.FORWARD, Kind.BACKWARD
 
@@ -149,16 +149,15 @@ def test_naive_cap_deadlocks_where_admission_finishes(name):
 
 
 def test_drive_runs_every_policy_with_delays_and_durations():
-    shape = PipelineShape(3, 2, 6)
+    shape, split = PipelineShape(3, 2, 6), PipelineShape(3, 2, 6, split_backward=True)
     delays = lambda src, task, dst: 0.5 + 0.25 * ((task.microbatch + src) % 3)
     durations = lambda rank, task: 1.0 if task.kind is F else 2.0 + rank
-    for name in POLICY_NAMES:
-        if name == "1f1b":
-            continue
-        result = drive(shape, name, arrival_delay=delays, task_duration=durations)
-        assert sorted(result) == [0, 1, 2]
-        for rank, tasks in result.items():
-            assert len(tasks) == len(set(tasks)) == len(shape.tasks(rank))
+    for each_shape in (shape, split):
+        for name in policies_for(each_shape):
+            result = drive(each_shape, name, arrival_delay=delays, task_duration=durations)
+            assert sorted(result) == [0, 1, 2]
+            for rank, tasks in result.items():
+                assert len(tasks) == len(set(tasks)) == len(each_shape.tasks(rank))
     assert drive(PipelineShape(1, 1, 2), "1f1b")[0] == [Task(F, 0, 0), Task(B, 0, 0), Task(F, 0, 1),
                                                           Task(B, 0, 1)]
 

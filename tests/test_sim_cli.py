@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_app.schedule import ADAPTIVE_POLICY_NAMES, POLICY_NAMES
+from megatron_app.schedule import ADAPTIVE_POLICY_NAMES, PipelineShape, policies_for
 from megatron_app.sim.cli import PROG, main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -38,7 +38,8 @@ def test_all_policies_table(capsys):
     assert code == 0 and err == ""
     assert out.splitlines()[0] == "P=4 V=2 m=8 iterations=1 seed=0"
     rows = table_rows(out)
-    assert list(rows) == [name for name in POLICY_NAMES if name != "1f1b"]   # no 1f1b with model chunks
+    assert list(rows) == list(policies_for(PipelineShape(4, 2, 8)))   # no 1f1b with model chunks, no zb-h1 unsplit
+    assert "1f1b" not in rows and "zb-h1" not in rows
     pinned = {"dfc": 640.0, "bfc": 630.0, "interleaved": 570.0, "adaptive": 570.0, "planned": 570.0}
     assert {name: rows[name]["makespan"] for name in pinned} == pinned
     assert all(row["bound"] == 570.0 for row in rows.values())
@@ -118,3 +119,12 @@ def test_module_entry_point():
     bad = subprocess.run([sys.executable, "-m", "megatron_app.sim", *BASE, "--jitter", "2"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stdout == "" and bad.stderr.count("\n") == 1
+
+
+def test_split_backward_rows_include_zb_h1_and_adaptive_reaches_its_bound(capsys):
+    code, out, err = run_main(capsys, *BASE, "--split-backward")
+    rows = table_rows(out)
+    assert code == 0 and err == "" and list(rows) == list(policies_for(PipelineShape(4, 2, 8, split_backward=True)))
+    # B = W = 10 ms: ZB-H1's closed form (3mV + P - 1) x 10 ms, also the split backward's path bound
+    assert rows["zb-h1"]["makespan"] == rows["adaptive"]["makespan"] == rows["adaptive"]["bound"] == 510.0
+    assert rows["interleaved"]["makespan"] > 510.0

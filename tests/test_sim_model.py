@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from megatron_app.schedule import PipelineShape, ScheduleConfigError
-from megatron_app.sim import (ComputeCosts, ComputePerturbations, LinkCosts, Network, SlowLink, draw_durations,
-                              lower_bounds, pipeline_links)
+from megatron_app.sim import (ComputeCosts, ComputePerturbations, LinkCosts, Network, SimConfig, SlowLink,
+                              draw_durations, lower_bounds, pipeline_links, simulate)
 
 SHAPE = PipelineShape(4, 2, 8)
 COSTS = ComputeCosts.uniform(SHAPE, 10_000, 20_000)
@@ -21,7 +21,8 @@ def as_array(durations):
 # ---- compute costs --------------------------------------------------------------------------------------------
 def test_uniform_costs_and_slow_rank():
     times = as_array(draw_durations(SHAPE, COSTS, ComputePerturbations(slow_rank=2, slow_factor=1.5), 0, 0))
-    assert times.shape == (4, 2, 2, 8)
+    assert times.shape == (4, 3, 2, 8)      # forward, backward, weight (0 without a split backward)
+    assert (times[:, 2] == 0).all()
     assert (times[[0, 1, 3], 0] == 10_000).all() and (times[[0, 1, 3], 1] == 20_000).all()
     assert (times[2, 0] == 15_000).all() and (times[2, 1] == 30_000).all()
 
@@ -57,7 +58,21 @@ def test_draws_of_one_perturbation_do_not_depend_on_the_other():
     jitter_only = as_array(draw_durations(SHAPE, COSTS, ComputePerturbations(jitter=0.2), 3, 0))
     both = as_array(draw_durations(SHAPE, COSTS, ComputePerturbations(jitter=0.2, straggler_prob=0.5,
                                                                       straggler_factor=2.0), 3, 0))
-    assert np.isin(both / jitter_only, [1.0, 2.0]).all()
+    assert np.isin(both[:, :2] / jitter_only[:, :2], [1.0, 2.0]).all()
+
+
+def test_a_split_backward_shares_each_drawn_backward_between_b_and_w():
+    # B + W is the whole backward's draw, so split and whole runs are compared on the same durations.
+    split = PipelineShape(4, 2, 8, split_backward=True)
+    perturbed = ComputePerturbations(jitter=0.2, straggler_prob=0.3, straggler_factor=2.0)
+    whole = as_array(draw_durations(SHAPE, COSTS, perturbed, 5, 1))
+    for share in (0.5, 0.3):
+        costs = ComputeCosts(COSTS.forward_us, COSTS.backward_us, weight_share=share)
+        times = as_array(draw_durations(split, costs, perturbed, 5, 1))
+        assert np.allclose(times[:, 0], whole[:, 0]) and np.allclose(times[:, 1] + times[:, 2], whole[:, 1])
+        assert np.allclose(times[:, 2], share * whole[:, 1])
+    with pytest.raises(ScheduleConfigError, match="weight_share must be >= 0 and <= 1"):
+        ComputeCosts(COSTS.forward_us, COSTS.backward_us, weight_share=1.5)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -153,3 +168,16 @@ def test_bounds_follow_the_slowest_rank_and_the_single_microbatch_chain():
     times = draw_durations(single, ComputeCosts.uniform(single, 1.0, 2.0), ComputePerturbations(), 0, 0)
     assert lower_bounds(single, times, 0.5).path_us == 3 * 3.0 + 4 * 0.5      # one chain, 4 hops
     assert math.isclose(lower_bounds(single, times, 0.5).work_us, 3.0)
+
+
+@pytest.mark.parametrize("P, V, m", [(4, 1, 8), (4, 2, 8)])
+def test_simulated_zb_h1_meets_its_closed_form_and_the_path_bound(P, V, m, tmp_path):
+    """F = B = W = 10 ms, free links: ZB-H1 takes (3mV + P - 1) x 10 ms (bubble (P-1)(F+B-W)), which is the split
+    backward's path bound; W events land in the trace."""
+    shape = PipelineShape(P, V, m, split_backward=True)
+    config = SimConfig(shape, ComputeCosts.uniform(shape, 10_000.0, 20_000.0))   # weight_share 0.5: B = W = 10 ms
+    result = simulate(config, "zb-h1", trace_dir=tmp_path)
+    assert result.makespan_us == (3 * m * V + P - 1) * 10_000.0 == result.bounds[0].best_us
+    assert simulate(config, "interleaved").makespan_us > result.makespan_us
+    weights = [line for line in (tmp_path / "trace_rank0.jsonl").read_text().splitlines() if '"weight"' in line]
+    assert len(weights) == V * m

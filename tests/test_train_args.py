@@ -70,6 +70,7 @@ def test_microbatches_from_global_batch():
     (["--schedule", "gpipe"], "1", "invalid choice"),
     (["--policy", "planned", "--memory-factor", "0.5"], "1", "--memory-factor must be >= 1"),
     (["--policy", "adaptive", "--memory-factor", "1.1"], "1", "--memory-factor applies to --policy planned"),
+    (["--schedule", "zb-h1", "--pipeline_parallel", "2"], "2", "--schedule zb-h1 needs --split-backward"),
     (["--num-layers", "many"], "1", "invalid int value"),
     (["--no-such-flag"], "1", "unrecognized arguments"),
     ([], "zero", "WORLD_SIZE='zero' is not an integer"),

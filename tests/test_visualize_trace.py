@@ -15,7 +15,9 @@ from megatron_app.trace.cli import run_cli
 from megatron_app.trace.column_layout import layout_columns
 from megatron_app.trace.dependencies import InputSources
 from megatron_app.trace.palette import task_rgb
-from megatron_app.trace.schema import COMPUTE_KINDS
+from megatron_app.trace.schema import BACKWARD, COMPUTE_KINDS, FORWARD
+
+WHOLE_BACKWARD_KINDS = (FORWARD, BACKWARD)    # the task kinds of a trace without a split backward
 from test_process_trace import load_tool
 from test_trace_synthetic import plan_greedy, producer, write_plan
 
@@ -76,7 +78,7 @@ def test_xlsx_rows_labels_merged_backward_cells_and_colours(drawn):
                  "iteration=1"):
         assert part in info
     cells = task_cells(sheet, 3)
-    expected = {(r, k, c, i) for r in range(3) for k in COMPUTE_KINDS for c in range(2) for i in range(3)}
+    expected = {(r, k, c, i) for r in range(3) for k in WHOLE_BACKWARD_KINDS for c in range(2) for i in range(3)}
     assert set(cells) == expected  # every task once, backward cells exactly two columns wide
     fills = {}
     for (rank, kind, chunk, mb), (col, _) in cells.items():
@@ -119,7 +121,7 @@ def test_png_is_a_real_timeline(drawn):
     pixels = matplotlib.image.imread(path)
     assert pixels.shape[0] > 500 and pixels.shape[1] > 1000
     colours = {tuple(round(float(v) * 255) for v in px[:3]) for px in pixels.reshape(-1, pixels.shape[2])[::7]}
-    for kind in COMPUTE_KINDS:
+    for kind in WHOLE_BACKWARD_KINDS:
         for chunk in range(2):
             rgb = task_rgb(kind, chunk, 2)
             want = tuple(int(rgb[i:i + 2], 16) for i in (0, 2, 4))

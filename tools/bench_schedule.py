@@ -54,10 +54,13 @@ EXIT_WORKER_FAILED = 1
 WORKER = Path(__file__).resolve().parent / "bench_schedule_worker.py"
 
 def _runtime_schedules() -> Dict[str, tuple]:
-    """One row per policy of the registry: adaptive rules run as the `app` schedule, static orders (Megatron-Core's)
-    as schedules of their own."""
+    """One row per policy of the registry: adaptive rules run as the `app` schedule, static orders (Megatron-Core's,
+    and ZB-H1 with a split backward) as schedules of their own."""
     rows = {}
     for name, entry in POLICIES.items():
+        if entry.split_only:
+            rows[name] = (f"{name} split backward (our runtime)", "app", name, "dfc", False, name)
+            continue
         if entry.static:
             label = f"Megatron {name}{' V=1' if entry.single_chunk else ''} (our runtime)"
             rows[name] = (label, "app", name, "dfc", entry.single_chunk, name)
@@ -66,9 +69,12 @@ def _runtime_schedules() -> Dict[str, tuple]:
     return rows
 
 
+# Rows that run each backward as B + W (--split-backward): every split-only registry entry, and adaptive split.
+SPLIT_BACKWARD_KEYS = frozenset({"app-adaptive-split", *(name for name, e in POLICIES.items() if e.split_only)})
 # key -> (label, system, schedule, policy, one chunk per rank, simulator policy)
 SCHEDULES: Dict[str, tuple] = {
     **_runtime_schedules(),
+    "app-adaptive-split": ("APP adaptive, split backward", "app", "app", "adaptive", False, "adaptive"),
     "torch-1f1b": ("torch Schedule1F1B V=1", "torch", "torch-1F1B", None, True, "1f1b"),
     "torch-interleaved": ("torch ScheduleInterleaved1F1B", "torch", "torch-Interleaved1F1B", None, False,
                           "interleaved"),
@@ -251,6 +257,9 @@ def plan_run(args, run_id: str, repeat: int, scenario: str, key: str) -> dict:
     }
     if single_chunk and args.model_chunks > 1:
         run["notes"].append(f"one chunk per rank, tasks {scale}x longer (its random draws differ)")
+    if key in SPLIT_BACKWARD_KEYS:
+        run["split_backward"] = True
+        run["notes"].append("split backward (B + W, W 50% of each backward wait)")
     if key == "torch-zb":
         run["notes"].append("backward split 50/50 into input- and weight-gradient waits; no simulator policy for "
                             "ZeroBubble")

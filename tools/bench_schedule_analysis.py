@@ -30,6 +30,8 @@ from megatron_app.trace.schema import BACKWARD, FORWARD
 
 APP_POLICIES = ADAPTIVE_POLICY_NAMES
 SPLIT_BACKWARD_KEYS = ("torch-zb",)
+# Our runtime's split-backward rows (issue 14): checked against their own targets, kept out of the others'.
+OUR_SPLIT_KEYS = ("app-adaptive-split", "zb-h1")
 SIM_TOLERANCE = 0.15
 
 
@@ -81,7 +83,8 @@ def peak_tokens_per_rank(trace, iteration: int, lengths) -> List[int]:
 
 
 def shape_of(run: dict) -> PipelineShape:
-    return PipelineShape(run["pipeline_parallel"], run["model_chunks"], run["microbatches"])
+    return PipelineShape(run["pipeline_parallel"], run["model_chunks"], run["microbatches"],
+                         split_backward=bool(run.get("split_backward")))
 
 
 def measured_iterations(run: dict) -> range:
@@ -196,10 +199,35 @@ def _by_key(rows: List[Row]) -> Dict[str, Row]:
     return {row.key: row for row in rows}
 
 
+def _split_backward_checks(scenario: str, group: List[Row]) -> List[TargetCheck]:
+    """Issue 14: APP adaptive with a split backward against torch's interleaved zero-bubble schedule and against the
+    best whole-backward APP policy (>= 1.0x homogeneous, >= 1.1x under perturbations)."""
+    by = _by_key(group)
+    split = by.get("app-adaptive-split")
+    if split is None:
+        return []
+    need = 1.0 if scenario.startswith("homogeneous") else 1.1
+    checks = []
+    whole = [row for row in group if row.key in APP_POLICIES]
+    references = [("torch-zb", by.get("torch-zb"))]
+    if whole:
+        best = min(whole, key=lambda r: r.iteration_ms)
+        references.append((f"best whole-backward APP ({best.label})", best))
+    for name, other in references:
+        if other is None:
+            continue
+        speedup = other.iteration_ms / split.iteration_ms
+        checks.append(TargetCheck(scenario, f"APP adaptive split >= {need:.1f}x {name}",
+                                  f"{split.iteration_ms:.1f} ms vs {other.iteration_ms:.1f} ms ({speedup:.3f}x)",
+                                  speedup >= need))
+    return checks
+
+
 def check_targets(rows: List[Row]) -> List[TargetCheck]:
     checks: List[TargetCheck] = []
     for scenario in dict.fromkeys(row.scenario for row in rows):
-        group = [row for row in rows if row.scenario == scenario]
+        checks += _split_backward_checks(scenario, [row for row in rows if row.scenario == scenario])
+        group = [row for row in rows if row.scenario == scenario and row.key not in OUR_SPLIT_KEYS]
         by = _by_key(group)
         app = [row for row in group if row.key in APP_POLICIES]
         static = [row for row in group if row not in app]

@@ -38,6 +38,8 @@ def trainer_argv(run: dict, run_dir: Path) -> list:
                       ("--memory-factor", "memory_factor")):
         if run.get(key) is not None:
             argv += [flag, run[key]]
+    if run.get("split_backward"):
+        argv.append("--split-backward")
     if run_dir is not None:
         argv += ["--trace-dir", run_dir / "trace", "--log-json", run_dir / "log.json"]
     return [str(item) for item in argv]

@@ -19,14 +19,17 @@ import torch
 from megatron.core.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 
+from megatron_app import backward_phase
 from megatron_app.schedule import Kind
+from megatron_app.sim.costs import DEFAULT_WEIGHT_SHARE as WEIGHT_SHARE   # the simulator's split, so both agree
 
 from .spec import TaskDurations
 from .wait import emulated_wait
 
 
 class TimedScale(torch.autograd.Function):
-    """y = x * weight; forward waits forward_s, backward waits backward_s, then returns both gradients.
+    """y = x * weight; forward waits forward_s, backward waits backward_s, then returns both gradients; in a split
+    backward's B only grad_x after (1 - WEIGHT_SHARE) x backward_s, in its W only grad_weight after the rest.
     on_backward(start_s, end_s), when given, is told when the backward ran (monotonic seconds)."""
 
     @staticmethod
@@ -41,9 +44,11 @@ class TimedScale(torch.autograd.Function):
     def backward(ctx, grad):
         start = time.monotonic()
         x, weight = ctx.saved_tensors
-        emulated_wait(ctx.backward_s)
-        grad_x = grad * weight if ctx.needs_input_grad[0] else None
-        grad_weight = (grad * x).sum(dim=tuple(range(grad.dim() - 1)))
+        half = backward_phase.current()
+        share = {None: 1.0, backward_phase.INPUT: 1.0 - WEIGHT_SHARE, backward_phase.WEIGHT: WEIGHT_SHARE}[half]
+        emulated_wait(ctx.backward_s * share)
+        grad_x = grad * weight if ctx.needs_input_grad[0] and half != backward_phase.WEIGHT else None
+        grad_weight = (grad * x).sum(dim=tuple(range(grad.dim() - 1))) if half != backward_phase.INPUT else None
         if ctx.on_backward is not None:
             ctx.on_backward(start, time.monotonic())
         return grad_x, grad_weight, None, None, None

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from megatron_app.schedule import KIND_OF_TRACE_NAME, KINDS_BY_INDEX, PipelineShape
+from megatron_app.schedule import KIND_OF_TRACE_NAME, KINDS_BY_INDEX, Kind, PipelineShape
 from megatron_app.sim import lower_bounds, run_iteration
 from megatron_app.sim.costs import DurationTable
 from megatron_app.sim.engine import TaskTable, make_policies
@@ -83,10 +83,16 @@ def simulate_emulation(spec: EmulationSpec, shape: PipelineShape, policy: str, i
     return results
 
 
+def traced_shape(run, iteration: int) -> PipelineShape:
+    """The pipeline a traced iteration ran: split backward when it has W ('weight') events."""
+    split = any(True for rank in run.ranks for _ in rank.events_of(iteration, {Kind.WEIGHT.trace_name}))
+    return PipelineShape(run.pipeline_parallel, run.model_chunks, run.microbatches, split_backward=split)
+
+
 def measured_durations(run, iteration: int) -> DurationTable:
     """The task durations (us) of one traced iteration, from the first TP/DP rank of each stage; ValueError when a
     task has no forward/backward event or more than one."""
-    shape = PipelineShape(run.pipeline_parallel, run.model_chunks, run.microbatches)
+    shape = traced_shape(run, iteration)
     V, m = shape.num_chunks, shape.num_microbatches
     table = [[[[None] * m for _ in range(V)] for _ in KINDS_BY_INDEX] for _ in range(shape.num_stages)]
     for rank in run.ranks:
@@ -100,6 +106,9 @@ def measured_durations(run, iteration: int) -> DurationTable:
             cell[event.microbatch] = event.duration
     for r, per_kind in enumerate(table):
         for kind, per_chunk in zip(KINDS_BY_INDEX, per_kind):
+            if kind is Kind.WEIGHT and all(cell is None for row in per_chunk for cell in row):
+                per_kind[kind.index] = [[0.0] * m for _ in range(V)]     # a whole-backward run has no W events
+                continue
             for c, row in enumerate(per_chunk):
                 if None in row:
                     raise ValueError(f"iteration {iteration}: pipeline rank {r} has no {kind.trace_name} event for "
@@ -113,7 +122,7 @@ def replay_trace_iteration(run, iteration: int, policy: str, slow_link: Optional
                            memory_factor: Optional[float] = None) -> SimulatedIteration:
     """Simulate `policy` on a traced iteration's measured task durations (lengths: its microbatch lengths, which
     planning policies plan with)."""
-    shape = PipelineShape(run.pipeline_parallel, run.model_chunks, run.microbatches)
+    shape = traced_shape(run, iteration)
     durations = measured_durations(run, iteration)
     outcome = run_iteration(shape, make_policies(shape, policy, memory_cap, memory_factor), durations,
                             SlowLinkNetwork(slow_link, latency_us), iteration, 0.0, lengths=lengths)

@@ -31,6 +31,7 @@ from .links import PipelineLinks, direction_of
 from .microbatch_data import MicrobatchReplay
 from .microbatch_lengths import take_microbatch_lengths
 from .session import RuntimeSession, current_session
+from .split_backward import defers_weights, run_input_backward, run_weight_backward, trainable_weights
 from .tp_agreement import TaskAgreement
 
 
@@ -137,8 +138,9 @@ class PipelineStep:
         self.pp_rank = dist.get_rank(pp_group)
         pp_global = dist.get_process_group_ranks(pp_group)
 
+        self.split_backward = self.settings.split_backward and not forward_only
         self.shape = PipelineShape(num_stages=P, num_chunks=V, num_microbatches=num_microbatches,
-                                   forward_only=forward_only,
+                                   forward_only=forward_only, split_backward=self.split_backward,
                                    microbatch_group_size=getattr(self.config, "microbatch_group_size_per_vp_stage",
                                                                  None) if V > 1 else None)
         self.full_checkpoint = full_checkpoint_flags(
@@ -169,7 +171,11 @@ class PipelineStep:
         self._pending_sends: List[tuple] = []
         self._stored: Dict[int, list] = {}                          # microbatch -> forward_data_store entries
         self._first_forward_done = [False] * V
-        self._backwards_left = [num_microbatches] * V
+        self._accumulations_left = [num_microbatches] * V    # tasks per chunk that still add weight gradients
+        self._pending_weights: Dict[Tuple[int, int], Any] = {}  # (chunk, mb) -> what its W needs (split backward)
+        self._weights = [trainable_weights(m) for m in self.models] if self.split_backward else None
+        self._handlers = {Kind.FORWARD: self._run_forward, Kind.BACKWARD: self._run_backward,
+                          Kind.WEIGHT: self._run_weight}
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)
 
     def _adopt_shared_plan(self, pp_group, pp_global):
@@ -206,10 +212,7 @@ class PipelineStep:
             if task is None:
                 self._wait_for_input()
                 continue
-            if task.kind == Kind.FORWARD:
-                self._run_forward(task)
-            else:
-                self._run_backward(task)
+            self._handlers[task.kind](task)
             self._reap_sends(block=False)
         self._reap_sends(block=True)
         self.grad_sync.finish()
@@ -313,21 +316,51 @@ class PipelineStep:
         c, i = task.chunk, task.microbatch
         output_grad = self._take_input(task)
         input_tensor, output_tensor, handle = self._held.pop((c, i))
-        if self.config.deallocate_pipeline_outputs and handle is not None:
+        # A split backward's B needs the output's real shape (autograd.grad checks it); the memory is freed at B.
+        if self.config.deallocate_pipeline_outputs and handle is not None and not self.split_backward:
             handle.wait(self.settings.timeout_s)   # the transport reads the output's memory until the send is done
             deallocate_output_tensor(output_tensor, True)
         self.state.mark_started(task)
-        self._backwards_left[c] -= 1
         start = self._now()
-        sync = self.grad_sync.around_last_backward(c) if self._backwards_left[c] == 0 else contextlib.nullcontext()
-        with sync:
-            with keyed_randomness.microbatch_scope(i):   # recomputation redraws the forward's masks
-                input_grad = backward_step(input_tensor, output_tensor, output_grad, self.model_type, self.config)
+        with keyed_randomness.microbatch_scope(i):   # recomputation redraws the forward's masks
+            if self.split_backward:
+                # B adds weight gradients itself only where it is the whole backward (the first virtual stage)
+                deferred = defers_weights(input_tensor)
+                with contextlib.nullcontext() if deferred else self._accumulating(c):
+                    input_grad, pending = run_input_backward(input_tensor, output_tensor, output_grad,
+                                                             self.model_type, self.config, self._weights[c])
+                if deferred:
+                    self._pending_weights[(c, i)] = pending
+            else:
+                with self._accumulating(c):
+                    input_grad = backward_step(input_tensor, output_tensor, output_grad, self.model_type,
+                                               self.config)
         self._trace(task.kind.trace_name, start, self._now(), task)
         self.state.mark_done(task)
         self.policy.observe(task, (self._now() - start) / 1e6)
         if self.shape.output_target(self.pp_rank, task) is not None:
             self._send_output(task, input_grad)
+
+    def _run_weight(self, task: Task):
+        """W: the weight gradients of one chunk and microbatch, kept since its B (split_backward.py)."""
+        c, i = task.chunk, task.microbatch
+        pending = self._pending_weights.pop((c, i), None)
+        self.state.mark_started(task)
+        start = self._now()
+        if pending is not None:
+            with self._accumulating(c):
+                run_weight_backward(pending)
+        self._trace(task.kind.trace_name, start, self._now(), task)
+        self.state.mark_done(task)
+        self.policy.observe(task, (self._now() - start) / 1e6)
+
+    def _accumulating(self, chunk: int):
+        """Context for a task that adds one microbatch's weight gradients of `chunk`: the chunk's last one runs
+        inside Megatron's grad sync (_GradSync)."""
+        self._accumulations_left[chunk] -= 1
+        if self._accumulations_left[chunk] == 0:
+            return self.grad_sync.around_last_backward(chunk)
+        return contextlib.nullcontext()
 
     def _send_output(self, task: Task, tensor: torch.Tensor):
         peer_pp, consumer = self.links.output_route(task)

@@ -26,6 +26,7 @@ class AppSettings:
     trace_dir: Optional[str] = None   # None = no trace files
     timeout_s: float = 300.0          # a peer silent this long is reported as stuck
     job_id: Optional[str] = None      # names the shared-memory segments; agreed across ranks when None
+    split_backward: bool = False      # each backward as B (input gradient) + a later W (weight gradients)
 
     def validate(self) -> "AppSettings":
         if self.schedule not in SCHEDULES:
@@ -41,6 +42,11 @@ class AppSettings:
             raise AppConfigError(f"a memory factor applies to policy 'planned' only, not {self.policy_name!r}")
         if not 0 < self.planning_share < 1:
             raise AppConfigError(f"planning share must lie in (0, 1), got {self.planning_share}")
+        if not isinstance(self.split_backward, bool):
+            raise AppConfigError(f"split_backward must be True or False, got {self.split_backward!r}")
+        from megatron_app.schedule import POLICIES
+        if POLICIES[self.policy_name].split_only and not self.split_backward:
+            raise AppConfigError(f"schedule {self.policy_name!r} needs --split-backward")
         if self.timeout_s <= 0:
             raise AppConfigError(f"timeout must be positive, got {self.timeout_s}")
         return self

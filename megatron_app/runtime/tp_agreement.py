@@ -12,9 +12,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_app.schedule import Kind, Task
+from megatron_app.schedule import KINDS_BY_INDEX, Task
 
-_KINDS = (Kind.FORWARD, Kind.BACKWARD)
+_KINDS = KINDS_BY_INDEX
 
 
 class TaskAgreement:

@@ -22,6 +22,18 @@ while others follow it, and (a) no longer holds; so with an explicit cap a rank 
 ready task of its oldest in-flight microbatch (or of the next one to start). By admission.py the globally lowest
 unfinished microbatch g is exactly that microbatch on the rank holding g's next task, and that task fits: g always
 progresses. (That guard costs up to ~3% at V=1 under a slow rank, which is why the default case goes without it.)
+
+Split backward (W tasks). The plan holds forwards and B's only; W's float. The rank runs its plan's next task when it
+is ready and admitted; otherwise it fills the wait with a W (a W is never on another rank's path, B is); a ready
+backward deviates as above only once the plan's input stayed late through `patience` decisions (a W that ends
+counts as one), since a critical B then beats a W; a planned forward that does not fit because W's hold memory runs
+the oldest W first; once the plan is done the remaining W's run. Deadlock freedom: a ready W never waits on
+another rank (admission.py rule (3)), and after its ready W's the rank holds what the whole-backward plan holds at
+that point, where (a) and (b) apply unchanged.
+Default cap with a split backward: the pipeline's peak (Megatron's rank 0 peak) on every rank, as ZB-H1 does. At
+each rank's own Megatron peak a W cannot be deferred past the next forward, and with uniform costs the policy then
+runs exactly Megatron's order (measured in the logical driver: P=4, V=1, m=8, F=B=W=1: 30 task-times at the per-rank
+cap, 27 at the pipeline's, which is ZB-H1's 3m + P - 1). A smaller explicit cap trades that back.
 """
 
 from __future__ import annotations
@@ -30,7 +42,8 @@ from typing import Dict, Optional, Set, Tuple
 
 from .admission import check_memory_cap, forward_fits
 from .errors import ScheduleConfigError
-from .megatron_order import megatron_interleaved_cap, megatron_order, peak_activations_of_order
+from .megatron_order import (megatron_interleaved_cap, megatron_order, megatron_pipeline_cap,
+                             peak_activations_of_order, with_weights_after_backwards, without_weights)
 from .greedy import make_dfc
 from .policy import Policy
 from .shape import PipelineShape
@@ -40,8 +53,8 @@ from .tasks import Kind, Task
 DEFAULT_PATIENCE = 1
 DEFAULT_SMOOTHING = 0.3
 # Relative costs assumed before the first observation (a backward is about twice a forward).
-_PRIOR_SECONDS = {Kind.FORWARD: 1.0, Kind.BACKWARD: 2.0}
-_OTHER = {Kind.FORWARD: Kind.BACKWARD, Kind.BACKWARD: Kind.FORWARD}
+# A split backward's B and W are each about a forward.
+_PRIOR_SECONDS = {Kind.FORWARD: 1.0, Kind.BACKWARD: 2.0, Kind.WEIGHT: 1.0}
 
 
 class DurationEstimates:
@@ -66,7 +79,7 @@ class DurationEstimates:
         value = self._seconds.get((kind, chunk))
         if value is not None:
             return value
-        for source in (kind, _OTHER[kind]):
+        for source in (kind, *(other for other in _PRIOR_SECONDS if other is not kind)):
             seen = [v for (k, _), v in self._seconds.items() if k is source]
             if seen:
                 return sum(seen) / len(seen) * _PRIOR_SECONDS[kind] / _PRIOR_SECONDS[source]
@@ -86,12 +99,14 @@ class AdaptivePolicy(Policy):
         super().__init__(shape, rank, memory_cap)
         if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
             raise ScheduleConfigError(f"patience must be an int >= 0, got {patience!r}")
-        if sorted(plan, key=_task_key) != sorted(shape.tasks(rank), key=_task_key):
-            raise ScheduleConfigError(f"the plan for rank {rank} must list each of its tasks exactly once")
+        planned_tasks = [task for task in shape.tasks(rank) if task.kind is not Kind.WEIGHT]
+        if sorted(plan, key=_task_key) != sorted(planned_tasks, key=_task_key):
+            raise ScheduleConfigError(f"the plan for rank {rank} must list each of its tasks exactly once (W "
+                                      f"tasks excepted: they are not planned)")
         self.plan = tuple(plan)
         self.patience = patience
         self.estimates = DurationEstimates(smoothing)
-        self.follows_plan = memory_cap >= peak_activations_of_order(shape, self.plan)
+        self.follows_plan = memory_cap >= plan_peak(shape, self.plan)
         self.below_plan_cap = below_plan_cap
         self.keeps_oldest_moving = keeps_oldest_moving
         self._position = {task: index for index, task in enumerate(self.plan)}
@@ -130,24 +145,32 @@ class AdaptivePolicy(Policy):
         if not self.follows_plan:
             return self.below_plan_cap.next(state)
         planned = self.expected_next(state)
-        if planned is None:
-            return None
+        if planned is None:    # the plan is done; W's left (split backward) close the iteration
+            weights = state.ready_weights()
+            return weights[0] if weights else None
         choice = self._choose(state, planned)
-        if choice is None:
-            self._idle_calls += 1
+        if choice is None or choice.kind is Kind.WEIGHT:
+            self._idle_calls += 1     # a W fills a wait for the plan's input: the wait goes on
         else:
-            self._started.add(choice)     # the driver starts it right away; _sync checks that it did
             self._idle_calls = 0
+        if choice is not None:
+            self._started.add(choice)     # the driver starts it right away; _sync checks that it did
             self._advance_cursor()
         return choice
 
     def _choose(self, state: RankState, planned: Task) -> Optional[Task]:
-        if state.is_ready(planned) and self._fits(state, planned):
-            return planned
+        weights = state.ready_weights()
+        if state.is_ready(planned):
+            if self._fits(state, planned):
+                return planned
+            if weights:             # W's hold the memory the planned forward needs
+                return weights[0]
         if self._idle_calls >= self.patience:
             deviation = self._critical_backward(state, floor=self.chain_after_seconds(planned))
             if deviation is not None:
                 return deviation
+        if weights:
+            return weights[0]
         return self._oldest_microbatch_task(state) if self.keeps_oldest_moving else None
 
     def _fits(self, state: RankState, task: Task) -> bool:
@@ -194,15 +217,20 @@ def _task_key(task: Task):
     return task.kind.value, task.chunk, task.microbatch
 
 
+def plan_peak(shape: PipelineShape, plan) -> int:
+    """Peak activations of a forward/backward plan, each W counted as running right after its B."""
+    return peak_activations_of_order(shape, with_weights_after_backwards(plan) if shape.split_backward else plan)
+
+
 def make_adaptive(shape: PipelineShape, rank: int, memory_cap: Optional[int] = None,
                   patience: int = DEFAULT_PATIENCE) -> AdaptivePolicy:
     """The `adaptive` policy for one rank; memory_cap None = Megatron's interleaved peak (as for dfc/bfc)."""
     # With the default cap every rank runs its plan at Megatron's peak, so each knows the others follow theirs.
     # An explicit cap may differ between ranks (some below their plan), so progress must be guarded.
     guarded = memory_cap is not None
-    if memory_cap is None:
-        memory_cap = megatron_interleaved_cap(shape, rank)
+    if memory_cap is None:   # the pipeline's peak for a split backward (module doc); every rank follows its plan
+        memory_cap = megatron_pipeline_cap(shape) if shape.split_backward else megatron_interleaved_cap(shape, rank)
     check_memory_cap(shape, memory_cap)
-    return AdaptivePolicy(shape, rank, memory_cap, megatron_order(shape, rank),
+    return AdaptivePolicy(shape, rank, memory_cap, without_weights(megatron_order(shape, rank)),
                           below_plan_cap=make_dfc(shape, rank, memory_cap), keeps_oldest_moving=guarded,
                           patience=patience)

@@ -25,6 +25,15 @@ special case s_i = 1 and the identity order). The argument is unchanged with cap
 the rank that has not started g holds nothing and admits g's V activations; on a rank that has started g, a forward
 of g moves s_g from "remaining" to "held" inside g's own term and leaves the terms of later microbatches as they
 were. Property-tested with random sizes and start orders in tests/test_schedule_planned.py.
+
+Split backward (W tasks): a chunk's activation stays held from its forward until its W ends, so held_j above counts
+W-pending activations and a microbatch stays in flight until its last W. Add one rule for every policy:
+  (3) a rank whose policy has nothing else to run runs a ready W (W-liveness).
+A W needs only its own rank's B, so a ready W never waits for another rank. The argument above then holds as it is:
+if the pipeline stalled, no rank has a ready W (3), so every B done has had its W done and each rank's held
+activations are those of its forwards whose backwards are not done, exactly the whole-backward state in which the
+argument shows g's next task can run. W's only lower the left sides of (2), so admitted forwards stay admissible.
+Property-tested with split shapes for every policy in tests/test_schedule_properties.py.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from .errors import ScheduleConfigError, ScheduleStallError
 from .policies import Policy, make_policy
@@ -32,9 +32,11 @@ def stall_report(states: Sequence[RankState], policies: Sequence[Policy]) -> str
 
 def drive(shape: PipelineShape, policies: Union[str, Sequence[Policy]],
           arrival_delay: Optional[ArrivalDelay] = None,
-          task_duration: Optional[TaskDuration] = None) -> Dict[int, List[Task]]:
+          task_duration: Optional[TaskDuration] = None,
+          finish_times: Optional[Dict[Tuple[int, Task], float]] = None) -> Dict[int, List[Task]]:
     """Run every rank to completion; returns each rank's tasks in execution order.
 
+    finish_times: when given, filled with each (rank, task)'s end on the logical clock.
     policies: one Policy per rank, or a policy name (default options on every rank).
     Raises ScheduleStallError (with every rank's state) when the schedule would hang.
     """
@@ -60,6 +62,8 @@ def drive(shape: PipelineShape, policies: Union[str, Sequence[Policy]],
             push(now, _WAKE, rank)
         elif kind == _FINISH:
             state.mark_done(task)
+            if finish_times is not None:
+                finish_times[rank, task] = now
             policies[rank].observe(task, duration)
             busy[rank] = False
             target = shape.output_target(rank, task)

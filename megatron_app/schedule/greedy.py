@@ -1,5 +1,5 @@
 """Greedy policies `dfc` and `bfc`: run any ready task at once, backward first, forwards under a deadlock-free
-memory cap (admission.py)."""
+memory cap (admission.py), and W's (split backward) when nothing else can run: idle time is what they fill."""
 
 from __future__ import annotations
 
@@ -32,10 +32,11 @@ class GreedyPolicy(Policy):
         backwards = [t for t in ready if t.kind is Kind.BACKWARD]
         if backwards:
             return min(backwards, key=self.priority)
-        for task in sorted(ready, key=self.priority):
+        for task in sorted((t for t in ready if t.kind is Kind.FORWARD), key=self.priority):
             if forward_fits(state, task, self.memory_cap):
                 return task
-        return None
+        weights = state.ready_weights()    # admission.py rule (3): a rank with a ready W never idles
+        return weights[0] if weights else None
 
 
 def depth_first(shape: PipelineShape) -> Callable[[Task], Tuple]:

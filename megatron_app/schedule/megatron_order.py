@@ -10,6 +10,7 @@ megatron-core's own get_pp_rank_microbatches / get_schedule_table / convert_sche
     its microbatches, then chunk 1, ... (the "schedule table").
   * After the warm-up each forward is followed by one backward; the remaining backwards close the iteration. The
     k-th backward undoes the k-th forward in reverse chunk order: forward (mb, c) pairs with backward (mb, V-1-c).
+  * Split backward: Megatron computes weight gradients inside the backward, so each B is followed at once by its W.
 """
 
 from __future__ import annotations
@@ -60,19 +61,36 @@ def megatron_order(shape: PipelineShape, rank: int) -> Tuple[Task, ...]:
     for k, forward in enumerate(forwards[warmup:]):
         order += (forward, backwards[k])
     order += backwards[len(forwards) - warmup:]
+    if shape.split_backward:
+        order = with_weights_after_backwards(order)
     return tuple(order)
 
 
+def with_weights_after_backwards(order) -> List[Task]:
+    """`order` with each backward's W right after it (whole-backward timing on a split shape)."""
+    result = []
+    for task in order:
+        result.append(task)
+        if task.kind is Kind.BACKWARD:
+            result.append(Task(Kind.WEIGHT, task.chunk, task.microbatch))
+    return result
+
+
+def without_weights(order) -> Tuple[Task, ...]:
+    """`order` without its W tasks (the forward/backward skeleton that adaptive policies follow)."""
+    return tuple(task for task in order if task.kind is not Kind.WEIGHT)
+
+
 def peak_activations_of_order(shape: PipelineShape, order) -> int:
-    """Most activations held at once when a single rank runs `order` (counted when each forward starts)."""
+    """Most activations held at once when a single rank runs `order` (counted when each forward starts; held until
+    the shape's releasing task: the backward, or its W when split)."""
+    releasing = shape.releasing_kind
     held = peak = 0
     for task in order:
         if task.kind is Kind.FORWARD:
             held += 1
             peak = max(peak, held)
-            if shape.forward_only:
-                held -= 1
-        else:
+        if task.kind is releasing:
             held -= 1
     return peak
 
@@ -80,3 +98,8 @@ def peak_activations_of_order(shape: PipelineShape, order) -> int:
 def megatron_interleaved_cap(shape: PipelineShape, rank: int) -> int:
     """Peak activations Megatron's interleaved order (1F1B when V == 1) holds on `rank`."""
     return peak_activations_of_order(shape, megatron_order(shape, rank))
+
+
+def megatron_pipeline_cap(shape: PipelineShape) -> int:
+    """The largest per-rank peak of Megatron's order: the pipeline's peak activation memory (rank 0's)."""
+    return max(megatron_interleaved_cap(shape, rank) for rank in range(shape.num_stages))

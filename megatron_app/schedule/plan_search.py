@@ -102,13 +102,14 @@ def _slot_order(shape: PipelineShape, rank: int, extra_warmup: int) -> Tuple[Tup
 
 def order_peak_size(order: Sequence[Task], sizes: Sequence[float]) -> float:
     """Largest sum of held activation sizes while a rank runs `order` (an activation lives from its forward's
-    start to its backward's end)."""
+    start to its backward's end, or its W's end when the order has W's: a split backward)."""
+    releasing = Kind.WEIGHT if any(task.kind is Kind.WEIGHT for task in order) else Kind.BACKWARD
     held = peak = 0.0
     for task in order:
         if task.kind is Kind.FORWARD:
             held += sizes[task.microbatch]
             peak = max(peak, held)
-        else:
+        elif task.kind is releasing:
             held -= sizes[task.microbatch]
     return peak
 

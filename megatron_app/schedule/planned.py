@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence, Tuple
 
-from .adaptive import DEFAULT_PATIENCE, AdaptivePolicy
+from .adaptive import DEFAULT_PATIENCE, AdaptivePolicy, plan_peak
 from .admission import check_memory_cap
 from .errors import ScheduleConfigError
 from .length_costs import LengthCostModel
-from .megatron_order import megatron_interleaved_cap, megatron_order, peak_activations_of_order
+from .megatron_order import megatron_interleaved_cap, megatron_order, without_weights
 from .plan_search import DEFAULT_EVALUATIONS, Plan, PlanChoice, PlanSearch, order_peak_size, plan_order
 from .greedy import make_dfc
 from .shape import PipelineShape
@@ -55,7 +55,7 @@ class PlannedPolicy(AdaptivePolicy):
         if memory_cap is None:
             memory_cap = megatron_interleaved_cap(shape, rank)
         check_memory_cap(shape, memory_cap)
-        super().__init__(shape, rank, memory_cap, megatron_order(shape, rank),
+        super().__init__(shape, rank, memory_cap, without_weights(megatron_order(shape, rank)),
                          below_plan_cap=make_dfc(shape, rank, memory_cap),
                          keeps_oldest_moving=not self.reorders, patience=patience)
         self.memory_factor = check_memory_factor(DEFAULT_MEMORY_FACTOR if memory_factor is None else memory_factor)
@@ -93,7 +93,7 @@ class PlannedPolicy(AdaptivePolicy):
             self.current_plan = plan
             self.plan = order
             self._position = {task: index for index, task in enumerate(order)}
-            self.follows_plan = self.reorders or self.memory_cap >= peak_activations_of_order(self.shape, order)
+            self.follows_plan = self.reorders or self.memory_cap >= plan_peak(self.shape, order)
             self._state = None     # re-synchronise the cursor on the next state
 
     # ---- learning -----------------------------------------------------------------------------------------------
@@ -104,8 +104,11 @@ class PlannedPolicy(AdaptivePolicy):
 
     def _fits(self, state: RankState, task: Task) -> bool:
         # With reordering every rank runs the same plan, whose peak was checked against the byte cap when it was
-        # chosen; the count cap (Megatron's) does not bound a plan with extra warm-up.
-        return self.reorders or super()._fits(state, task)
+        # chosen; the count cap (Megatron's) does not bound a plan with extra warm-up. The plan's peak counts each W
+        # right after its B, so with a split backward a forward waits for the ready W's (they free memory first).
+        if self.reorders:
+            return task.kind is not Kind.FORWARD or not state.ready_weights()
+        return super()._fits(state, task)
 
 
 def _check_lengths(shape: PipelineShape, lengths: Sequence[int]) -> Tuple[int, ...]:

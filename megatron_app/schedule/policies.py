@@ -17,6 +17,7 @@ from .planned import make_planned
 from .policy import Policy
 from .shape import PipelineShape
 from .static_order import make_megatron_1f1b, make_megatron_interleaved
+from .zero_bubble import make_zb_h1
 
 PolicyFactory = Callable[[PipelineShape, int, Optional[int]], Policy]
 
@@ -24,15 +25,17 @@ PolicyFactory = Callable[[PipelineShape, int, Optional[int]], Policy]
 @dataclass(frozen=True)
 class PolicyEntry:
     """factory(shape, rank, memory_cap or None) -> Policy. static: a fixed order (chosen with --schedule NAME);
-    otherwise an adaptive rule of the `app` schedule (chosen with --policy NAME). single_chunk: V == 1 only."""
+    otherwise an adaptive rule of the `app` schedule (chosen with --policy NAME). single_chunk: V == 1 only.
+    split_only: needs a split backward (W tasks)."""
 
     factory: PolicyFactory
     static: bool
     summary: str
     single_chunk: bool = False
+    split_only: bool = False
 
     def applies_to(self, shape: PipelineShape) -> bool:
-        return not (self.single_chunk and shape.num_chunks > 1)
+        return not (self.single_chunk and shape.num_chunks > 1) and not (self.split_only and not shape.split_backward)
 
 
 POLICIES: Dict[str, PolicyEntry] = {
@@ -51,6 +54,9 @@ POLICIES: Dict[str, PolicyEntry] = {
                            "and per-rank warm-up depths of Megatron's order chosen from the microbatches' lengths "
                            "under an activation-bytes cap (x Megatron's peak); then as adaptive. Without lengths: "
                            "adaptive"),
+    "zb-h1": PolicyEntry(make_zb_h1, static=True, split_only=True,
+                         summary="ZB-H1-style order for a split backward: Megatron's order of forwards and input-"
+                         "gradient backwards, rank r deferring r weight-gradient tasks into its tail"),
 }
 
 # The policy run_single.sh, install() and the trainer use unless told otherwise: the one measured never slower than

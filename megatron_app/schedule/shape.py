@@ -1,7 +1,8 @@
 """PipelineShape: P stages x V model chunks x m microbatches, its validation and the dependency graph between ranks.
 
 Virtual stage vs = chunk * P + rank. The forward of a microbatch walks vs = 0 .. V*P-1 (wrapping from rank P-1 back
-to rank 0 at each chunk boundary); its backward walks the same stages in reverse.
+to rank 0 at each chunk boundary); its backward walks the same stages in reverse. With split_backward, each backward is the input-gradient task B (on
+that path) and a weight-gradient task W of the same chunk and microbatch, which depends only on its own rank's B.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class PipelineShape:
     forward_only: bool = False
     # Megatron's config.microbatch_group_size_per_vp_stage; None means Megatron's default, num_stages.
     microbatch_group_size: Optional[int] = None
+    # Each backward runs as B (input gradient, sent upstream at once) and a later W (weight gradient, local).
+    split_backward: bool = False
 
     def __post_init__(self):
         for name in ("num_stages", "num_chunks", "num_microbatches"):
@@ -34,6 +37,10 @@ class PipelineShape:
                 raise ScheduleConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not isinstance(self.forward_only, bool):
             raise ScheduleConfigError(f"forward_only must be a bool, got {self.forward_only!r}")
+        if not isinstance(self.split_backward, bool):
+            raise ScheduleConfigError(f"split_backward must be a bool, got {self.split_backward!r}")
+        if self.split_backward and self.forward_only:
+            raise ScheduleConfigError("split_backward needs backwards: a forward-only shape has none")
         defaulted = self.microbatch_group_size is None
         if defaulted:
             object.__setattr__(self, "microbatch_group_size", self.num_stages)
@@ -84,8 +91,10 @@ class PipelineShape:
             raise ScheduleConfigError(f"{task}: chunk outside 0..{self.num_chunks - 1}")
         if not 0 <= task.microbatch < self.num_microbatches:
             raise ScheduleConfigError(f"{task}: microbatch outside 0..{self.num_microbatches - 1}")
-        if self.forward_only and task.kind is Kind.BACKWARD:
+        if self.forward_only and task.kind is not Kind.FORWARD:
             raise ScheduleConfigError(f"{task}: a forward-only shape has no backward tasks")
+        if task.kind is Kind.WEIGHT and not self.split_backward:
+            raise ScheduleConfigError(f"{task}: weight-gradient tasks need split_backward")
 
     def virtual_stage(self, rank: int, chunk: int) -> int:
         self.check_rank(rank)
@@ -97,10 +106,24 @@ class PipelineShape:
         """(rank, chunk) that holds a virtual stage."""
         return virtual_stage % self.num_stages, virtual_stage // self.num_stages
 
+    @property
+    def kinds(self) -> Tuple[Kind, ...]:
+        """The task kinds this shape runs."""
+        if self.forward_only:
+            return (Kind.FORWARD,)
+        return (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT) if self.split_backward else (Kind.FORWARD, Kind.BACKWARD)
+
+    @property
+    def releasing_kind(self) -> Kind:
+        """The task whose end frees a chunk's activation: its forward (forward_only), backward, or W when split."""
+        if self.forward_only:
+            return Kind.FORWARD
+        return Kind.WEIGHT if self.split_backward else Kind.BACKWARD
+
     def tasks(self, rank: int) -> List[Task]:
-        """Every task of `rank`: all forwards, then (unless forward_only) all backwards."""
+        """Every task of `rank`: all forwards, then (unless forward_only) all backwards, then (split) all W's."""
         self.check_rank(rank)
-        kinds = (Kind.FORWARD,) if self.forward_only else (Kind.FORWARD, Kind.BACKWARD)
+        kinds = self.kinds
         return [Task(kind, chunk, mb)
                 for kind in kinds
                 for chunk in range(self.num_chunks)
@@ -109,8 +132,10 @@ class PipelineShape:
     # ---- dependencies between ranks ------------------------------------------------------------------------
     def input_source(self, rank: int, task: Task) -> Optional[Tuple[int, Task]]:
         """(peer rank, peer task) whose output `task` consumes; None when its input is data (first virtual stage's
-        forward) or the locally computed loss (last virtual stage's backward)."""
+        forward), the locally computed loss (last virtual stage's backward) or local (a W needs only its own B)."""
         self.check_task(task)
+        if task.kind is Kind.WEIGHT:
+            return None
         vs = self.virtual_stage(rank, task.chunk)
         if task.kind is Kind.FORWARD:
             if vs == 0:
@@ -123,8 +148,11 @@ class PipelineShape:
         return peer_rank, Task(task.kind, peer_chunk, task.microbatch)
 
     def output_target(self, rank: int, task: Task) -> Optional[Tuple[int, Task]]:
-        """(peer rank, peer task) that consumes `task`'s output; None for the last forward and the first backward."""
+        """(peer rank, peer task) that consumes `task`'s output; None for the last forward, the first backward and
+        every W (weight gradients stay on their rank)."""
         self.check_task(task)
+        if task.kind is Kind.WEIGHT:
+            return None
         vs = self.virtual_stage(rank, task.chunk)
         if task.kind is Kind.FORWARD:
             if vs == self.num_virtual_stages - 1:

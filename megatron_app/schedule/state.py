@@ -1,7 +1,9 @@
 """RankState: what one pipeline rank has received, started and finished, and which of its tasks may run now.
 
 The driver (runtime or simulator) reports events; policies only read. A forward becomes ready when its remote input
-is here (or it needs none); a backward additionally needs this rank's own forward of the same chunk and microbatch.
+is here (or it needs none); a backward additionally needs this rank's own forward of the same chunk and microbatch;
+a W (split backward) needs only this rank's B of the same chunk and microbatch. A chunk's activation is held from its
+forward's start until its backward ends, or its W ends when the backward is split (W needs the saved tensors).
 """
 
 from __future__ import annotations
@@ -97,6 +99,8 @@ class RankState:
                 backward = Task(Kind.BACKWARD, task.chunk, mb)
                 if self._deps_met(backward):
                     self._ready.add(backward)
+        elif task.kind is Kind.BACKWARD and self.shape.split_backward:
+            self._ready.add(Task(Kind.WEIGHT, task.chunk, mb))
         else:
             self._release(mb)
             self._backwards_done[mb] += 1
@@ -113,6 +117,8 @@ class RankState:
             return False
         if task.kind is Kind.BACKWARD and Task(Kind.FORWARD, task.chunk, task.microbatch) not in self._done:
             return False
+        if task.kind is Kind.WEIGHT:
+            return Task(Kind.BACKWARD, task.chunk, task.microbatch) in self._done
         return task in self._arrived or self.shape.input_source(self.rank, task) is None
 
     # ---- queries ---------------------------------------------------------------------------------------------
@@ -126,10 +132,14 @@ class RankState:
     def has_arrived(self, task: Task) -> bool:
         return task in self._arrived
 
+    def ready_weights(self) -> List[Task]:
+        """W tasks that may run now (their B is done), oldest microbatch first."""
+        return [task for task in self.ready() if task.kind is Kind.WEIGHT]
+
     @property
     def activations_held(self) -> int:
-        """Forwards started whose activations are still kept (until the backward ends; forward-only: until the
-        forward ends)."""
+        """Forwards started whose activations are still kept (until the backward ends, or its W when split;
+        forward-only: until the forward ends)."""
         return self._held
 
     @property
@@ -178,7 +188,7 @@ class RankState:
         return self._held_by_microbatch[microbatch]
 
     def in_flight_microbatches(self) -> List[int]:
-        """Microbatches with a forward started here and a backward still to do here, ascending."""
+        """Microbatches with a forward started here and a backward (or W) still to do here, ascending."""
         return sorted(self._in_flight)
 
     @property

@@ -1,4 +1,5 @@
-"""The unit of pipeline work: one forward or backward of one local model chunk for one microbatch.
+"""The unit of pipeline work: one forward or backward of one local model chunk for one microbatch; with a split
+backward, the backward is the input-gradient task B and a later weight-gradient task W.
 
 TASK_KINDS is the task-kind vocabulary: each Kind's name in trace files and its index in duration tables.
 Adding a kind: one Kind member, one TASK_KINDS entry, and its dependency rule in shape.py.
@@ -14,13 +15,14 @@ from typing import Dict
 class Kind(str, Enum):
     FORWARD = "F"
     BACKWARD = "B"
+    WEIGHT = "W"    # weight gradients of one chunk for one microbatch (split backward only), after its B
 
     def __str__(self) -> str:
         return self.value
 
     @property
     def trace_name(self) -> str:
-        """The event kind of this task in trace files ('forward', 'backward')."""
+        """The event kind of this task in trace files ('forward', 'backward', 'weight')."""
         return TASK_KINDS[self].trace_name
 
     @property
@@ -38,6 +40,7 @@ class TaskKindInfo:
 TASK_KINDS: Dict[Kind, TaskKindInfo] = {
     Kind.FORWARD: TaskKindInfo("forward", 0),
     Kind.BACKWARD: TaskKindInfo("backward", 1),
+    Kind.WEIGHT: TaskKindInfo("weight", 2),
 }
 KIND_OF_TRACE_NAME: Dict[str, Kind] = {info.trace_name: kind for kind, info in TASK_KINDS.items()}
 KINDS_BY_INDEX = tuple(sorted(TASK_KINDS, key=lambda kind: TASK_KINDS[kind].index))

@@ -8,6 +8,8 @@ path:  tighter. On rank r the first task is some chunk-0 forward F(0, i) and the
        beats one microbatch's whole dependency chain (matters when m is small).
 For uniform costs and free communication the path bound equals 1F1B's (m+P-1)(f+b) and interleaved's
 V*m*(f+b)+(P-1)(f+b) (per-chunk f, b): both static schedules are optimal there.
+Split backward: a rank's last task may be a W, which nothing follows, so the tail term is dropped, and a
+microbatch's chain is its forwards and B's (W's hang off it). ZB-H1's 3mV + P - 1 (F = B = W = 1) meets this bound.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class LowerBounds:
 
 
 def lower_bounds(shape: PipelineShape, durations: DurationTable, min_transfer_us: float) -> LowerBounds:
-    times = np.asarray(durations, dtype=float)              # (P, 2, V, m)
+    times = np.asarray(durations, dtype=float)              # (P, kinds, V, m); W times 0 unless split
     P = shape.num_stages
     work = times.sum(axis=(1, 2, 3))                         # per rank
     # Prefix sums over ranks 0..r-1 of chunk-0 forward / backward times, per microbatch: row r = ranks before r.
@@ -40,6 +42,8 @@ def lower_bounds(shape: PipelineShape, durations: DurationTable, min_transfer_us
     before_f = np.concatenate([zeros, np.cumsum(times[:, FORWARD_INDEX, 0, :], axis=0)[:-1]])
     before_b = np.concatenate([zeros, np.cumsum(times[:, BACKWARD_INDEX, 0, :], axis=0)[:-1]])
     hops = np.arange(P) * min_transfer_us
-    per_rank = before_f.min(axis=1) + hops + work + before_b.min(axis=1) + hops
-    chain = times.sum(axis=(0, 1, 2)) + 2 * (shape.num_virtual_stages - 1) * min_transfer_us
+    tail = 0.0 if shape.split_backward else before_b.min(axis=1) + hops
+    per_rank = before_f.min(axis=1) + hops + work + tail
+    path_kinds = [FORWARD_INDEX, BACKWARD_INDEX]
+    chain = times[:, path_kinds].sum(axis=(0, 1, 2)) + 2 * (shape.num_virtual_stages - 1) * min_transfer_us
     return LowerBounds(work_us=float(work.max()), path_us=float(max(per_rank.max(), chain.max())))

@@ -70,6 +70,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         help="forward time of one chunk, ms (default 10)")
     add("--bwd-ms", "--bwd_ms", dest="bwd_ms", type=number(0.0), default=20.0,
         help="backward time of one chunk, ms (default 20)")
+    add("--split-backward", "--split_backward", dest="split_backward", action="store_true",
+        help="each backward as B (input gradient) + W (weight gradients), W = --weight-share of --bwd-ms")
+    add("--weight-share", "--weight_share", dest="weight_share", type=number(0.0), default=0.5,
+        help="with --split-backward: W's share of a backward (default 0.5)")
     add("--slow-rank", "--slow_rank", dest="slow_rank", type=non_negative_int, default=None,
         help="rank whose every task is --slow-factor times longer")
     add("--slow-factor", "--slow_factor", dest="slow_factor", type=number(1.0), default=None,
@@ -115,7 +119,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
 
 def build_config(args: argparse.Namespace) -> SimConfig:
     shape = PipelineShape(args.pipeline_parallel, args.model_chunks, args.microbatches,
-                          microbatch_group_size=args.microbatch_group_size)
+                          microbatch_group_size=args.microbatch_group_size, split_backward=args.split_backward)
     perturbations = ComputePerturbations(
         slow_rank=args.slow_rank, slow_factor=1.5 if args.slow_factor is None else args.slow_factor,
         jitter=args.jitter, straggler_prob=args.straggler_prob, straggler_factor=args.straggler_factor)
@@ -128,7 +132,9 @@ def build_config(args: argparse.Namespace) -> SimConfig:
     elif args.length_sigma is not None:
         lengths = MicrobatchLengths(sigma=args.length_sigma, median_tokens=args.median_tokens, linear=linear,
                                     quadratic=quadratic)
-    return SimConfig(shape, ComputeCosts.uniform(shape, args.fwd_ms * US_PER_MS, args.bwd_ms * US_PER_MS),
+    compute = ComputeCosts.uniform(shape, args.fwd_ms * US_PER_MS, args.bwd_ms * US_PER_MS)
+    compute = ComputeCosts(compute.forward_us, compute.backward_us, weight_share=args.weight_share)
+    return SimConfig(shape, compute,
                      links=links, perturbations=perturbations, iterations=args.iterations, seed=args.seed,
                      memory_cap=args.memory_cap, lengths=lengths, memory_factor=args.memory_factor)
 

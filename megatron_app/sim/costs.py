@@ -16,7 +16,9 @@ from megatron_app.schedule import KINDS_BY_INDEX, Kind, PipelineShape, ScheduleC
 
 from .checks import check_number
 
-FORWARD_INDEX, BACKWARD_INDEX = Kind.FORWARD.index, Kind.BACKWARD.index
+FORWARD_INDEX, BACKWARD_INDEX, WEIGHT_INDEX = Kind.FORWARD.index, Kind.BACKWARD.index, Kind.WEIGHT.index
+# The share of a backward's time that is its weight-gradient half when the backward is split (B + W = backward).
+DEFAULT_WEIGHT_SHARE = 0.5
 
 
 class DurationTable:
@@ -64,12 +66,15 @@ _JITTER_STREAM, _STRAGGLER_STREAM = 1, 2
 
 @dataclass(frozen=True)
 class ComputeCosts:
-    """Unperturbed task times in microseconds, one row per rank, one column per model chunk."""
+    """Unperturbed task times in microseconds, one row per rank, one column per model chunk. backward_us is the
+    whole backward; a split backward runs it as B = (1 - weight_share) x backward and W = weight_share x backward."""
 
     forward_us: tuple
     backward_us: tuple
+    weight_share: float = DEFAULT_WEIGHT_SHARE
 
     def __post_init__(self):
+        check_number("weight_share", self.weight_share, 0.0, maximum=1.0)
         tables = [tuple(tuple(check_number(f"{name}[{r}][{c}]", v, 0.0) for c, v in enumerate(row))
                         for r, row in enumerate(getattr(self, name))) for name in ("forward_us", "backward_us")]
         widths = {len(row) for table in tables for row in table}
@@ -125,7 +130,9 @@ class ComputePerturbations:
 def draw_durations(shape: PipelineShape, costs: ComputeCosts, perturbations: ComputePerturbations, seed: int,
                    iteration: int, microbatch_factors: Optional[Sequence[float]] = None) -> DurationTable:
     """Every task's duration for one iteration (see the module doc for why draws are keyed per rank).
-    microbatch_factors: per microbatch, a factor on all its tasks (its cost for its length; lengths.py)."""
+    microbatch_factors: per microbatch, a factor on all its tasks (its cost for its length; lengths.py).
+    A split backward's B and W share one drawn backward time (costs.weight_share), so split and whole runs meet the
+    same draws; W times are 0 when the backward is not split."""
     costs.check_shape(shape)
     perturbations.check_shape(shape)
     V, m = shape.num_chunks, shape.num_microbatches
@@ -144,5 +151,7 @@ def draw_durations(shape: PipelineShape, costs: ComputeCosts, perturbations: Com
             rng = np.random.default_rng([seed, _STRAGGLER_STREAM, iteration, rank])
             times = np.where(rng.random(times.shape) < perturbations.straggler_prob,
                              times * perturbations.straggler_factor, times)
-        result.append(times)
+        weight = times[1] * costs.weight_share if shape.split_backward else np.zeros_like(times[1])
+        times[1] -= weight
+        result.append(np.concatenate([times, weight[None]]))
     return DurationTable(result)

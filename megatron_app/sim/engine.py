@@ -72,7 +72,7 @@ class TaskTable:
             for kind in kinds:
                 row = []
                 for chunk in range(shape.num_chunks):
-                    target = shape.output_target(rank, Task(kind, chunk, 0))
+                    target = shape.output_target(rank, Task(kind, chunk, 0)) if kind in shape.kinds else None
                     row.append(None if target is None else (target[0], target[1].chunk))
                 per_kind.append(row)
             self.consumers.append(per_kind)

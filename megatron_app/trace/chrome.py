@@ -8,11 +8,11 @@ Timestamps are microseconds from the first exported event.
 from __future__ import annotations
 
 from .reader import TraceRun
-from .schema import BACKWARD, CLOSED, FORWARD, RECV, SEND
+from .schema import BACKWARD, CLOSED, FORWARD, RECV, SEND, WEIGHT
 
 _THREADS = ["compute", "recv", "wait", "optimizer", "iteration", "eval"]
-_THREAD_OF_KIND = {FORWARD: "compute", BACKWARD: "compute"}
-_SHORT = {FORWARD: "F", BACKWARD: "B"}
+_THREAD_OF_KIND = {FORWARD: "compute", BACKWARD: "compute", WEIGHT: "compute"}
+_SHORT = {FORWARD: "F", BACKWARD: "B", WEIGHT: "W"}
 
 
 def chrome_trace(run: TraceRun, iterations: list[int]) -> dict:

@@ -21,6 +21,7 @@ class PlacedTask:
 
 
 def task_width(event: TraceEvent) -> int:
+    """A backward is two cells; a forward and a split backward's W one each."""
     return BACKWARD_WIDTH if event.kind == BACKWARD else FORWARD_WIDTH
 
 

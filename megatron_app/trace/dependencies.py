@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from megatron_app.schedule import KIND_OF_TRACE_NAME, PipelineShape, ScheduleConfigError, Task
 
-from .schema import BACKWARD, FORWARD, TraceError, TraceEvent
+from .schema import BACKWARD, FORWARD, WEIGHT, TraceError, TraceEvent
 
 TaskKey = tuple[int, str, int, int]  # (pp_rank, kind, chunk, microbatch)
 
@@ -21,6 +21,8 @@ class InputSources:
                              f"pipeline: {exc}") from None
 
     def producer(self, pp_rank: int, kind: str, chunk: int, microbatch: int) -> TaskKey | None:
+        if kind == WEIGHT:     # a W's input is local: its own B (local_forward_of)
+            return None
         source = self._shape.input_source(pp_rank, Task(KIND_OF_TRACE_NAME[kind], chunk, microbatch))
         if source is None:
             return None
@@ -32,7 +34,9 @@ class InputSources:
 
     @staticmethod
     def local_forward_of(event: TraceEvent) -> TaskKey | None:
-        """A backward also needs the activations of its own forward on the same rank."""
+        """A backward also needs the activations of its own forward on the same rank; a W needs its own B."""
+        if event.kind == WEIGHT:
+            return (event.pp_rank, BACKWARD, event.chunk, event.microbatch)
         if event.kind != BACKWARD:
             return None
         return (event.pp_rank, FORWARD, event.chunk, event.microbatch)

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 from .intervals import interval_deltas, max_concurrency, union_length
 from .reader import RankTrace, TraceRun
-from .schema import BACKWARD, COMPUTE_KINDS, FORWARD, ITERATION, OPTIMIZER, SEND, WAIT
+from .schema import BACKWARD, COMPUTE_KINDS, FORWARD, ITERATION, OPTIMIZER, SEND, WAIT, WEIGHT
 
 
 @dataclass(frozen=True)
@@ -81,9 +81,11 @@ def _rank_metrics(rank: RankTrace, events: list, makespan: float) -> RankMetrics
     compute = union_length([(e.start, e.end) for e in events if e.kind in COMPUTE_KINDS])
     idle = max(0.0, makespan - compute)
     sends = [e for e in events if e.kind == SEND]
-    # Activations held: +1 when a forward starts, -1 when the backward of the same task is done.
+    # Activations held: +1 when a forward starts, -1 when the backward of the same task is done (its W with a split
+    # backward: W needs the saved tensors).
+    releasing = WEIGHT if any(e.kind == WEIGHT for e in events) else BACKWARD
     activation_deltas = [(e.start, 1) for e in events if e.kind == FORWARD]
-    activation_deltas += [(e.end, -1) for e in events if e.kind == BACKWARD]
+    activation_deltas += [(e.end, -1) for e in events if e.kind == releasing]
     meta = rank.meta
     return RankMetrics(
         global_rank=meta.global_rank,

@@ -1,13 +1,14 @@
-"""Task colours shared by the spreadsheet and the timeline: forward blue, backward orange, darker per chunk."""
+"""Task colours shared by the spreadsheet and the timeline: forward blue, backward orange, weight gradient (split
+backward) green, darker per chunk."""
 
 from __future__ import annotations
 
 import colorsys
 
-from .schema import BACKWARD, FORWARD
+from .schema import BACKWARD, FORWARD, WEIGHT
 
-_HUES = {FORWARD: 0.58, BACKWARD: 0.07}
-_SATURATION = {FORWARD: 0.65, BACKWARD: 0.85}
+_HUES = {FORWARD: 0.58, BACKWARD: 0.07, WEIGHT: 0.33}
+_SATURATION = {FORWARD: 0.65, BACKWARD: 0.85, WEIGHT: 0.55}
 _LIGHTEST, _DARKEST = 0.80, 0.40
 
 

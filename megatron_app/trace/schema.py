@@ -12,12 +12,13 @@ from typing import Any
 
 from megatron_app.schedule.tasks import Kind, TASK_KINDS
 
-SCHEMA_VERSION = "1.2"
+SCHEMA_VERSION = "1.3"
 FORMAT_NAME = "megatron_app.trace"
 FILE_PATTERN = "trace_rank{rank}.jsonl"
 
 FORWARD = Kind.FORWARD.trace_name
 BACKWARD = Kind.BACKWARD.trace_name
+WEIGHT = Kind.WEIGHT.trace_name  # a split backward's weight-gradient task (schema 1.3); its B is a "backward"
 SEND = "send"
 RECV = "recv"
 WAIT = "wait"

@@ -7,7 +7,7 @@ from .intervals import busy_fraction, concurrency_steps, interval_deltas, max_le
 from .metrics import IterationMetrics
 from .palette import task_rgb, text_rgb
 from .reader import RankTrace
-from .schema import BACKWARD, COMPUTE_KINDS, FORWARD, SEND, WAIT
+from .schema import BACKWARD, COMPUTE_KINDS, FORWARD, SEND, WAIT, WEIGHT
 
 _BINS = 400
 _FIGURE_WIDTH_IN = 14.0
@@ -54,8 +54,10 @@ def write_timeline_png(path, stages: list[RankTrace], iteration: int, info: dict
     gantt.set_title("  ".join(f"{k}={v}" for k, v in info.items())
                     + f"\nmakespan {metrics.makespan_us / 1e3:.2f} ms, makespan/ideal {ratio_text}, "
                     f"mean bubble {metrics.mean_bubble_ratio:.1%}", fontsize=9)
+    kinds_present = [kind for kind in (FORWARD, BACKWARD, WEIGHT)
+                     if kind != WEIGHT or any(e.kind == WEIGHT for s in stages for e in s.events_of(iteration))]
     legend = [Patch(color="#" + task_rgb(kind, c, model_chunks), label=f"{kind[0].upper()} chunk {c}")
-              for kind in (FORWARD, BACKWARD) for c in range(model_chunks)]
+              for kind in kinds_present for c in range(model_chunks)]
     legend.append(Patch(color="#BBBBBB", label="waiting for input"))
     gantt.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
 

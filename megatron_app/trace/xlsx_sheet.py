@@ -7,7 +7,7 @@ from dataclasses import asdict
 from .column_layout import BACKWARD_WIDTH, FORWARD_WIDTH, PlacedTask
 from .metrics import IterationMetrics
 from .palette import task_rgb, text_rgb
-from .schema import BACKWARD, FORWARD
+from .schema import BACKWARD, FORWARD, WEIGHT
 
 FIRST_TASK_COLUMN = 2  # column A holds the rank labels
 TITLE_ROW, INFO_ROW, STEP_ROW, FIRST_RANK_ROW = 1, 2, 3, 4
@@ -61,6 +61,7 @@ def write_pipeline_xlsx(path, rows: list[list[PlacedTask]], info: dict, metrics:
             put_task(row, FIRST_TASK_COLUMN + task.column, task.event.kind, task.event.chunk, task.event.label,
                      task.width)
 
+    split = any(t.event.kind == WEIGHT for row in rows for t in row)    # a split backward's W tasks
     legend_row = FIRST_RANK_ROW + len(rows) + 1
     sheet.cell(row=legend_row, column=1, value="legend").font = Font(bold=True)
     for chunk in range(model_chunks):
@@ -69,6 +70,9 @@ def write_pipeline_xlsx(path, rows: list[list[PlacedTask]], info: dict, metrics:
         sheet.cell(row=row, column=FIRST_TASK_COLUMN + 1, value=f"forward, chunk {chunk}")
         put_task(row, FIRST_TASK_COLUMN + 5, BACKWARD, chunk, f"B{chunk}", BACKWARD_WIDTH)
         sheet.cell(row=row, column=FIRST_TASK_COLUMN + 5 + BACKWARD_WIDTH, value=f"backward, chunk {chunk}")
+        if split:
+            put_task(row, FIRST_TASK_COLUMN + 11, WEIGHT, chunk, f"W{chunk}", FORWARD_WIDTH)
+            sheet.cell(row=row, column=FIRST_TASK_COLUMN + 12, value=f"weight gradient, chunk {chunk}")
     note_row = legend_row + model_chunks
     sheet.cell(row=note_row, column=1, value="cell label = chunk-microbatch; columns follow computation order and "
                                              "dependencies (a task is right of its input's producer), not time")

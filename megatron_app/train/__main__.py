@@ -22,7 +22,7 @@ def check_schedule(args) -> None:
     from megatron_app.schedule import PipelineShape, make_policy
 
     shape = PipelineShape(num_stages=args.pipeline_parallel, num_chunks=args.model_chunks,
-                          num_microbatches=args.num_microbatches)
+                          num_microbatches=args.num_microbatches, split_backward=args.split_backward)
     policy = args.policy if args.schedule == "app" else args.schedule
     for rank in range(args.pipeline_parallel):
         make_policy(policy, shape, rank)

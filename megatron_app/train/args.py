@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(sched, "--memory-factor", type=float, default=None, metavar="X",
               help="policy planned: activation bytes a rank may hold, x what Megatron's interleaved order holds for "
                    "the same microbatches (default 1.0)")
+    _add_flag(sched, "--split-backward", action="store_true",
+              help="run each backward as an input-gradient task (sent upstream at once) and a later weight-gradient "
+                   "task that the schedule places in idle time; needed by --schedule zb-h1")
 
     emulation = parser.add_argument_group("compute emulation (timed waits instead of the model)")
     _add_flag(emulation, "--emulate-compute", default=None, metavar="FWD_MS,BWD_MS[,JITTER]",
@@ -368,7 +371,19 @@ def validate(args: argparse.Namespace, environ: Mapping[str, str]) -> argparse.N
     _check_emulation(args)
     _check_loss(args)
     _check_memory_factor(args)
+    _check_split_backward(args)
     return args
+
+
+def _check_split_backward(args: argparse.Namespace) -> None:
+    from megatron_app.schedule import POLICIES
+
+    if not args.split_backward:
+        if args.schedule in POLICIES and POLICIES[args.schedule].split_only:
+            raise UsageError(f"--schedule {args.schedule} needs --split-backward")
+        return
+    if args.schedule == MEGATRON_SCHEDULE:
+        raise UsageError("--split-backward needs a megatron_app schedule (not --schedule megatron)")
 
 
 def _check_memory_factor(args: argparse.Namespace) -> None:
