@@ -78,8 +78,14 @@ bool ShmChannel::ring_full() const {
 }
 
 uint64_t ShmChannel::publish_chunk(const OutgoingMessage& message, uint64_t offset) {
-  const uint64_t length = std::min(chunk_bytes_for(message.header.nbytes), message.header.nbytes - offset);
   const uint64_t head = ring_.head.load(std::memory_order_relaxed);
+  if (offset == 0) {
+    // A receiver still copying earlier chunks overlaps with us anyway; small chunks would only fill the ring's
+    // slots sooner (back-to-back 256 KiB messages lost 0.6x of their bandwidth that way): use whole slots.
+    const bool receiver_behind = head != ring_.tail.load(std::memory_order_acquire);
+    chunk_bytes_ = receiver_behind ? view_.slot_bytes() : chunk_bytes_for(message.header.nbytes);
+  }
+  const uint64_t length = std::min(chunk_bytes_, message.header.nbytes - offset);
   const uint64_t slot = head % view_.slots_per_ring();
   ChunkHeader& chunk = view_.chunk(ring_index_, slot);
   chunk.message = message.header;

@@ -23,7 +23,8 @@ class ShmChannel {
   static std::unique_ptr<ShmChannel> attach(const std::string& job_id, int my_rank, int world_size, int peer_rank);
 
   // Bytes per chunk for a message of `nbytes`: a message is cut into several chunks, published one by one, so
-  // that the receiver copies chunk k out while chunk k+1 is copied in (at most one slot each).
+  // that the receiver copies chunk k out while chunk k+1 is copied in (at most one slot each). Used when the
+  // receiver has caught up; behind it, a message goes in whole slots (publish_chunk).
   uint64_t chunk_bytes_for(uint64_t nbytes) const;
   // Copies the chunks of `message` from `*offset` on while the ring has free slots and `*offset` < `until`,
   // publishing each at once; advances `*offset`. Never blocks. Returns true once the whole message is sent
@@ -53,6 +54,7 @@ class ShmChannel {
   uint32_t ring_index_;
   int peer_rank_;
   ProcessIdentity owner_;
+  uint64_t chunk_bytes_ = 0;  // of the message being sent, chosen at its first chunk
 };
 
 }  // namespace mapp
