@@ -126,7 +126,14 @@ def test_a_worker_started_twice_is_named():
     master = launch("run_master.sh", port, *three_nodes, timeout="20")
     time.sleep(0.5)
     first = launch("run_worker.sh", port, *three_nodes, node_rank=1, timeout="20")
-    time.sleep(2.0)
+    # The launcher checks the config (importing megatron-core, seconds on a loaded machine) before it checks in: start
+    # the second copy only once the first is checking in, or the second may be the one that checks in first.
+    seen = ""
+    while "checking in with" not in seen:
+        line = first.stderr.readline()
+        assert line, f"the first worker ended before checking in: {seen}"
+        seen += line
+    time.sleep(3.0)
     second = launch("run_worker.sh", port, *three_nodes, node_rank=1, timeout="20")
     rc, err = finish(second)
     assert rc == 2 and "node rank 1 has already checked in" in err and "started twice" in err, err
