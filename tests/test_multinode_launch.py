@@ -125,7 +125,9 @@ def test_a_worker_started_twice_is_named():
     three_nodes = ["--nnodes", "3", "--data_parallel", "3"]
     master = launch("run_master.sh", port, *three_nodes, timeout="20")
     time.sleep(0.5)
-    first = launch("run_worker.sh", port, *three_nodes, node_rank=1, timeout="20")
+    # Workers wait longer than the master, so the master's verdict on node 2 reaches the first worker before the
+    # worker's own deadline (which starts later: its config check and check-in come seconds after the master's).
+    first = launch("run_worker.sh", port, *three_nodes, node_rank=1, timeout="60")
     # The launcher checks the config (importing megatron-core, seconds on a loaded machine) before it checks in: start
     # the second copy only once the first is checking in, or the second may be the one that checks in first.
     seen = ""
@@ -134,7 +136,7 @@ def test_a_worker_started_twice_is_named():
         assert line, f"the first worker ended before checking in: {seen}"
         seen += line
     time.sleep(3.0)
-    second = launch("run_worker.sh", port, *three_nodes, node_rank=1, timeout="20")
+    second = launch("run_worker.sh", port, *three_nodes, node_rank=1, timeout="60")
     rc, err = finish(second)
     assert rc == 2 and "node rank 1 has already checked in" in err and "started twice" in err, err
     # Node 2 never comes: the master and the first worker stop with the reason, within the timeout.
