@@ -57,8 +57,8 @@ def _assert_same(name, got, reference):
         assert err <= 1e-5, f"{name} {param}: gradient differs by {err:.2e} of its max"
 
 
-# Tensor parallelism is orthogonal to the order: with it, one non-interleaved and two interleaved layouts.
-LAYOUTS = [(2, 1, 1), (2, 2, 1), (4, 1, 1), (4, 2, 1), (2, 1, 2), (2, 2, 2), (4, 2, 2)]
+# Tensor parallelism is orthogonal to the order: with it, one non-interleaved and one interleaved layout.
+LAYOUTS = [(2, 1, 1), (2, 2, 1), (4, 1, 1), (4, 2, 1), (2, 1, 2), (2, 2, 2)]
 
 
 @pytest.mark.slow
@@ -142,7 +142,7 @@ def dropout_reference(tmp_path_factory):
     return _losses_and_grads(out)
 
 
-DROPOUT_LAYOUTS = [(2, 2, 2), (4, 1, 1)]
+DROPOUT_LAYOUTS = [(2, 2, 2)]  # keyed masks: no layout changes them; this one has every dimension but depth
 
 
 @pytest.mark.slow

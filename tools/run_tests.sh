@@ -47,7 +47,7 @@ if [ "$want_latest" = 1 ]; then
     if [ "$#" -gt 0 ]; then
         "$LATEST_VENV_PY" -m pytest "$@"
     else
-        "$LATEST_VENV_PY" -m pytest "${LATEST_TESTS[@]}" -k "$LATEST_FILTER"
+        "$LATEST_VENV_PY" -m pytest -n 2 --dist loadfile "${LATEST_TESTS[@]}" -k "$LATEST_FILTER"
     fi
     latest_rc=$?
     set -e
