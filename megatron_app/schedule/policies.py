@@ -59,8 +59,9 @@ POLICIES: Dict[str, PolicyEntry] = {
                          "gradient backwards, rank r deferring r weight-gradient tasks into its tail"),
 }
 
-# The policy run_single.sh, install() and the trainer use unless told otherwise: the one measured never slower than
-# Megatron's order in every benchmark scenario at no more memory (BENCHMARKS.md, "The default policy").
+# The policy run_single.sh, install() and the trainer use unless told otherwise: within 0.984-1.002x of Megatron's
+# order in the five uniform benchmark scenarios (quiet machine) and faster on variable lengths, at no more memory
+# (BENCHMARKS.md, "The default policy").
 DEFAULT_POLICY = "planned"
 
 POLICY_NAMES: Tuple[str, ...] = tuple(POLICIES)
