@@ -344,10 +344,13 @@ class PipelineStep:
     def _run_weight(self, task: Task):
         """W: the weight gradients of one chunk and microbatch, kept since its B (split_backward.py)."""
         c, i = task.chunk, task.microbatch
+        # Deferred at B (even with nothing to do, e.g. an output without gradient): this W is the chunk's
+        # accumulation for the microbatch, so it counts toward the grad sync. Not deferred: B already counted.
+        deferred = (c, i) in self._pending_weights
         pending = self._pending_weights.pop((c, i), None)
         self.state.mark_started(task)
         start = self._now()
-        if pending is not None:
+        if deferred:
             with self._accumulating(c):
                 run_weight_backward(pending)
         self._trace(task.kind.trace_name, start, self._now(), task)

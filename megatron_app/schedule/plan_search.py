@@ -121,13 +121,11 @@ def predicted_makespan(shape: PipelineShape, orders: Sequence[Sequence[Task]], d
     P = shape.num_stages
     steps = [[(task.kind is Kind.FORWARD, task.chunk, task.chunk * P + rank, task.microbatch) for task in order]
              for rank, order in enumerate(orders)]
-    return _evaluate(shape, steps, None, durations, transfer)
+    return _evaluate(shape, steps, durations, transfer)
 
 
-def _evaluate(shape: PipelineShape, steps, start_order: Optional[Sequence[int]], durations: DurationTable,
-              transfer: float) -> float:
-    """steps[rank]: (is_forward, chunk, virtual stage, slot) per task; a slot names microbatch start_order[slot]
-    (the slot itself when start_order is None)."""
+def _evaluate(shape: PipelineShape, steps, durations: DurationTable, transfer: float) -> float:
+    """steps[rank]: (is_forward, chunk, virtual stage, microbatch) per task."""
     P, V, m = shape.num_stages, shape.num_chunks, shape.num_microbatches
     last = V * P - 1
     forward_time, backward_time = durations
@@ -143,8 +141,7 @@ def _evaluate(shape: PipelineShape, steps, start_order: Optional[Sequence[int]],
             position = cursor[rank]
             free = free_at[rank]
             while position < len(rank_steps):
-                is_forward, chunk, vs, slot = rank_steps[position]
-                mb = slot if start_order is None else start_order[slot]
+                is_forward, chunk, vs, mb = rank_steps[position]
                 if is_forward:
                     if vs > 0:
                         before = done_f[vs - 1][mb]

@@ -6,7 +6,7 @@ iteration. In 1F1B rank r ends its last backward r backward-slots before rank 0 
 Rank r then holds up to r more activations than under Megatron's order, so every rank's peak is about rank 0's (with
 V == 1 exactly P, the 1F1B peak of the pipeline: ZB-H1's "same peak memory as 1F1B"). With uniform costs and free
 messages, V == 1 and F = B = W, its makespan is 3m + P - 1 task-times against 1F1B's 3(m + P - 1) (the paper's
-bubble (P-1)(F+B-W)); tests/test_schedule_zero_bubble.py checks that.
+bubble (P-1)(F+B-W)); tests/test_schedule_split_backward.py checks that.
 """
 
 from __future__ import annotations
