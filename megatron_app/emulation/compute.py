@@ -19,7 +19,7 @@ import torch
 from megatron.core.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 
-from megatron_app import backward_phase
+from megatron_app import weight_deferral
 from megatron_app.schedule import Kind
 from megatron_app.sim.costs import DEFAULT_WEIGHT_SHARE as WEIGHT_SHARE   # the simulator's split, so both agree
 
@@ -28,9 +28,10 @@ from .wait import emulated_wait
 
 
 class TimedScale(torch.autograd.Function):
-    """y = x * weight; forward waits forward_s, backward waits backward_s, then returns both gradients; in a split
-    backward's B only grad_x after (1 - WEIGHT_SHARE) x backward_s, in its W only grad_weight after the rest.
-    on_backward(start_s, end_s), when given, is told when the backward ran (monotonic seconds)."""
+    """y = x * weight; forward waits forward_s, backward waits backward_s, then returns both gradients. In a split
+    backward's B it waits (1 - WEIGHT_SHARE) x backward_s and returns grad_x, leaving grad_weight (after the rest of
+    the wait) to W (weight_deferral.py). on_backward(start_s, end_s), when given, is told when a backward ran
+    (monotonic seconds)."""
 
     @staticmethod
     def forward(ctx, x, weight, forward_s: float, backward_s: float, on_backward=None):
@@ -44,14 +45,23 @@ class TimedScale(torch.autograd.Function):
     def backward(ctx, grad):
         start = time.monotonic()
         x, weight = ctx.saved_tensors
-        half = backward_phase.current()
-        share = {None: 1.0, backward_phase.INPUT: 1.0 - WEIGHT_SHARE, backward_phase.WEIGHT: WEIGHT_SHARE}[half]
-        emulated_wait(ctx.backward_s * share)
-        grad_x = grad * weight if ctx.needs_input_grad[0] and half != backward_phase.WEIGHT else None
-        grad_weight = (grad * x).sum(dim=tuple(range(grad.dim() - 1))) if half != backward_phase.INPUT else None
+
+        def weight_gradient():
+            emulated_wait(ctx.backward_s * WEIGHT_SHARE)
+            return ((grad * x).sum(dim=tuple(range(grad.dim() - 1))),)
+
+        deferred = bool(weight_deferral.deferred_edges(ctx)) and weight_deferral.defer(ctx, weight_gradient,
+                                                                                         (x, grad))
+        emulated_wait(ctx.backward_s * (1.0 - WEIGHT_SHARE if deferred else 1.0))
+        grad_x = grad * weight if ctx.needs_input_grad[0] else None
+        grad_weight = None if deferred else (grad * x).sum(dim=tuple(range(grad.dim() - 1)))
         if ctx.on_backward is not None:
             ctx.on_backward(start, time.monotonic())
         return grad_x, grad_weight, None, None, None
+
+
+weight_deferral.register(TimedScale._backward_cls, lambda node: (1,) if weight_deferral.leads_to_weight(node, 1)
+                         else ())
 
 
 def tokens_to_activation(tokens: torch.Tensor, hidden_size: int, vocab_size: int) -> torch.Tensor:

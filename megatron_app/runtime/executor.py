@@ -31,7 +31,7 @@ from .links import PipelineLinks, direction_of
 from .microbatch_data import MicrobatchReplay
 from .microbatch_lengths import take_microbatch_lengths
 from .session import RuntimeSession, current_session
-from .split_backward import defers_weights, run_input_backward, run_weight_backward, trainable_weights
+from .split_backward import defers_weights, run_input_backward, run_weight_backward
 from .tp_agreement import TaskAgreement
 
 
@@ -76,18 +76,22 @@ class _GradSync:
             self._context = None
 
     @contextlib.contextmanager
-    def around_last_backward(self, chunk: int):
-        """Megatron lets DDP's hooks reduce during a chunk's last backward when no grad_sync_func is given."""
+    def around_last_accumulation(self, chunk: int, chunk_done: bool):
+        """Around the last task of one kind (B or W) that adds a chunk's weight gradients; chunk_done: no task of any
+        kind adds more. Without a grad_sync_func Megatron lets DDP's hooks reduce during a chunk's last backward:
+        enabled for each kind's last task, every weight's hook registers its gradient as ready exactly once. A
+        grad_sync_func runs once the chunk is done."""
         if self._grad_sync is None and not self._forward_only:
             self.enable()
-            self.synchronized.add(chunk)
+            if chunk_done:
+                self.synchronized.add(chunk)
             try:
                 yield
             finally:
                 self.disable()
         else:
             yield
-            if self._grad_sync is not None:
+            if self._grad_sync is not None and chunk_done:
                 self.enable()
                 self._grad_sync[chunk](self.models[chunk].parameters())
                 self.synchronized.add(chunk)
@@ -171,9 +175,12 @@ class PipelineStep:
         self._pending_sends: List[tuple] = []
         self._stored: Dict[int, list] = {}                          # microbatch -> forward_data_store entries
         self._first_forward_done = [False] * V
-        self._accumulations_left = [num_microbatches] * V    # tasks per chunk that still add weight gradients
+        # Tasks per chunk and kind that still add weight gradients: every B; with a split backward also the W of
+        # every chunk that defers (all but the first virtual stage, whose B is the whole backward).
+        self._accumulations_left = {
+            (kind, c): num_microbatches for c in range(V) for kind in (Kind.BACKWARD, Kind.WEIGHT)
+            if kind is Kind.BACKWARD or (self.split_backward and self.shape.virtual_stage(self.pp_rank, c) > 0)}
         self._pending_weights: Dict[Tuple[int, int], Any] = {}  # (chunk, mb) -> what its W needs (split backward)
-        self._weights = [trainable_weights(m) for m in self.models] if self.split_backward else None
         self._handlers = {Kind.FORWARD: self._run_forward, Kind.BACKWARD: self._run_backward,
                           Kind.WEIGHT: self._run_weight}
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)
@@ -322,19 +329,19 @@ class PipelineStep:
             deallocate_output_tensor(output_tensor, True)
         self.state.mark_started(task)
         start = self._now()
-        with keyed_randomness.microbatch_scope(i):   # recomputation redraws the forward's masks
+        with keyed_randomness.microbatch_scope(i), self._accumulating(task):   # recomputation redraws the masks
             if self.split_backward:
-                # B adds weight gradients itself only where it is the whole backward (the first virtual stage)
                 deferred = defers_weights(input_tensor)
-                with contextlib.nullcontext() if deferred else self._accumulating(c):
-                    input_grad, pending = run_input_backward(input_tensor, output_tensor, output_grad,
-                                                             self.model_type, self.config, self._weights[c])
+                if deferred != ((Kind.WEIGHT, c) in self._accumulations_left):
+                    raise RuntimeError(f"split backward: chunk {c}'s input tensor {'requires' if deferred else 'lacks'} "
+                                       f"a gradient, unlike every microbatch's at virtual stage "
+                                       f"{self.shape.virtual_stage(self.pp_rank, c)}")
+                input_grad, pending = run_input_backward(input_tensor, output_tensor, output_grad,
+                                                         self.model_type, self.config)
                 if deferred:
                     self._pending_weights[(c, i)] = pending
             else:
-                with self._accumulating(c):
-                    input_grad = backward_step(input_tensor, output_tensor, output_grad, self.model_type,
-                                               self.config)
+                input_grad = backward_step(input_tensor, output_tensor, output_grad, self.model_type, self.config)
         self._trace(task.kind.trace_name, start, self._now(), task)
         self.state.mark_done(task)
         self.policy.observe(task, (self._now() - start) / 1e6)
@@ -344,25 +351,26 @@ class PipelineStep:
     def _run_weight(self, task: Task):
         """W: the weight gradients of one chunk and microbatch, kept since its B (split_backward.py)."""
         c, i = task.chunk, task.microbatch
-        # Deferred at B (even with nothing to do, e.g. an output without gradient): this W is the chunk's
-        # accumulation for the microbatch, so it counts toward the grad sync. Not deferred: B already counted.
+        # Deferred at B (even with nothing to do, e.g. an output without gradient): this W is one of the chunk's
+        # accumulations, so it counts toward the grad sync. Not deferred (first virtual stage): B did everything.
         deferred = (c, i) in self._pending_weights
         pending = self._pending_weights.pop((c, i), None)
         self.state.mark_started(task)
         start = self._now()
-        if deferred:
-            with self._accumulating(c):
-                run_weight_backward(pending)
+        with self._accumulating(task) if deferred else contextlib.nullcontext():
+            run_weight_backward(pending)
         self._trace(task.kind.trace_name, start, self._now(), task)
         self.state.mark_done(task)
         self.policy.observe(task, (self._now() - start) / 1e6)
 
-    def _accumulating(self, chunk: int):
-        """Context for a task that adds one microbatch's weight gradients of `chunk`: the chunk's last one runs
-        inside Megatron's grad sync (_GradSync)."""
-        self._accumulations_left[chunk] -= 1
-        if self._accumulations_left[chunk] == 0:
-            return self.grad_sync.around_last_backward(chunk)
+    def _accumulating(self, task: Task):
+        """Context for a task that adds one microbatch's weight gradients of its chunk. The last such B and the last
+        such W of a chunk run inside Megatron's grad sync (_GradSync): B and W add gradients of different weights."""
+        key = (task.kind, task.chunk)
+        self._accumulations_left[key] -= 1
+        if self._accumulations_left[key] == 0:
+            chunk_done = all(left == 0 for (_, c), left in self._accumulations_left.items() if c == task.chunk)
+            return self.grad_sync.around_last_accumulation(task.chunk, chunk_done)
         return contextlib.nullcontext()
 
     def _send_output(self, task: Task, tensor: torch.Tensor):

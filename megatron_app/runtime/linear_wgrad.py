@@ -1,26 +1,27 @@
-"""Megatron-Core's local linear layers (ColumnParallelLinear / RowParallelLinear without Transformer Engine) split into
-an input-gradient and a weight-gradient half.
+"""Megatron-Core's local linear layers (ColumnParallelLinear / RowParallelLinear without Transformer Engine) with a
+deferrable weight gradient (weight_deferral.py).
 
-Their autograd node (LinearWithGradAccumulationAndAsyncCommunication) computes the input gradient and the weight
-gradient in one backward call, whatever is asked of it, so a graph-level split alone runs both products in B and
-both again in W (measured with tools/bench_split_backward.py: B 0.94x and W 0.86x of a whole backward). Inside
-backward_phase INPUT the node computes only grad_output @ weight (and its tensor-parallel all-reduce); inside
-WEIGHT only the weight and bias gradients, with Megatron's own reshaping, so B + W do each product once,
-bit-identical to Megatron's backward. Cases this does not cover (sequence parallelism, gradient-accumulation fusion,
-deferred embedding gradients) run Megatron's own backward in both phases: correct, not cheaper.
+Their autograd node (LinearWithGradAccumulationAndAsyncCommunication) computes the input and the weight gradient in
+one backward call. In a split backward's B it computes only grad_output @ weight (and its tensor-parallel
+all-reduce) and keeps (grad_output, input) for W, which computes the weight and bias gradients with Megatron's own
+reshaping: each product once, bit-identical to Megatron's backward, and nothing else of the chunk's graph stays
+alive for W. Cases this does not cover (sequence parallelism, gradient-accumulation fusion, a weight that is not a
+leaf) compute both products in B, as Megatron does: correct, not deferred.
 """
 
 from __future__ import annotations
 
+from typing import Tuple
+
 import torch
 
-from megatron_app.backward_phase import INPUT, current
+from megatron_app import weight_deferral
 
 _original = None
 
 
 def install() -> None:
-    """Route the local linear node's backward through split_backward_of_linear (idempotent; outside a phase it is
+    """Route the local linear node's backward through _backward (idempotent; outside a split backward's B it is
     Megatron's own backward, unchanged)."""
     global _original
     if _original is not None:
@@ -29,7 +30,8 @@ def install() -> None:
 
     function = layers.LinearWithGradAccumulationAndAsyncCommunication
     _original = function.backward
-    function.backward = staticmethod(layers.custom_bwd(_split_backward))
+    function.backward = staticmethod(layers.custom_bwd(_backward))
+    weight_deferral.register(function._backward_cls, _deferred_edges)
 
 
 def _plain(ctx) -> bool:
@@ -38,21 +40,33 @@ def _plain(ctx) -> bool:
             and getattr(ctx, "grad_output_buffer", 0) is None and hasattr(ctx, "use_bias"))
 
 
-def _split_backward(ctx, grad_output):
-    phase = current()
-    if phase is None or not _plain(ctx):
-        return _original(ctx, grad_output)
-    from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
+def _deferred_edges(ctx) -> Tuple[int, ...]:
+    """Inputs are (input, weight, bias, ...): defer the weight's edge, and the bias's when there is one."""
+    if not _plain(ctx) or not weight_deferral.leads_to_weight(ctx, 1):
+        return ()
+    if ctx.use_bias:
+        return (1, 2) if weight_deferral.leads_to_weight(ctx, 2) else ()
+    return (1,)
 
+
+def _backward(ctx, grad_output):
+    if not _deferred_edges(ctx):
+        return _original(ctx, grad_output)
     input, weight = ctx.saved_tensors
-    none = [None] * len(ctx.needs_input_grad)
-    if phase == INPUT:
-        grad_input = grad_output.matmul(weight)
-        if getattr(ctx, "allreduce_dgrad", False):
-            torch.distributed.all_reduce(grad_input, group=ctx.tp_group)
-        none[0] = grad_input
-        return tuple(none)
-    grad_output, total_input = prepare_input_tensors_for_wgrad_compute(grad_output, input)
-    none[1] = grad_output.t().matmul(total_input)
-    none[2] = grad_output.sum(dim=0) if ctx.use_bias else None
-    return tuple(none)
+    use_bias = ctx.use_bias
+
+    def weight_gradients():
+        from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
+
+        grad, total_input = prepare_input_tensors_for_wgrad_compute(grad_output, input)
+        grad_weight = grad.t().matmul(total_input)
+        return (grad_weight, grad.sum(dim=0)) if use_bias else (grad_weight,)
+
+    if not weight_deferral.defer(ctx, weight_gradients, (input, grad_output)):
+        return _original(ctx, grad_output)
+    grad_input = grad_output.matmul(weight)
+    if getattr(ctx, "allreduce_dgrad", False):
+        torch.distributed.all_reduce(grad_input, group=ctx.tp_group)
+    grads = [None] * len(ctx.needs_input_grad)
+    grads[0] = grad_input
+    return tuple(grads)
