@@ -51,18 +51,20 @@ def model_provider(P, V):
     return config, chunks
 
 
-def wrap_with_ddp(config, chunks):
+def wrap_with_ddp(config, chunks, overlap_grad_reduce=False):
     from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                            finalize_model_grads)
 
-    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False)
+    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=overlap_grad_reduce, use_distributed_optimizer=False)
     model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
                                      disable_bucketing=(i > 0)) for i, chunk in enumerate(chunks)]
-    # The hooks megatron/training/training.py sets.
+    # The hooks megatron/training/training.py sets (with overlap, this loop leaves the reduction to DDP's own
+    # backward hooks: no grad_sync_func, the harder case for a schedule that splits backwards).
     config.no_sync_func = [m.no_sync for m in model]
-    config.grad_sync_func = [m.start_grad_sync for m in model]
+    config.grad_sync_func = None if overlap_grad_reduce else [m.start_grad_sync for m in model]
     if len(model) == 1:
-        config.no_sync_func, config.grad_sync_func = config.no_sync_func[0], config.grad_sync_func[0]
+        config.no_sync_func = config.no_sync_func[0]
+        config.grad_sync_func = config.grad_sync_func and config.grad_sync_func[0]
     config.finalize_model_grads_func = finalize_model_grads
     return model
 
@@ -93,6 +95,8 @@ def main():
     parser.add_argument("--pipeline_parallel", type=int, required=True)
     parser.add_argument("--model_chunks", type=int, default=1)
     parser.add_argument("--reference", action="store_true", help="Megatron's own schedule, no install()")
+    parser.add_argument("--split-backward", action="store_true",
+                        help="install(split_backward=True), with DDP's overlapped reduction driven by its hooks")
     parser.add_argument("--out", required=True)
     opts = parser.parse_args()
     P, V = opts.pipeline_parallel, opts.model_chunks
@@ -107,10 +111,10 @@ def main():
     initialize_distributed(P, V)
     config, chunks = model_provider(P, V)
     with CudaDeviceToCpu():                     # CPU: device="cuda" arguments inside Megatron go to the CPU
-        model = wrap_with_ddp(config, chunks)
+        model = wrap_with_ddp(config, chunks, overlap_grad_reduce=opts.split_backward)
         optimizer = torch.optim.Adam([p for m in model for p in m.parameters()], lr=1e-3)
         if not opts.reference:
-            megatron_app.install(schedule="app", policy="dfc", timeout_s=120)
+            megatron_app.install(schedule="app", policy="dfc", timeout_s=120, split_backward=opts.split_backward)
         forward_backward_func = get_forward_backward_func()
         source = [batches() for _ in range(V)]
         data_iterator = source if V > 1 else source[0]
