@@ -16,8 +16,9 @@ counts (--lengths-file, default tools/corpus_lengths.py's), every task scaled by
 activations sized by tokens, the lengths told to the schedule; rows average over iterations, add peak activation
 tokens per rank, and skip torch.distributed.pipelining (one shape per stage). Compute is emulated by timed waits
 (megatron_app.emulation), so P ranks share 2 cores without CPU contention. Prints a table (iteration time = median of the measured iterations, bubble ratio, peak activations per
-rank, the simulator's prediction from the same cost model, its lower bound, and its error when fed with the run's
-measured task durations), then the issue's targets, pass or fail. 1f1b rows run with one chunk per rank and each task V times longer (the same model).
+rank, the simulator's prediction from the same cost model, its lower bound, its error when fed with the run's
+measured task durations, and the measured makespan over the lower bound of those measured durations: "own bound"),
+then the issue's targets, pass or fail. 1f1b rows run with one chunk per rank and each task V times longer (the same model).
 Bad options print one line and exit 2; a failed worker exits 1.
 """
 
@@ -305,7 +306,7 @@ def _fmt(value, spec: str, missing: str = "-") -> str:
 
 def format_table(rows) -> str:
     header = (f"{'scenario':<18} {'schedule':<42} {'iter ms':>8} {'bubble':>7} {'sim ms':>7} {'sim err':>8} "
-              f"{'bound ms':>8} {'replay err':>10}  peak activations per rank"
+              f"{'bound ms':>8} {'replay err':>10} {'own bound':>9}  peak activations per rank"
               + ("  [peak tokens per rank; sim]" if any(row.peak_tokens for row in rows) else ""))
     lines = [header, "-" * len(header)]
     previous = None
@@ -315,7 +316,8 @@ def format_table(rows) -> str:
         previous = row.scenario
         lines.append(f"{row.scenario:<18} {row.label:<42} {row.iteration_ms:>8.1f} {row.bubble_ratio:>7.1%} "
                      f"{_fmt(row.sim_ms, '7.1f'):>7} {_fmt(row.sim_error, '+8.1%'):>8} {_fmt(row.bound_ms, '8.1f'):>8} "
-                     f"{_fmt(row.replay_error, '+10.1%'):>10}  {','.join(map(str, row.peak_activations))}"
+                     f"{_fmt(row.replay_error, '+10.1%'):>10} {_fmt(row.own_bound_error, '+9.1%'):>9}  "
+                     f"{','.join(map(str, row.peak_activations))}"
                      + (f"  [{','.join(map(str, row.peak_tokens))}; {','.join(map(str, row.sim_peak_tokens or []))}]"
                         if row.peak_tokens else ""))
     return "\n".join(lines)

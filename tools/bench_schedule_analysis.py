@@ -26,7 +26,7 @@ from megatron_app.emulation.sim_replay import replay_trace_iteration, simulate_e
 from megatron_app.emulation.spec import EmulationSpec
 from megatron_app.sim.lengths import MicrobatchLengths
 from megatron_app.sim.network import SlowLink
-from megatron_app.trace.schema import BACKWARD, FORWARD
+from megatron_app.trace.schema import BACKWARD, FORWARD, WEIGHT
 
 APP_POLICIES = ADAPTIVE_POLICY_NAMES
 SPLIT_BACKWARD_KEYS = ("torch-zb",)
@@ -55,6 +55,9 @@ class Row:
     sim_error: Optional[float] = None    # measured iteration time / sim - 1
     replay_ms: Optional[float] = None    # simulator fed with the measured task durations (app rows)
     replay_error: Optional[float] = None  # measured makespan / replay - 1 (median over iterations)
+    # measured makespan / the lower bound of the run's own measured task durations - 1 (median): how far the order
+    # is from the best possible with the tasks as they really ran (the bound column uses the nominal durations)
+    own_bound_error: Optional[float] = None
     notes: List[str] = field(default_factory=list)
     memory_factor: Optional[float] = None  # planned rows: activation tokens allowed, x Megatron's peak
     peak_tokens: List[int] = field(default_factory=list)       # variable lengths: per rank, activation tokens held
@@ -72,12 +75,14 @@ def spec_of(run: dict) -> EmulationSpec:
 
 def peak_tokens_per_rank(trace, iteration: int, lengths) -> List[int]:
     """Per pipeline rank, the most activation tokens held at once in a traced iteration: a microbatch's tokens are
-    held from its forward's start to the end of its backward (the trace's activation rule, weighted by length)."""
+    held from its forward's start to the end of its backward, or of its W with a split backward (the trace's
+    activation rule, weighted by length)."""
     peaks = {}
     for rank in trace.ranks:
         events = rank.events_of(iteration)
+        releases = WEIGHT if any(e.kind == WEIGHT for e in events) else BACKWARD
         deltas = [(e.start, lengths[e.microbatch]) for e in events if e.kind == FORWARD]
-        deltas += [(e.end, -lengths[e.microbatch]) for e in events if e.kind == BACKWARD]
+        deltas += [(e.end, -lengths[e.microbatch]) for e in events if e.kind == releases]
         peaks[rank.meta.pp_rank] = max(peaks.get(rank.meta.pp_rank, 0), max_concurrency(deltas))
     return [peaks[r] for r in sorted(peaks)]
 
@@ -97,19 +102,21 @@ def _app_measurements(run: dict, run_dir: Path) -> dict:
     metrics = [iteration_metrics(trace, k) for k in measured_iterations(run)]
     slow_link = SlowLink.parse_delay(run["slow_link"]) if run.get("slow_link") else None
     spec, shape = spec_of(run), shape_of(run)
-    replays = [replay_trace_iteration(trace, k, run["sim_policy"], slow_link, run["sim_latency_us"],
-                                      lengths=spec.microbatch_lengths(shape, k),
-                                      memory_factor=run.get("memory_factor")).makespan_us
-               for k in measured_iterations(run)]
+    replayed = [replay_trace_iteration(trace, k, run["sim_policy"], slow_link, run["sim_latency_us"],
+                                       lengths=spec.microbatch_lengths(shape, k),
+                                       memory_factor=run.get("memory_factor"))
+                for k in measured_iterations(run)]
+    replays = [r.makespan_us for r in replayed]
     extra = {}
     if spec.lengths is not None:
         extra["peak_tokens"] = [peak_tokens_per_rank(trace, k, spec.microbatch_lengths(shape, k))
                                 for k in measured_iterations(run)]
-    return {**extra,"times": [m.iteration_time_us / 1e3 for m in metrics], "makespans": [m.makespan_us / 1e3 for m in metrics],
+    return {**extra, "times": [m.iteration_time_us / 1e3 for m in metrics], "makespans": [m.makespan_us / 1e3 for m in metrics],
             "bubbles": [m.mean_bubble_ratio for m in metrics],
             "peaks": [[r.peak_activations for r in sorted(m.ranks, key=lambda r: r.pp_rank)] for m in metrics],
             "replays": [us / 1e3 for us in replays],
-            "replay_errors": [m.makespan_us / us - 1.0 for m, us in zip(metrics, replays)]}
+            "replay_errors": [m.makespan_us / us - 1.0 for m, us in zip(metrics, replays)],
+            "own_bound_errors": [m.makespan_us / r.lower_bound_us - 1.0 for m, r in zip(metrics, replayed)]}
 
 
 def torch_span_metrics(spans_by_rank: List[list], iteration: int) -> dict:
@@ -164,6 +171,7 @@ def analyse_runs(runs: List[dict], out_dir: Path) -> Row:
     if "replays" in pooled:
         row.replay_ms = average(pooled["replays"])
         row.replay_error = statistics.median(pooled["replay_errors"])
+        row.own_bound_error = statistics.median(pooled["own_bound_errors"])
     predicted = simulate_emulation(spec_of(run), shape_of(run), run["sim_policy"] or "interleaved",
                                    run["iterations"],
                                    SlowLink.parse_delay(run["slow_link"]) if run.get("slow_link") else None,
