@@ -69,7 +69,7 @@ def test_timed_scale_waits_in_forward_and_backward_and_has_the_right_gradients()
     w = torch.randn(4, requires_grad=True)
     spans = []
     start = time.monotonic()
-    y = TimedScale.apply(x, w, 0.040, 0.080, lambda a, b: spans.append((a, b)))
+    y = TimedScale.apply(x, w, 0.040, 0.050, 0.030, lambda a, b: spans.append((a, b)))
     forward_s = time.monotonic() - start
     grad = torch.randn_like(y)
     start = time.monotonic()

@@ -75,6 +75,26 @@ def test_a_split_backward_shares_each_drawn_backward_between_b_and_w():
         ComputeCosts(COSTS.forward_us, COSTS.backward_us, weight_share=1.5)
 
 
+def test_with_lengths_w_grows_linearly_and_attention_stays_in_b():
+    # A long microbatch's extra (quadratic) cost is attention, which has no weights: its W share shrinks.
+    from megatron_app.sim.lengths import MicrobatchLengths
+
+    lengths = MicrobatchLengths(median_tokens=100, sigma=0.5)
+    mean = lengths.mean_tokens
+    tokens = [mean / 4, mean, 4 * mean, mean, mean, mean, mean, mean]
+    factors = [lengths.cost_factor(n) for n in tokens]
+    weight_factors = [lengths.weight_share_factor(n) for n in tokens]
+    assert weight_factors[1] == pytest.approx(1.0)
+    split = PipelineShape(4, 2, 8, split_backward=True)
+    whole = as_array(draw_durations(SHAPE, COSTS, ComputePerturbations(), 0, 0, factors))
+    times = as_array(draw_durations(split, COSTS, ComputePerturbations(), 0, 0, factors, weight_factors))
+    assert np.allclose(times[:, 1] + times[:, 2], whole[:, 1])
+    for microbatch, n in enumerate(tokens):     # W = 0.5 x the mean-length backward x (tokens / mean)
+        assert np.allclose(times[:, 2, :, microbatch], 0.5 * 20_000 * n / mean)
+    shares = times[0, 2, 0, :3] / whole[0, 1, 0, :3]
+    assert shares[0] > 0.5 > shares[2] and shares[2] == pytest.approx(0.5 * 4 / (0.7 * 4 + 0.3 * 16))
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(slow_factor=0.5), "slow_factor must be >= 1, got 0.5"),
     (dict(jitter=1.0), "jitter must be >= 0 and < 1, got 1.0"),

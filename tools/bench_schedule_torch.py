@@ -110,14 +110,17 @@ class EmulatedStage(torch.nn.Module):
         if self.first:
             x = tokens_to_activation(x, self.hidden_size, self.vocab_size)
         forward_s = self.durations.seconds(self.iteration, self.rank, Kind.FORWARD, self.chunk, microbatch)
-        backward_s = self.durations.seconds(self.iteration, self.rank, Kind.BACKWARD, self.chunk, microbatch)
+        # a split shape's table holds B and W apart (the first stage's backward is both, as in our runtime)
+        input_s = self.durations.seconds(self.iteration, self.rank, Kind.BACKWARD, self.chunk, microbatch)
+        weight_s = self.durations.seconds(self.iteration, self.rank, Kind.WEIGHT, self.chunk, microbatch)
+        backward_s = input_s + weight_s
         record = self.recorder.callback
         if not self.split_backward:
             y = TimedScale.apply(x, self.weight, forward_s, backward_s,
                                  record(self.iteration, "backward", self.chunk, microbatch))
         else:
             emulated_wait(forward_s)
-            weight_s = backward_s if self.first else backward_s / 2
+            weight_s = backward_s if self.first else weight_s
             y = _WeightGradWait.apply(self.weight, x.detach(), weight_s,
                                       record(self.iteration, "backward_weight", self.chunk, microbatch))
             if not self.first:

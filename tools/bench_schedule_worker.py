@@ -65,7 +65,7 @@ def run_app(run: dict, run_dir: Path, job_id: str) -> None:
 
 
 def run_torch(run: dict, run_dir: Path) -> None:
-    from bench_schedule_torch import SpanRecorder, run_torch_schedule
+    from bench_schedule_torch import SPLIT_BACKWARD, SpanRecorder, run_torch_schedule
 
     from megatron_app.schedule import PipelineShape
     from megatron_app.emulation.spec import EmulationSpec, TaskDurations
@@ -74,7 +74,9 @@ def run_torch(run: dict, run_dir: Path) -> None:
                                slow_factor=run.get("slow_factor") or 1.0,
                                straggler_prob=run.get("straggler_prob") or 0.0,
                                straggler_factor=run.get("straggler_factor") or 1.0, seed=run["seed"])
-    shape = PipelineShape(run["pipeline_parallel"], run["model_chunks"], run["microbatches"])
+    # torch's zero-bubble rows split the backward as ours do (the same B / W draws)
+    shape = PipelineShape(run["pipeline_parallel"], run["model_chunks"], run["microbatches"],
+                          split_backward=run["schedule"] in SPLIT_BACKWARD)
     recorder = SpanRecorder()
     steps = run_torch_schedule(run, TaskDurations(spec, shape), recorder)
     payload = {"rank": dist.get_rank(), "steps": steps, "spans": recorder.spans}

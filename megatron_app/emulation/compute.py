@@ -21,22 +21,22 @@ from megatron.core.transformer.module import MegatronModule
 
 from megatron_app import weight_deferral
 from megatron_app.schedule import Kind
-from megatron_app.sim.costs import DEFAULT_WEIGHT_SHARE as WEIGHT_SHARE   # the simulator's split, so both agree
 
 from .spec import TaskDurations
 from .wait import emulated_wait
 
 
 class TimedScale(torch.autograd.Function):
-    """y = x * weight; forward waits forward_s, backward waits backward_s, then returns both gradients. In a split
-    backward's B it waits (1 - WEIGHT_SHARE) x backward_s and returns grad_x, leaving grad_weight (after the rest of
-    the wait) to W (weight_deferral.py). on_backward(start_s, end_s), when given, is told when a backward ran
+    """y = x * weight; forward waits forward_s, backward waits input_grad_s + weight_grad_s, then returns both
+    gradients. In a split backward's B it waits input_grad_s and returns grad_x, leaving grad_weight (after
+    weight_grad_s) to W (weight_deferral.py). on_backward(start_s, end_s), when given, is told when a backward ran
     (monotonic seconds)."""
 
     @staticmethod
-    def forward(ctx, x, weight, forward_s: float, backward_s: float, on_backward=None):
+    def forward(ctx, x, weight, forward_s: float, input_grad_s: float, weight_grad_s: float = 0.0,
+                on_backward=None):
         emulated_wait(forward_s)
-        ctx.backward_s = backward_s
+        ctx.input_grad_s, ctx.weight_grad_s = input_grad_s, weight_grad_s
         ctx.on_backward = on_backward
         ctx.save_for_backward(x, weight)
         return x * weight
@@ -47,17 +47,17 @@ class TimedScale(torch.autograd.Function):
         x, weight = ctx.saved_tensors
 
         def weight_gradient():
-            emulated_wait(ctx.backward_s * WEIGHT_SHARE)
+            emulated_wait(ctx.weight_grad_s)
             return ((grad * x).sum(dim=tuple(range(grad.dim() - 1))),)
 
         deferred = bool(weight_deferral.deferred_edges(ctx)) and weight_deferral.defer(ctx, weight_gradient,
                                                                                          (x, grad))
-        emulated_wait(ctx.backward_s * (1.0 - WEIGHT_SHARE if deferred else 1.0))
+        emulated_wait(ctx.input_grad_s + (0.0 if deferred else ctx.weight_grad_s))
         grad_x = grad * weight if ctx.needs_input_grad[0] else None
         grad_weight = None if deferred else (grad * x).sum(dim=tuple(range(grad.dim() - 1)))
         if ctx.on_backward is not None:
             ctx.on_backward(start, time.monotonic())
-        return grad_x, grad_weight, None, None, None
+        return grad_x, grad_weight, None, None, None, None
 
 
 weight_deferral.register(TimedScale._backward_cls, lambda node: (1,) if weight_deferral.leads_to_weight(node, 1)
@@ -101,9 +101,12 @@ class EmulatedChunk(MegatronModule):
                 raise RuntimeError(f"emulated chunk {self.chunk} on pipeline rank {self.pp_rank} got no input tensor")
             x = self.input_tensor
         seconds = self.durations.seconds
+        # With a split backward the table holds B and W apart (W is 0 otherwise); the first virtual stage, which
+        # does not split, waits both in its B.
         y = TimedScale.apply(x, self.weight,
                              seconds(iteration, self.pp_rank, Kind.FORWARD, self.chunk, microbatch),
-                             seconds(iteration, self.pp_rank, Kind.BACKWARD, self.chunk, microbatch))
+                             seconds(iteration, self.pp_rank, Kind.BACKWARD, self.chunk, microbatch),
+                             seconds(iteration, self.pp_rank, Kind.WEIGHT, self.chunk, microbatch))
         if self.post_process:
             return y.pow(2).mean(dim=-1).t().contiguous()   # per-token "loss", [mbs, seq] like GPTModel's
         return y

@@ -75,7 +75,9 @@ class EmulationSpec:
         """Every task's duration (microseconds) in `iteration`."""
         lengths = self.microbatch_lengths(shape, iteration)
         factors = None if lengths is None else [self.lengths.cost_factor(length) for length in lengths]
-        return draw_durations(shape, self.costs(shape), self.perturbations, self.seed, iteration, factors)
+        weight_factors = None if lengths is None else [self.lengths.weight_share_factor(n) for n in lengths]
+        return draw_durations(shape, self.costs(shape), self.perturbations, self.seed, iteration, factors,
+                              weight_factors)
 
 
 class TaskDurations:

@@ -128,11 +128,13 @@ class ComputePerturbations:
 
 
 def draw_durations(shape: PipelineShape, costs: ComputeCosts, perturbations: ComputePerturbations, seed: int,
-                   iteration: int, microbatch_factors: Optional[Sequence[float]] = None) -> DurationTable:
+                   iteration: int, microbatch_factors: Optional[Sequence[float]] = None,
+                   weight_share_factors: Optional[Sequence[float]] = None) -> DurationTable:
     """Every task's duration for one iteration (see the module doc for why draws are keyed per rank).
     microbatch_factors: per microbatch, a factor on all its tasks (its cost for its length; lengths.py).
-    A split backward's B and W share one drawn backward time (costs.weight_share), so split and whole runs meet the
-    same draws; W times are 0 when the backward is not split."""
+    A split backward's B and W share one drawn backward time, W taking costs.weight_share of it (times the
+    microbatch's weight_share_factors entry, at most all of it: lengths.py), so split and whole runs meet the same
+    draws; W times are 0 when the backward is not split."""
     costs.check_shape(shape)
     perturbations.check_shape(shape)
     V, m = shape.num_chunks, shape.num_microbatches
@@ -151,7 +153,9 @@ def draw_durations(shape: PipelineShape, costs: ComputeCosts, perturbations: Com
             rng = np.random.default_rng([seed, _STRAGGLER_STREAM, iteration, rank])
             times = np.where(rng.random(times.shape) < perturbations.straggler_prob,
                              times * perturbations.straggler_factor, times)
-        weight = times[1] * costs.weight_share if shape.split_backward else np.zeros_like(times[1])
+        share = np.full(m, costs.weight_share) if weight_share_factors is None else np.minimum(
+            1.0, costs.weight_share * np.asarray(weight_share_factors, dtype=float))
+        weight = times[1] * share[None, :] if shape.split_backward else np.zeros_like(times[1])
         times[1] -= weight
         result.append(np.concatenate([times, weight[None]]))
     return DurationTable(result)

@@ -91,6 +91,13 @@ class MicrobatchLengths:
         x = length / self.mean_tokens
         return (self.linear * x + self.quadratic * x * x) / (self.linear + self.quadratic)
 
+    def weight_share_factor(self, length: float) -> float:
+        """How a microbatch's length scales the weight-gradient share of its backward (1 at the mean length). The
+        weight gradients are GEMMs linear in tokens; the quadratic term is attention, which has no weights and
+        stays in B: W grows as x while the whole backward grows as cost_factor(x)."""
+        x = length / self.mean_tokens
+        return x / self.cost_factor(length) if x > 0 else 1.0
+
     def describe(self) -> dict:
         source = {"sigma": self.sigma, "median_tokens": self.median_tokens}
         if self.corpus is not None:

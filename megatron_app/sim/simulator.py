@@ -151,12 +151,13 @@ def simulate(config: SimConfig, policy: Union[str, Sequence[Policy]],
     start_us = 0.0
     try:
         for iteration in range(config.iterations):
-            lengths = factors = None
+            lengths = factors = weight_factors = None
             if config.lengths is not None:
                 lengths = config.lengths.draw(shape.num_microbatches, config.seed, iteration)
                 factors = [config.lengths.cost_factor(length) for length in lengths]
+                weight_factors = [config.lengths.weight_share_factor(length) for length in lengths]
             durations = draw_durations(shape, config.compute, config.perturbations, config.seed, iteration,
-                                       factors)
+                                       factors, weight_factors)
             outcome = run_iteration(shape, policies, durations, network, iteration, start_us, trace, table,
                                     lengths=lengths)
             outcomes.append(outcome)

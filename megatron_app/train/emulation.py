@@ -27,7 +27,8 @@ class ComputeEmulation:
     def __init__(self, args, spec: EmulationSpec, slow_link: Optional[SlowLink] = None):
         self.args = args
         self.spec = spec
-        self.shape = PipelineShape(args.pipeline_parallel, args.model_chunks, args.num_microbatches)
+        self.shape = PipelineShape(args.pipeline_parallel, args.model_chunks, args.num_microbatches,
+                                   split_backward=bool(getattr(args, "split_backward", False)))
         self.durations = TaskDurations(spec, self.shape)
         self.link_delay = None if slow_link is None else LinkDelay(slow_link)
         self.forward_step = self.trainer_forward_step
