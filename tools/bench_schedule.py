@@ -71,11 +71,13 @@ def _runtime_schedules() -> Dict[str, tuple]:
 
 
 # Rows that run each backward as B + W (--split-backward): every split-only registry entry, and adaptive split.
-SPLIT_BACKWARD_KEYS = frozenset({"app-adaptive-split", *(name for name, e in POLICIES.items() if e.split_only)})
+SPLIT_BACKWARD_KEYS = frozenset({"app-adaptive-split", "app-planned-split",
+                                 *(name for name, e in POLICIES.items() if e.split_only)})
 # key -> (label, system, schedule, policy, one chunk per rank, simulator policy)
 SCHEDULES: Dict[str, tuple] = {
     **_runtime_schedules(),
     "app-adaptive-split": ("APP adaptive, split backward", "app", "app", "adaptive", False, "adaptive"),
+    "app-planned-split": ("APP planned, split backward", "app", "app", "planned", False, "planned"),
     "torch-1f1b": ("torch Schedule1F1B V=1", "torch", "torch-1F1B", None, True, "1f1b"),
     "torch-interleaved": ("torch ScheduleInterleaved1F1B", "torch", "torch-Interleaved1F1B", None, False,
                           "interleaved"),
