@@ -164,10 +164,11 @@ SPLIT_SCHEDULES = ["app:dfc", "app:bfc", "app:adaptive", "app:planned", "interle
 
 @pytest.mark.slow
 def test_split_backward_every_schedule_matches_unpipelined_training(tmp_path, reference):
-    """--split-backward (B now, W later: runtime/split_backward.py) under every policy and ZB-H1, at P=2 V=2 only:
-    the split is per chunk, so one interleaved layout covers it without multiplying the grid."""
+    """--split-backward (B now, W later: runtime/split_backward.py) under every policy and ZB-H1, at P=2 V=2 T=2 only:
+    the split is per chunk, so one interleaved layout covers it without multiplying the grid; T=2 runs the
+    tensor-parallel all-reduce of a deferring linear layer's input gradient."""
     traces = tmp_path / "traces"
-    out = _run(tmp_path, 2, 2, 1, SPLIT_SCHEDULES, "--trace-dir", traces, extra="--split-backward")
+    out = _run(tmp_path, 2, 2, 2, SPLIT_SCHEDULES, "--trace-dir", traces, extra="--split-backward")
     _check_against_reference(out, SPLIT_SCHEDULES, reference)
     kinds = [json.loads(line).get("kind") for path in traces.rglob("trace_rank*.jsonl")
              for line in path.read_text().splitlines()[1:]]
