@@ -116,7 +116,7 @@ class EmulatedStage(torch.nn.Module):
         backward_s = input_s + weight_s
         record = self.recorder.callback
         if not self.split_backward:
-            y = TimedScale.apply(x, self.weight, forward_s, backward_s,
+            y = TimedScale.apply(x, self.weight, forward_s, backward_s, 0.0,
                                  record(self.iteration, "backward", self.chunk, microbatch))
         else:
             emulated_wait(forward_s)

@@ -55,10 +55,12 @@ def run_rank(rank: int, world: int, script: str, args: list[str]) -> int:
 
 def main() -> int:
     world, script, args = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world))
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     preload()
+    # The port is picked after the ~10 s of imports, just before rank 0 binds it: picked before, another test's
+    # process took it in between once (EADDRINUSE under two pytest workers).
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world))
     sys.stdout.flush()
     sys.stderr.flush()
     ranks = {}
