@@ -13,6 +13,8 @@ schedule, P, V or T changes them.
 """
 
 import json
+from pathlib import Path
+import sys
 
 import pytest
 import torch
@@ -168,8 +170,20 @@ def test_split_backward_every_schedule_matches_unpipelined_training(tmp_path, re
     the split is per chunk, so one interleaved layout covers it without multiplying the grid; T=2 runs the
     tensor-parallel all-reduce of a deferring linear layer's input gradient."""
     traces = tmp_path / "traces"
-    out = _run(tmp_path, 2, 2, 2, SPLIT_SCHEDULES, "--trace-dir", traces, extra="--split-backward")
+    # and torch's interleaved zero-bubble order, run by our runtime from its action lists (--schedule-file)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    from megatron_app.train.args import parse_args
+    from torch_schedule_csv import action_lists
+
+    zero_bubble = tmp_path / "torch_zb.csv"
+    microbatches = parse_args(["--pipeline_parallel", "2", "--model_chunks", "2", "--tensor_parallel", "2"],
+                              {"WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}).num_microbatches
+    zero_bubble.write_text("\n".join(",".join(row) for row in action_lists("InterleavedZeroBubble", 2, 2,
+                                                                            microbatches)) + "\n")
+    out = _run(tmp_path, 2, 2, 2, SPLIT_SCHEDULES + [f"file={zero_bubble}"], "--trace-dir", traces,
+               extra="--split-backward")
     _check_against_reference(out, SPLIT_SCHEDULES, reference)
+    _assert_same("torch's zero-bubble action lists", _losses_and_grads(out, "file"), reference)
     kinds = [json.loads(line).get("kind") for path in traces.rglob("trace_rank*.jsonl")
              for line in path.read_text().splitlines()[1:]]
     assert kinds.count("weight") == kinds.count("backward") > 0     # every B's W ran and was traced

@@ -25,6 +25,7 @@ Bad options print one line and exit 2; a failed worker exits 1.
 from __future__ import annotations
 
 import argparse
+import csv
 import datetime
 import json
 import os
@@ -70,14 +71,17 @@ def _runtime_schedules() -> Dict[str, tuple]:
     return rows
 
 
+# torch's interleaved zero-bubble action lists (tools/torch_schedule_csv.py) run by our runtime (--schedule-file)
+TORCH_ZB_ORDER = "torch-zb-order"
 # Rows that run each backward as B + W (--split-backward): every split-only registry entry, and adaptive split.
-SPLIT_BACKWARD_KEYS = frozenset({"app-adaptive-split", "app-planned-split",
+SPLIT_BACKWARD_KEYS = frozenset({"app-adaptive-split", "app-planned-split", TORCH_ZB_ORDER,
                                  *(name for name, e in POLICIES.items() if e.split_only)})
 # key -> (label, system, schedule, policy, one chunk per rank, simulator policy)
 SCHEDULES: Dict[str, tuple] = {
     **_runtime_schedules(),
     "app-adaptive-split": ("APP adaptive, split backward", "app", "app", "adaptive", False, "adaptive"),
     "app-planned-split": ("APP planned, split backward", "app", "app", "planned", False, "planned"),
+    TORCH_ZB_ORDER: ("torch ZeroBubble order (our runtime)", "app", "app", None, False, None),
     "torch-1f1b": ("torch Schedule1F1B V=1", "torch", "torch-1F1B", None, True, "1f1b"),
     "torch-interleaved": ("torch ScheduleInterleaved1F1B", "torch", "torch-Interleaved1F1B", None, False,
                           "interleaved"),
@@ -238,6 +242,16 @@ def build_plan(args, work_dir: Path) -> dict:
                     runs.append(run)
     out_dir = work_dir / job_id
     out_dir.mkdir(parents=True)
+    if TORCH_ZB_ORDER in args.schedule_keys:
+        from torch_schedule_csv import action_lists
+
+        path = out_dir / "torch_zb_order.csv"
+        with open(path, "w", newline="") as handle:
+            csv.writer(handle).writerows(action_lists("InterleavedZeroBubble", args.pipeline_parallel,
+                                                      args.model_chunks, args.microbatches))
+        for run in runs:
+            if run["key"] == TORCH_ZB_ORDER:
+                run["schedule_file"] = str(path)
     return {"job_id": job_id, "out_dir": str(out_dir), "runs": runs}
 
 

@@ -22,7 +22,9 @@ from megatron_app.schedule import ADAPTIVE_POLICY_NAMES, PipelineShape
 from megatron_app.trace import read_trace_dir
 from megatron_app.trace.intervals import max_concurrency, union_length
 from megatron_app.trace.metrics import iteration_metrics
-from megatron_app.emulation.sim_replay import replay_trace_iteration, simulate_emulation
+from megatron_app.emulation.sim_replay import (measured_durations, replay_trace_iteration, simulate_emulation,
+                                               traced_shape)
+from megatron_app.sim import lower_bounds
 from megatron_app.emulation.spec import EmulationSpec
 from megatron_app.sim.lengths import MicrobatchLengths
 from megatron_app.sim.network import SlowLink
@@ -32,7 +34,7 @@ APP_POLICIES = ADAPTIVE_POLICY_NAMES
 SPLIT_BACKWARD_KEYS = ("torch-zb",)
 # Our runtime's split-backward rows (issue 14): checked against their own targets, kept out of the others'.
 APP_SPLIT_KEYS = ("app-adaptive-split", "app-planned-split")
-OUR_SPLIT_KEYS = (*APP_SPLIT_KEYS, "zb-h1")
+OUR_SPLIT_KEYS = (*APP_SPLIT_KEYS, "zb-h1", "torch-zb-order")
 SIM_TOLERANCE = 0.15
 
 
@@ -106,8 +108,10 @@ def _app_measurements(run: dict, run_dir: Path) -> dict:
     replayed = [replay_trace_iteration(trace, k, run["sim_policy"], slow_link, run["sim_latency_us"],
                                        lengths=spec.microbatch_lengths(shape, k),
                                        memory_factor=run.get("memory_factor"))
-                for k in measured_iterations(run)]
+                for k in measured_iterations(run)] if run["sim_policy"] is not None else []
     replays = [r.makespan_us for r in replayed]
+    own_bounds = [lower_bounds(traced_shape(trace, k), measured_durations(trace, k), run["sim_latency_us"]).best_us
+                  for k in measured_iterations(run)]
     extra = {}
     if spec.lengths is not None:
         extra["peak_tokens"] = [peak_tokens_per_rank(trace, k, spec.microbatch_lengths(shape, k))
@@ -115,9 +119,9 @@ def _app_measurements(run: dict, run_dir: Path) -> dict:
     return {**extra, "times": [m.iteration_time_us / 1e3 for m in metrics], "makespans": [m.makespan_us / 1e3 for m in metrics],
             "bubbles": [m.mean_bubble_ratio for m in metrics],
             "peaks": [[r.peak_activations for r in sorted(m.ranks, key=lambda r: r.pp_rank)] for m in metrics],
-            "replays": [us / 1e3 for us in replays],
-            "replay_errors": [m.makespan_us / us - 1.0 for m, us in zip(metrics, replays)],
-            "own_bound_errors": [m.makespan_us / r.lower_bound_us - 1.0 for m, r in zip(metrics, replayed)]}
+            "own_bound_errors": [m.makespan_us / us - 1.0 for m, us in zip(metrics, own_bounds)],
+            **({"replays": [us / 1e3 for us in replays],
+                "replay_errors": [m.makespan_us / us - 1.0 for m, us in zip(metrics, replays)]} if replays else {})}
 
 
 def torch_span_metrics(spans_by_rank: List[list], iteration: int) -> dict:
@@ -172,6 +176,7 @@ def analyse_runs(runs: List[dict], out_dir: Path) -> Row:
     if "replays" in pooled:
         row.replay_ms = average(pooled["replays"])
         row.replay_error = statistics.median(pooled["replay_errors"])
+    if "own_bound_errors" in pooled:
         row.own_bound_error = statistics.median(pooled["own_bound_errors"])
     predicted = simulate_emulation(spec_of(run), shape_of(run), run["sim_policy"] or "interleaved",
                                    run["iterations"],

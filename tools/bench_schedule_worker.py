@@ -40,6 +40,8 @@ def trainer_argv(run: dict, run_dir: Path) -> list:
             argv += [flag, run[key]]
     if run.get("split_backward"):
         argv.append("--split-backward")
+    if run.get("schedule_file"):
+        argv += ["--schedule-file", run["schedule_file"]]
     if run_dir is not None:
         argv += ["--trace-dir", run_dir / "trace", "--log-json", run_dir / "log.json"]
     return [str(item) for item in argv]

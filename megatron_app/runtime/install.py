@@ -26,11 +26,14 @@ _originals: Optional[Dict[str, object]] = None
 def install(schedule: str = "app", policy: str = DEFAULT_POLICY, trace_dir: Optional[str] = None, *,
             memory_cap: Optional[int] = None, timeout_s: float = 300.0, job_id: Optional[str] = None,
             tracing: bool = True, memory_factor: Optional[float] = None,
-            allow_untested_megatron: Optional[bool] = None, split_backward: bool = False) -> AppSettings:
+            allow_untested_megatron: Optional[bool] = None, split_backward: bool = False,
+            schedule_file: Optional[str] = None) -> AppSettings:
     """Route Megatron's forward_backward functions to ours. Idempotent; a second call updates the settings.
 
     split_backward: run each backward as B (input gradient, sent upstream at once) and a later W (weight gradients)
     that the policy places in idle time (runtime/split_backward.py).
+    schedule_file: run these per-rank action lists (torch.distributed.pipelining's compute-only CSV, one row per
+    pipeline rank; schedule/action_lists.py) instead of a policy; implies schedule "file".
 
     An installed megatron-core outside the tested range is refused (UnsupportedMegatronError, one line) unless
     allow_untested_megatron (or $MEGATRON_APP_ALLOW_UNTESTED_MEGATRON=1) says to try anyway.
@@ -44,9 +47,10 @@ def install(schedule: str = "app", policy: str = DEFAULT_POLICY, trace_dir: Opti
 
     from .executor import forward_backward_app
 
-    settings = AppSettings(schedule=schedule, policy=policy, memory_cap=memory_cap, memory_factor=memory_factor,
+    settings = AppSettings(schedule="file" if schedule_file is not None else schedule, policy=policy,
+                           memory_cap=memory_cap, memory_factor=memory_factor,
                            trace_dir=trace_dir if tracing else None, timeout_s=timeout_s, job_id=job_id,
-                           split_backward=split_backward).validate()
+                           split_backward=split_backward, schedule_file=schedule_file).validate()
     current_session(settings)
     if _originals is None:
         _originals = {name: getattr(schedules, name) for name in _REPLACED}
@@ -83,6 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--app-trace-dir", default=None)
     group.add_argument("--app-split-backward", action="store_true",
                        help="run each backward as an input-gradient task and a later weight-gradient task")
+    group.add_argument("--app-schedule-file", default=None, metavar="CSV",
+                       help="run these per-rank action lists (torch.distributed.pipelining's compute-only format)")
     group.add_argument("--app-allow-untested-megatron", action="store_true",
                        help="run with a megatron-core version megatron_app was not tested with")
     return parser
@@ -95,4 +101,5 @@ def install_from_args(args: argparse.Namespace) -> Optional[AppSettings]:
     return install(schedule=args.app_schedule, policy=args.app_policy, trace_dir=args.app_trace_dir,
                    memory_cap=args.app_memory_cap, memory_factor=getattr(args, "app_memory_factor", None),
                    allow_untested_megatron=getattr(args, "app_allow_untested_megatron", False) or None,
-                   split_backward=getattr(args, "app_split_backward", False))
+                   split_backward=getattr(args, "app_split_backward", False),
+                   schedule_file=getattr(args, "app_schedule_file", None))

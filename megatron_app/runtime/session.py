@@ -80,7 +80,12 @@ class RuntimeSession:
         factor = self.settings.memory_factor if name == "planned" else None
         key = (name, shape, rank, memory_cap, factor)
         if key not in self._policies:
-            self._policies[key] = make_policy(name, shape, rank, memory_cap=memory_cap, memory_factor=factor)
+            if self.settings.action_lists is not None:     # schedule "file"
+                from megatron_app.schedule.action_lists import make_action_list_policy
+
+                self._policies[key] = make_action_list_policy(shape, rank, self.settings.action_lists, memory_cap)
+            else:
+                self._policies[key] = make_policy(name, shape, rank, memory_cap=memory_cap, memory_factor=factor)
         return self._policies[key]
 
     def policies_in_use(self):

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import csv
 import dataclasses
-from typing import Optional
+from typing import List, Optional, Tuple
 
 from megatron_app.schedule import ADAPTIVE_POLICY_NAMES, DEFAULT_POLICY, STATIC_POLICY_NAMES
 
-# "app" runs an adaptive policy (AppSettings.policy); every static policy is a schedule of its own.
-SCHEDULES = ("app",) + STATIC_POLICY_NAMES
+# "app" runs an adaptive policy (AppSettings.policy); every static policy is a schedule of its own; "file" runs the
+# per-rank action lists of a schedule file (torch.distributed.pipelining's format, schedule/action_lists.py).
+FILE_SCHEDULE = "file"
+SCHEDULES = ("app",) + STATIC_POLICY_NAMES + (FILE_SCHEDULE,)
 ADAPTIVE_POLICIES = ADAPTIVE_POLICY_NAMES
 
 
@@ -27,6 +30,8 @@ class AppSettings:
     timeout_s: float = 300.0          # a peer silent this long is reported as stuck
     job_id: Optional[str] = None      # names the shared-memory segments; agreed across ranks when None
     split_backward: bool = False      # each backward as B (input gradient) + a later W (weight gradients)
+    schedule_file: Optional[str] = None  # with schedule "file": the CSV of per-rank action lists
+    action_lists: Optional[tuple] = dataclasses.field(default=None, repr=False)   # its rows, read by validate()
 
     def validate(self) -> "AppSettings":
         if self.schedule not in SCHEDULES:
@@ -44,6 +49,13 @@ class AppSettings:
             raise AppConfigError(f"planning share must lie in (0, 1), got {self.planning_share}")
         if not isinstance(self.split_backward, bool):
             raise AppConfigError(f"split_backward must be True or False, got {self.split_backward!r}")
+        if (self.schedule == FILE_SCHEDULE) != (self.schedule_file is not None):
+            raise AppConfigError("schedule 'file' and a schedule file go together (--schedule-file PATH)")
+        if self.schedule_file is not None:
+            self.action_lists = read_action_lists(self.schedule_file)
+            if self.timeout_s <= 0:
+                raise AppConfigError(f"timeout must be positive, got {self.timeout_s}")
+            return self
         from megatron_app.schedule import POLICIES
         if POLICIES[self.policy_name].split_only and not self.split_backward:
             raise AppConfigError(f"schedule {self.policy_name!r} needs --split-backward")
@@ -55,3 +67,21 @@ class AppSettings:
     def policy_name(self) -> str:
         """The schedule-package policy that runs: the adaptive rule, or the static order itself."""
         return self.policy if self.schedule == "app" else self.schedule
+
+
+def read_action_lists(path: str) -> Tuple[Tuple[str, ...], ...]:
+    """A schedule file's rows (trailing empty rows dropped): per-rank action lists in torch.distributed.pipelining's
+    compute-only CSV format, one row per pipeline rank (schedule/action_lists.py says what the actions mean).
+    AppConfigError, one line, when it cannot be read."""
+    try:
+        with open(path, newline="") as handle:
+            rows: List[Tuple[str, ...]] = [tuple(cell.strip() for cell in row) for row in csv.reader(handle)]
+    except OSError as error:
+        raise AppConfigError(f"cannot read schedule file {path}: {error.strerror or error}") from None
+    except (csv.Error, UnicodeDecodeError) as error:
+        raise AppConfigError(f"schedule file {path} is not a CSV of actions: {error}") from None
+    while rows and not any(rows[-1]):
+        rows.pop()
+    if not rows:
+        raise AppConfigError(f"schedule file {path} holds no action lists")
+    return tuple(rows)

@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(sched, "--memory-factor", type=float, default=None, metavar="X",
               help="policy planned: activation bytes a rank may hold, x what Megatron's interleaved order holds for "
                    "the same microbatches (default 1.0)")
+    _add_flag(sched, "--schedule-file", default=None, metavar="CSV",
+              help="run these per-rank action lists instead of a policy: torch.distributed.pipelining's "
+                   "compute-only format, one row per pipeline rank, actions like 0F1 / 4I2 / 4W2 / 0B1")
     _add_flag(sched, "--split-backward", action="store_true",
               help="run each backward as an input-gradient task (sent upstream at once) and a later weight-gradient "
                    "task that the schedule places in idle time; needed by --schedule zb-h1")
@@ -372,7 +375,26 @@ def validate(args: argparse.Namespace, environ: Mapping[str, str]) -> argparse.N
     _check_loss(args)
     _check_memory_factor(args)
     _check_split_backward(args)
+    _check_schedule_file(args)
     return args
+
+
+def _check_schedule_file(args: argparse.Namespace) -> None:
+    """--schedule-file: readable, and its lists fit this pipeline and complete (one line otherwise)."""
+    if args.schedule_file is None:
+        return
+    if args.schedule != "app":
+        raise UsageError(f"--schedule-file replaces the schedule: drop --schedule {args.schedule}")
+    from megatron_app.runtime.settings import AppConfigError, read_action_lists
+    from megatron_app.schedule import PipelineShape, ScheduleConfigError
+    from megatron_app.schedule.action_lists import orders_from_action_lists
+
+    try:
+        orders_from_action_lists(PipelineShape(args.pipeline_parallel, args.model_chunks, args.num_microbatches,
+                                               split_backward=args.split_backward),
+                                 read_action_lists(args.schedule_file))
+    except (AppConfigError, ScheduleConfigError) as error:
+        raise UsageError(f"--schedule-file {args.schedule_file}: {error}") from None
 
 
 def _check_split_backward(args: argparse.Namespace) -> None:

@@ -101,7 +101,8 @@ def build_trainer(args) -> Trainer:
     trace_dir = start_trace_run(args.trace_dir) if tracing else None
     forward_backward = select_forward_backward_func(args.schedule, args.policy, trace_dir, not args.no_trace,
                                                     args.device, memory_factor=args.memory_factor,
-                                                    split_backward=args.split_backward)
+                                                    split_backward=args.split_backward,
+                                                    schedule_file=args.schedule_file)
     reporter = IterationReporter(run_config(args), args.iters, args.global_batch_size * args.seq_length,
                                  args.log_json)
     if resume_note:

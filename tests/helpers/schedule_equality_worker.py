@@ -40,9 +40,12 @@ def main():
     for spec in opts.schedules.split(","):
         schedule, _, policy = spec.partition(":")
         name = spec.replace(":", "-")
+        file_flags = []
+        if schedule.startswith("file="):      # file=PATH: that schedule file's action lists
+            file_flags, schedule, name = ["--schedule-file", schedule[len("file="):]], "app", "file"
         flags = ["--pipeline_parallel", str(opts.pipeline_parallel), "--model_chunks", str(opts.model_chunks),
                  "--tensor_parallel", str(opts.tensor_parallel), "--iters", str(opts.iters),
-                 "--schedule", schedule, "--policy", policy or "dfc",
+                 "--schedule", schedule, "--policy", policy or "dfc", *file_flags,
                  "--dump-grads", os.path.join(opts.out, f"grads_{name}")]
         flags += ["--trace-dir", opts.trace_dir] if opts.trace_dir else ["--no-trace"]
         flags += ["--hidden-dropout", str(opts.dropout), "--attention-dropout", str(opts.dropout)]
