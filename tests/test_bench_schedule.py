@@ -29,11 +29,17 @@ def _bench(*flags, timeout=240):
                           capture_output=True, text=True, timeout=timeout)
 
 
+# Every schedule row but planned with a split backward (the split mechanism of adaptive's row, another policy):
+# the CI budget.
+QUICK_KEYS = [key for key in SCHEDULES if key != "app-planned-split"]
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-    """One --quick run (P=2, every scenario and schedule), traces kept: (JSON payload, run directory, stdout)."""
+    """One --quick run (P=2, every scenario, the QUICK_KEYS schedules), traces kept: (JSON payload, run directory, stdout)."""
     out = tmp_path_factory.mktemp("bench")
-    result = _bench("--quick", "--json", out / "bench.json", "--png", out / "bench.png", "--work-dir", out / "work")
+    result = _bench("--quick", "--schedules", ",".join(QUICK_KEYS), "--json", out / "bench.json",
+                    "--png", out / "bench.png", "--work-dir", out / "work")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     run_dirs = [p for p in (out / "work").iterdir() if p.is_dir()]
     assert len(run_dirs) == 1
@@ -45,7 +51,7 @@ def test_quick_json_has_every_scenario_and_schedule(quick):
     payload, _, stdout = quick
     rows = payload["rows"]
     assert {(row["scenario"], row["key"]) for row in rows} == {
-        (scenario, key) for scenario in SCENARIO_KEYS.values() for key in SCHEDULES}
+        (scenario, key) for scenario in SCENARIO_KEYS.values() for key in QUICK_KEYS}
     P = payload["config"]["pipeline_parallel"]
     for row in rows:
         assert row["iteration_ms"] > 0 and len(row["iteration_ms_each"]) == payload["config"]["iters"]

@@ -161,12 +161,13 @@ def test_dropout_is_really_on_in_the_dropout_grid(reference, dropout_reference):
         (dropout_reference[0], reference[0])
 
 
-SPLIT_SCHEDULES = ["app:dfc", "app:bfc", "app:adaptive", "app:planned", "interleaved", "zb-h1"]
+# bfc and Megatron's order with W right after B use no split code that dfc and zb-h1 do not (CI budget)
+SPLIT_SCHEDULES = ["app:dfc", "app:adaptive", "app:planned", "zb-h1"]
 
 
 @pytest.mark.slow
 def test_split_backward_every_schedule_matches_unpipelined_training(tmp_path, reference):
-    """--split-backward (B now, W later: runtime/split_backward.py) under every policy and ZB-H1, at P=2 V=2 T=2 only:
+    """--split-backward (B now, W later: runtime/split_backward.py) under the policies and ZB-H1, at P=2 V=2 T=2 only:
     the split is per chunk, so one interleaved layout covers it without multiplying the grid; T=2 runs the
     tensor-parallel all-reduce of a deferring linear layer's input gradient."""
     traces = tmp_path / "traces"

@@ -84,9 +84,9 @@ def idle_wait(argv):
 def interruptible(argv):
     peer = int(argv[3])
     transport = transport_from(argv, 4)
-    print("READY", flush=True)
     start = time.monotonic()
-    try:
+    try:     # READY inside: a Ctrl-C that lands before recv blocks (a descheduled process) is caught too
+        print("READY", flush=True)
         transport.recv(peer, make_tag(Direction.FORWARD, 0), timeout=60)
     except KeyboardInterrupt:
         print(f"INTERRUPTED {time.monotonic() - start:.3f}", flush=True)
