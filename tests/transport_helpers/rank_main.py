@@ -10,6 +10,7 @@
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -83,6 +84,10 @@ def idle_wait(argv):
 
 def interruptible(argv):
     peer = int(argv[3])
+    # Ctrl-C must reach Python whatever this process inherited: a SIGINT ignored or blocked by the process that
+    # started it (the test ran after others in one pytest worker and got no KeyboardInterrupt, twice).
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     transport = transport_from(argv, 4)
     start = time.monotonic()
     try:     # READY inside: a Ctrl-C that lands before recv blocks (a descheduled process) is caught too
