@@ -29,9 +29,9 @@ def _bench(*flags, timeout=240):
                           capture_output=True, text=True, timeout=timeout)
 
 
-# Every schedule row but planned with a split backward (the split mechanism of adaptive's row, another policy):
-# the CI budget.
-QUICK_KEYS = [key for key in SCHEDULES if key != "app-planned-split"]
+# Every schedule row but planned with a split backward (the split mechanism of adaptive's row, another policy) and
+# torch's zero-bubble order in our runtime (its schedule file runs in the equality test): the CI budget.
+QUICK_KEYS = [key for key in SCHEDULES if key not in ("app-planned-split", "torch-zb-order")]
 
 
 @pytest.fixture(scope="module")
@@ -213,3 +213,21 @@ def test_repeats_are_planned_round_robin_and_pooled_per_row(quick, tmp_path):
     measured_per_run = chosen[0]["iterations"] - chosen[0]["warmup"]
     for row in rows:
         assert len(row.iteration_ms_each) == 2 * measured_per_run
+
+
+def test_torchs_zero_bubble_order_row_runs_our_trainer_on_torchs_lists(tmp_path):
+    """The row is planned with torch's lists written beside the runs and handed to the trainer (--schedule-file);
+    the lists are checked to complete on the pipeline the row runs."""
+    import bench_schedule
+    from bench_schedule_worker import trainer_argv
+
+    from megatron_app.runtime.settings import read_action_lists
+    from megatron_app.schedule.action_lists import orders_from_action_lists
+
+    args = bench_schedule.parse_args(["--quick", "--scenarios", "homogeneous", "--schedules", "torch-zb-order"])
+    (run,) = bench_schedule.build_plan(args, tmp_path)["runs"]
+    assert run["split_backward"] and run["sim_policy"] is None
+    argv = trainer_argv(run, None)
+    assert argv[argv.index("--schedule-file") + 1] == run["schedule_file"] and "--split-backward" in argv
+    shape = PipelineShape(run["pipeline_parallel"], run["model_chunks"], run["microbatches"], split_backward=True)
+    assert len(orders_from_action_lists(shape, read_action_lists(run["schedule_file"]))) == shape.num_stages
