@@ -66,11 +66,12 @@ def deferring(products: List[DeferredProduct], nodes: Iterable):
         _products, _nodes = previous
 
 
-def defer(node, compute: Callable[[], Sequence[torch.Tensor]], kept: Sequence[torch.Tensor]) -> bool:
-    """Called by a node during B: record its deferred product; False when this B does not defer it (compute it
-    now)."""
-    if _products is None or node not in _nodes:
-        return False
+def defers(node) -> bool:
+    """Whether the running backward is a split backward's B that defers this node's weight gradients."""
+    return _products is not None and node in _nodes
+
+
+def defer(node, compute: Callable[[], Sequence[torch.Tensor]], kept: Sequence[torch.Tensor]) -> None:
+    """Called by a node during B, when defers(node): record its deferred product."""
     edges = tuple(GradientEdge(node.next_functions[i][0], node.next_functions[i][1]) for i in deferred_edges(node))
     _products.append(DeferredProduct(edges, compute, tuple(kept)))
-    return True

@@ -26,8 +26,10 @@ class DeferrableLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        deferred = weight_deferral.defer(ctx, lambda: (grad.t() @ x,), (x, grad))
-        return grad @ weight, None if deferred else grad.t() @ x
+        if not weight_deferral.defers(ctx):
+            return grad @ weight, grad.t() @ x
+        weight_deferral.defer(ctx, lambda: (grad.t() @ x,), (x, grad))
+        return grad @ weight, None
 
 
 weight_deferral.register(DeferrableLinear._backward_cls,

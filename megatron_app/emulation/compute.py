@@ -50,8 +50,9 @@ class TimedScale(torch.autograd.Function):
             emulated_wait(ctx.weight_grad_s)
             return ((grad * x).sum(dim=tuple(range(grad.dim() - 1))),)
 
-        deferred = bool(weight_deferral.deferred_edges(ctx)) and weight_deferral.defer(ctx, weight_gradient,
-                                                                                         (x, grad))
+        deferred = weight_deferral.defers(ctx)
+        if deferred:
+            weight_deferral.defer(ctx, weight_gradient, (x, grad))
         emulated_wait(ctx.input_grad_s + (0.0 if deferred else ctx.weight_grad_s))
         grad_x = grad * weight if ctx.needs_input_grad[0] else None
         grad_weight = None if deferred else (grad * x).sum(dim=tuple(range(grad.dim() - 1)))

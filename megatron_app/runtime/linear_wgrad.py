@@ -50,7 +50,7 @@ def _deferred_edges(ctx) -> Tuple[int, ...]:
 
 
 def _backward(ctx, grad_output):
-    if not _deferred_edges(ctx):
+    if not weight_deferral.defers(ctx):
         return _original(ctx, grad_output)
     input, weight = ctx.saved_tensors
     use_bias = ctx.use_bias
@@ -62,8 +62,7 @@ def _backward(ctx, grad_output):
         grad_weight = grad.t().matmul(total_input)
         return (grad_weight, grad.sum(dim=0)) if use_bias else (grad_weight,)
 
-    if not weight_deferral.defer(ctx, weight_gradients, (input, grad_output)):
-        return _original(ctx, grad_output)
+    weight_deferral.defer(ctx, weight_gradients, (input, grad_output))
     grad_input = grad_output.matmul(weight)
     if getattr(ctx, "allreduce_dgrad", False):
         torch.distributed.all_reduce(grad_input, group=ctx.tp_group)

@@ -49,18 +49,16 @@ class AppSettings:
             raise AppConfigError(f"planning share must lie in (0, 1), got {self.planning_share}")
         if not isinstance(self.split_backward, bool):
             raise AppConfigError(f"split_backward must be True or False, got {self.split_backward!r}")
+        if self.timeout_s <= 0:
+            raise AppConfigError(f"timeout must be positive, got {self.timeout_s}")
         if (self.schedule == FILE_SCHEDULE) != (self.schedule_file is not None):
             raise AppConfigError("schedule 'file' and a schedule file go together (--schedule-file PATH)")
-        if self.schedule_file is not None:
+        if self.schedule_file is not None:     # its lists are checked against the pipeline once it is known
             self.action_lists = read_action_lists(self.schedule_file)
-            if self.timeout_s <= 0:
-                raise AppConfigError(f"timeout must be positive, got {self.timeout_s}")
             return self
         from megatron_app.schedule import POLICIES
         if POLICIES[self.policy_name].split_only and not self.split_backward:
             raise AppConfigError(f"schedule {self.policy_name!r} needs --split-backward")
-        if self.timeout_s <= 0:
-            raise AppConfigError(f"timeout must be positive, got {self.timeout_s}")
         return self
 
     @property

@@ -50,6 +50,10 @@ def defers_weights(input_tensor) -> bool:
     return input_tensor is not None and input_tensor.requires_grad
 
 
+# torch.utils.checkpoint's and Megatron's (tensor_parallel.random) reentrant checkpoint nodes
+_REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
+
+
 def walk_for_b(root) -> Tuple[List[torch.Tensor], List[object]]:
     """(the leaves a B from `root` must accumulate into: every leaf reachable other than through a deferred edge,
     the nodes that defer); ([], []) when the graph holds a reentrant checkpoint (then nothing is deferred)."""
@@ -71,10 +75,6 @@ def walk_for_b(root) -> Tuple[List[torch.Tensor], List[object]]:
                 seen.add(target)
                 stack.append(target)
     return list(leaves.values()), deferring
-
-
-# torch.utils.checkpoint's and Megatron's (tensor_parallel.random) reentrant checkpoint nodes
-_REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
 
 
 def run_input_backward(input_tensor, output_tensor, output_grad, model_type, config
