@@ -2,13 +2,17 @@
 """Build a real text corpus with natural document lengths for variable-length training (no download).
 
     python tools/make_corpus.py --output-dir data/corpus [--sources licenses pydoc] [--vocab-size 1000]
+    python tools/make_corpus.py --output-dir data/copyright --sources copyright --lengths-truncate 2048 8192
 
 Documents are the paragraphs of Debian's license texts (/usr/share/common-licenses) and of Python's help topics
-(pydoc_data.topics), deduplicated and shuffled with a fixed seed. Writes into --output-dir:
+(pydoc_data.topics), or (source copyright) the whole /usr/share/doc/*/copyright files, deduplicated and shuffled
+with a fixed seed. Writes into --output-dir:
   corpus.jsonl                      one {"id", "text"} document per line
   tokenizer.json, vocab.json, merges.txt   a byte-level BPE trained on the documents (<|endoftext|> included)
   corpus_text_document.bin/.idx     the Megatron indexed dataset (tools/preprocess_data.py's engine, --append-eod)
   stats.json                        document-length statistics in tokens
+  lengths_<N>.txt                   with --lengths-truncate N: each document's tokens (from the indexed dataset),
+                                    truncated to N, one per line (python -m megatron_app.sim --lengths-file)
 and prints the flags to train on it, e.g.
   bash run_single.sh --pipeline_parallel 2 --model_chunks 2 --variable-seq-lengths --seq-length 256 \\
       --data-path data/corpus/corpus_text_document --tokenizer-json data/corpus/tokenizer.json
@@ -36,6 +40,7 @@ from megatron_app.train.corpus import (  # noqa: E402
 from megatron_app.trace.cli import OneLineArgumentParser  # noqa: E402
 
 PROG = "make_corpus.py"
+DEFAULT_SOURCES = ("licenses", "pydoc")      # the paragraph corpus; copyright is asked for by name
 
 
 def _fail(message: str, status: int = 2):
@@ -48,8 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(prog=PROG, description=description.strip(), epilog=epilog,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", required=True, help="created if missing")
-    parser.add_argument("--sources", nargs="+", choices=SOURCES, default=list(SOURCES),
-                        help="text sources (default: all)")
+    parser.add_argument("--sources", nargs="+", choices=SOURCES, default=list(DEFAULT_SOURCES),
+                        help=f"text sources (default: {' '.join(DEFAULT_SOURCES)})")
+    parser.add_argument("--lengths-truncate", nargs="*", type=int, default=[], metavar="N",
+                        help="also write lengths_<N>.txt: document token counts truncated to N")
     parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE,
                         help=f"BPE vocabulary size, <|endoftext|> included (default: {DEFAULT_VOCAB_SIZE})")
     parser.add_argument("--shuffle-seed", type=int, default=SHUFFLE_SEED, help="document order seed")
@@ -85,6 +92,11 @@ def main(argv=None) -> int:
                "data_path": prefix, "tokens_per_document": dataclasses.asdict(lengths),
                "note": "lengths include the appended end-of-document token"}
     (out / "stats.json").write_text(json.dumps(summary, indent=1) + "\n")
+    for truncate in args.lengths_truncate:
+        if truncate < 1:
+            _fail(f"--lengths-truncate must be >= 1, got {truncate}")
+        counts = [min(int(n), truncate) for n in indexed_document_lengths(prefix)]
+        (out / f"lengths_{truncate}.txt").write_text("".join(f"{c}\n" for c in counts))
     print(f"{PROG}: {lengths.line()} (end-of-document token included)")
     print(f"{PROG}: train with --data-path {prefix} --tokenizer-json {files['tokenizer_json']} "
           "--variable-seq-lengths")

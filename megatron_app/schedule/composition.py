@@ -45,6 +45,13 @@ class Composition:
             return tuple(sum(document_lengths[p] for p in group) for group in self.groups)
         return tuple(len(group) * max(document_lengths[p] for p in group) for group in self.groups)
 
+    def microbatch_squared_tokens(self, document_lengths: Sequence[int]) -> Tuple[int, ...]:
+        """Attention's quadratic term per microbatch: the sum of its documents' squared lengths packed (attention
+        stays inside each document), rows x longest^2 padded."""
+        if self.packed:
+            return tuple(sum(document_lengths[p] ** 2 for p in group) for group in self.groups)
+        return tuple(len(group) * max(document_lengths[p] for p in group) ** 2 for group in self.groups)
+
     def padding_tokens(self, document_lengths: Sequence[int]) -> int:
         return sum(self.microbatch_tokens(document_lengths)) - sum(document_lengths)
 

@@ -88,14 +88,18 @@ class TaskTable:
 
 def run_iteration(shape: PipelineShape, policies: Sequence[Policy], durations: DurationTable, network: Network,
                   iteration: int, start_us: float, trace: Optional[SimTrace] = None,
-                  table: Optional[TaskTable] = None, lengths: Optional[Sequence[int]] = None
-                  ) -> IterationOutcome:
+                  table: Optional[TaskTable] = None, lengths: Optional[Sequence[int]] = None,
+                  plan=None) -> IterationOutcome:
     """Simulate one iteration from start_us; raises ScheduleStallError (every rank's state) if it would hang.
     lengths: tokens per microbatch. Planning policies get them (rank 0 plans, every rank adopts the plan, as the
-    runtime's broadcast does) and activations are sized by them (peaks in tokens); None counts activations."""
+    runtime's broadcast does) and activations are sized by them (peaks in tokens); None counts activations.
+    plan: a plan chosen beforehand (a composed batch's, composition_plan.py): planning policies adopt it, no search."""
     P = shape.num_stages
     planning_s = 0.0
-    if policies[0].plans_iterations:
+    if policies[0].plans_iterations and plan is not None:
+        for policy in policies:
+            policy.use_plan(lengths, plan)
+    elif policies[0].plans_iterations:
         began = time.process_time()     # CPU time: on a shared machine wall time would measure the load
         plan = policies[0].plan_iteration(lengths)
         planning_s = time.process_time() - began

@@ -2,6 +2,8 @@
 
 Sources (nothing is downloaded):
 - ``licenses``: Debian's license texts, /usr/share/common-licenses/* (package base-files, on every Debian system);
+- ``copyright``: every package's /usr/share/doc/*/copyright file, each file WHOLE as one document (a long tail:
+  most are a few KB, some tens of KB; issue 23's long-document corpus);
 - ``pydoc``: the Python help topics of the running interpreter's standard library (``pydoc_data.topics``, Debian
   package libpython3.X-stdlib).
 Each paragraph (text between blank lines) is one document; exact duplicates are dropped (the GPL family shares
@@ -25,7 +27,10 @@ from typing import Dict, List, Sequence
 from .text_tokenizers import DEFAULT_EOD_TOKEN
 
 LICENSES_DIR = "/usr/share/common-licenses"
-SOURCES = ("licenses", "pydoc")
+COPYRIGHT_GLOB = "/usr/share/doc/*/copyright"
+SOURCES = ("licenses", "pydoc", "copyright")
+# Sources whose files are documents as they are (not split into paragraphs).
+WHOLE_DOCUMENT_SOURCES = ("copyright",)
 DEFAULT_VOCAB_SIZE = 1000
 SHUFFLE_SEED = 1234
 _PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n")
@@ -64,16 +69,34 @@ def pydoc_texts() -> List[str]:
     return [topics[name] for name in sorted(topics)]
 
 
+def copyright_texts(pattern: str = COPYRIGHT_GLOB) -> List[str]:
+    """Each package's copyright file once (many are symlinks to a shared one), in path order."""
+    seen, texts = set(), []
+    for path in sorted(glob.glob(pattern)):
+        real = os.path.realpath(path)
+        if real in seen or not os.path.isfile(real):
+            continue
+        seen.add(real)
+        with open(real, encoding="utf-8", errors="replace") as handle:
+            text = handle.read().strip()
+        if text:
+            texts.append(text)
+    if not texts:
+        raise CorpusError(f"no files match {pattern} (source 'copyright' needs Debian's /usr/share/doc)")
+    return texts
+
+
 def collect_documents(sources: Sequence[str], seed: int = SHUFFLE_SEED) -> List[str]:
-    """Paragraph documents of the named sources, deduplicated, in a seeded random order."""
-    readers = {"licenses": license_texts, "pydoc": pydoc_texts}
+    """Documents of the named sources (paragraphs, or whole files for WHOLE_DOCUMENT_SOURCES), deduplicated, in a
+    seeded random order."""
+    readers = {"licenses": license_texts, "pydoc": pydoc_texts, "copyright": copyright_texts}
     documents: Dict[str, None] = {}
     for source in sources:
         if source not in readers:
             raise CorpusError(f"unknown corpus source {source!r}; choose from {', '.join(SOURCES)}")
         for text in readers[source]():
-            for paragraph in paragraphs(text):
-                documents.setdefault(paragraph, None)
+            for document in ([text] if source in WHOLE_DOCUMENT_SOURCES else paragraphs(text)):
+                documents.setdefault(document, None)
     ordered = list(documents)
     random.Random(seed).shuffle(ordered)
     return ordered

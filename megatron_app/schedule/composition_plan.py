@@ -1,0 +1,216 @@
+"""The `balanced` composition: which documents form each microbatch, how many microbatches, their order and each
+rank's warm-up, chosen together for one global batch (this replica's share) from the documents' lengths.
+
+For every candidate microbatch count the documents are bin-packed whole (no document split) into cost-balanced
+microbatches: longest-processing-time first (each document, most expensive first, into the cheapest microbatch so
+far), then local moves and swaps between the most and least expensive microbatch while they narrow the spread. A
+document's cost is the learnt per-(kind, chunk) model summed over the pipeline (length_costs.py: linear in tokens
+plus attention's square of its own length). Every candidate is then scored by the plan evaluator
+(plan_search.PlanSearch over plan_graph.PlanGraph, the one evaluator the `planned` policy uses): a short screening
+(seeded orders x warm-ups) for every candidate, the full annealing over order and per-rank warm-ups for the best.
+The loader's own microbatches, packed, are always a candidate, so the prediction never loses to them.
+
+Memory: a microbatch's activation is sized by its tokens; each rank's cap is memory_factor x the peak of held tokens
+Megatron's interleaved order reaches on that rank for the LOADER's own padded microbatches (what the user runs
+today), so a plan holds at most that many activation tokens on every rank.
+
+Microbatch counts: megatron-core 0.16.1's interleaved schedule (pipeline_parallel/schedules.py,
+forward_backward_pipelining_with_interleaving) requires, with N = config.microbatch_group_size_per_vp_stage
+(default P), P <= N <= m and m % N == 0 or m % N >= P; our PipelineShape enforces the same (and m >= P).
+With the default N = P that means m is a multiple of P. Without interleaving (V = 1) any m >= 1 runs. The planner
+only considers counts for which PipelineShape accepts the shape (valid_microbatch_counts), and at most one
+microbatch per document.
+
+Pure and deterministic: the same lengths and cost model give the same plan (no clocks; the search's seed is a hash
+of its inputs). numpy only.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .composition import Composition, loader_composition
+from .errors import ScheduleConfigError
+from .length_costs import LengthCostModel
+from .megatron_order import megatron_order
+from .plan_search import Plan, PlanSearch, order_peak_size
+from .shape import PipelineShape
+from .tasks import Kind
+
+PLANNED_KINDS = (Kind.FORWARD, Kind.BACKWARD)     # the evaluator's rows: forward chunks, then whole backwards
+DEFAULT_FINAL_EVALUATIONS = 528                   # the full search on the best candidate (plan_search's default)
+MAX_CANDIDATE_COUNTS = 10                         # beyond this many valid counts, a spread of them
+LOCAL_MOVE_ROUNDS = 200
+
+
+@dataclass(frozen=True)
+class ComposedPlan:
+    composition: Composition          # groups in entry order: microbatch k enters the pipeline k-th
+    plan: Plan                        # start order 0..m-1 (the groups are already in order) and warm-ups
+    predicted_makespan: float         # in the cost model's unit
+    predicted_loader_makespan: float  # the loader's padded microbatches in Megatron's order, same model
+    microbatch_tokens: Tuple[int, ...]
+    microbatch_squared_tokens: Tuple[int, ...]
+    caps: Tuple[float, ...]           # per rank, activation tokens a plan may hold
+    peaks: Tuple[float, ...]          # per rank, the plan's own peak
+    evaluations: int
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.composition.num_microbatches
+
+
+def valid_microbatch_counts(num_stages: int, num_chunks: int, most: int,
+                            microbatch_group_size: Optional[int] = None, split_backward: bool = False
+                            ) -> Tuple[int, ...]:
+    """Counts 1..most that Megatron's schedule accepts for this pipeline (PipelineShape's checks, see module doc)."""
+    counts = []
+    for count in range(1, most + 1):
+        try:
+            PipelineShape(num_stages, num_chunks, count, microbatch_group_size=microbatch_group_size,
+                          split_backward=split_backward)
+        except ScheduleConfigError:
+            continue
+        counts.append(count)
+    return tuple(counts)
+
+
+def loader_peak_caps(shape: PipelineShape, padded_tokens: Sequence[float], memory_factor: float = 1.0
+                     ) -> Tuple[float, ...]:
+    """Per rank: memory_factor x the held-token peak of Megatron's interleaved order on the loader's microbatches."""
+    return tuple(memory_factor * order_peak_size(megatron_order(shape, rank), padded_tokens)
+                 for rank in range(shape.num_stages))
+
+
+def document_costs(costs: LengthCostModel, num_chunks: int, lengths: Sequence[int]) -> np.ndarray:
+    """Each document's share of a microbatch's time on the whole pipeline (intercepts removed: they are per
+    microbatch, not per document)."""
+    lengths = np.asarray(lengths, dtype=float)
+    table = costs.duration_table(PLANNED_KINDS, num_chunks, lengths, lengths ** 2)
+    intercept = costs.duration_table(PLANNED_KINDS, num_chunks, np.zeros(1), np.zeros(1))
+    return np.maximum(table.sum(axis=0) - intercept.sum(), 1e-12 * table.sum(axis=0))
+
+
+def balanced_groups(weights: Sequence[float], count: int) -> Tuple[Tuple[int, ...], ...]:
+    """Whole documents into `count` groups of near-equal total weight: LPT, then moves/swaps between the heaviest
+    and the lightest group while the spread narrows. Groups come back sorted by position; deterministic."""
+    weights = [float(w) for w in weights]
+    n = len(weights)
+    if not 1 <= count <= n:
+        raise ScheduleConfigError(f"cannot place {n} documents into {count} non-empty microbatches")
+    order = sorted(range(n), key=lambda i: (-weights[i], i))
+    groups: List[List[int]] = [[] for _ in range(count)]
+    loads = [0.0] * count
+    heap = [(0.0, k) for k in range(count)]
+    for position, document in enumerate(order):
+        load, k = heapq.heappop(heap)
+        groups[k].append(document)
+        loads[k] = load + weights[document]
+        heapq.heappush(heap, (loads[k], k))
+    for _ in range(LOCAL_MOVE_ROUNDS):
+        heavy = max(range(count), key=lambda k: (loads[k], -k))
+        light = min(range(count), key=lambda k: (loads[k], k))
+        gap = loads[heavy] - loads[light]
+        if gap <= 0:
+            break
+        best = None       # (distance of the transferred weight from gap/2, move)
+        if len(groups[heavy]) > 1:
+            for d in groups[heavy]:
+                if 0 < weights[d] < gap:
+                    best = min(best or (np.inf, None), (abs(weights[d] - gap / 2), (d, None)), key=lambda x: x[0])
+        for d in groups[heavy]:
+            for e in groups[light]:
+                delta = weights[d] - weights[e]
+                if 0 < delta < gap:
+                    best = min(best or (np.inf, None), (abs(delta - gap / 2), (d, e)), key=lambda x: x[0])
+        if best is None:
+            break
+        d, e = best[1]
+        groups[heavy].remove(d)
+        groups[light].append(d)
+        loads[heavy] -= weights[d]
+        loads[light] += weights[d]
+        if e is not None:
+            groups[light].remove(e)
+            groups[heavy].append(e)
+            loads[light] -= weights[e]
+            loads[heavy] += weights[e]
+    return tuple(tuple(sorted(group)) for group in groups)
+
+
+def candidate_counts(valid: Sequence[int], loader_count: int, most: int = MAX_CANDIDATE_COUNTS) -> Tuple[int, ...]:
+    """All valid counts when few, else a geometric spread of them that keeps the loader's count."""
+    if len(valid) <= most:
+        return tuple(valid)
+    picks = {valid[int(round(i))] for i in np.geomspace(1, len(valid), most) - 1}
+    return tuple(sorted(picks | {loader_count}))
+
+
+class CompositionPlanner:
+    """plan(lengths, micro_batch_size, costs) -> ComposedPlan for one pipeline (P stages x V chunks)."""
+
+    def __init__(self, num_stages: int, num_chunks: int, split_backward: bool = False,
+                 microbatch_group_size: Optional[int] = None, memory_factor: float = 1.0,
+                 final_evaluations: int = DEFAULT_FINAL_EVALUATIONS, max_counts: int = MAX_CANDIDATE_COUNTS):
+        self.num_stages, self.num_chunks = num_stages, num_chunks
+        self.split_backward = split_backward
+        self.microbatch_group_size = microbatch_group_size
+        self.memory_factor = memory_factor
+        self.final_evaluations = final_evaluations
+        self.max_counts = max_counts
+
+    def _shape(self, count: int) -> PipelineShape:
+        return PipelineShape(self.num_stages, self.num_chunks, count, microbatch_group_size=self.microbatch_group_size,
+                             split_backward=self.split_backward)
+
+    def plan(self, document_lengths: Sequence[int], micro_batch_size: int, costs: LengthCostModel,
+             stop: Optional[Callable[[float], bool]] = None) -> ComposedPlan:
+        """stop(predicted_loader_makespan): asked between candidates and search rounds (a driver's time budget)."""
+        lengths = tuple(int(v) for v in document_lengths)
+        if not lengths or min(lengths) < 1:
+            raise ScheduleConfigError(f"document lengths must be positive integers, got {list(document_lengths)!r}")
+        V = self.num_chunks
+        loader = loader_composition(len(lengths), micro_batch_size, packed=False)
+        loader_shape = self._shape(loader.num_microbatches)
+        loader_tokens = loader.microbatch_tokens(lengths)
+        caps = loader_peak_caps(loader_shape, loader_tokens, self.memory_factor)
+        loader_table = costs.duration_table(PLANNED_KINDS, V, loader_tokens, loader.microbatch_squared_tokens(lengths))
+        loader_value = self._screen(loader_shape, loader_tokens, caps, loader_table, max_extra_warmup=0).\
+            predicted_data_order_makespan
+        weights = document_costs(costs, V, lengths)
+        valid = valid_microbatch_counts(self.num_stages, V, len(lengths), self.microbatch_group_size,
+                                        self.split_backward)
+        candidates = [loader_composition(len(lengths), micro_batch_size, packed=True)]
+        candidates += [Composition(balanced_groups(weights, count), packed=True)
+                       for count in candidate_counts(valid, loader.num_microbatches, self.max_counts)]
+        screened = []          # (predicted makespan, index, composition)
+        for index, composition in enumerate(candidates):
+            if screened and stop is not None and stop(loader_value):
+                break
+            shape = self._shape(composition.num_microbatches)
+            tokens = composition.microbatch_tokens(lengths)
+            table = costs.duration_table(PLANNED_KINDS, V, tokens, composition.microbatch_squared_tokens(lengths))
+            value = self._screen(shape, tokens, caps, table).predicted_makespan
+            screened.append((value, index, composition))
+        _, _, best = min(screened, key=lambda entry: entry[:2])
+        shape = self._shape(best.num_microbatches)
+        tokens = best.microbatch_tokens(lengths)
+        squared = best.microbatch_squared_tokens(lengths)
+        table = costs.duration_table(PLANNED_KINDS, V, tokens, squared)
+        choice = PlanSearch(shape, evaluations=self.final_evaluations).choose(
+            tokens, caps, [table[:V], table[V:]], stop=None if stop is None else (lambda _: stop(loader_value)))
+        order = choice.plan.start_order
+        composition = Composition(tuple(best.groups[k] for k in order), packed=True)
+        plan = Plan(tuple(range(len(order))), choice.plan.extra_warmup)
+        return ComposedPlan(composition, plan, choice.predicted_makespan, loader_value,
+                            tuple(tokens[k] for k in order), tuple(squared[k] for k in order), tuple(caps),
+                            choice.admission_needs, choice.evaluations)
+
+    def _screen(self, shape: PipelineShape, tokens, caps, table, max_extra_warmup: int = 3):
+        """The seeded orders x warm-ups only (no annealing): a cheap score for one candidate composition."""
+        search = PlanSearch(shape, evaluations=0, max_extra_warmup=max_extra_warmup)
+        return search.choose(tokens, caps, [table[:self.num_chunks], table[self.num_chunks:]])

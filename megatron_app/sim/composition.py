@@ -1,0 +1,223 @@
+"""Simulated iterations of one global batch of documents under a composition: which documents form each microbatch.
+
+Rows (COMPOSITION_ROWS), all on the same drawn documents per iteration (MicrobatchLengths.draw, keyed by seed and
+iteration):
+  loader       the loader's microbatches (micro_batch_size consecutive documents), padded to their longest, in
+               Megatron's interleaved order: today's baseline.
+  packed       the same groups packed into one row each (no padding), Megatron's order: isolates padding.
+  dp-balanced  documents in loader order packed into microbatches up to a token budget, a variable count made valid
+               for interleaving by splitting the last multi-document microbatches (the way Megatron-LM's
+               NaiveSequencePackingScheduler in megatron/core/datasets/data_schedule.py does it; not cost-aware),
+               Megatron's order.
+  balanced     composition_plan.CompositionPlanner (cost-balanced packing + order + warm-ups), run by `planned`.
+
+A microbatch costs base x (linear * T + quadratic * S) / (linear + quadratic), T its tokens and S its attention
+blocks' squared lengths, both over the mean document length (packed: the documents; padded: rows of the longest):
+the same model as MicrobatchLengths.cost_factor for one document. Every task also pays `host_us`, the runtime's own
+time per task (Python loop, Megatron's step functions, transport calls) that does not scale with tokens.
+The planner learns its costs from the tasks it saw in earlier iterations (rank 0's, as the runtime's policy would).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from megatron_app.schedule import Kind, PipelineShape, ScheduleConfigError, make_policy
+from megatron_app.schedule.composition import Composition, loader_composition
+from megatron_app.schedule.composition_plan import CompositionPlanner, loader_peak_caps, valid_microbatch_counts
+from megatron_app.schedule.length_costs import LengthCostModel
+
+from .bounds import lower_bounds
+from .costs import DurationTable, draw_durations, ComputeCosts, ComputePerturbations
+from .engine import TaskTable, run_iteration
+from .lengths import MicrobatchLengths
+from .network import LinkCosts, Network
+
+US_PER_S = 1e6
+
+LOADER_ROW, PACKED_ROW, DP_BALANCED_ROW, BALANCED_ROW = "loader", "packed", "dp-balanced", "balanced"
+COMPOSITION_ROWS = (LOADER_ROW, PACKED_ROW, DP_BALANCED_ROW, BALANCED_ROW)
+# The runtime's own time per task, measured with near-zero emulated compute on this 2-core machine (issue 23:
+# about 0.4 ms; BENCHMARKS.md). A parameter: set it from a measurement on the machine being modelled.
+DEFAULT_HOST_US = 400.0
+
+
+def loader_order_packing(lengths: Sequence[int], token_budget: int, valid_counts: Sequence[int]
+                         ) -> Composition:
+    """Documents in loader order into packed microbatches of at most token_budget tokens (a longer document alone),
+    then, while the count is not valid for the pipeline, the last document of the last multi-document microbatch
+    becomes a microbatch of its own."""
+    groups: List[List[int]] = []
+    current, tokens = [], 0
+    for position, length in enumerate(lengths):
+        if current and tokens + length > token_budget:
+            groups.append(current)
+            current, tokens = [], 0
+        current.append(position)
+        tokens += length
+    groups.append(current)
+    valid = set(valid_counts)
+    while len(groups) not in valid:
+        splittable = [k for k, group in enumerate(groups) if len(group) > 1]
+        if not splittable:
+            raise ScheduleConfigError(f"{len(lengths)} documents cannot form a valid number of microbatches")
+        groups.append([groups[splittable[-1]].pop()])
+    return Composition(tuple(tuple(g) for g in groups), packed=True)
+
+
+@dataclass(frozen=True)
+class CompositionSimConfig:
+    num_stages: int
+    num_chunks: int
+    loader_microbatches: int          # the loader's microbatches per iteration (m)
+    documents_per_microbatch: int     # micro_batch_size: documents per loader microbatch
+    lengths: MicrobatchLengths        # the documents' token counts (a corpus) and the cost model
+    forward_us: float = 10_000.0      # a chunk's forward on one document of the mean length
+    backward_us: float = 20_000.0
+    host_us: float = DEFAULT_HOST_US
+    iterations: int = 3
+    warmup_iterations: int = 1        # not averaged: the planner's costs are still the prior in the first
+    seed: int = 0
+    memory_factor: float = 1.0
+    token_budget: Optional[int] = None   # dp-balanced: tokens per microbatch (default: m. b. size x longest doc)
+
+
+@dataclass
+class CompositionIteration:
+    makespan_us: float
+    lower_bound_us: float
+    num_microbatches: int
+    peak_tokens: List[float]           # per rank
+    loader_peak_tokens: List[float]    # per rank: the baseline's (loader, padded, Megatron's order)
+    padding_share: float               # padding tokens / computed tokens
+    planning_s: float
+
+
+@dataclass
+class CompositionResult:
+    row: str
+    iterations: List[CompositionIteration] = field(default_factory=list)
+
+    def _mean(self, name):
+        return float(np.mean([getattr(it, name) for it in self.iterations]))
+
+    @property
+    def makespan_us(self) -> float:
+        return self._mean("makespan_us")
+
+    @property
+    def lower_bound_us(self) -> float:
+        return self._mean("lower_bound_us")
+
+    @property
+    def padding_share(self) -> float:
+        return self._mean("padding_share")
+
+    @property
+    def planning_s(self) -> float:
+        return self._mean("planning_s")
+
+    @property
+    def num_microbatches(self) -> float:
+        return self._mean("num_microbatches")
+
+    @property
+    def peak_tokens(self) -> List[float]:
+        return [max(v) for v in zip(*(it.peak_tokens for it in self.iterations))]
+
+    @property
+    def peak_over_loader(self) -> float:
+        """Largest ratio over ranks and iterations of this row's held tokens to the baseline's peak."""
+        return max(p / q for it in self.iterations for p, q in zip(it.peak_tokens, it.loader_peak_tokens))
+
+    def to_dict(self) -> dict:
+        return {"row": self.row, "makespan_us": self.makespan_us, "lower_bound_us": self.lower_bound_us,
+                "padding_share": self.padding_share, "planning_s": self.planning_s,
+                "num_microbatches": self.num_microbatches, "peak_tokens": self.peak_tokens,
+                "peak_over_loader": self.peak_over_loader,
+                "iteration_makespans_us": [it.makespan_us for it in self.iterations]}
+
+
+def composed_durations(config: CompositionSimConfig, shape: PipelineShape, tokens: Sequence[float],
+                       squared: Sequence[float], iteration: int) -> DurationTable:
+    mean = config.lengths.mean_tokens
+    linear, quadratic = config.lengths.linear, config.lengths.quadratic
+    factors = [(linear * t / mean + quadratic * s / mean ** 2) / (linear + quadratic)
+               for t, s in zip(tokens, squared)]
+    costs = ComputeCosts.uniform(shape, config.forward_us, config.backward_us)
+    table = np.asarray(draw_durations(shape, costs, ComputePerturbations(), config.seed, iteration, factors),
+                       dtype=float).copy()
+    present = [Kind.FORWARD.index, Kind.BACKWARD.index] + ([Kind.WEIGHT.index] if shape.split_backward else [])
+    table[:, present] += config.host_us
+    return DurationTable(table)
+
+
+def simulate_composition(config: CompositionSimConfig, row: str,
+                         planner_evaluations: Optional[int] = None) -> CompositionResult:
+    if row not in COMPOSITION_ROWS:
+        raise ScheduleConfigError(f"unknown composition row {row!r}; choose from {', '.join(COMPOSITION_ROWS)}")
+    P, V, K = config.num_stages, config.num_chunks, config.documents_per_microbatch
+    n = config.loader_microbatches * K
+    planner = CompositionPlanner(P, V, memory_factor=config.memory_factor,
+                                 **({} if planner_evaluations is None else {"final_evaluations": planner_evaluations}))
+    costs = LengthCostModel()
+    valid = valid_microbatch_counts(P, V, n)
+    budget = config.token_budget or K * max(config.lengths.corpus or (4 * config.lengths.median_tokens,))
+    result = CompositionResult(row)
+    for iteration in range(config.iterations):
+        documents = config.lengths.draw(n, config.seed, iteration)
+        loader = loader_composition(n, K, packed=False)
+        loader_shape = PipelineShape(P, V, loader.num_microbatches)
+        loader_caps = loader_peak_caps(loader_shape, loader.microbatch_tokens(documents))
+        plan, planning_s = None, 0.0
+        if row == BALANCED_ROW:
+            began = time.process_time()
+            composed = planner.plan(documents, K, costs)
+            planning_s = time.process_time() - began
+            composition, plan = composed.composition, composed.plan
+        elif row == DP_BALANCED_ROW:
+            composition = loader_order_packing(documents, budget, valid)
+        else:
+            composition = loader_composition(n, K, packed=row == PACKED_ROW)
+        tokens = composition.microbatch_tokens(documents)
+        squared = composition.microbatch_squared_tokens(documents)
+        shape = PipelineShape(P, V, composition.num_microbatches)
+        durations = composed_durations(config, shape, tokens, squared, iteration)
+        name = "planned" if row == BALANCED_ROW else "interleaved"
+        policies = [make_policy(name, shape, rank) for rank in range(P)]
+        outcome = run_iteration(shape, policies, durations, Network(LinkCosts()), iteration, 0.0, None, TaskTable(shape),
+                                lengths=tokens, plan=plan)
+        for kind in (Kind.FORWARD, Kind.BACKWARD):
+            for chunk in range(V):
+                for mb in range(shape.num_microbatches):
+                    costs.observe(kind, chunk, tokens[mb], durations[0][kind.index][chunk][mb] / US_PER_S,
+                                  squared[mb])
+        if iteration < config.warmup_iterations and config.iterations > config.warmup_iterations:
+            continue
+        result.iterations.append(CompositionIteration(
+            makespan_us=outcome.makespan_us, lower_bound_us=lower_bounds(shape, durations, 0.0).best_us,
+            num_microbatches=shape.num_microbatches, peak_tokens=list(outcome.peak_activation_sizes),
+            loader_peak_tokens=list(loader_caps),
+            padding_share=composition.padding_tokens(documents) / sum(tokens), planning_s=planning_s))
+    return result
+
+
+def format_composition_table(config: CompositionSimConfig, results: Sequence[CompositionResult]) -> str:
+    base = results[0].makespan_us
+    lines = [f"P={config.num_stages} V={config.num_chunks} loader m={config.loader_microbatches} "
+             f"documents/microbatch={config.documents_per_microbatch} host {config.host_us / 1e3:g} ms/task "
+             f"iterations={config.iterations} (first {config.warmup_iterations} not averaged) seed={config.seed}",
+             f"{'composition':<12} {'m':>5} {'makespan ms':>12} {'x loader':>9} {'bound ms':>10} {'x bound':>8} "
+             f"{'padding':>8} {'peak/base':>10} {'plan ms':>8}  peak activation tokens per rank"]
+    for r in results:
+        peaks = [int(round(p)) for p in r.peak_tokens]
+        text = ",".join(map(str, peaks)) if len(peaks) <= 8 else f"max {max(peaks)}"
+        lines.append(f"{r.row:<12} {r.num_microbatches:>5.0f} {r.makespan_us / 1e3:>12.1f} "
+                     f"{base / r.makespan_us:>9.3f} {r.lower_bound_us / 1e3:>10.1f} "
+                     f"{r.makespan_us / r.lower_bound_us:>8.3f} {r.padding_share:>8.1%} {r.peak_over_loader:>10.3f} "
+                     f"{r.planning_s * 1e3:>8.1f}  {text}")
+    return "\n".join(lines)
