@@ -28,6 +28,7 @@ from megatron_app.schedule import Kind, PipelineShape, RankState, Task
 from . import keyed_randomness
 from .call_contract import ScheduleGroups, apply_tensor_shape_hook, full_checkpoint_flags, resolve_groups
 from .links import PipelineLinks, direction_of
+from .composition import take_pending_composition
 from .microbatch_data import MicrobatchReplay
 from .microbatch_lengths import take_microbatch_lengths
 from .session import RuntimeSession, current_session
@@ -191,6 +192,11 @@ class PipelineStep:
         if self.lengths is None:   # every rank knows no lengths were told: data order, no collective needed
             self.policy.use_plan(None, None)
             return
+        composed = take_pending_composition(self.num_microbatches)
+        squared = None if composed is None else composed.squared_tokens
+        if composed is not None and composed.plan is not None:   # planned with the composition: adopt, no search
+            self.policy.use_plan(self.lengths, composed.plan, squared_tokens=squared)
+            return
         plan = None
         if self.pp_rank == 0:
             start = time.perf_counter()
@@ -206,7 +212,7 @@ class PipelineStep:
             shared = [plan]
             dist.broadcast_object_list(shared, src=pp_global[0], group=pp_group)
             plan = shared[0]
-        self.policy.use_plan(self.lengths, plan)
+        self.policy.use_plan(self.lengths, plan, squared_tokens=squared)
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def run(self) -> List[Any]:

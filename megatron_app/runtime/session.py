@@ -12,7 +12,8 @@ import re
 import socket
 import sys
 import uuid
-from typing import Callable, List, Optional
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,16 @@ def agree_on_job_id(requested: Optional[str]) -> str:
     return picked[0]
 
 
+@dataclass(frozen=True)
+class PendingComposition:
+    """What plan_microbatches decided for the next call: per microbatch tokens and squared document tokens, and the
+    plan chosen with the composition (None: the policy plans the call itself)."""
+    num_microbatches: int
+    tokens: Tuple[int, ...]
+    squared_tokens: Tuple[int, ...]
+    plan: object = None
+
+
 class RuntimeSession:
     def __init__(self, settings: AppSettings):
         self.settings = settings
@@ -60,6 +71,17 @@ class RuntimeSession:
         self.last_planning_s: Optional[float] = None    # its planning time (pipeline rank 0, planning policies)
         self._closed = False
         self._announced = False
+        self.pending_composition: Optional[PendingComposition] = None
+        self._shared_costs = None   # one learnt cost model per process, across calls of any microbatch count
+
+    def shared_costs(self):
+        """The learnt task costs (length_costs.LengthCostModel) every planning policy of this process shares: a
+        policy is cached per PipelineShape, which includes the microbatch count, so the costs live here."""
+        if self._shared_costs is None:
+            from megatron_app.schedule.length_costs import LengthCostModel
+
+            self._shared_costs = LengthCostModel()
+        return self._shared_costs
 
     def announce_once(self, what: str) -> None:
         """One line per rank on stderr the first time the schedule runs, so a user sees the plugin is active."""
@@ -86,6 +108,8 @@ class RuntimeSession:
                 self._policies[key] = make_action_list_policy(shape, rank, self.settings.action_lists, memory_cap)
             else:
                 self._policies[key] = make_policy(name, shape, rank, memory_cap=memory_cap, memory_factor=factor)
+                if getattr(self._policies[key], "plans_iterations", False):
+                    self._policies[key].costs = self.shared_costs()
         return self._policies[key]
 
     def policies_in_use(self):

@@ -62,6 +62,7 @@ class PlannedPolicy(AdaptivePolicy):
         self.costs = LengthCostModel()
         self.search = PlanSearch(shape, evaluations=evaluations)
         self.lengths: Optional[Tuple[int, ...]] = None
+        self.squared_tokens: Optional[Tuple[float, ...]] = None
         self.current_plan = Plan(tuple(range(shape.num_microbatches)))
         self.last_choice: Optional[PlanChoice] = None
 
@@ -83,9 +84,13 @@ class PlannedPolicy(AdaptivePolicy):
         self.last_choice = self.search.choose(sizes, caps, durations, stop=stop)
         return self.last_choice.plan
 
-    def use_plan(self, lengths: Optional[Sequence[int]], plan: Optional[Plan]) -> None:
-        """Run the next iteration (next fresh RankState) by `plan` (None: data order); lengths feed learning."""
+    def use_plan(self, lengths: Optional[Sequence[int]], plan: Optional[Plan],
+                 squared_tokens: Optional[Sequence[float]] = None) -> None:
+        """Run the next iteration (next fresh RankState) by `plan` (None: data order); lengths (tokens) and
+        squared_tokens (per microbatch, the sum of its attention blocks' squared lengths; None: one block of its
+        length) feed learning."""
         self.lengths = None if lengths is None else _check_lengths(self.shape, lengths)
+        self.squared_tokens = None if squared_tokens is None or lengths is None else tuple(squared_tokens)
         plan = plan or Plan(tuple(range(self.shape.num_microbatches)))
         plan.check(self.shape)
         if plan != self.current_plan:
@@ -100,7 +105,8 @@ class PlannedPolicy(AdaptivePolicy):
     def observe(self, task: Task, duration_s: float) -> None:
         super().observe(task, duration_s)
         if self.lengths is not None:
-            self.costs.observe(task.kind, task.chunk, self.lengths[task.microbatch], duration_s)
+            squared = None if self.squared_tokens is None else self.squared_tokens[task.microbatch]
+            self.costs.observe(task.kind, task.chunk, self.lengths[task.microbatch], duration_s, squared)
 
     def _fits(self, state: RankState, task: Task) -> bool:
         # With reordering every rank runs the same plan, whose peak was checked against the byte cap when it was

@@ -41,7 +41,7 @@ class Policy:
         given, is asked during the search with the predicted iteration time in seconds; True ends the search."""
         return None
 
-    def use_plan(self, lengths, plan) -> None:
+    def use_plan(self, lengths, plan, squared_tokens=None) -> None:
         """Adopt `plan` (from some rank's plan_iteration) for the next iteration."""
 
     def __repr__(self) -> str:

@@ -1,0 +1,86 @@
+"""plan_microbatches: which documents of this replica's global batch form each microbatch of the next call.
+
+A collective of the pipeline group: every rank of a pipeline calls it at the same point, before the forward_backward
+call that runs those microbatches, with the same document lengths (loader order 0..n-1). Names
+(schedule/composition.py): 'loader' = the loader's groups padded, 'packed' = the loader's groups packed,
+'balanced' = schedule/composition_plan.py's choice (microbatch count, groups, order, per-rank warm-ups), planned on
+pipeline rank 0 with the costs its `planned` policy has learnt (the prior before any call) within the planning
+budget, and broadcast over the pipeline group. The next forward_backward must be called with
+num_microbatches = composition.num_microbatches; the runtime is told each microbatch's tokens (activation sizes)
+and squared tokens (cost learning) itself, and the `planned` policy ADOPTS the plan chosen with the composition
+(no second search). With data parallelism each replica plans its own share.
+
+The interleaved schedule's rule on the microbatch count (megatron-core 0.16.1, and our PipelineShape): with
+N = microbatch_group_size_per_vp_stage (default P), P <= N <= m and m % N in {0} or >= P; the balanced planner
+only picks such counts, assuming Megatron's default N = P.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+import torch.distributed as dist
+
+from megatron_app.schedule.composition import (BALANCED, PACKED, Composition, check_composition_name,
+                                               loader_composition)
+from megatron_app.schedule.composition_plan import CompositionPlanner
+
+from .microbatch_lengths import set_microbatch_lengths
+from .session import PendingComposition, current_session
+
+
+def _pipeline():
+    """(pipeline group or None, its global ranks, pipeline rank, P, V) from Megatron's parallel state."""
+    from megatron.core import parallel_state
+
+    if not (dist.is_available() and dist.is_initialized()) or not parallel_state.model_parallel_is_initialized():
+        return None, [0], 0, 1, 1
+    group = parallel_state.get_pipeline_model_parallel_group()
+    ranks = dist.get_process_group_ranks(group)
+    V = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+    return group, ranks, dist.get_rank(group), len(ranks), V
+
+
+def plan_microbatches(document_lengths: Sequence[int], micro_batch_size: int, composition: str) -> Composition:
+    check_composition_name(composition)
+    lengths = tuple(int(v) for v in document_lengths)
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"document lengths must be positive integers, got {list(document_lengths)!r}")
+    session = current_session()
+    plan = None
+    if composition != BALANCED:
+        chosen = loader_composition(len(lengths), micro_batch_size, packed=composition == PACKED)
+    else:
+        group, ranks, pp_rank, P, V = _pipeline()
+        chosen = None
+        if pp_rank == 0:
+            planner = CompositionPlanner(P, V, split_backward=session.settings.split_backward,
+                                         memory_factor=session.settings.memory_factor or 1.0)
+            budget = session.planning_budget_s()
+            start = time.perf_counter()
+            stop = None if budget is None else (
+                lambda predicted_s: time.perf_counter() - start > min(budget, session.settings.planning_share
+                                                                      * predicted_s))
+            composed = planner.plan(lengths, micro_batch_size, session.shared_costs(), stop=stop)
+            session.last_planning_s = time.perf_counter() - start
+            chosen, plan = composed.composition, composed.plan
+        if len(ranks) > 1:
+            shared = [(chosen, plan)]
+            dist.broadcast_object_list(shared, src=ranks[0], group=group)
+            chosen, plan = shared[0]
+    tokens = chosen.microbatch_tokens(lengths)
+    session.pending_composition = PendingComposition(chosen.num_microbatches, tokens,
+                                                     chosen.microbatch_squared_tokens(lengths), plan)
+    set_microbatch_lengths(tokens)
+    return chosen
+
+
+def take_pending_composition(num_microbatches: int) -> Optional[PendingComposition]:
+    """The composition planned for this call (consumed), or None when the loop planned none."""
+    session = current_session()
+    pending, session.pending_composition = session.pending_composition, None
+    if pending is not None and pending.num_microbatches != num_microbatches:
+        raise ValueError(f"plan_microbatches planned {pending.num_microbatches} microbatches, the forward_backward "
+                         f"call runs {num_microbatches}")
+    return pending
