@@ -99,3 +99,15 @@ def test_simulated_balanced_composition_beats_loader_packing_at_no_more_memory()
     assert balanced.makespan_us < dp_balanced.makespan_us
     assert balanced.peak_over_loader <= 1.0 + 1e-9
     assert balanced.padding_share == 0.0
+
+
+def test_sim_cli_compares_compositions(tmp_path, capsys):
+    from megatron_app.sim.cli import main
+
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("".join(f"{v}\n" for v in LONG_TAIL))
+    assert main(["--pipeline_parallel", "2", "--model_chunks", "2", "--microbatches", "4", "--lengths-file",
+                 str(lengths), "--documents-per-microbatch", "2", "--iterations", "2"]) == 0
+    out = capsys.readouterr().out
+    assert all(row in out for row in ("loader", "packed", "dp-balanced", "balanced"))
+    assert main(["--pipeline_parallel", "2", "--microbatches", "4", "--documents-per-microbatch", "2"]) == 2

@@ -5,10 +5,15 @@
         [--straggler-prob 0.1 --straggler-factor 3] [--link-latency-us 20 --link-gbps 100 --tensor-bytes 16777216] \
         [--slow-link 1-2:0-300:10] [--memory-cap N] [--iterations 3] [--seed 0] [--trace-dir D] [--json FILE]
         [--length-sigma 1.0 | --lengths-file LENGTHS] [--length-cost 0.7,0.3] [--memory-factor 1.1]
+    python -m megatron_app.sim --pipeline_parallel 4 --model_chunks 2 --microbatches 16 \
+        --lengths-file docs/results/lengths/copyright_2048.txt --documents-per-microbatch 2 [--host-ms 0.4]
 
 With variable lengths (--length-sigma: lognormal; --lengths-file: one token count per line, e.g. a corpus's
 documents) each microbatch's tasks cost --fwd-ms/--bwd-ms x (a x + b x^2)/(a + b), x = tokens / mean tokens, and its
 activations are sized by its tokens; the table adds the peak activation tokens against Megatron's data-order peak.
+With --documents-per-microbatch K the lengths are documents and each loader microbatch holds K of them: the table
+compares compositions instead of policies (sim/composition.py: loader padded, loader packed, a loader-order packer
+to a token budget as Megatron's, and the balanced planner), each task paying --host-ms of runtime overhead.
 
 Bad options print one line and exit 2.
 """
@@ -104,6 +109,11 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         help="A,B: a microbatch costs (A x + B x^2)/(A + B) times the base, x = tokens / mean (default 0.7,0.3)")
     add("--memory-factor", "--memory_factor", dest="memory_factor", type=number(1.0), default=None,
         help="planned: activation tokens a rank may hold, x Megatron's data-order peak (default 1.0)")
+    add("--documents-per-microbatch", "--documents_per_microbatch", dest="documents_per_microbatch",
+        type=positive_int, default=None,
+        help="compare compositions: lengths are documents, K per loader microbatch (needs --lengths-file)")
+    add("--host-ms", "--host_ms", dest="host_ms", type=number(0.0), default=None,
+        help="with --documents-per-microbatch: the runtime's own time per task, ms (default 0.4, measured)")
     add("--iterations", type=positive_int, default=1, help="iterations, separated by a barrier (default 1)")
     add("--seed", type=non_negative_int, default=0, help="seed of the random perturbations (default 0)")
     add("--trace-dir", "--trace_dir", dest="trace_dir", default=None,
@@ -177,7 +187,40 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _run(args)
 
 
+def _run_compositions(args: argparse.Namespace) -> int:
+    from .composition import COMPOSITION_ROWS, DEFAULT_HOST_US, CompositionSimConfig, format_composition_table, \
+        simulate_composition
+
+    linear, quadratic = args.length_cost
+    lengths = MicrobatchLengths.from_file(args.lengths_file, linear=linear, quadratic=quadratic)
+    config = CompositionSimConfig(
+        args.pipeline_parallel, args.model_chunks, args.microbatches, args.documents_per_microbatch, lengths,
+        forward_us=args.fwd_ms * US_PER_MS, backward_us=args.bwd_ms * US_PER_MS,
+        host_us=DEFAULT_HOST_US if args.host_ms is None else args.host_ms * US_PER_MS,
+        iterations=max(args.iterations, 2), seed=args.seed, memory_factor=args.memory_factor or 1.0)
+    results = [simulate_composition(config, row) for row in COMPOSITION_ROWS]
+    print(format_composition_table(config, results))
+    if args.json_path is not None:
+        with open(args.json_path, "w", encoding="utf-8") as handle:
+            json.dump({"config": {"pipeline_parallel": config.num_stages, "model_chunks": config.num_chunks,
+                                  "microbatches": config.loader_microbatches,
+                                  "documents_per_microbatch": config.documents_per_microbatch,
+                                  "host_us": config.host_us, "lengths": lengths.describe(), "seed": config.seed,
+                                  "iterations": config.iterations},
+                       "results": [r.to_dict() for r in results]}, handle, indent=1)
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.documents_per_microbatch is not None:
+        if args.lengths_file is None:
+            print(f"{PROG}: error: --documents-per-microbatch needs --lengths-file", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        try:
+            return _run_compositions(args)
+        except (ScheduleConfigError, OSError) as exc:
+            print(f"{PROG}: error: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
     try:
         config = build_config(args)
         names = policies_to_run(args.policy, config.shape)

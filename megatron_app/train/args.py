@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(train, "--variable-seq-lengths", action="store_true",
               help="one document per sample (no packing), truncated at --seq-length, each microbatch padded to its "
                    "own longest sample; needs --data-path; implies --calculate-per-token-loss")
+    _add_flag(train, "--composition", choices=("loader", "packed", "balanced"), default="loader",
+              help="which documents form each microbatch: loader = the loader's microbatches padded (default), "
+                   "packed = the same packed without padding, balanced = cost-balanced packing planned with the "
+                   "order (megatron_app.runtime.composition); needs --variable-seq-lengths or emulated lengths")
     _add_flag(train, "--calculate-per-token-loss", action="store_true",
               help="Megatron's per-token loss: gradients are divided by the global batch's token count instead of "
                    "averaging per-microbatch means (the result does not depend on how samples form microbatches)")
@@ -419,6 +423,10 @@ def _check_memory_factor(args: argparse.Namespace) -> None:
 
 def _check_variable_lengths(args: argparse.Namespace) -> None:
     """Variable-length samples are whole documents of an indexed dataset; they need per-token loss."""
+    if getattr(args, "composition", "loader") != "loader" and not (
+            getattr(args, "variable_seq_lengths", False) or getattr(args, "emulate_lengths_file", None)):
+        raise UsageError(f"--composition {args.composition} needs --variable-seq-lengths or --emulate-lengths-file "
+                         "(documents of known lengths to compose)")
     if not getattr(args, "variable_seq_lengths", False):
         return
     if args.data_path is None:
