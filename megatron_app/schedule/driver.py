@@ -14,6 +14,7 @@ from .errors import ScheduleConfigError, ScheduleStallError
 from .policies import Policy, make_policy
 from .shape import PipelineShape
 from .state import RankState
+from .task_table import TaskTable
 from .tasks import Task
 
 # (producer rank, producer task, consumer rank) -> delay in time units
@@ -45,6 +46,7 @@ def drive(shape: PipelineShape, policies: Union[str, Sequence[Policy]],
     if len(policies) != shape.num_stages:
         raise ScheduleConfigError(f"need one policy per rank ({shape.num_stages}), got {len(policies)}")
     states = [RankState(shape, rank) for rank in range(shape.num_stages)]
+    table = TaskTable(shape)
     busy = [False] * shape.num_stages
     events: list = []
     sequence = itertools.count()   # keeps the heap order total and deterministic
@@ -66,7 +68,7 @@ def drive(shape: PipelineShape, policies: Union[str, Sequence[Policy]],
                 finish_times[rank, task] = now
             policies[rank].observe(task, duration)
             busy[rank] = False
-            target = shape.output_target(rank, task)
+            target = table.consumer(rank, task)
             if target is not None:
                 delay = arrival_delay(rank, task, target[0]) if arrival_delay else 0.0
                 if delay < 0:

@@ -16,7 +16,7 @@ megatron-core's own get_pp_rank_microbatches / get_schedule_table / convert_sche
 from __future__ import annotations
 
 import functools
-from typing import List, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from .shape import PipelineShape
 from .tasks import Kind, Task
@@ -46,24 +46,46 @@ def megatron_forward_sequence(shape: PipelineShape) -> List[Tuple[int, int]]:
     return sequence
 
 
-@functools.lru_cache(maxsize=512)
-def megatron_order(shape: PipelineShape, rank: int) -> Tuple[Task, ...]:
-    """Every task of `rank` in the order Megatron-Core runs them."""
+# A task named by its microbatch's entry slot: (kind, chunk, slot). A plan maps slots to microbatches.
+SlotTask = Tuple[Kind, int, int]
+
+
+@functools.lru_cache(maxsize=1024)
+def megatron_slot_order(shape: PipelineShape, rank: int, extra_warmup: int = 0,
+                        with_weights: Optional[bool] = None) -> Tuple[SlotTask, ...]:
+    """The one order builder: Megatron's order on `rank` with microbatches named by their entry slot, `extra_warmup`
+    more warm-up forwards than Megatron's, and (split shapes, unless with_weights is False) each W right after its
+    B. Every static order in the package (Megatron's, a plan's) is this order over a start order of microbatches."""
     shape.check_rank(rank)
     V = shape.num_chunks
     sequence = megatron_forward_sequence(shape)
-    forwards = [Task(Kind.FORWARD, chunk, mb) for mb, chunk in sequence]
+    forwards = [(Kind.FORWARD, chunk, slot) for slot, chunk in sequence]
     if shape.forward_only:
         return tuple(forwards)
-    backwards = [Task(Kind.BACKWARD, V - 1 - chunk, mb) for mb, chunk in sequence]
-    warmup = megatron_warmup_microbatches(shape, rank)
+    backwards = [(Kind.BACKWARD, V - 1 - chunk, slot) for slot, chunk in sequence]
+    warmup = min(megatron_warmup_microbatches(shape, rank) + extra_warmup, len(forwards))
     order = forwards[:warmup]
     for k, forward in enumerate(forwards[warmup:]):
         order += (forward, backwards[k])
     order += backwards[len(forwards) - warmup:]
-    if shape.split_backward:
-        order = with_weights_after_backwards(order)
+    if shape.split_backward if with_weights is None else with_weights:
+        order = [step for kind, chunk, slot in order
+                 for step in ([(kind, chunk, slot), (Kind.WEIGHT, chunk, slot)] if kind is Kind.BACKWARD
+                              else [(kind, chunk, slot)])]
     return tuple(order)
+
+
+def order_over(slot_order: Sequence[SlotTask], start_order: Optional[Sequence[int]] = None) -> Tuple[Task, ...]:
+    """Tasks of a slot order, slot i being microbatch start_order[i] (None: slot i is microbatch i)."""
+    if start_order is None:
+        return tuple(Task(kind, chunk, slot) for kind, chunk, slot in slot_order)
+    return tuple(Task(kind, chunk, start_order[slot]) for kind, chunk, slot in slot_order)
+
+
+@functools.lru_cache(maxsize=512)
+def megatron_order(shape: PipelineShape, rank: int) -> Tuple[Task, ...]:
+    """Every task of `rank` in the order Megatron-Core runs them."""
+    return order_over(megatron_slot_order(shape, rank))
 
 
 def with_weights_after_backwards(order) -> List[Task]:
@@ -81,18 +103,28 @@ def without_weights(order) -> Tuple[Task, ...]:
     return tuple(task for task in order if task.kind is not Kind.WEIGHT)
 
 
-def peak_activations_of_order(shape: PipelineShape, order) -> int:
-    """Most activations held at once when a single rank runs `order` (counted when each forward starts; held until
-    the shape's releasing task: the backward, or its W when split)."""
-    releasing = shape.releasing_kind
+def order_peak_size(order: Sequence[Task], sizes: Optional[Sequence[float]] = None,
+                    releasing: Optional[Kind] = None) -> float:
+    """The one peak function: the largest sum of held activation sizes while a rank runs `order` (sizes[mb] per
+    microbatch; None counts activations). An activation is held from its forward's start until its releasing task
+    ends: `releasing`, by default the W when the order has W's (a split backward), else the backward."""
+    if releasing is None:
+        releasing = Kind.WEIGHT if any(task.kind is Kind.WEIGHT for task in order) else Kind.BACKWARD
     held = peak = 0
     for task in order:
+        size = 1 if sizes is None else sizes[task.microbatch]
         if task.kind is Kind.FORWARD:
-            held += 1
+            held += size
             peak = max(peak, held)
         if task.kind is releasing:
-            held -= 1
+            held -= size
     return peak
+
+
+def peak_activations_of_order(shape: PipelineShape, order) -> int:
+    """Most activations held at once when a single rank runs `order`, released by the shape's releasing task (the
+    backward, or its W when split; the forward itself when forward_only)."""
+    return order_peak_size(order, None, shape.releasing_kind)
 
 
 def megatron_interleaved_cap(shape: PipelineShape, rank: int) -> int:

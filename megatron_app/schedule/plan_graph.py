@@ -1,11 +1,11 @@
 """Makespans and activation peaks of many candidate plans at once (the plan search's evaluator).
 
 For a fixed warm-up depth per rank, the per-rank task orders of every plan name microbatches by their entry slot
-(plan_search._slot_order), so the dependency graph of the iteration is the same for every start order: only which
+(megatron_order.megatron_slot_order), so the dependency graph of the iteration is the same for every start order: only which
 microbatch (and so which durations and sizes) sits in each slot changes. PlanGraph builds that graph once, groups its
 tasks into levels (a task's level is one more than its predecessors'), and then evaluates a whole batch of start
 orders with one vectorised step per level. On P=4 V=2 m=16 that is about 25 us per candidate in batches of 32,
-against 125 us for the one-at-a-time list evaluation (plan_search._evaluate), which is what lets the search afford
+against 125 us for a one-at-a-time list evaluation (measured when one existed), which is what lets the search afford
 several hundred candidates within its 2% planning budget.
 
 numpy only (no torch): the schedule package stays free of the training stack.
@@ -19,39 +19,50 @@ from typing import Sequence, Tuple
 import numpy as np
 
 from .shape import PipelineShape
-from .tasks import Kind
+from .tasks import Kind, Task
 
 
 class PlanGraph:
-    """The iteration's task graph for one warm-up depth per rank, tasks named (kind, chunk, slot)."""
+    """The iteration's task graph for one warm-up depth per rank, tasks named (kind, chunk, slot); every kind the
+    shape runs, its dependencies from the shape's rules (input_source across ranks, local_source on the rank)."""
 
     def __init__(self, shape: PipelineShape, extra_warmups: Tuple[int, ...], slot_orders):
-        """slot_orders[rank]: that rank's (kind, chunk, slot) tasks in order (plan_search._slot_order)."""
-        P, V = shape.num_stages, shape.num_chunks
-        last = V * P - 1
-        tasks = []                      # (rank, is_forward, chunk, virtual stage, slot)
+        """slot_orders[rank]: that rank's (kind, chunk, slot) tasks in order (megatron_order.megatron_slot_order)."""
+        V = shape.num_chunks
+        tasks = []                      # (rank, kind, chunk, slot)
         where = {}
         self.rank_spans = []
         for rank, order in enumerate(slot_orders):
             begin = len(tasks)
             for kind, chunk, slot in order:
-                stage = chunk * P + rank
-                where[(kind is Kind.FORWARD, stage, slot)] = len(tasks)
-                tasks.append((rank, kind is Kind.FORWARD, chunk, stage, slot))
+                where[(rank, kind, chunk, slot)] = len(tasks)
+                tasks.append((rank, kind, chunk, slot))
             self.rank_spans.append((begin, len(tasks)))
         count = len(tasks)
-        # Sentinel rows: `count` reads 0 (no previous task on the rank), `count + 1` reads -transfer (no producer:
-        # the task's input needs no message).
+        # Sentinel rows: `count` reads 0 (no previous task on the rank), `count + 1` reads -transfer (no producer: the
+        # task's input needs no message). A local source is on the same rank, so the rank's order already times it
+        # when it comes first; it only shapes the graph (an order that runs it later waits on itself: a cycle).
         previous = np.full(count, count)
         producer = np.full(count, count + 1)
+        local = np.full(count, count)
         for begin, end in self.rank_spans:
             previous[begin + 1:end] = np.arange(begin, end - 1)
-        for index, (_, is_forward, _, stage, slot) in enumerate(tasks):
-            if is_forward and stage > 0:
-                producer[index] = where[(True, stage - 1, slot)]
-            elif not is_forward and stage < last:
-                producer[index] = where[(False, stage + 1, slot)]
-        self.acyclic, levels = _levels(count, previous, producer)
+        sources = {}                    # (rank, kind, chunk) -> (remote source (rank, kind, chunk), local kind)
+        missing = count + 2             # a source absent from the orders: the task never becomes ready
+        for index, (rank, kind, chunk, slot) in enumerate(tasks):
+            key = (rank, kind, chunk)
+            if key not in sources:
+                probe = Task(kind, chunk, 0)
+                remote = shape.input_source(rank, probe)
+                own = shape.local_source(probe)
+                sources[key] = (None if remote is None else (remote[0], remote[1].kind, remote[1].chunk),
+                                None if own is None else (own.kind, own.chunk))
+            remote, own = sources[key]
+            if remote is not None:
+                producer[index] = where.get((*remote, slot), missing)
+            if own is not None:
+                local[index] = where.get((rank, *own, slot), missing)
+        self.acyclic, levels = _levels(count, previous, producer, local)
         self.levels = []
         if self.acyclic:
             order = np.argsort(levels, kind="stable")
@@ -61,15 +72,17 @@ class PlanGraph:
                 self.levels.append((members, previous[members], producer[members]))
         self.count = count
         self.extra_warmups = extra_warmups
-        self.slot = np.array([t[4] for t in tasks], dtype=np.int64)
-        self.duration_row = np.array([(0 if t[1] else V) + t[2] for t in tasks], dtype=np.int64)
-        self.held_sign = np.array([1.0 if t[1] else -1.0 for t in tasks])
+        self.slot = np.array([t[3] for t in tasks], dtype=np.int64)
+        self.duration_row = np.array([t[1].index * V + t[2] for t in tasks], dtype=np.int64)
+        releasing = Kind.WEIGHT if any(t[1] is Kind.WEIGHT for t in tasks) else Kind.BACKWARD
+        self.held_sign = np.array([1.0 if t[1] is Kind.FORWARD else -1.0 if t[1] is releasing else 0.0
+                                   for t in tasks])
 
     def evaluate(self, start_orders: np.ndarray, durations: np.ndarray, sizes: np.ndarray,
                  caps: Sequence[float], transfer: float = 0.0) -> Tuple[np.ndarray, np.ndarray]:
-        """start_orders: K x m (slot -> microbatch); durations: 2V x m (rows: forward chunk 0..V-1, then backward);
-        sizes: m. Returns (makespans, peaks): K makespans (inf where a rank's peak exceeds its cap or the orders
-        wait on each other) and the K x P peaks of held sizes."""
+        """start_orders: K x m (slot -> microbatch); durations: (kinds x V) x m (rows: kind index * V + chunk, as
+        Kind.index numbers kinds: forward, backward, weight); sizes: m. Returns (makespans, peaks): K makespans (inf
+        where a rank's peak exceeds its cap or the orders wait on each other) and the K x P peaks of held sizes."""
         K = start_orders.shape[0]
         microbatch = start_orders[:, self.slot]
         held = sizes[microbatch] * self.held_sign[None, :]
@@ -90,14 +103,17 @@ class PlanGraph:
         return np.where(over, np.inf, makespans), peaks
 
 
-def _levels(count, previous, producer):
-    """Longest-path depth of every task (Kahn's order); acyclic False when some tasks wait on each other."""
+def _levels(count, previous, producer, local):
+    """Longest-path depth of every task (Kahn's order); acyclic False when some tasks wait on each other or on a
+    task that no order holds."""
     successors = [[] for _ in range(count)]
     waiting = [0] * count
     for index in range(count):
-        for source in (previous[index], producer[index]):
+        for source in (previous[index], producer[index], local[index]):
             if source < count:     # not a sentinel
                 successors[source].append(index)
+                waiting[index] += 1
+            elif source == count + 2:   # its source is in no order: it can never run
                 waiting[index] += 1
     depth = [0] * count
     ready = collections.deque(i for i in range(count) if waiting[i] == 0)

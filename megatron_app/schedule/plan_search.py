@@ -29,12 +29,12 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .errors import ScheduleConfigError
-from .megatron_order import megatron_forward_sequence, megatron_warmup_microbatches
+from .megatron_order import megatron_slot_order, order_over, order_peak_size  # noqa: F401 (order_peak_size: the one peak function, re-exported)
 from .plan_graph import PlanGraph
 from .shape import PipelineShape
 from .tasks import Kind, Task
 
-# durations[kind index: 0 forward, 1 backward][chunk][microbatch] -> predicted time (any unit, the same for all)
+# durations[kind index (Kind.index): 0 forward, 1 backward, 2 weight][chunk][microbatch] -> predicted time (any unit, the same for all)
 DurationTable = Sequence[Sequence[Sequence[float]]]
 
 DEFAULT_EVALUATIONS = 528       # 16 seeded candidates + 16 rounds of 32 neighbours (BATCH): about 1.5% of an iteration (BENCHMARKS.md)
@@ -79,97 +79,28 @@ class PlanChoice:
 
 
 def plan_order(shape: PipelineShape, rank: int, plan: Plan) -> Tuple[Task, ...]:
-    """Rank `rank`'s tasks under `plan`: Megatron's interleaved order (1F1B when V == 1) over plan.start_order."""
-    return tuple(Task(kind, chunk, plan.start_order[slot])
-                 for kind, chunk, slot in _slot_order(shape, rank, plan.extra_for(rank)))
+    """Rank `rank`'s forwards and backwards under `plan`: Megatron's interleaved order (1F1B when V == 1) over
+    plan.start_order, with the plan's extra warm-up (W tasks, when split, are placed by the policy at run time)."""
+    return order_over(_slot_order(shape, rank, plan.extra_for(rank)), plan.start_order)
 
 
-@functools.lru_cache(maxsize=256)
-def _slot_order(shape: PipelineShape, rank: int, extra_warmup: int) -> Tuple[Tuple[Kind, int, int], ...]:
-    """Megatron's order with microbatches named by their entry slot, and `extra_warmup` more warm-up forwards
-    (the same construction as megatron_order.py, with a deeper warm-up)."""
-    V = shape.num_chunks
-    sequence = megatron_forward_sequence(shape)
-    forwards = [(Kind.FORWARD, chunk, slot) for slot, chunk in sequence]
-    backwards = [(Kind.BACKWARD, V - 1 - chunk, slot) for slot, chunk in sequence]
-    warmup = min(megatron_warmup_microbatches(shape, rank) + extra_warmup, len(forwards))
-    order = forwards[:warmup]
-    for k, forward in enumerate(forwards[warmup:]):
-        order += (forward, backwards[k])
-    order += backwards[len(forwards) - warmup:]
-    return tuple(order)
-
-
-def order_peak_size(order: Sequence[Task], sizes: Sequence[float]) -> float:
-    """Largest sum of held activation sizes while a rank runs `order` (an activation lives from its forward's
-    start to its backward's end, or its W's end when the order has W's: a split backward)."""
-    releasing = Kind.WEIGHT if any(task.kind is Kind.WEIGHT for task in order) else Kind.BACKWARD
-    held = peak = 0.0
-    for task in order:
-        if task.kind is Kind.FORWARD:
-            held += sizes[task.microbatch]
-            peak = max(peak, held)
-        elif task.kind is releasing:
-            held -= sizes[task.microbatch]
-    return peak
+def _slot_order(shape: PipelineShape, rank: int, extra_warmup: int):
+    return megatron_slot_order(shape, rank, extra_warmup, with_weights=False)
 
 
 def predicted_makespan(shape: PipelineShape, orders: Sequence[Sequence[Task]], durations: DurationTable,
                        transfer: float = 0.0) -> float:
-    """Makespan when every rank runs its order as listed, tasks take `durations`, messages `transfer`; inf when
-    the orders deadlock. (A list evaluation of the dependency graph: no event queue, no policy objects.)"""
-    P = shape.num_stages
-    steps = [[(task.kind is Kind.FORWARD, task.chunk, task.chunk * P + rank, task.microbatch) for task in order]
-             for rank, order in enumerate(orders)]
-    return _evaluate(shape, steps, durations, transfer)
-
-
-def _evaluate(shape: PipelineShape, steps, durations: DurationTable, transfer: float) -> float:
-    """steps[rank]: (is_forward, chunk, virtual stage, microbatch) per task."""
-    P, V, m = shape.num_stages, shape.num_chunks, shape.num_microbatches
-    last = V * P - 1
-    forward_time, backward_time = durations
-    done_f = [[None] * m for _ in range(V * P)]
-    done_b = [[None] * m for _ in range(V * P)]
-    cursor = [0] * P
-    free_at = [0.0] * P
-    remaining = sum(len(s) for s in steps)
-    while remaining:
-        progressed = False
-        for rank in range(P):
-            rank_steps = steps[rank]
-            position = cursor[rank]
-            free = free_at[rank]
-            while position < len(rank_steps):
-                is_forward, chunk, vs, mb = rank_steps[position]
-                if is_forward:
-                    if vs > 0:
-                        before = done_f[vs - 1][mb]
-                        if before is None:
-                            break
-                        free = max(before + transfer, free)
-                    free += forward_time[chunk][mb]
-                    done_f[vs][mb] = free
-                else:
-                    own = done_f[vs][mb]
-                    if own is None:
-                        break
-                    if vs < last:
-                        after = done_b[vs + 1][mb]
-                        if after is None:
-                            break
-                        own = max(own, after + transfer)
-                    free = max(own, free) + backward_time[chunk][mb]
-                    done_b[vs][mb] = free
-                position += 1
-            if position != cursor[rank]:
-                remaining -= position - cursor[rank]
-                cursor[rank] = position
-                free_at[rank] = free
-                progressed = True
-        if not progressed:
-            return float("inf")
-    return max(free_at)
+    """Makespan when every rank runs its order as listed, tasks take `durations` (a table per kind, as the plan
+    search's), messages `transfer`; inf when the orders deadlock. The plan evaluator (PlanGraph) on these orders,
+    with each microbatch in its own slot."""
+    slot_orders = [tuple((task.kind, task.chunk, task.microbatch) for task in order) for order in orders]
+    graph = PlanGraph(shape, (0,) * shape.num_stages, slot_orders)
+    m = shape.num_microbatches
+    table = np.array([list(durations[k][c]) for k in range(len(durations)) for c in range(shape.num_chunks)],
+                     dtype=float)
+    makespans, _ = graph.evaluate(np.arange(m, dtype=np.int64)[None, :], table, np.zeros(m),
+                                  [float("inf")] * shape.num_stages, transfer)
+    return float(makespans[0])
 
 
 class PlanSearch:
@@ -196,8 +127,7 @@ class PlanSearch:
         be a share of the iteration being planned: policies read no clocks)."""
         shape = self.shape
         P, V, m = shape.num_stages, shape.num_chunks, shape.num_microbatches
-        table = np.array([list(durations[0][c]) for c in range(V)] + [list(durations[1][c]) for c in range(V)],
-                         dtype=float)
+        table = np.array([list(durations[k][c]) for k in range(len(durations)) for c in range(V)], dtype=float)
         size_array = np.asarray(sizes, dtype=float)
         count = 0
 

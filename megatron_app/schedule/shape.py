@@ -147,6 +147,16 @@ class PipelineShape:
             peer_rank, peer_chunk = self._locate(vs + 1)
         return peer_rank, Task(task.kind, peer_chunk, task.microbatch)
 
+    def local_source(self, task: Task) -> Optional[Task]:
+        """The task on the same rank whose output `task` also needs: a backward its own forward (the activations),
+        a W its own B; None for a forward."""
+        self.check_task(task)
+        if task.kind is Kind.BACKWARD:
+            return Task(Kind.FORWARD, task.chunk, task.microbatch)
+        if task.kind is Kind.WEIGHT:
+            return Task(Kind.BACKWARD, task.chunk, task.microbatch)
+        return None
+
     def output_target(self, rank: int, task: Task) -> Optional[Tuple[int, Task]]:
         """(peer rank, peer task) that consumes `task`'s output; None for the last forward, the first backward and
         every W (weight gradients stay on their rank)."""

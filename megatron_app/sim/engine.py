@@ -18,8 +18,9 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
-from megatron_app.schedule import KINDS_BY_INDEX, PipelineShape, Policy, RankState, ScheduleStallError, Task, make_policy
+from megatron_app.schedule import PipelineShape, Policy, RankState, ScheduleStallError, Task, make_policy
 from megatron_app.schedule.driver import stall_report
+from megatron_app.schedule.task_table import TaskTable
 
 from .costs import DurationTable
 from .network import Network
@@ -56,34 +57,6 @@ def make_policies(shape: PipelineShape, name: str, memory_cap: Optional[int] = N
                   memory_factor: Optional[float] = None) -> List[Policy]:
     factor = memory_factor if name == "planned" else None
     return [make_policy(name, shape, rank, memory_cap, factor) for rank in range(shape.num_stages)]
-
-
-class TaskTable:
-    """Every Task object of a shape, built once, and who consumes each task's output: the event loop then neither
-    allocates Tasks nor re-derives the dependency arithmetic (a large share of its time at P=64, m=512)."""
-
-    def __init__(self, shape: PipelineShape):
-        kinds = KINDS_BY_INDEX
-        self.tasks = [[[Task(kind, chunk, mb) for mb in range(shape.num_microbatches)]
-                       for chunk in range(shape.num_chunks)] for kind in kinds]
-        self.consumers = []      # [rank][kind index][chunk] -> (peer rank, peer chunk) or None
-        for rank in range(shape.num_stages):
-            per_kind = []
-            for kind in kinds:
-                row = []
-                for chunk in range(shape.num_chunks):
-                    target = shape.output_target(rank, Task(kind, chunk, 0)) if kind in shape.kinds else None
-                    row.append(None if target is None else (target[0], target[1].chunk))
-                per_kind.append(row)
-            self.consumers.append(per_kind)
-
-    def consumer(self, rank: int, task: Task) -> Optional[tuple]:
-        """(peer rank, peer task) that takes `task`'s output, or None."""
-        kind = task.kind.index
-        target = self.consumers[rank][kind][task.chunk]
-        if target is None:
-            return None
-        return target[0], self.tasks[kind][target[1]][task.microbatch]
 
 
 def run_iteration(shape: PipelineShape, policies: Sequence[Policy], durations: DurationTable, network: Network,

@@ -9,6 +9,7 @@ from .schema import BACKWARD, FORWARD, WEIGHT
 
 _HUES = {FORWARD: 0.58, BACKWARD: 0.07, WEIGHT: 0.33}
 _SATURATION = {FORWARD: 0.65, BACKWARD: 0.85, WEIGHT: 0.55}
+_OTHER_HUE, _OTHER_SATURATION = 0.80, 0.45     # a task kind with no colour of its own yet: violet, never a KeyError
 _LIGHTEST, _DARKEST = 0.80, 0.40
 
 
@@ -20,7 +21,8 @@ def _lightness(chunk: int, model_chunks: int) -> float:
 
 def task_rgb(kind: str, chunk: int, model_chunks: int) -> str:
     """Hex "RRGGBB" (no '#') for a forward/backward task of `chunk`: lighter for low chunks, darker for high."""
-    r, g, b = colorsys.hls_to_rgb(_HUES[kind], _lightness(chunk, model_chunks), _SATURATION[kind])
+    r, g, b = colorsys.hls_to_rgb(_HUES.get(kind, _OTHER_HUE), _lightness(chunk, model_chunks),
+                                  _SATURATION.get(kind, _OTHER_SATURATION))
     return "".join(f"{round(c * 255):02X}" for c in (r, g, b))
 
 
