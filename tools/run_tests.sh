@@ -51,9 +51,10 @@ if [ "$want_sanitized" = 1 ]; then
         || { echo "run_tests.sh: the sanitizer build failed" >&2; exit 1; }
     echo "run_tests.sh: again with the transport built under -fsanitize=address,undefined" >&2
     set +e
-    # Python itself is not instrumented: libasan must come first; its leak checker would report the interpreter's
+    # Python itself is not instrumented: libasan must come first, and libstdc++ before the module (else ASan cannot
+    # intercept C++ throws: "CHECK failed ... real___cxa_throw"); its leak checker would report the interpreter's
     # own allocations.
-    MEGATRON_APP_CORE="$sanitized_module" LD_PRELOAD="$(gcc -print-file-name=libasan.so)" \
+    MEGATRON_APP_CORE="$sanitized_module" LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libstdc++.so)" \
         ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
         "$VENV_PY" -m pytest -q "${SANITIZED_TESTS[@]}"
     sanitized_rc=$?
