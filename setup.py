@@ -60,14 +60,20 @@ def rdma_core_available() -> tuple[bool, str]:
 with_rdma, rdma_reason = rdma_core_available()
 print(f"megatron_app: rdma backend {'built with libibverbs' if with_rdma else 'not built'} ({rdma_reason})")
 
+# MAPP_SANITIZE=address,undefined (or thread): a sanitizer build for tests (tools/build_sanitized.sh builds it
+# apart from the normal extension). -O1 and frame pointers keep the reports' stacks readable.
+SANITIZERS = [name for name in os.environ.get("MAPP_SANITIZE", "").split(",") if name]
+sanitize_flags = ([f"-fsanitize={','.join(SANITIZERS)}", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all",
+                   "-g", "-O1"] if SANITIZERS else [])
+
 shm_tensor_rdma = Pybind11Extension(
     "megatron_app._shm_tensor_rdma",
     sources=[str(Path(source).relative_to(ROOT)) for source in core_sources],
     depends=[str(Path(header).relative_to(ROOT)) for header in core_headers],
     include_dirs=[str(CORE_DIR)],
     cxx_std=17,
-    extra_compile_args=["-O3", "-pthread", "-Wall", "-Wextra", "-Wno-unused-parameter"],
-    extra_link_args=["-pthread"],
+    extra_compile_args=(["-O3", "-pthread", "-Wall", "-Wextra", "-Wno-unused-parameter"] + sanitize_flags),
+    extra_link_args=["-pthread"] + sanitize_flags[:1],
     libraries=["rt"] + (["ibverbs"] if with_rdma else []),
     define_macros=[("MAPP_HAVE_IBVERBS", "1")] if with_rdma else [],
 )

@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -5,6 +6,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pytest  # noqa: E402
+
+if os.environ.get("MEGATRON_APP_CORE"):
+    # The sanitizer build (tools/build_sanitized.sh): loaded before any test imports the module by its name.
+    import megatron_app.transport._core  # noqa: E402,F401
 
 
 @pytest.fixture(scope="session")

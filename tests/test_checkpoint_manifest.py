@@ -91,6 +91,13 @@ def test_damaged_manifests_and_trackers_are_named(tmp_path):
     ({"pipeline_parallel": 4}, "but this run has pipeline_parallel=4 model_chunks=2 tensor_parallel=1"),
     ({"tensor_parallel": 2}, "but this run has pipeline_parallel=2 model_chunks=2 tensor_parallel=2"),
     ({"hidden_size": 64}, "has hidden_size=32 but this run has --hidden-size 64"),
+    ({"seq_length": 64}, "has seq_length=32 but this run has --seq-length 64"),
+    ({"vocab_size": 512}, "has vocab_size=256 but this run has --vocab-size 512"),
+    ({"data_path": ["/data/other"]}, "was trained with --data-path (mock data) but this run has --data-path "
+                                     "/data/other; resume with the same, or pass --allow-data-change-on-resume"),
+    ({"variable_seq_lengths": True}, "was trained with --variable-seq-lengths off but this run has "
+                                     "--variable-seq-lengths on; resume with the same, or pass "
+                                     "--allow-data-change-on-resume"),
     ({"iters": 10}, "is at iteration 10, and --iters is 10: nothing left to train"),
 ])
 def test_incompatible_checkpoints_are_refused(tmp_path, overrides, fragment):
@@ -98,6 +105,20 @@ def test_incompatible_checkpoints_are_refused(tmp_path, overrides, fragment):
     with pytest.raises(CheckpointError) as info:
         check_compatible(find_checkpoint(str(tmp_path)), _args(**overrides))
     assert fragment in str(info.value)
+
+
+def test_another_data_path_is_refused_naming_both_unless_allowed(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _save(tmp_path, 10, _args(data_path=["0.3", "corpus/a", "0.7", "corpus/b"]))
+    found = find_checkpoint(str(tmp_path))
+    # The same files named relative to the same directory, or absolute: the same data.
+    check_compatible(found, _args(data_path=["0.3", str(tmp_path / "corpus/a"), "0.7", "corpus/b"]))
+    with pytest.raises(CheckpointError) as info:
+        check_compatible(found, _args(data_path=["0.5", "corpus/a", "0.5", "corpus/b"]))
+    assert f"--data-path 0.3 {tmp_path}/corpus/a 0.7 {tmp_path}/corpus/b but this run has " \
+           f"--data-path 0.5 {tmp_path}/corpus/a 0.5 {tmp_path}/corpus/b" in str(info.value)
+    check_compatible(found, _args(data_path=["corpus/c"], variable_seq_lengths=True,
+                                  allow_data_change_on_resume=True))
 
 
 def test_other_data_parallel_sizes_and_batch_settings_may_resume(tmp_path):

@@ -131,3 +131,59 @@ def test_weighted_blend_draws_from_both_datasets(data, tmp_path):
     shares = numpy.bincount(train.dataset_index[:400], minlength=2) / 400
     assert shares[1] == pytest.approx(0.75, abs=0.05)
     assert "weight 'x' is not a number" in _bad("--data-path", "x", data["prefix"], "1", other)
+
+
+def _damaged(data, tmp_path, name, damage):
+    target = _copy_dataset(data, tmp_path, name)
+    damage(target)
+    return target
+
+
+def _truncate(suffix, size):
+    def damage(target):
+        with open(f"{target}{suffix}", "r+b") as handle:
+            handle.truncate(size)
+    return damage
+
+
+def _pair_with_other_index(data, tmp_path):
+    """A .bin with the .idx of another (smaller) corpus: both files whole, but they do not belong together."""
+    from megatron_app.train.preprocess import TokenizerSpec, preprocess
+
+    other = tmp_path / "other"
+    other.mkdir()
+    corpus = build_tiny_corpus(other, documents=20)
+    spec = TokenizerSpec(vocab_file=str(corpus["vocab"]), merge_file=str(corpus["merges"]))
+    _, prefixes = preprocess(str(corpus["corpus"]), str(other / "tiny"), spec, append_eod=True)
+
+    def damage(target):
+        shutil.copy(prefixes["text"] + ".idx", f"{target}.idx")
+    return damage
+
+
+@pytest.mark.parametrize("case", ["truncated-idx-header", "truncated-idx-arrays", "empty-bin", "empty-idx",
+                                  "mismatched-pair"])
+def test_a_damaged_pair_ends_in_one_line_naming_the_file_and_nothing_after(data, tmp_path, case):
+    """Through the real entry point: the run's stderr is our one line; megatron-core's IndexedDataset.__del__ on a
+    half-built reader used to add 'Exception ignored ... AttributeError' tracebacks after it."""
+    import os
+    import subprocess
+    import sys
+
+    damage, file_named, fragment = {
+        "truncated-idx-header": (_truncate(".idx", 20), ".idx", "truncated header"),
+        "truncated-idx-arrays": (_truncate(".idx", 200), ".idx", "is truncated: its header counts"),
+        "empty-bin": (_truncate(".bin", 0), ".bin", "is empty"),
+        "empty-idx": (_truncate(".idx", 0), ".idx", "truncated header, 0 bytes"),
+        "mismatched-pair": (_pair_with_other_index(data, tmp_path) if case == "mismatched-pair" else None, ".bin",
+                            "does not belong together"),
+    }[case]
+    prefix = _damaged(data, tmp_path, case, damage)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, WORLD_SIZE="1", PYTHONPATH=repo, PYTHONWARNINGS="ignore")
+    result = subprocess.run([sys.executable, "-m", "megatron_app.train", "--data-path", str(prefix),
+                             "--check-config"], cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert f"{prefix}{file_named}" in lines[0] and fragment in lines[0], lines[0]

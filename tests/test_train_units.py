@@ -325,3 +325,44 @@ def test_json_log_written_atomically(tmp_path):
     write_json_atomic(str(path), {"iterations": [1, 2]})
     assert json.loads(path.read_text()) == {"iterations": [1, 2]}
     assert os.listdir(path.parent) == ["log.json"]
+
+
+def test_keyed_dropout_gives_back_the_generator_state_it_borrowed():
+    """Layers draw keyed masks, and the default generator continues after the forward as if they had not run."""
+    from megatron_app.runtime import keyed_randomness
+
+    class Layer(torch.nn.Module):
+        def __init__(self, layer_number):
+            super().__init__()
+            self.layer_number = layer_number
+
+        def forward(self, x):
+            return x + torch.rand(x.shape)
+
+    class Chunk(torch.nn.Module):
+        pre_process = False
+
+        def __init__(self):
+            super().__init__()
+            self.decoder = torch.nn.Module()
+            self.decoder.layers = torch.nn.ModuleList([Layer(1), Layer(2)])
+
+        def forward(self, x):
+            for layer in self.decoder.layers:
+                x = layer(x)
+            return x
+
+    chunk = Chunk()
+    keyed_randomness.enable_keyed_randomness([chunk], seed=3)
+    try:
+        with keyed_randomness.microbatch_scope(0):
+            torch.manual_seed(11)
+            first = chunk(torch.zeros(4))
+            after_forward = torch.rand(3)
+            torch.manual_seed(99)
+            again = chunk(torch.zeros(4))
+    finally:
+        keyed_randomness.disable_keyed_randomness()
+    torch.manual_seed(11)
+    assert torch.equal(after_forward, torch.rand(3))  # the outer stream is untouched by the layers' draws
+    assert torch.equal(first, again)                   # the masks are keyed, not drawn from the outer stream

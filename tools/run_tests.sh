@@ -16,6 +16,13 @@ LATEST_TESTS=(tests/test_megatron_compat.py tests/test_forward_backward_contract
               tests/test_pipeline_equality.py)
 # The equality grid for the second run: one interleaved layout, and one with tensor parallelism and dropout.
 LATEST_FILTER="not equality or (every_schedule and P2-V2-T1) or (dropout and P2-V2-T2)"
+# The transport's test files again, with the module built under AddressSanitizer + UndefinedBehaviorSanitizer
+# (tools/build_sanitized.sh): after the whole suite, or with MEGATRON_APP_TEST_SANITIZE=1. Any report aborts the
+# process it happens in, so the run fails.
+SANITIZED_TESTS=(tests/test_transport_roundtrip.py tests/test_transport_tcp.py tests/test_transport_lifecycle.py
+                 tests/test_transport_processes.py tests/test_rdma_protocol.py tests/test_lossy_transport.py
+                 tests/test_transport_admission.py)
+want_sanitized=${MEGATRON_APP_TEST_SANITIZE:-$([ "$#" -eq 0 ] && echo 1 || echo 0)}
 want_latest=${MEGATRON_APP_TEST_LATEST:-$([ "$#" -eq 0 ] && echo 1 || echo 0)}
 
 set +e
@@ -38,6 +45,21 @@ if [ "$rc" -eq 5 ]; then
         echo "run_tests.sh: pytest collected no tests; the suite is missing" >&2
         exit 1
     fi
+fi
+if [ "$want_sanitized" = 1 ]; then
+    sanitized_module=$(MAPP_SANITIZE=address,undefined VENV_PY="$VENV_PY" bash tools/build_sanitized.sh) \
+        || { echo "run_tests.sh: the sanitizer build failed" >&2; exit 1; }
+    echo "run_tests.sh: again with the transport built under -fsanitize=address,undefined" >&2
+    set +e
+    # Python itself is not instrumented: libasan must come first, and libstdc++ before the module (else ASan cannot
+    # intercept C++ throws: "CHECK failed ... real___cxa_throw"); its leak checker would report the interpreter's
+    # own allocations.
+    MEGATRON_APP_CORE="$sanitized_module" LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libstdc++.so)" \
+        ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+        "$VENV_PY" -m pytest -q "${SANITIZED_TESTS[@]}"
+    sanitized_rc=$?
+    set -e
+    [ "$rc" -ne 0 ] || rc=$sanitized_rc
 fi
 if [ "$want_latest" = 1 ]; then
     # shellcheck source=tools/setup_latest_megatron.sh

@@ -31,6 +31,7 @@ struct BackendContext {
   int rank;
   int world_size;
   std::string job_id;
+  std::string admission_secret;  // what a connection to this rank's listener must prove (admission.h)
   std::vector<int> peers;  // the peers this backend serves, both directions
   uint64_t max_message_bytes;
   Inbox* inbox;
@@ -54,6 +55,8 @@ class Backend {
   // What a peer needs to reach us ("host:port"); published through the torch.distributed store. Throws
   // std::invalid_argument for a backend whose peers need no address.
   virtual std::string local_address() const = 0;
+  // Connections this backend's listener dropped before admission (strangers); 0 for backends without one.
+  virtual uint64_t strangers_dropped() const { return 0; }
   // Where `peer` listens. Sends to a peer wait (bounded by their timeout) until its address is known.
   virtual void set_peer_address(int peer, const std::string& address) = 0;
 

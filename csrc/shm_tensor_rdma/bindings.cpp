@@ -107,7 +107,7 @@ PYBIND11_MODULE(_shm_tensor_rdma, m) {
       .def(py::init([](int rank, int world_size, const std::string& job_id, uint64_t slot_bytes, uint32_t num_slots,
                        uint64_t max_message_bytes, int send_workers, std::optional<std::vector<int>> peers,
                        double timeout_s, std::map<int, std::string> backends, const std::string& listen_host,
-                       int listen_port) {
+                       int listen_port, const py::bytes& admission_secret) {
              TransportOptions options;
              options.rank = rank;
              options.world_size = world_size;
@@ -121,6 +121,7 @@ PYBIND11_MODULE(_shm_tensor_rdma, m) {
              options.peer_backends = std::move(backends);
              options.listen_host = listen_host;
              options.listen_port = listen_port;
+             options.admission_secret = admission_secret;
              py::gil_scoped_release release;
              auto transport = std::make_unique<Transport>(std::move(options));
              transport->set_interrupt_check(raise_pending_python_signal);
@@ -129,8 +130,9 @@ PYBIND11_MODULE(_shm_tensor_rdma, m) {
            py::arg("rank"), py::arg("world_size"), py::arg("job_id"), py::arg("slot_bytes"), py::arg("num_slots"),
            py::arg("max_message_bytes"), py::arg("send_workers"), py::arg("peers"), py::arg("timeout_s"),
            py::arg("backends") = std::map<int, std::string>(), py::arg("listen_host") = "127.0.0.1",
-           py::arg("listen_port") = 0)
+           py::arg("listen_port") = 0, py::arg("admission_secret") = py::bytes())
       .def("backend_of", &Transport::backend_of, py::arg("peer"))
+      .def_property_readonly("strangers_dropped", &Transport::strangers_dropped)
       .def("local_address", &Transport::local_address, py::arg("backend"))
       .def("set_peer_address", &Transport::set_peer_address, py::arg("peer"), py::arg("address"),
            py::call_guard<py::gil_scoped_release>())

@@ -78,7 +78,7 @@ BufferPool::~BufferPool() {
   for (const auto& [key, data] : by_capacity_) release(data, key.first);
 }
 
-uint8_t* BufferPool::forget(const SizeAndAge& key) {
+uint8_t* BufferPool::forget(SizeAndAge key) {
   auto entry = by_capacity_.find(key);
   uint8_t* data = entry->second;
   by_capacity_.erase(entry);

@@ -54,7 +54,7 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
   explicit BufferPool(size_t max_cached_bytes) : max_cached_bytes_(max_cached_bytes) {}
   void give_back(uint8_t* data, size_t capacity);
   // Removes a cached buffer from both indexes and returns its memory; caller holds mutex_.
-  uint8_t* forget(const SizeAndAge& key);
+  uint8_t* forget(SizeAndAge key);  // by value: the key may live in the node it erases
 
   const size_t max_cached_bytes_;
   std::mutex mutex_;

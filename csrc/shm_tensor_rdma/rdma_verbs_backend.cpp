@@ -13,6 +13,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "admission.h"
 #include "errors.h"
 #include "peer_name.h"
 #include "tag.h"
@@ -55,7 +56,7 @@ RdmaBackend::RdmaBackend(BackendContext context, const RdmaSettings& settings)
       settings_(settings),
       device_(std::make_unique<RdmaDevice>(settings)),
       addresses_("rdma", context_.rank, context_.peers),
-      listener_(context_.listen_host, 0) {
+      listener_(context_.listen_host, 0, context_.admission_secret, context_.job_id) {
   for (int peer : context_.peers) {
     outbound_[peer].id = LinkId{peer, true};
     inbound_[peer].id = LinkId{peer, false};
@@ -166,6 +167,12 @@ void RdmaBackend::connect(int peer, SendLink& link, const OutgoingMessage& messa
   AddressBook::Connection connection = addresses_.connect(peer, message.header.tag, limits);
   TcpSocket socket = std::move(connection.socket);
   const std::string who = peer_name(peer, connection.address);
+  try {
+    answer_admission(socket.fd(), context_.admission_secret, context_.job_id, limits.timeout_s);
+  } catch (const std::exception& error) {
+    throw PeerDiedError(who + " did not admit the rdma connection of rank " + std::to_string(limits.my_rank) + ": " +
+                        error.what());
+  }
   const uint32_t depth = settings_.slot_count + kSpareWorkRequests;
   auto cq = std::make_unique<RdmaCompletionQueue>(*device_, static_cast<int>(2 * depth), &link.id);
   auto qp = std::make_unique<RdmaQueuePair>(*device_, cq->get(), depth, depth);

@@ -46,6 +46,7 @@ class RdmaBackend : public Backend {
 
   const char* name() const override { return "rdma"; }
   std::string local_address() const override { return listener_.address(); }
+  uint64_t strangers_dropped() const override { return listener_.strangers_dropped(); }
   void set_peer_address(int peer, const std::string& address) override;
   // `offset` is always 0: this backend never sends inline.
   void send(int peer, const OutgoingMessage& message, const SendLimits& limits, uint64_t offset) override;

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "admission.h"
 #include "errors.h"
 #include "peer_name.h"
 #include "tag.h"
@@ -22,7 +23,7 @@ constexpr double kGoodbyeTimeoutS = 1;  // close() does not wait longer for a pe
 TcpBackend::TcpBackend(BackendContext context)
     : context_(std::move(context)),
       addresses_("tcp", context_.rank, context_.peers),
-      listener_(context_.listen_host, context_.listen_port) {
+      listener_(context_.listen_host, context_.listen_port, context_.admission_secret, context_.job_id) {
   for (int peer : context_.peers) {
     inbound_[peer];
     outbound_[peer];
@@ -116,6 +117,12 @@ void TcpBackend::receive_loop(int peer, int fd) {
 
 void TcpBackend::connect(int peer, Outbound& link, const OutgoingMessage& message, const SendLimits& limits) {
   AddressBook::Connection connection = addresses_.connect(peer, message.header.tag, limits);
+  try {
+    answer_admission(connection.socket.fd(), context_.admission_secret, context_.job_id, limits.timeout_s);
+  } catch (const std::exception& error) {
+    throw PeerDiedError(peer_name(peer, connection.address) + " did not admit rank " +
+                        std::to_string(limits.my_rank) + ": " + error.what());
+  }
   TcpHello hello = make_tcp_hello(limits.my_rank, context_.job_id);
   iovec iov{&hello, sizeof(hello)};
   const TcpWriteResult result = tcp_write_all(connection.socket.fd(), &iov, 1, *limits.stopping, limits.timeout_s);

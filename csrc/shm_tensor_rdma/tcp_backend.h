@@ -31,6 +31,7 @@ class TcpBackend : public Backend {
 
   const char* name() const override { return "tcp"; }
   std::string local_address() const override { return listener_.address(); }
+  uint64_t strangers_dropped() const override { return listener_.strangers_dropped(); }
   void set_peer_address(int peer, const std::string& address) override;
   // Small messages go out on the caller's thread when the connected link's socket takes the whole frame at once
   // (saves the hand-off to a worker); `offset` counts frame bytes written, header included.

@@ -95,7 +95,8 @@ void Transport::create_backends() {
 void Transport::make_backend(const BackendKind& kind, const std::map<std::string, std::vector<int>>& peers_of) {
   auto group = peers_of.find(kind.name);
   if (group == peers_of.end()) return;
-  const BackendContext context{options_.rank,       options_.world_size, options_.job_id,      group->second,
+  const BackendContext context{options_.rank,       options_.world_size, options_.job_id,
+                               options_.admission_secret,                                 group->second,
                                options_.max_message_bytes, &inbox_,     arrivals_,            pool_,
                                options_.slot_bytes, options_.num_slots,  options_.listen_host, options_.listen_port};
   backends_.push_back(kind.create(context));
@@ -145,6 +146,12 @@ void Transport::close() {
 std::string Transport::backend_of(int peer) const {
   validate_peer(peer, "reach");
   return backend_of_[peer]->name();
+}
+
+uint64_t Transport::strangers_dropped() const {
+  uint64_t dropped = 0;
+  for (const auto& backend : backends_) dropped += backend->strangers_dropped();
+  return dropped;
 }
 
 std::string Transport::local_address(const std::string& backend) const {

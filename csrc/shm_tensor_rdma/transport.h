@@ -58,6 +58,8 @@ class Transport {
   std::string backend_of(int peer) const;
   // Where peers reach this rank over `backend` ("host:port"); throws std::invalid_argument if it serves no peer.
   std::string local_address(const std::string& backend) const;
+  // Connections dropped before admission by this rank's listeners (every remote backend together).
+  uint64_t strangers_dropped() const;
   // Tells a remote backend where `peer` listens (from the address exchange through the torch.distributed store).
   void set_peer_address(int peer, const std::string& address);
   int rank() const { return options_.rank; }

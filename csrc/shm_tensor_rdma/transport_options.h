@@ -13,6 +13,9 @@ struct TransportOptions {
   int rank = 0;
   int world_size = 1;
   std::string job_id;
+  // The job's secret (drawn by rank 0, shared through the store); connections that cannot prove it are dropped.
+  // Empty only where every rank gives it empty (tests in one process): then the job id alone admits.
+  std::string admission_secret;
   uint64_t slot_bytes = uint64_t{1} << 20;
   // 16 x 1 MiB: the slots a stream cycles through stay in cache. With 64 (a 64 MiB ring) each chunk copy ran at
   // about half the speed (7 vs 13 GB/s per 1 MiB chunk on the test machine); the drain thread empties slots as

@@ -8,6 +8,10 @@ recomputation reruns the layer during backward: the executor names the microbatc
 and backward; outside the executor (Megatron's own schedules) the microbatch Megatron's forward_step sets on the
 layers (``current_microbatch``) is used.
 
+Each layer borrows the generators: their state before the layer is put back after it, so code that draws
+between layers or after the forward (data sampling, Megatron's own streams) sees the stream it would see without
+keyed randomness.
+
 Use: ``enable_keyed_randomness(model_chunks, seed)`` once; ``set_iteration(i)`` before each training step (left
 out, the iteration advances by one after each training forward_backward call).
 """
@@ -30,6 +34,7 @@ class KeyedRandomness:
         self._iteration_set = False
         self.microbatch: Optional[int] = None   # set by the executor around each task
         self._handles: List = []
+        self._borrowed: List = []  # generator states saved by reseed(), restored by give_back()
 
     def key(self, microbatch: int, layer: int, stream: str) -> int:
         text = f"{self.seed}:{self.iteration}:{microbatch}:{layer}:{stream}".encode()
@@ -44,6 +49,9 @@ class KeyedRandomness:
 
         tracker = megatron_random.get_cuda_rng_tracker()
         name = megatron_random._MODEL_PARALLEL_RNG_TRACKER_NAME
+        cuda_state = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() \
+            else None
+        self._borrowed.append((torch.get_rng_state(), cuda_state, tracker, tracker.get_states()))
         if name in tracker.get_states():
             # Megatron's per-TP-rank stream (its attention dropout on CUDA): keyed too, with the TP rank in it.
             tp_rank = parallel_state.get_tensor_model_parallel_rank() \
@@ -51,6 +59,16 @@ class KeyedRandomness:
             with tracker.fork(name):
                 torch.manual_seed(self.key(microbatch, layer, f"tp{tp_rank}"))
         torch.manual_seed(self.key(microbatch, layer, "default"))
+
+    def give_back(self) -> None:
+        """Restore the generator states the last reseed() found (after its layer ran)."""
+        if not self._borrowed:
+            return
+        cpu_state, cuda_state, tracker, tracker_states = self._borrowed.pop()
+        torch.set_rng_state(cpu_state)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state(cuda_state)
+        tracker.set_states(tracker_states)
 
     def training_call_done(self) -> None:
         if not self._iteration_set:
@@ -94,10 +112,14 @@ def enable_keyed_randomness(model_chunks, seed: int) -> KeyedRandomness:
                 state.reseed(microbatch, layer_number)
             return reseed
 
-        if embedding is not None:
-            state._handles.append(embedding.register_forward_pre_hook(hook_for(0)))
-        for layer in layers:
-            state._handles.append(layer.register_forward_pre_hook(hook_for(layer.layer_number)))
+        def give_back(module, args, output):
+            state.give_back()
+
+        for layer_number, module in ([(0, embedding)] if embedding is not None else []) + \
+                [(layer.layer_number, layer) for layer in layers]:
+            state._handles.append(module.register_forward_pre_hook(hook_for(layer_number)))
+            # always_call: a layer that raises gives the generators back too
+            state._handles.append(module.register_forward_hook(give_back, always_call=True))
     _active = state
     return state
 

@@ -152,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(ckpt, "--load", default=None, metavar="DIR",
               help="resume from DIR's latest checkpoint (or DIR itself when it is one iteration's directory); "
                    "a DIR with no checkpoint yet starts from scratch")
+    _add_flag(ckpt, "--allow-data-change-on-resume", action="store_true",
+              help="resume --load's checkpoint although --data-path or --variable-seq-lengths differ from its own "
+                   "(otherwise refused: the run would silently read other samples)")
     _add_flag(ckpt, "--exit-interval", type=int, default=None, metavar="N",
               help="stop after an iteration that is a multiple of N (saving first when --save is given)")
 

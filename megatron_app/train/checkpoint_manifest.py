@@ -21,6 +21,10 @@ MANIFEST = "manifest.json"
 TRACKER = "latest_iteration.txt"
 LAYOUT_KEYS = ("pipeline_parallel", "model_chunks", "tensor_parallel")
 MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
+# What the run reads: resuming with other data or another length mode changes results without an error, so it is
+# refused unless --allow-data-change-on-resume says the change is meant.
+DATA_KEYS = ("data_path", "variable_seq_lengths")
+DATA_OVERRIDE_FLAG = "--allow-data-change-on-resume"
 
 
 class CheckpointError(ValueError):
@@ -70,10 +74,30 @@ def manifest_for(args, iteration: int, consumed_samples: int, files) -> dict:
         "layout": {key: getattr(args, key) for key in LAYOUT_KEYS + ("data_parallel",)},
         "model": {key: getattr(args, key) for key in MODEL_KEYS},
         "training": {"global_batch_size": args.global_batch_size, "micro_batch_size": args.micro_batch_size,
-                     "seed": args.seed, "iters": args.iters, "data_path": args.data_path,
-                     "variable_seq_lengths": bool(getattr(args, "variable_seq_lengths", False))},
+                     "seed": args.seed, "iters": args.iters, **data_identity(args)},
         "files": sorted(files),
     }
+
+
+def _absolute_data_path(items):
+    """--data-path with each prefix made absolute (a resume from another directory names the same files); the
+    weights of a WEIGHT PREFIX list stay as given."""
+    if items is None:
+        return None
+    items = [str(item) for item in items]
+    weighted = len(items) % 2 == 0  # Megatron's convention: an even-length list is WEIGHT PREFIX pairs
+    return [item if weighted and index % 2 == 0 else os.path.abspath(item) for index, item in enumerate(items)]
+
+
+def data_identity(args) -> dict:
+    return {"data_path": _absolute_data_path(args.data_path),
+            "variable_seq_lengths": bool(getattr(args, "variable_seq_lengths", False))}
+
+
+def _describe_data(key: str, value) -> str:
+    if key == "data_path":
+        return "--data-path " + (" ".join(str(item) for item in value) if value else "(mock data)")
+    return f"--variable-seq-lengths {'on' if value else 'off'}"
 
 
 def commit(save_dir: str, manifest: dict) -> None:
@@ -152,6 +176,16 @@ def check_compatible(found: FoundCheckpoint, args) -> None:
             raise CheckpointError(
                 f"checkpoint {found.directory} has {key}={found.manifest['model'].get(key)} but this run has "
                 f"--{key.replace('_', '-')} {getattr(args, key)}")
+    saved_training = found.manifest.get("training", {})
+    here_data = data_identity(args)
+    for key in DATA_KEYS:
+        if key not in saved_training or getattr(args, "allow_data_change_on_resume", False):
+            continue  # a manifest from before the key was recorded, or a change the user asked for
+        saved = _absolute_data_path(saved_training[key]) if key == "data_path" else bool(saved_training[key])
+        if saved != here_data[key]:
+            raise CheckpointError(
+                f"checkpoint {found.directory} was trained with {_describe_data(key, saved)} but this run has "
+                f"{_describe_data(key, here_data[key])}; resume with the same, or pass {DATA_OVERRIDE_FLAG}")
     if found.iteration >= args.iters:
         raise CheckpointError(f"checkpoint {found.directory} is at iteration {found.iteration}, and --iters is "
                               f"{args.iters}: nothing left to train (raise --iters)")

@@ -9,6 +9,7 @@ largest token id is found so the model's vocabulary can be sized from (or checke
 from __future__ import annotations
 
 import os
+import struct
 from dataclasses import dataclass
 
 import numpy
@@ -41,12 +42,42 @@ class IndexedDataInfo:
                 for bookends in split_matrix]
 
 
-def _open(prefix: str):
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
+# Megatron's .idx header (indexed_dataset._INDEX_HEADER, then version, dtype code, sequence and document counts),
+# and the bytes per entry of its three arrays (sequence lengths int32, pointers int64, document indices int64).
+_IDX_MAGIC = b"MMIDIDX\x00\x00"
+_IDX_HEADER_BYTES = len(_IDX_MAGIC) + 8 + 1 + 8 + 8
+_IDX_BYTES_PER_SEQUENCE = 4 + 8
+_IDX_BYTES_PER_DOCUMENT = 8
 
+
+def _check_files(prefix: str) -> None:
+    """The checks Megatron's reader does not make before it fails half-constructed (its __del__ then prints
+    'Exception ignored ... AttributeError' after our message): both files exist, the .bin is not empty, the
+    .idx header is whole and the .idx is as long as its counts say."""
     for suffix in (".bin", ".idx"):
         if not os.path.isfile(prefix + suffix):
             raise DataError(f"--data-path: {prefix + suffix} does not exist")
+    if os.path.getsize(prefix + ".bin") == 0:
+        raise DataError(f"--data-path: {prefix}.bin is empty (re-run tools/preprocess_data.py)")
+    idx_path = prefix + ".idx"
+    idx_bytes = os.path.getsize(idx_path)
+    with open(idx_path, "rb") as handle:
+        header = handle.read(_IDX_HEADER_BYTES)
+    if len(header) < _IDX_HEADER_BYTES or not header.startswith(_IDX_MAGIC):
+        raise DataError(f"--data-path: {idx_path} is not a readable Megatron index "
+                        f"({'truncated header' if header.startswith(_IDX_MAGIC[:len(header)]) else 'bad magic'}, "
+                        f"{idx_bytes} bytes)")
+    sequences, documents = struct.unpack_from("<QQ", header, len(_IDX_MAGIC) + 9)
+    needed = _IDX_HEADER_BYTES + sequences * _IDX_BYTES_PER_SEQUENCE + documents * _IDX_BYTES_PER_DOCUMENT
+    if idx_bytes < needed:
+        raise DataError(f"--data-path: {idx_path} is truncated: its header counts {sequences} sequences and "
+                        f"{documents} documents ({needed} bytes) but the file has {idx_bytes} bytes")
+
+
+def _open(prefix: str):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    _check_files(prefix)
     try:
         return IndexedDataset(prefix, mmap=True)
     except (AssertionError, ValueError, OSError, KeyError, IndexError) as exc:

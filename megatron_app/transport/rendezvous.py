@@ -2,12 +2,17 @@
 requested mode through the torch.distributed store (a c10d Store: set/get/wait/add), each link's backend is chosen
 from both ends' entries, and ranks with remote links publish the address they listen on. Nothing is configured by
 hand: the store is the job's own (torchrun's TCPStore).
+
+The store also carries the job's admission secret: drawn once per round by the first rank to get there (rank 0
+when it opens first; compare_set makes the first draw win), it is what a connection to a rank's listener must
+prove (an HMAC of a fresh challenge; the secret itself never goes on the transport's sockets).
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import secrets
 from collections.abc import Iterable
 
 from ._core import core
@@ -16,6 +21,14 @@ from .backend_choice import BackendUnavailable, advertised_address, choose_backe
 from .transport import Transport
 
 KEY_PREFIX = "megatron_app/link"
+ADMISSION_SECRET_BYTES = 32  # as long as the HMAC-SHA256 it keys
+
+
+def job_admission_secret(store, prefix: str) -> bytes:
+    """The round's secret: the first rank's draw, the same bytes for every rank."""
+    key = f"{prefix}/admission_secret"
+    drawn = secrets.token_hex(ADMISSION_SECRET_BYTES)
+    return bytes.fromhex(store.compare_set(key, "", drawn).decode())
 
 
 def _wait(store, keys: list[str], timeout_s: float, what: str) -> None:
@@ -60,8 +73,9 @@ def open_transport(store, rank: int, world_size: int, job_id: str, peers: Iterab
         raise
     remote = {peer: kind for peer, kind in backends.items() if BACKENDS[kind].remote}
     host = advertised_address(master_addr) if remote else "127.0.0.1"
+    secret = job_admission_secret(store, prefix) if remote else b""
     transport = Transport(rank, world_size, job_id, peers=peers, timeout_s=timeout_s, backends=remote,
-                          listen_host=host, **transport_options)
+                          listen_host=host, admission_secret=secret, **transport_options)
     try:
         if remote:
             kinds = sorted(set(remote.values()))

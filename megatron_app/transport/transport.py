@@ -102,6 +102,7 @@ class Transport(ClosesOnExit):
         backends: Mapping[int, str] | None = None,
         listen_host: str = "127.0.0.1",
         listen_port: int = 0,
+        admission_secret: bytes = b"",
     ):
         if not isinstance(job_id, str):
             raise TypeError(f"job_id must be a str, got {type(job_id).__name__}")
@@ -116,6 +117,8 @@ class Transport(ClosesOnExit):
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
             raise TypeError(f"timeout_s must be a number of seconds, got {type(timeout_s).__name__}")
         backends = {_int_arg(peer, "peer"): str(kind) for peer, kind in (backends or {}).items()}
+        if not isinstance(admission_secret, bytes):
+            raise TypeError(f"admission_secret must be bytes, got {type(admission_secret).__name__}")
         if not isinstance(listen_host, str):
             raise TypeError(f"listen_host must be a str, got {type(listen_host).__name__}")
         self._core = core.Transport(
@@ -131,6 +134,7 @@ class Transport(ClosesOnExit):
             backends=backends,
             listen_host=listen_host,
             listen_port=_int_arg(listen_port, "listen_port"),
+            admission_secret=admission_secret,
         )
         self.rank = rank
         self.world_size = world_size
@@ -139,6 +143,11 @@ class Transport(ClosesOnExit):
         self._pending: dict[int, collections.deque] = {}  # per peer: handles keeping unfinished sends' tensors
 
     # -- links to other hosts ------------------------------------------------------------------------------------
+    @property
+    def strangers_dropped(self) -> int:
+        """Connections to this rank's listeners dropped before admission (no proof of the job's secret)."""
+        return self._core.strangers_dropped
+
     def backend_of(self, peer: int) -> str:
         """'shm', 'tcp' or 'rdma': how this rank reaches `peer`."""
         return self._core.backend_of(_int_arg(peer, "peer"))
