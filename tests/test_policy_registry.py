@@ -82,3 +82,30 @@ def test_every_entry_point_defaults_to_the_registry_default():
     assert build_parser().get_default("policy") == DEFAULT_POLICY
     assert add_arguments(argparse.ArgumentParser()).get_default("app_policy") == DEFAULT_POLICY
     assert inspect.signature(install).parameters["policy"].default == DEFAULT_POLICY
+
+
+def test_a_policys_options_are_declared_in_its_entry_and_checked_there():
+    from megatron_app.schedule import ScheduleConfigError, make_policy
+    from megatron_app.schedule.policies import policies_taking
+
+    assert policies_taking("memory_factor") == ("planned",)
+    shape = PipelineShape(2, 2, 4)
+    assert make_policy("planned", shape, 0, memory_factor=1.5).memory_factor == 1.5
+    assert make_policy("dfc", shape, 0, memory_factor=None).name == "dfc"     # unset options are not passed
+    with pytest.raises(ScheduleConfigError, match="memory_factor applies to policy 'planned' only, not 'dfc'"):
+        make_policy("dfc", shape, 0, memory_factor=1.5)
+    with pytest.raises(ScheduleConfigError, match="memory factor must be a number >= 1"):
+        make_policy("planned", shape, 0, memory_factor=0.5)
+
+
+def test_no_policy_name_is_compared_as_a_string_outside_the_registry():
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "megatron_app"
+    names = "|".join(re.escape(name) for name in POLICY_NAMES)
+    comparison = re.compile(rf"""[=!]=\s*["']({names})["']|["']({names})["']\s*[=!]=""")
+    offenders = [f"{path.relative_to(root.parent)}:{number}"
+                 for path in root.rglob("*.py") if path.name != "policies.py"
+                 for number, line in enumerate(path.read_text().splitlines(), 1) if comparison.search(line)]
+    assert offenders == []

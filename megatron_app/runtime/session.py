@@ -98,8 +98,11 @@ class RuntimeSession:
     def policy_for(self, shape, rank: int, memory_cap):
         from megatron_app.schedule import make_policy
 
+        from megatron_app.schedule import POLICIES
+
         name = self.settings.policy_name
-        factor = self.settings.memory_factor if name == "planned" else None
+        # Only the options the policy declares (settings.validate refused a set option it does not take).
+        factor = self.settings.memory_factor if POLICIES[name].takes("memory_factor") else None
         key = (name, shape, rank, memory_cap, factor)
         if key not in self._policies:
             if self.settings.action_lists is not None:     # schedule "file"

@@ -43,8 +43,9 @@ class AppSettings:
         if self.memory_factor is not None and not self.memory_factor >= 1.0:
             raise AppConfigError(f"memory factor must be >= 1 (x Megatron's peak activation bytes), "
                                  f"got {self.memory_factor}")
-        if self.memory_factor is not None and self.policy_name != "planned":
-            raise AppConfigError(f"a memory factor applies to policy 'planned' only, not {self.policy_name!r}")
+        if self.memory_factor is not None and not _policy_takes(self.policy_name, "memory_factor"):
+            raise AppConfigError(f"a memory factor applies to policy {_takers('memory_factor')} only, not "
+                                 f"{self.policy_name!r}")
         if not 0 < self.planning_share < 1:
             raise AppConfigError(f"planning share must lie in (0, 1), got {self.planning_share}")
         if not isinstance(self.split_backward, bool):
@@ -83,3 +84,15 @@ def read_action_lists(path: str) -> Tuple[Tuple[str, ...], ...]:
     if not rows:
         raise AppConfigError(f"schedule file {path} holds no action lists")
     return tuple(rows)
+
+
+def _policy_takes(policy: str, option: str) -> bool:
+    from megatron_app.schedule import POLICIES
+
+    return policy in POLICIES and POLICIES[policy].takes(option)
+
+
+def _takers(option: str) -> str:
+    from megatron_app.schedule.policies import policies_taking
+
+    return " or ".join(repr(name) for name in policies_taking(option))

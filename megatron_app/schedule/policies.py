@@ -8,12 +8,12 @@ Adding a policy: one module with its factory, one entry below.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from .adaptive import make_adaptive
 from .errors import ScheduleConfigError
 from .greedy import make_bfc, make_dfc
-from .planned import make_planned
+from .planned import check_memory_factor, make_planned
 from .policy import Policy
 from .shape import PipelineShape
 from .static_order import make_megatron_1f1b, make_megatron_interleaved
@@ -23,16 +23,35 @@ PolicyFactory = Callable[[PipelineShape, int, Optional[int]], Policy]
 
 
 @dataclass(frozen=True)
+class PolicyOption:
+    """An option of one policy: its keyword in the factory, its check, and what it means (flags, settings, the
+    simulator and the benchmarks read it from here)."""
+
+    name: str
+    check: Callable[[Any], Any]
+    summary: str
+
+
+MEMORY_FACTOR = PolicyOption("memory_factor", check_memory_factor,
+                             "activation bytes a rank may hold, x Megatron's peak for the same microbatches (>= 1)")
+
+
+@dataclass(frozen=True)
 class PolicyEntry:
     """factory(shape, rank, memory_cap or None) -> Policy. static: a fixed order (chosen with --schedule NAME);
     otherwise an adaptive rule of the `app` schedule (chosen with --policy NAME). single_chunk: V == 1 only.
-    split_only: needs a split backward (W tasks)."""
+    split_only: needs a split backward (W tasks). options: the policy's own options, passed to its factory as
+    keywords when set."""
 
     factory: PolicyFactory
     static: bool
     summary: str
     single_chunk: bool = False
     split_only: bool = False
+    options: Tuple[PolicyOption, ...] = ()
+
+    def takes(self, option: str) -> bool:
+        return any(declared.name == option for declared in self.options)
 
     def applies_to(self, shape: PipelineShape) -> bool:
         return not (self.single_chunk and shape.num_chunks > 1) and not (self.split_only and not shape.split_backward)
@@ -53,7 +72,7 @@ POLICIES: Dict[str, PolicyEntry] = {
     "planned": PolicyEntry(make_planned, static=False, summary="the default. Per iteration, the microbatch order "
                            "and per-rank warm-up depths of Megatron's order chosen from the microbatches' lengths "
                            "under an activation-bytes cap (x Megatron's peak); then as adaptive. Without lengths: "
-                           "adaptive"),
+                           "adaptive", options=(MEMORY_FACTOR,)),
     "zb-h1": PolicyEntry(make_zb_h1, static=True, split_only=True,
                          summary="ZB-H1-style order for a split backward: Megatron's order of forwards and input-"
                          "gradient backwards, rank r deferring r weight-gradient tasks into its tail"),
@@ -63,6 +82,8 @@ POLICIES: Dict[str, PolicyEntry] = {
 # order in the five uniform benchmark scenarios (quiet machine) and faster on variable lengths, at no more memory
 # (BENCHMARKS.md, "The default policy").
 DEFAULT_POLICY = "planned"
+# Megatron-Core's own order: the baseline that comparisons (simulator scenarios, benchmarks) divide by.
+BASELINE_POLICY = "interleaved"
 
 POLICY_NAMES: Tuple[str, ...] = tuple(POLICIES)
 ADAPTIVE_POLICY_NAMES: Tuple[str, ...] = tuple(name for name, entry in POLICIES.items() if not entry.static)
@@ -74,16 +95,25 @@ def policies_for(shape: PipelineShape) -> Tuple[str, ...]:
     return tuple(name for name, entry in POLICIES.items() if entry.applies_to(shape))
 
 
+def policies_taking(option: str) -> Tuple[str, ...]:
+    """The policy names that declare `option`."""
+    return tuple(name for name, entry in POLICIES.items() if entry.takes(option))
+
+
 def make_policy(name: str, shape: PipelineShape, rank: int, memory_cap: Optional[int] = None,
-                memory_factor: Optional[float] = None) -> Policy:
+                **options: Any) -> Policy:
     """A policy for one rank. memory_cap: most activations held at once; None = what Megatron's order holds.
-    memory_factor (planned only): activation bytes a rank may hold, x Megatron's peak for the same microbatches."""
+    options: the policy's own (its entry's `options`, e.g. memory_factor); one left at None is not passed."""
     entry = POLICIES.get(name)
     if entry is None:
         raise ScheduleConfigError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
     shape.check_rank(rank)
-    if memory_factor is not None:
-        if name != "planned":
-            raise ScheduleConfigError(f"memory_factor applies to policy 'planned' only, not {name!r}")
-        return make_planned(shape, rank, memory_cap, memory_factor=memory_factor)
-    return entry.factory(shape, rank, memory_cap)
+    given = {option: value for option, value in options.items() if value is not None}
+    for option in given:
+        if not entry.takes(option):
+            takers = policies_taking(option)
+            raise ScheduleConfigError(f"{option} applies to policy {' or '.join(map(repr, takers)) or 'none'} only, "
+                                      f"not {name!r}")
+    checked = {declared.name: declared.check(given[declared.name]) for declared in entry.options
+               if declared.name in given}
+    return entry.factory(shape, rank, memory_cap, **checked)

@@ -55,8 +55,12 @@ class IterationOutcome:
 
 def make_policies(shape: PipelineShape, name: str, memory_cap: Optional[int] = None,
                   memory_factor: Optional[float] = None) -> List[Policy]:
-    factor = memory_factor if name == "planned" else None
-    return [make_policy(name, shape, rank, memory_cap, factor) for rank in range(shape.num_stages)]
+    """One policy per rank; memory_factor goes to the policies that declare it (the others ignore it here, so one
+    simulator configuration can compare every policy)."""
+    from megatron_app.schedule import POLICIES
+
+    factor = memory_factor if POLICIES[name].takes("memory_factor") else None
+    return [make_policy(name, shape, rank, memory_cap, memory_factor=factor) for rank in range(shape.num_stages)]
 
 
 def run_iteration(shape: PipelineShape, policies: Sequence[Policy], durations: DurationTable, network: Network,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 from megatron_app.schedule import PipelineShape, policies_for
+from megatron_app.schedule.policies import BASELINE_POLICY
 
 from .costs import ComputeCosts, ComputePerturbations
 from .network import US_PER_MS, LinkCosts, SlowLink
@@ -64,7 +65,7 @@ def run_scenarios(seeds: Sequence[int] = range(5), shape: PipelineShape = ISSUE_
 def format_rows(rows: List[ScenarioRow]) -> str:
     lines = [f"{'scenario':<20} {'policy':<12} {'makespan ms':>12} {'bound ms':>9} {'x bound':>8} "
              f"{'interleaved/this':>17}  peak activations"]
-    interleaved = {row.scenario: row.makespan_ms for row in rows if row.policy == "interleaved"}
+    interleaved = {row.scenario: row.makespan_ms for row in rows if row.policy == BASELINE_POLICY}
     for row in rows:
         speedup = interleaved[row.scenario] / row.makespan_ms if row.scenario in interleaved else float("nan")
         lines.append(f"{row.scenario:<20} {row.policy:<12} {row.makespan_ms:>12.1f} {row.lower_bound_ms:>9.1f} "

@@ -14,6 +14,7 @@ from typing import Mapping, Optional, Sequence
 
 from megatron_app.lossy.config import TP_SITES
 from megatron_app.schedule import ADAPTIVE_POLICY_NAMES, DEFAULT_POLICY, STATIC_POLICY_NAMES
+from megatron_app.schedule.policies import policies_taking
 
 from .text_tokenizers import TOKENIZER_TYPES
 
@@ -420,8 +421,9 @@ def _check_memory_factor(args: argparse.Namespace) -> None:
         return
     if not args.memory_factor >= 1.0:
         raise UsageError(f"--memory-factor must be >= 1 (x Megatron's peak activation bytes), got {args.memory_factor}")
-    if args.schedule != "app" or args.policy != "planned":
-        raise UsageError("--memory-factor applies to --policy planned (under --schedule app) only")
+    takers = policies_taking("memory_factor")
+    if args.schedule != "app" or args.policy not in takers:
+        raise UsageError(f"--memory-factor applies to --policy {' or '.join(takers)} (under --schedule app) only")
 
 
 def _check_variable_lengths(args: argparse.Namespace) -> None:
