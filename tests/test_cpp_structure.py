@@ -91,3 +91,18 @@ def test_every_backend_implements_the_one_interface():
 def test_core_does_not_depend_on_libtorch():
     users = _files_where(lambda code, literals: re.search(r"#include\s*<(torch|ATen|c10)/", code) is not None)
     assert users == []
+
+
+def test_pythons_backend_table_and_automatic_choice_come_from_the_cores_registry():
+    from megatron_app.transport.backend_choice import choose_backends
+    from megatron_app.transport.backends import BACKENDS, BY_PRIORITY
+
+    assert tuple(BACKENDS) == core.BACKENDS
+    for row in core.BACKEND_KINDS:
+        info = BACKENDS[row["name"]]
+        assert (info.remote, info.needs_device, info.auto_priority) == (
+            row["remote"], row["needs_device"], row["auto_priority"])
+    assert BY_PRIORITY == ("shm", "rdma", "tcp")
+    hosts = {0: "a", 1: "a", 2: "b", 3: "c"}
+    devices = {0: True, 1: True, 2: True, 3: False}
+    assert choose_backends(0, [1, 2, 3], hosts, devices, "auto") == {1: "shm", 2: "rdma", 3: "tcp"}

@@ -20,9 +20,12 @@ std::unique_ptr<Backend> make_tcp_backend(const BackendContext& context) {
 
 const std::array<BackendKind, kBackendKinds>& backend_kinds() {
   static const std::array<BackendKind, kBackendKinds> kinds{{
-      {"shm", make_shm_backend, remove_dead_job_segments},
-      {"tcp", make_tcp_backend, nullptr},
-      {"rdma", make_rdma_backend, nullptr},
+      {"shm", "shared-memory rings between processes of one host", /*remote=*/false, /*needs_device=*/false,
+       /*auto_priority=*/30, make_shm_backend, remove_dead_job_segments},
+      {"tcp", "TCP sockets between hosts", /*remote=*/true, /*needs_device=*/false, /*auto_priority=*/10,
+       make_tcp_backend, nullptr},
+      {"rdma", "RDMA (ibverbs) between hosts with a usable device", /*remote=*/true, /*needs_device=*/true,
+       /*auto_priority=*/20, make_rdma_backend, nullptr},
   }};
   return kinds;
 }

@@ -1,5 +1,5 @@
 // Every transport backend, by name: the one list the transport (factory), option validation and the Python
-// module (BACKENDS) read. Adding a backend is one Backend subclass plus one line in backend_registry.cpp.
+// module (BACKEND_KINDS: name, summary, reach and automatic-choice priority) read. Adding a backend is one Backend subclass plus one line in backend_registry.cpp.
 #pragma once
 
 #include <array>
@@ -14,6 +14,13 @@ namespace mapp {
 
 struct BackendKind {
   const char* name;
+  const char* summary;
+  // Carries links between hosts (needs an address exchange at start-up); false: same host only.
+  bool remote;
+  // Serves a link only where both ends have a usable device (rdma).
+  bool needs_device;
+  // The automatic choice takes, per link, the usable backend with the highest priority.
+  int auto_priority;
   // Throws std::invalid_argument when the backend cannot serve here (rdma without a device), std::runtime_error
   // when a resource cannot be had.
   std::unique_ptr<Backend> (*create)(const BackendContext& context);

@@ -67,8 +67,15 @@ PYBIND11_MODULE(_shm_tensor_rdma, m) {
   m.attr("DIRECTION_CONTROL") = static_cast<uint32_t>(Direction::kControl);
   m.attr("MAX_DIMS") = kMaxDims;
   py::list backend_names;
-  for (const BackendKind& kind : backend_kinds()) backend_names.append(kind.name);
+  py::list backend_kind_rows;
+  for (const BackendKind& kind : backend_kinds()) {
+    backend_names.append(kind.name);
+    backend_kind_rows.append(py::dict(py::arg("name") = kind.name, py::arg("summary") = kind.summary,
+                                      py::arg("remote") = kind.remote, py::arg("needs_device") = kind.needs_device,
+                                      py::arg("auto_priority") = kind.auto_priority));
+  }
   m.attr("BACKENDS") = py::tuple(backend_names);  // from backend_registry.cpp, in creation order
+  m.attr("BACKEND_KINDS") = py::tuple(backend_kind_rows);  // the same, with what Python's registry needs
 
   m.def("make_tag", &make_tag, py::arg("direction"), py::arg("microbatch"), py::arg("iteration"));
   m.def(

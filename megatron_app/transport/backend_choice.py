@@ -1,5 +1,6 @@
-"""Which backend carries each link: shm to a peer on the same host, rdma when both ends have a usable device, else
-tcp. MEGATRON_APP_TRANSPORT (or a launcher's --transport) forces one: shm | tcp | rdma | auto (the default).
+"""Which backend carries each link: per link, the usable backend with the highest automatic-choice priority in the
+compiled core's registry (today: shm to a peer on the same host, rdma when both ends have a usable device, else
+tcp). MEGATRON_APP_TRANSPORT (or a launcher's --transport) forces one: shm | tcp | rdma | auto (the default).
 
 "Same host" means same machine *and* same network namespace: two pods (or the test's namespaces) on one machine
 are separate hosts, since their /dev/shm and addresses may differ.
@@ -11,7 +12,7 @@ import os
 import socket
 from collections.abc import Iterable, Mapping
 
-from .backends import AUTO, MODES, RDMA, SHM, TCP
+from .backends import AUTO, BACKENDS, BY_PRIORITY, MODES
 
 TRANSPORT_ENV = "MEGATRON_APP_TRANSPORT"
 HOST_ADDRESS_ENV = "MEGATRON_APP_HOST_ADDRESS"
@@ -71,16 +72,17 @@ def choose_backends(my_rank: int, peers: Iterable[int], hosts: Mapping[int, str]
     chosen = {}
     for peer in peers:
         same_host = hosts[peer] == hosts[my_rank]
-        both_rdma = bool(rdma_usable.get(peer)) and bool(rdma_usable.get(my_rank))
-        if mode == SHM and not same_host:
-            raise BackendUnavailable(f"{TRANSPORT_ENV}=shm but rank {peer} runs on another host ({hosts[peer]}) "
-                                     f"than rank {my_rank} ({hosts[my_rank]}); use tcp or auto")
-        if mode == RDMA and not both_rdma:
-            without = [rank for rank in (my_rank, peer) if not rdma_usable.get(rank)]
-            raise BackendUnavailable(f"{TRANSPORT_ENV}=rdma but rank(s) {without} have no usable RDMA device "
-                                     "(see tools/rdma_check.py); use tcp or auto")
+        both_devices = bool(rdma_usable.get(peer)) and bool(rdma_usable.get(my_rank))
         if mode == AUTO:
-            chosen[peer] = SHM if same_host else (RDMA if both_rdma else TCP)
-        else:
-            chosen[peer] = mode
+            chosen[peer] = next(name for name in BY_PRIORITY if BACKENDS[name].serves(same_host, both_devices))
+            continue
+        info = BACKENDS[mode]
+        if not (same_host or info.remote):
+            raise BackendUnavailable(f"{TRANSPORT_ENV}={mode} but rank {peer} runs on another host ({hosts[peer]}) "
+                                     f"than rank {my_rank} ({hosts[my_rank]}); use tcp or auto")
+        if info.needs_device and not both_devices:
+            without = [rank for rank in (my_rank, peer) if not rdma_usable.get(rank)]
+            raise BackendUnavailable(f"{TRANSPORT_ENV}={mode} but rank(s) {without} have no usable RDMA device "
+                                     "(see tools/rdma_check.py); use tcp or auto")
+        chosen[peer] = mode
     return chosen
