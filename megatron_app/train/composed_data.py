@@ -1,0 +1,70 @@
+"""Under --variable-seq-lengths, each global batch's microbatches as a composition makes them (--composition).
+
+Per iteration: the lengths of this data-parallel replica's share of the global batch (loader order, from the index
+alone) go to the runtime's plan_microbatches, which says which documents form each microbatch and whether a
+microbatch is packed (one row, no padding) or padded (the loader's layout); the batches are then read and collated
+from that. The global batch is the same set of documents whatever the composition, so the data position of a
+resumed run is the global batch count, as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, List, Sequence, Union
+
+from megatron_app.schedule.composition import LOADER, PACKED, Composition, loader_composition
+
+from .args import MEGATRON_SCHEDULE
+from .data import MicrobatchSampler
+from .document_data import pack_documents, pad_to_longest, sample_length
+
+
+@dataclass
+class ComposedBatch:
+    data_iterator: Union[Iterator[dict], List[Iterator[dict]]]   # one, or one per model chunk
+    composition: Composition
+    samples: List[int]    # global sample index (the document id) of each position of the replica's share
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.composition.num_microbatches
+
+
+def composition_name(args) -> str:
+    """--composition (drivers that build args by hand may leave it out: the loader's own microbatches)."""
+    return getattr(args, "composition", None) or LOADER
+
+
+def replica_samples(args, dp_rank: int, first_sample: int) -> List[int]:
+    """Global sample indices of this replica's share of the global batch that starts at ``first_sample``, in the
+    loader's order (its microbatches one after the other)."""
+    sampler = MicrobatchSampler(first_sample + args.global_batch_size, args.micro_batch_size, dp_rank,
+                                args.data_parallel)
+    return [index for microbatch in sampler.microbatches_from(first_sample, args.num_microbatches)
+            for index in microbatch]
+
+
+def plan_composition(args, document_lengths: Sequence[int]) -> Composition:
+    """The composition of the next forward_backward call; our runtime plans it (and is told the microbatches'
+    tokens), Megatron's own schedule takes the loader's groups. Tests replace this function to regroup."""
+    if args.schedule == MEGATRON_SCHEDULE:
+        return loader_composition(len(document_lengths), args.micro_batch_size, packed=composition_name(args) == PACKED)
+    from megatron_app.runtime.composition import plan_microbatches
+
+    return plan_microbatches(document_lengths, args.micro_batch_size, composition_name(args))
+
+
+def composed_batches(dataset, samples: Sequence[int], composition: Composition) -> List[dict]:
+    collate = pack_documents if composition.packed else pad_to_longest
+    return [collate([dataset[samples[position]] for position in group]) for group in composition.groups]
+
+
+def compose_global_batch(args, dataset, dp_rank: int, first_sample: int, num_chunks: int) -> ComposedBatch:
+    """Plan (a collective of the pipeline under our runtime) and read this replica's microbatches of one global
+    batch; every chunk gets its own iterator over the same batches."""
+    samples = replica_samples(args, dp_rank, first_sample)
+    composition = plan_composition(args, [sample_length(dataset, index) for index in samples])
+    composition.check(len(samples))
+    batches = composed_batches(dataset, samples, composition)
+    iterators = iter(batches) if num_chunks == 1 else [iter(batches) for _ in range(num_chunks)]
+    return ComposedBatch(iterators, composition, samples)
