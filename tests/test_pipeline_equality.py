@@ -135,6 +135,27 @@ def test_variable_length_schedules_match_unpipelined_training(tmp_path, real_cor
         _assert_same(f"variable length {name}", _losses_and_grads(out, name), varlen_reference)
 
 
+# Composition: which documents form each microbatch (--composition; regrouped = this test's own grouping, injected
+# by the worker). Per-token loss: any grouping of the global batch's documents, padded or packed, must give P=1's
+# losses and gradients on the loader's own padded microbatches. Rows: (P, V, schedules, compositions).
+COMPOSITION_ROWS = [
+    (2, 2, ["app:planned"], ["packed", "regrouped", "regrouped-padded"]),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("P,V,schedules,compositions", COMPOSITION_ROWS,
+                         ids=[f"P{p}-V{v}-{'+'.join(c)}" for p, v, _, c in COMPOSITION_ROWS])
+def test_composed_microbatches_match_unpipelined_training(tmp_path, real_corpus, varlen_reference, P, V, schedules,
+                                                          compositions):
+    out = _run(tmp_path, P, V, 1, schedules, "--compositions", ",".join(compositions),
+               extra=_varlen_flags(real_corpus))
+    for spec in schedules:
+        for composition in compositions:
+            name = f"{spec.replace(':', '-')}_{composition}"
+            _assert_same(f"composition {name}", _losses_and_grads(out, name), varlen_reference)
+
+
 DROPOUT = 0.1
 
 

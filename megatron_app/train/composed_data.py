@@ -17,6 +17,7 @@ from megatron_app.schedule.composition import LOADER, PACKED, Composition, loade
 from .args import MEGATRON_SCHEDULE
 from .data import MicrobatchSampler
 from .document_data import pack_documents, pad_to_longest, sample_length
+from .step import forward_step, packed_forward_step
 
 
 @dataclass
@@ -28,6 +29,11 @@ class ComposedBatch:
     @property
     def num_microbatches(self) -> int:
         return self.composition.num_microbatches
+
+    @property
+    def forward_step_func(self):
+        """Packed microbatches need their documents' bounds on every chunk, not only the first and last."""
+        return packed_forward_step if self.composition.packed else forward_step
 
 
 def composition_name(args) -> str:

@@ -18,8 +18,7 @@ from .report import reduce_lm_loss
 from .step import forward_step
 
 
-def evaluate(args, chunks: List[torch.nn.Module], forward_backward: Callable, valid_dataset,
-             forward_step_func: Callable = forward_step) -> Optional[float]:
+def evaluate(args, chunks: List[torch.nn.Module], forward_backward: Callable, valid_dataset) -> Optional[float]:
     """Token-weighted validation loss on last-stage ranks (a collective over the DP group); None elsewhere.
 
     Under --variable-seq-lengths each validation global batch is composed as training's are (--composition)."""
@@ -34,9 +33,11 @@ def evaluate(args, chunks: List[torch.nn.Module], forward_backward: Callable, va
         with torch.no_grad():
             for batch in range(args.eval_iters):
                 first_sample, num_microbatches = batch * args.global_batch_size, args.num_microbatches
+                forward_step_func = forward_step
                 if composes:
                     composed = compose_global_batch(args, valid_dataset, dp_rank, first_sample, args.model_chunks)
                     iterators, num_microbatches = composed.data_iterator, composed.num_microbatches
+                    forward_step_func = composed.forward_step_func
                 else:
                     tell_microbatch_lengths(args.schedule, microbatch_lengths(args, valid_dataset, dp_rank,
                                                                               first_sample))

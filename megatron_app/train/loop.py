@@ -14,11 +14,10 @@ from megatron.core import parallel_state
 from megatron_app.lossy.training import start_loss_layer
 from megatron_app.runtime import enable_keyed_randomness, set_iteration
 from megatron_app.runtime import add_transport_wrapper, current_tracer, remove_transport_wrapper
-from megatron_app.schedule.composition import LOADER
 from megatron_app.trace.runs import LATEST
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .composed_data import compose_global_batch, composition_name
+from .composed_data import compose_global_batch
 from .data import build_data_iterators, build_datasets, global_batch_tokens, microbatch_lengths
 from .dumps import dump_grads, dump_weights
 from .forward_backward import (MEGATRON, close_schedule, optimizer_span, select_forward_backward_func,
@@ -28,7 +27,7 @@ from .model import build_model_chunks
 from .optim import build_optimizer, finalize_model_grads
 from .evaluate import evaluate
 from .report import IterationReporter, reduce_lm_loss
-from .step import forward_step, packed_forward_step
+from .step import forward_step
 from .trace_run import start_trace_run
 
 _RUN_CONFIG_KEYS = (
@@ -65,11 +64,6 @@ class Trainer:
 def composes(args) -> bool:
     """Variable-length documents: each global batch's microbatches come from a composition (composed_data.py)."""
     return bool(getattr(args, "variable_seq_lengths", False)) and getattr(args, "emulate_compute", None) is None
-
-
-def forward_step_for(args):
-    """Packed microbatches need their documents' bounds on every chunk, not only the first and last."""
-    return packed_forward_step if composes(args) and composition_name(args) != LOADER else forward_step
 
 
 def _resume(args, chunks, optimizer) -> Tuple[int, str]:
@@ -123,7 +117,7 @@ def build_trainer(args) -> Trainer:
         reporter.note(f"traces: {trace_dir} ({Path(args.trace_dir) / LATEST} points there)")
     return Trainer(args, chunks, optimizer, data_iterator, forward_backward, reporter, valid_dataset,
                    start_iteration,
-                   forward_step_func=forward_step_for(args) if emulation is None else emulation.forward_step,
+                   forward_step_func=forward_step if emulation is None else emulation.forward_step,
                    emulation=emulation, train_dataset=train_dataset,
                    dp_rank=parallel_state.get_data_parallel_rank())
 
@@ -134,17 +128,19 @@ def train_step(trainer: Trainer, iteration: int) -> Optional[float]:
     trainer.optimizer.zero_grad(set_to_none=True)
     set_iteration(iteration)   # keys this step's dropout masks (no-op without dropout)
     data_iterator, num_microbatches = trainer.data_iterator, args.num_microbatches
+    forward_step_func = trainer.forward_step_func
     first_sample = (iteration - 1) * args.global_batch_size
     if trainer.emulation is not None:
         trainer.emulation.begin_iteration(iteration - 1)
     elif composes(args):   # the composition's microbatches; planning told the schedule their tokens
         composed = compose_global_batch(args, trainer.train_dataset, trainer.dp_rank, first_sample, args.model_chunks)
         data_iterator, num_microbatches = composed.data_iterator, composed.num_microbatches
+        forward_step_func = composed.forward_step_func
     else:
         tell_microbatch_lengths(args.schedule, microbatch_lengths(args, trainer.train_dataset, trainer.dp_rank,
                                                                   first_sample))
     losses_reduced = trainer.forward_backward(
-        forward_step_func=trainer.forward_step_func,
+        forward_step_func=forward_step_func,
         data_iterator=data_iterator,
         model=trainer.chunks,
         num_microbatches=num_microbatches,
@@ -170,8 +166,7 @@ def after_iteration(trainer: Trainer, iteration: int) -> bool:
     """Evaluation and checkpointing after ``iteration``; returns False when the run should stop here."""
     args = trainer.args
     if trainer.valid_dataset is not None and _due(iteration, args.eval_interval):
-        loss = evaluate(args, trainer.chunks, trainer.forward_backward, trainer.valid_dataset,
-                        trainer.forward_step_func)
+        loss = evaluate(args, trainer.chunks, trainer.forward_backward, trainer.valid_dataset)
         trainer.reporter.record_validation(iteration, loss)
     stop = _due(iteration, getattr(args, "exit_interval", None))
     save_dir = getattr(args, "save", None)
