@@ -178,3 +178,14 @@ def test_train_step_tells_the_schedule_the_tokens_of_the_microbatches_it_then_fe
             global_batch_tokens(args, dataset, iteration * args.global_batch_size)
         assert all(batch["tokens"].shape[0] == (1 if composition == "packed" else args.micro_batch_size)
                    for batch in batches)
+
+
+def test_composition_flag_needs_variable_lengths_and_defaults_to_the_loaders_microbatches(real_corpus):
+    data = ["--data-path", real_corpus["data_path"], "--tokenizer-json", real_corpus["tokenizer_json"]]
+    with pytest.raises(UsageError, match="--composition needs --variable-seq-lengths"):
+        parse_args(["--composition", "packed"] + data, environ={})
+    assert parse_args(["--variable-seq-lengths"] + data, environ={}).composition == "loader"
+    assert parse_args(["--variable-seq-lengths", "--composition", "packed"] + data, environ={}).composition == "packed"
+    with pytest.raises(UsageError, match="balanced needs our schedule"):
+        parse_args(["--variable-seq-lengths", "--composition", "balanced", "--schedule", "megatron"] + data,
+                   environ={})
