@@ -103,3 +103,30 @@ def test_a_packed_microbatch_gives_the_loss_and_gradients_of_the_same_documents_
     crossing = pack_documents(documents)
     del crossing[CU_SEQLENS]
     assert abs(_loss_and_grads(model, forward_step, crossing)[0] - padded[0]) > 1e-4 * abs(padded[0])
+
+
+def test_hidden_and_attention_dropout_masks_follow_the_document_not_its_place():
+    """Document 42 (5 tokens) drops the same positions as row 1 of a padded microbatch and second in a packed row."""
+    from megatron_app.runtime import keyed_randomness
+    from megatron_app.runtime.keyed_randomness import DocumentSegment
+    from megatron_app.train.document_dropout import attention_dropout_draw, keyed_hidden_dropout
+
+    state = keyed_randomness.KeyedRandomness(seed=3)
+    keyed_randomness._active = state
+    try:
+        padded = [DocumentSegment(7, 0, 0, 8), DocumentSegment(42, 1, 0, 5)]
+        packed = [DocumentSegment(9, 0, 0, 3), DocumentSegment(42, 0, 3, 5)]
+        keyed_randomness.set_microbatch_documents([padded, packed])
+        x = torch.ones(8, 2, 16)
+        state.current = (0, 4)
+        in_padded = keyed_hidden_dropout(x, 0.5, keyed_randomness.document_generators("s"))[:5, 1]
+        padded_draw = attention_dropout_draw(2, 4, 8, 8)[1, :, :5, :5]
+        state.current = (1, 4)
+        in_packed = keyed_hidden_dropout(torch.ones(8, 1, 16), 0.5, keyed_randomness.document_generators("s"))[3:, 0]
+        packed_draw = attention_dropout_draw(1, 4, 5, 5, segment_index=1)[0]
+        assert torch.equal(in_padded, in_packed) and 0 < (in_padded == 0).sum() < in_padded.numel()
+        assert torch.equal(padded_draw, packed_draw)
+        state.current = (1, 5)    # another layer: another mask
+        assert not torch.equal(attention_dropout_draw(1, 4, 5, 5, segment_index=1)[0], packed_draw)
+    finally:
+        keyed_randomness._active = None

@@ -6,7 +6,8 @@ into the spec slot ``self_attention.submodules.core_attention``.
 
 With attention dropout, the mask is drawn for all heads from the default stream (the same on every tensor-parallel
 rank) and each rank keeps its heads' part, so the masks do not depend on the tensor-parallel size; together with
-runtime.keyed_randomness they depend on nothing but (seed, iteration, microbatch, layer).
+runtime.keyed_randomness they depend on nothing but (seed, iteration, microbatch, layer), or, for variable-length
+documents, (seed, document, position, layer).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
+
+from .document_dropout import attention_dropout_draw
 
 
 class SdpaCoreAttention(MegatronModule):
@@ -115,7 +118,7 @@ class SdpaCoreAttention(MegatronModule):
         keep_mask = None if is_causal or attention_mask is None else ~attention_mask
         dropout_p = self.dropout_p if self.training else 0.0
         if dropout_p > 0.0:
-            context = self._attention_with_dropout(q, k, v, keep_mask, is_causal, dropout_p)
+            context = self._attention_with_dropout(q, k, v, keep_mask, is_causal, dropout_p, segment)
         else:
             context = F.scaled_dot_product_attention(q, k, v, attn_mask=keep_mask, is_causal=is_causal,
                                                      scale=self.softmax_scale)
@@ -128,8 +131,10 @@ class SdpaCoreAttention(MegatronModule):
             return self._tp_group.rank()
         return parallel_state.get_tensor_model_parallel_rank() if self.tp_size > 1 else 0
 
-    def _attention_with_dropout(self, q, k, v, keep_mask, is_causal: bool, dropout_p: float) -> torch.Tensor:
-        """softmax(q k^T) with dropout, then v; the dropout mask is this rank's heads of an all-heads mask."""
+    def _attention_with_dropout(self, q, k, v, keep_mask, is_causal: bool, dropout_p: float,
+                                segment: Optional[int] = None) -> torch.Tensor:
+        """softmax(q k^T) with dropout, then v; the dropout mask is this rank's heads of an all-heads mask, keyed by
+        document when the loop told the microbatch's documents (document_dropout.py)."""
         scores = torch.matmul(q, k.transpose(-2, -1)) * self.softmax_scale
         if is_causal:
             causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
@@ -138,7 +143,11 @@ class SdpaCoreAttention(MegatronModule):
             scores = scores.masked_fill(~keep_mask, float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         batch, heads, rows, cols = probs.shape
-        draw = torch.rand(batch, heads * self.tp_size, rows, cols, device=probs.device)
+        draw = attention_dropout_draw(batch, heads * self.tp_size, rows, cols, segment)
+        if draw is None:
+            draw = torch.rand(batch, heads * self.tp_size, rows, cols, device=probs.device)
+        else:
+            draw = draw.to(probs.device)
         first = self._tp_rank() * heads
         keep = draw[:, first:first + heads] >= dropout_p
         probs = probs * keep / (1.0 - dropout_p)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, List, Sequence, Union
 
+from megatron_app.runtime.keyed_randomness import DocumentSegment, set_microbatch_documents
 from megatron_app.schedule.composition import LOADER, PACKED, Composition, loader_composition
 
 from .args import MEGATRON_SCHEDULE
@@ -65,12 +66,30 @@ def composed_batches(dataset, samples: Sequence[int], composition: Composition) 
     return [collate([dataset[samples[position]] for position in group]) for group in composition.groups]
 
 
+def document_layout(samples: Sequence[int], lengths: Sequence[int], composition: Composition):
+    """Where each document lies in its microbatch (for dropout keyed by document): packed, one after the other in
+    row 0; padded, one per row from position 0."""
+    layout = []
+    for group in composition.groups:
+        segments, start = [], 0
+        for row, position in enumerate(group):
+            if composition.packed:
+                segments.append(DocumentSegment(samples[position], 0, start, lengths[position]))
+                start += lengths[position]
+            else:
+                segments.append(DocumentSegment(samples[position], row, 0, lengths[position]))
+        layout.append(segments)
+    return layout
+
+
 def compose_global_batch(args, dataset, dp_rank: int, first_sample: int, num_chunks: int) -> ComposedBatch:
     """Plan (a collective of the pipeline under our runtime) and read this replica's microbatches of one global
     batch; every chunk gets its own iterator over the same batches."""
     samples = replica_samples(args, dp_rank, first_sample)
-    composition = plan_composition(args, [sample_length(dataset, index) for index in samples])
+    lengths = [sample_length(dataset, index) for index in samples]
+    composition = plan_composition(args, lengths)
     composition.check(len(samples))
+    set_microbatch_documents(document_layout(samples, lengths, composition))
     batches = composed_batches(dataset, samples, composition)
     iterators = iter(batches) if num_chunks == 1 else [iter(batches) for _ in range(num_chunks)]
     return ComposedBatch(iterators, composition, samples)
