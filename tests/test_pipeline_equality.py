@@ -139,10 +139,10 @@ def test_variable_length_schedules_match_unpipelined_training(tmp_path, real_cor
 # by the worker). Per-token loss: any grouping of the global batch's documents, padded or packed, must give P=1's
 # losses and gradients on the loader's own padded microbatches; with dropout too, whose masks are keyed by document
 # and position (runtime/keyed_randomness.py, train/document_dropout.py), so regrouping moves none.
-# Rows: (P, V, schedules, compositions, dropout).
+# Rows: (P, V, T, schedules, compositions, dropout).
 COMPOSITION_ROWS = [
-    (2, 2, ["app:planned"], ["packed", "regrouped", "regrouped-padded"], 0.0),
-    (2, 2, ["app:planned"], ["packed", "regrouped"], 0.1),
+    (2, 2, 1, ["app:planned"], ["packed", "regrouped", "regrouped-padded"], 0.0),
+    (2, 2, 1, ["app:planned"], ["packed", "regrouped"], 0.1),
 ]
 
 
@@ -154,12 +154,12 @@ def varlen_dropout_reference(tmp_path_factory, real_corpus):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("P,V,schedules,compositions,dropout", COMPOSITION_ROWS,
-                         ids=[f"P{p}-V{v}-{'+'.join(c)}-dropout{d}" for p, v, _, c, d in COMPOSITION_ROWS])
-def test_composed_microbatches_match_unpipelined_training(request, tmp_path, real_corpus, P, V, schedules,
+@pytest.mark.parametrize("P,V,T,schedules,compositions,dropout", COMPOSITION_ROWS,
+                         ids=[f"P{p}-V{v}-T{t}-{'+'.join(c)}-dropout{d}" for p, v, t, _, c, d in COMPOSITION_ROWS])
+def test_composed_microbatches_match_unpipelined_training(request, tmp_path, real_corpus, P, V, T, schedules,
                                                           compositions, dropout):
     reference = request.getfixturevalue("varlen_dropout_reference" if dropout else "varlen_reference")
-    out = _run(tmp_path, P, V, 1, schedules, "--compositions", ",".join(compositions), "--dropout", dropout,
+    out = _run(tmp_path, P, V, T, schedules, "--compositions", ",".join(compositions), "--dropout", dropout,
                extra=_varlen_flags(real_corpus))
     for spec in schedules:
         for composition in compositions:
