@@ -10,7 +10,7 @@ resumed run is the global batch count, as before.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, List, Sequence, Union
+from typing import Dict, Iterator, List, Sequence, Union
 
 from megatron_app.runtime.keyed_randomness import DocumentSegment, set_microbatch_documents
 from megatron_app.schedule.composition import LOADER, PACKED, Composition, loader_composition
@@ -61,9 +61,24 @@ def plan_composition(args, document_lengths: Sequence[int]) -> Composition:
     return plan_microbatches(document_lengths, args.micro_batch_size, composition_name(args))
 
 
-def composed_batches(dataset, samples: Sequence[int], composition: Composition) -> List[dict]:
+def _collate(dataset, samples, composition: Composition, group) -> dict:
     collate = pack_documents if composition.packed else pad_to_longest
-    return [collate([dataset[samples[position]] for position in group]) for group in composition.groups]
+    return collate([dataset[samples[position]] for position in group])
+
+
+class _LazyBatches:
+    """Each microbatch read and collated when a chunk first draws it, then shared by the chunks that draw it too
+    (a rank whose chunks read no data reads nothing)."""
+
+    def __init__(self, dataset, samples: Sequence[int], composition: Composition):
+        self._dataset, self._samples, self._composition = dataset, samples, composition
+        self._read: Dict[int, dict] = {}
+
+    def iterator(self) -> Iterator[dict]:
+        for index, group in enumerate(self._composition.groups):
+            if index not in self._read:
+                self._read[index] = _collate(self._dataset, self._samples, self._composition, group)
+            yield self._read[index]
 
 
 def document_layout(samples: Sequence[int], lengths: Sequence[int], composition: Composition):
@@ -90,6 +105,6 @@ def compose_global_batch(args, dataset, dp_rank: int, first_sample: int, num_chu
     composition = plan_composition(args, lengths)
     composition.check(len(samples))
     set_microbatch_documents(document_layout(samples, lengths, composition))
-    batches = composed_batches(dataset, samples, composition)
-    iterators = iter(batches) if num_chunks == 1 else [iter(batches) for _ in range(num_chunks)]
+    batches = _LazyBatches(dataset, samples, composition)
+    iterators = batches.iterator() if num_chunks == 1 else [batches.iterator() for _ in range(num_chunks)]
     return ComposedBatch(iterators, composition, samples)
