@@ -135,6 +135,43 @@ def test_variable_length_schedules_match_unpipelined_training(tmp_path, real_cor
         _assert_same(f"variable length {name}", _losses_and_grads(out, name), varlen_reference)
 
 
+# Composition: which documents form each microbatch (--composition; regrouped = this test's own grouping, injected
+# by the worker). Per-token loss: any grouping of the global batch's documents, padded or packed, must give P=1's
+# losses and gradients on the loader's own padded microbatches; with dropout too, whose masks are keyed by document
+# and position (runtime/keyed_randomness.py, train/document_dropout.py), so regrouping moves none.
+# Rows: (P, V, T, schedules, compositions, dropout).
+COMPOSITION_ROWS = [
+    (2, 2, 1, ["app:planned"], ["packed", "regrouped", "regrouped-padded"], 0.0),
+    (2, 2, 1, ["app:planned"], ["packed", "regrouped"], 0.1),
+]
+
+
+@pytest.fixture(scope="module")
+def varlen_dropout_reference(tmp_path_factory, real_corpus):
+    out = _run(tmp_path_factory.mktemp("varlen_dropout_reference"), 1, 1, 1, ["megatron"], "--dropout", DROPOUT,
+               extra=_varlen_flags(real_corpus))
+    return _losses_and_grads(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("P,V,T,schedules,compositions,dropout", COMPOSITION_ROWS,
+                         ids=[f"P{p}-V{v}-T{t}-{'+'.join(c)}-dropout{d}" for p, v, t, _, c, d in COMPOSITION_ROWS])
+def test_composed_microbatches_match_unpipelined_training(request, tmp_path, real_corpus, P, V, T, schedules,
+                                                          compositions, dropout):
+    reference = request.getfixturevalue("varlen_dropout_reference" if dropout else "varlen_reference")
+    out = _run(tmp_path, P, V, T, schedules, "--compositions", ",".join(compositions), "--dropout", dropout,
+               extra=_varlen_flags(real_corpus))
+    for spec in schedules:
+        for composition in compositions:
+            name = f"{spec.replace(':', '-')}_{composition}"
+            _assert_same(f"composition {name} dropout {dropout}", _losses_and_grads(out, name), reference)
+
+
+@pytest.mark.slow
+def test_dropout_is_really_on_in_the_composition_grid(varlen_reference, varlen_dropout_reference):
+    assert all(abs(a - b) > 1e-4 * abs(b) for a, b in zip(varlen_dropout_reference[0], varlen_reference[0]))
+
+
 DROPOUT = 0.1
 
 

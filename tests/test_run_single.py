@@ -22,6 +22,7 @@ def _run_single(*flags, timeout=300, cwd=REPO, **env):
     (["--pipeline_parallel", "two"], "positive integer"),
     (["--pipeline_parallel", "2", "--no-such-flag"], "no-such-flag"),
     (["--pipeline_parallel", "2", "--variable-seq-lengths"], "--variable-seq-lengths needs --data-path"),
+    (["--pipeline_parallel", "2", "--composition", "packed"], "--composition needs --variable-seq-lengths"),
 ])
 def test_bad_config_fails_in_one_line_before_any_rank_starts(flags, message):
     result = _run_single(*flags, timeout=120)

@@ -141,27 +141,51 @@ def test_padding_does_not_change_the_real_tokens_outputs():
     assert torch.allclose(padded[:5], alone, atol=1e-6)
 
 
-def test_train_step_tells_the_schedule_the_lengths_of_the_microbatches_it_then_feeds(real_corpus, monkeypatch):
+@pytest.mark.parametrize("composition", ["loader", "packed"])
+def test_train_step_tells_the_schedule_the_tokens_of_the_microbatches_it_then_feeds(real_corpus, monkeypatch,
+                                                                                    composition):
+    """The composition is planned before the call (which tells the schedule each microbatch's tokens: rows x
+    longest padded, the documents' sum packed) and the call gets exactly those microbatches."""
     import contextlib
 
+    from megatron_app.runtime import composition as runtime_composition
     from megatron_app.train import loop
-    from megatron_app.train.data import build_data_iterators, build_datasets
+    from megatron_app.train.data import build_datasets, global_batch_tokens
 
-    args = _args(real_corpus, schedule="app", dump_grads=None)
+    args = _args(real_corpus, schedule="app", dump_grads=None, model_chunks=1, composition=composition)
     dataset = build_datasets(args)[0]
     told, fed = [], []
-    monkeypatch.setattr(loop, "tell_microbatch_lengths", lambda schedule, lengths: told.append(list(lengths)))
+    monkeypatch.setattr(runtime_composition, "set_microbatch_lengths", lambda lengths: told.append(list(lengths)))
+    monkeypatch.setattr(loop, "tell_microbatch_lengths", lambda schedule, lengths: pytest.fail("told twice"))
     monkeypatch.setattr(loop, "reduce_lm_loss", lambda entries: None)
     monkeypatch.setattr(loop, "optimizer_span", lambda schedule, iteration: contextlib.nullcontext())
 
     def forward_backward(*, data_iterator, num_microbatches, **_):
-        fed.append([next(data_iterator)["tokens"].shape[1] for _ in range(num_microbatches)])
+        batches = [next(data_iterator) for _ in range(num_microbatches)]
+        assert next(data_iterator, None) is None
+        fed.append(batches)
         return []
 
     optimizer = SimpleNamespace(zero_grad=lambda set_to_none: None, step=lambda: None)
-    trainer = loop.Trainer(args, [], optimizer, build_data_iterators(args, 1, 0, dataset=dataset), forward_backward,
-                           reporter=None, train_dataset=dataset, dp_rank=0)
+    trainer = loop.Trainer(args, [], optimizer, None, forward_backward, reporter=None, train_dataset=dataset,
+                           dp_rank=0)
     for iteration in range(1, args.iters + 1):
         loop.train_step(trainer, iteration)
-    assert told == fed and len(told) == args.iters
+    assert told == [[batch["tokens"].numel() for batch in batches] for batches in fed] and len(told) == args.iters
     assert len({length for lengths in told for length in lengths}) > 2   # the lengths really vary
+    for iteration, batches in enumerate(fed):   # every document token of the global batch, once
+        assert sum(batch["loss_mask"].sum().item() for batch in batches) == \
+            global_batch_tokens(args, dataset, iteration * args.global_batch_size)
+        assert all(batch["tokens"].shape[0] == (1 if composition == "packed" else args.micro_batch_size)
+                   for batch in batches)
+
+
+def test_composition_flag_needs_variable_lengths_and_defaults_to_the_loaders_microbatches(real_corpus):
+    data = ["--data-path", real_corpus["data_path"], "--tokenizer-json", real_corpus["tokenizer_json"]]
+    with pytest.raises(UsageError, match="--composition needs --variable-seq-lengths"):
+        parse_args(["--composition", "packed"] + data, environ={})
+    assert parse_args(["--variable-seq-lengths"] + data, environ={}).composition == "loader"
+    assert parse_args(["--variable-seq-lengths", "--composition", "packed"] + data, environ={}).composition == "packed"
+    with pytest.raises(UsageError, match="balanced needs our schedule"):
+        parse_args(["--variable-seq-lengths", "--composition", "balanced", "--schedule", "megatron"] + data,
+                   environ={})

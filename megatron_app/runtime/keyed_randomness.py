@@ -14,17 +14,33 @@ keyed randomness.
 
 Use: ``enable_keyed_randomness(model_chunks, seed)`` once; ``set_iteration(i)`` before each training step (left
 out, the iteration advances by one after each training forward_backward call).
+
+Variable-length documents (a composition may regroup them into other microbatches, padded or packed): the loop says
+which documents each microbatch of the next call holds (``set_microbatch_documents``), and the dropout of our CPU
+attention, hidden dropout and embedding dropout (train/document_dropout.py) then draw from ``document_generators``:
+one generator per (seed, document, layer, stream), drawn in position order over the whole document, so a mask
+depends on the document and the position in it, never on the microbatch or the row it landed in.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 _KEY_BITS = 63
+
+
+@dataclass(frozen=True)
+class DocumentSegment:
+    """Where one whole document lies in a microbatch: batch row, first position in that row, length."""
+    document: int      # the sample's global index in the run
+    row: int
+    start: int
+    length: int
 
 
 class KeyedRandomness:
@@ -35,15 +51,22 @@ class KeyedRandomness:
         self.microbatch: Optional[int] = None   # set by the executor around each task
         self._handles: List = []
         self._borrowed: List = []  # generator states saved by reseed(), restored by give_back()
+        self.microbatch_documents: Optional[Tuple[Tuple[DocumentSegment, ...], ...]] = None   # of the next call
+        self.current: Optional[Tuple[int, int]] = None   # (microbatch, layer) of the layer running now
 
     def key(self, microbatch: int, layer: int, stream: str) -> int:
         text = f"{self.seed}:{self.iteration}:{microbatch}:{layer}:{stream}".encode()
+        return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> (64 - _KEY_BITS)
+
+    def document_key(self, document: int, layer: int, stream: str) -> int:
+        text = f"{self.seed}:document{document}:{layer}:{stream}".encode()
         return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> (64 - _KEY_BITS)
 
     def reseed(self, microbatch: Optional[int], layer: int) -> None:
         if microbatch is None:
             raise RuntimeError(f"keyed randomness: layer {layer} runs with no microbatch known; run it through "
                                "forward_backward_app or Megatron's forward_step")
+        self.current = (microbatch, layer)
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import random as megatron_random
 
@@ -154,3 +177,23 @@ def microbatch_scope(microbatch: int):
 def training_call_done() -> None:
     if _active is not None:
         _active.training_call_done()
+
+
+def set_microbatch_documents(microbatches: Sequence[Sequence[DocumentSegment]]) -> None:
+    """The documents each microbatch of the next forward_backward call holds (no-op without keyed randomness)."""
+    if _active is not None:
+        _active.microbatch_documents = tuple(tuple(segments) for segments in microbatches)
+
+
+def document_generators(stream: str) -> Optional[List[Tuple[DocumentSegment, torch.Generator]]]:
+    """For the layer running now, one CPU generator per document of its microbatch, keyed by (seed, document,
+    layer, stream); None when no document layout is known (the caller draws as before)."""
+    state = _active
+    if state is None or state.microbatch_documents is None or state.current is None:
+        return None
+    microbatch, layer = state.current
+    if microbatch >= len(state.microbatch_documents):
+        raise RuntimeError(f"keyed randomness: microbatch {microbatch} has no documents set "
+                           f"({len(state.microbatch_documents)} microbatches were)")
+    return [(segment, torch.Generator().manual_seed(state.document_key(segment.document, layer, stream)))
+            for segment in state.microbatch_documents[microbatch]]

@@ -14,6 +14,7 @@ from typing import Mapping, Optional, Sequence
 
 from megatron_app.lossy.config import TP_SITES
 from megatron_app.schedule import ADAPTIVE_POLICY_NAMES, DEFAULT_POLICY, STATIC_POLICY_NAMES
+from megatron_app.schedule.composition import BALANCED, COMPOSITION_NAMES, LOADER
 from megatron_app.schedule.policies import policies_taking
 
 from .text_tokenizers import TOKENIZER_TYPES
@@ -90,10 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(train, "--variable-seq-lengths", action="store_true",
               help="one document per sample (no packing), truncated at --seq-length, each microbatch padded to its "
                    "own longest sample; needs --data-path; implies --calculate-per-token-loss")
-    _add_flag(train, "--composition", choices=("loader", "packed", "balanced"), default="loader",
-              help="which documents form each microbatch: loader = the loader's microbatches padded (default), "
-                   "packed = the same packed without padding, balanced = cost-balanced packing planned with the "
-                   "order (megatron_app.runtime.composition); needs --variable-seq-lengths or emulated lengths")
+    _add_flag(train, "--composition", choices=COMPOSITION_NAMES, default=None,
+              help="with --variable-seq-lengths (or emulated lengths), which documents of the global batch form each "
+                   "microbatch: loader (default: the loader's microbatches, padded to their longest document), packed "
+                   "(the same documents concatenated in one row, no padding), balanced (cost-balanced packing "
+                   "planned together with the order)")
     _add_flag(train, "--calculate-per-token-loss", action="store_true",
               help="Megatron's per-token loss: gradients are divided by the global batch's token count instead of "
                    "averaging per-microbatch means (the result does not depend on how samples form microbatches)")
@@ -428,12 +430,16 @@ def _check_memory_factor(args: argparse.Namespace) -> None:
 
 def _check_variable_lengths(args: argparse.Namespace) -> None:
     """Variable-length samples are whole documents of an indexed dataset; they need per-token loss."""
-    if getattr(args, "composition", "loader") != "loader" and not (
-            getattr(args, "variable_seq_lengths", False) or getattr(args, "emulate_lengths_file", None)):
-        raise UsageError(f"--composition {args.composition} needs --variable-seq-lengths or --emulate-lengths-file "
-                         "(documents of known lengths to compose)")
     if not getattr(args, "variable_seq_lengths", False):
+        if getattr(args, "composition", None) is not None and not getattr(args, "emulate_lengths_file", None):
+            raise UsageError("--composition needs --variable-seq-lengths (it regroups whole documents) or emulated "
+                             "lengths (--emulate-lengths-file)")
         return
+    if getattr(args, "composition", None) is None:
+        args.composition = LOADER
+    if args.composition == BALANCED and args.schedule == MEGATRON_SCHEDULE:
+        raise UsageError("--composition balanced needs our schedule (--schedule app|interleaved|1f1b): the plan "
+                         "comes from its runtime")
     if args.data_path is None:
         raise UsageError("--variable-seq-lengths needs --data-path (one document per sample; mock data has no "
                          "documents; tools/make_corpus.py builds a real corpus)")

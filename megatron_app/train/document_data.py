@@ -5,7 +5,9 @@ is instead one document of the indexed dataset, truncated to seq_length + 1 toke
 labels = all but the first), so a sample holds 1..seq_length training positions. DocumentDataset is a
 MegatronDataset, so Megatron's builder does the train/valid split (by document) and weighted blends as for
 GPTDataset. ``pad_to_longest`` collates a microbatch: padding goes at the end (causal attention: a real token never
-sees a later pad) and its loss_mask is 0.
+sees a later pad) and its loss_mask is 0. ``pack_documents`` collates a packed microbatch instead: the documents
+concatenated in one row, no padding, position ids restarting at each document and ``cu_seqlens`` (the documents'
+bounds) for attention, which stays inside each document (Megatron's PackedSeqParams; train/attention.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset
 from megatron.core.datasets.megatron_dataset import MegatronDataset
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+CU_SEQLENS = "cu_seqlens"   # a packed batch's extra key: [documents + 1] int32 bounds in its one row
 PAD_TOKEN_ID = 0   # any valid id: padded positions are masked out of the loss and seen by no real token
 
 
@@ -101,4 +104,12 @@ def pad_to_longest(samples: Sequence[Dict[str, torch.Tensor]]) -> Dict[str, torc
                 fill = 0 if key == "loss_mask" else PAD_TOKEN_ID
                 rows.append(torch.cat([value, value.new_full((missing,), fill)]))
         batch[key] = torch.stack(rows)
+    return batch
+
+
+def pack_documents(samples: Sequence[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    """Concatenate whole samples into one row [1, sum of lengths]: no padding; position ids restart per document."""
+    batch = {key: torch.cat([sample[key] for sample in samples]).unsqueeze(0) for key in BATCH_KEYS}
+    lengths = torch.tensor([sample["tokens"].numel() for sample in samples], dtype=torch.int32)
+    batch[CU_SEQLENS] = torch.cat([lengths.new_zeros(1), lengths.cumsum(0, dtype=torch.int32)])
     return batch

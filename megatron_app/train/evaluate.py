@@ -11,6 +11,7 @@ from typing import Callable, List, Optional
 import torch
 from megatron.core import parallel_state
 
+from .composed_data import compose_global_batch
 from .data import build_data_iterators, microbatch_lengths, validation_samples
 from .forward_backward import tell_microbatch_lengths
 from .report import reduce_lm_loss
@@ -18,23 +19,33 @@ from .step import forward_step
 
 
 def evaluate(args, chunks: List[torch.nn.Module], forward_backward: Callable, valid_dataset) -> Optional[float]:
-    """Token-weighted validation loss on last-stage ranks (a collective over the DP group); None elsewhere."""
+    """Token-weighted validation loss on last-stage ranks (a collective over the DP group); None elsewhere.
+
+    Under --variable-seq-lengths each validation global batch is composed as training's are (--composition)."""
     dp_rank = parallel_state.get_data_parallel_rank()
-    iterators = build_data_iterators(args, args.model_chunks, dp_rank,
-                                     dataset=valid_dataset, num_samples=validation_samples(args))
+    composes = bool(getattr(args, "variable_seq_lengths", False))
+    iterators = None if composes else build_data_iterators(args, args.model_chunks, dp_rank, dataset=valid_dataset,
+                                                           num_samples=validation_samples(args))
     for chunk in chunks:
         chunk.eval()
     entries = []
     try:
         with torch.no_grad():
             for batch in range(args.eval_iters):
-                tell_microbatch_lengths(args.schedule, microbatch_lengths(
-                    args, valid_dataset, dp_rank, batch * args.global_batch_size))
+                first_sample, num_microbatches = batch * args.global_batch_size, args.num_microbatches
+                forward_step_func = forward_step
+                if composes:
+                    composed = compose_global_batch(args, valid_dataset, dp_rank, first_sample, args.model_chunks)
+                    iterators, num_microbatches = composed.data_iterator, composed.num_microbatches
+                    forward_step_func = composed.forward_step_func
+                else:
+                    tell_microbatch_lengths(args.schedule, microbatch_lengths(args, valid_dataset, dp_rank,
+                                                                              first_sample))
                 entries += forward_backward(
-                    forward_step_func=forward_step,
+                    forward_step_func=forward_step_func,
                     data_iterator=iterators,
                     model=chunks,
-                    num_microbatches=args.num_microbatches,
+                    num_microbatches=num_microbatches,
                     seq_length=args.seq_length,
                     micro_batch_size=args.micro_batch_size,
                     decoder_seq_length=args.seq_length,

@@ -17,6 +17,7 @@ from megatron_app.runtime import add_transport_wrapper, current_tracer, remove_t
 from megatron_app.trace.runs import LATEST
 
 from .checkpoint import load_checkpoint, save_checkpoint
+from .composed_data import compose_global_batch
 from .data import build_data_iterators, build_datasets, global_batch_tokens, microbatch_lengths
 from .dumps import dump_grads, dump_weights
 from .forward_backward import (MEGATRON, close_schedule, optimizer_span, select_forward_backward_func,
@@ -34,7 +35,7 @@ _RUN_CONFIG_KEYS = (
     "num_microbatches", "num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
     "micro_batch_size", "global_batch_size", "iters", "seed", "lr", "hidden_dropout", "attention_dropout",
     "schedule", "policy", "device",
-    "data_path", "variable_seq_lengths", "calculate_per_token_loss", "split", "eval_interval", "eval_iters", "save",
+    "data_path", "variable_seq_lengths", "composition", "calculate_per_token_loss", "split", "eval_interval", "eval_iters", "save",
     "save_interval", "load", "start_iteration",
 )
 
@@ -58,6 +59,11 @@ class Trainer:
     emulation: object = None        # a ComputeEmulation under --emulate-compute
     train_dataset: object = None    # where each microbatch's length comes from (None under emulation)
     dp_rank: int = 0
+
+
+def composes(args) -> bool:
+    """Variable-length documents: each global batch's microbatches come from a composition (composed_data.py)."""
+    return bool(getattr(args, "variable_seq_lengths", False)) and getattr(args, "emulate_compute", None) is None
 
 
 def _resume(args, chunks, optimizer) -> Tuple[int, str]:
@@ -91,9 +97,9 @@ def build_trainer(args) -> Trainer:
     train_dataset = None
     if emulation is None:
         train_dataset, valid_dataset = build_datasets(args)
-        data_iterator = build_data_iterators(args, args.model_chunks, parallel_state.get_data_parallel_rank(),
-                                             consumed_samples=start_iteration * args.global_batch_size,
-                                             dataset=train_dataset)
+        data_iterator = None if composes(args) else build_data_iterators(
+            args, args.model_chunks, parallel_state.get_data_parallel_rank(),
+            consumed_samples=start_iteration * args.global_batch_size, dataset=train_dataset)
     else:
         valid_dataset, data_iterator = None, emulation.data_iterators()
     # Megatron's own schedules write no trace: no run directory for them.
@@ -110,7 +116,8 @@ def build_trainer(args) -> Trainer:
     if trace_dir is not None:
         reporter.note(f"traces: {trace_dir} ({Path(args.trace_dir) / LATEST} points there)")
     return Trainer(args, chunks, optimizer, data_iterator, forward_backward, reporter, valid_dataset,
-                   start_iteration, forward_step_func=forward_step if emulation is None else emulation.forward_step,
+                   start_iteration,
+                   forward_step_func=forward_step if emulation is None else emulation.forward_step,
                    emulation=emulation, train_dataset=train_dataset,
                    dp_rank=parallel_state.get_data_parallel_rank())
 
@@ -120,16 +127,23 @@ def train_step(trainer: Trainer, iteration: int) -> Optional[float]:
     args = trainer.args
     trainer.optimizer.zero_grad(set_to_none=True)
     set_iteration(iteration)   # keys this step's dropout masks (no-op without dropout)
+    data_iterator, num_microbatches = trainer.data_iterator, args.num_microbatches
+    forward_step_func = trainer.forward_step_func
+    first_sample = (iteration - 1) * args.global_batch_size
     if trainer.emulation is not None:
         trainer.emulation.begin_iteration(iteration - 1)
+    elif composes(args):   # the composition's microbatches; planning told the schedule their tokens
+        composed = compose_global_batch(args, trainer.train_dataset, trainer.dp_rank, first_sample, args.model_chunks)
+        data_iterator, num_microbatches = composed.data_iterator, composed.num_microbatches
+        forward_step_func = composed.forward_step_func
     else:
-        tell_microbatch_lengths(args.schedule, microbatch_lengths(
-            args, trainer.train_dataset, trainer.dp_rank, (iteration - 1) * args.global_batch_size))
+        tell_microbatch_lengths(args.schedule, microbatch_lengths(args, trainer.train_dataset, trainer.dp_rank,
+                                                                  first_sample))
     losses_reduced = trainer.forward_backward(
-        forward_step_func=trainer.forward_step_func,
-        data_iterator=trainer.data_iterator,
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
         model=trainer.chunks,
-        num_microbatches=args.num_microbatches,
+        num_microbatches=num_microbatches,
         seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size,
         decoder_seq_length=args.seq_length,

@@ -19,14 +19,19 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from .attention import SdpaCoreAttention
+from .document_dropout import ATTENTION_OUTPUT_STREAM, MLP_OUTPUT_STREAM, DocumentBiasDropoutAdd, DocumentDropout
 from .names import global_param_name, named_global_parameters  # noqa: F401 (re-exported API)
 from .weights import reinitialize_by_global_name
 
 
 def cpu_attention_spec() -> ModuleSpec:
-    """Megatron's local GPT layer spec with a CPU-capable core attention."""
+    """Megatron's local GPT layer spec with a CPU-capable core attention, and hidden dropouts that key their masks
+    by document when the loop tells the documents (Megatron's own otherwise)."""
     spec = copy.deepcopy(get_gpt_layer_local_spec())
     spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
+    spec.submodules.self_attn_bda = ModuleSpec(module=DocumentBiasDropoutAdd,
+                                               params={"stream": ATTENTION_OUTPUT_STREAM})
+    spec.submodules.mlp_bda = ModuleSpec(module=DocumentBiasDropoutAdd, params={"stream": MLP_OUTPUT_STREAM})
     return spec
 
 
@@ -87,6 +92,10 @@ def build_model_chunks(args) -> List[GPTModel]:
             parallel_output=True,
             vp_stage=stage,
         ))
+    if args.device != "cuda":   # with the CPU spec's dropouts: the embedding's too is keyed by document
+        for chunk in chunks:
+            if chunk.pre_process:
+                chunk.embedding.embedding_dropout = DocumentDropout(config.hidden_dropout)
     reinitialize_by_global_name(chunks, config, args.seed)
     device = torch.device(args.device)
     return [chunk.to(device) for chunk in chunks]

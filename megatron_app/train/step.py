@@ -14,9 +14,11 @@ from typing import Iterator, Optional
 
 import torch
 
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.utils import get_attr_wrapped_model
 
 from .data import move_batch
+from .document_data import CU_SEQLENS
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -35,18 +37,42 @@ def forward_step(data_iterator: Optional[Iterator[dict]], model: torch.nn.Module
     A chunk draws a batch only when it needs one: the first stage for tokens, the last for labels
     and loss mask. Middle chunks take their input from ``set_input_tensor`` (done by the schedule).
     """
+    return _forward(data_iterator, model, every_chunk=False)
+
+
+def packed_forward_step(data_iterator: Optional[Iterator[dict]], model: torch.nn.Module):
+    """forward_step for packed microbatches: every chunk draws its batch, since every layer's attention needs the
+    documents' bounds (cu_seqlens)."""
+    return _forward(data_iterator, model, every_chunk=True)
+
+
+def _forward(data_iterator, model, every_chunk: bool):
     pre_process = get_attr_wrapped_model(model, "pre_process")
     post_process = get_attr_wrapped_model(model, "post_process")
     batch = None
-    if pre_process or post_process:
+    if pre_process or post_process or every_chunk:
         if data_iterator is None:
-            raise ValueError("this chunk needs data (first or last stage) but got no data iterator")
+            raise ValueError("this chunk needs data but got no data iterator")
         device = next(model.parameters()).device
         batch = move_batch(next(data_iterator), device)
 
     tokens = batch["tokens"] if pre_process else None
     position_ids = batch["position_ids"] if pre_process else None
     labels = batch["labels"] if post_process else None
-    output_tensor = model(tokens, position_ids, None, labels=labels)
+    packed_seq_params = packed_seq_params_of(batch) if batch is not None else None
+    # Only packed batches pass the keyword: a model (or stand-in) that knows no packing keeps working.
+    packed = {} if packed_seq_params is None else {"packed_seq_params": packed_seq_params}
+    output_tensor = model(tokens, position_ids, None, labels=labels, **packed)
     loss_mask = batch["loss_mask"] if post_process else None
     return output_tensor, partial(loss_func, loss_mask)
+
+
+def packed_seq_params_of(batch: dict) -> Optional[PackedSeqParams]:
+    """Megatron's PackedSeqParams for a packed batch (None for a padded one). 'sbhd': our core attention takes the
+    row as [t, 1, heads, dim]; the model's learned absolute positions come from the restarting position ids."""
+    bounds = batch.get(CU_SEQLENS)
+    if bounds is None:
+        return None
+    longest = int((bounds[1:] - bounds[:-1]).max())
+    return PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)

@@ -28,6 +28,10 @@ def main():
     parser.add_argument("--tell-lengths", action="store_true",
                         help="before each step, tell the schedule uneven microbatch lengths (a planning policy then "
                              "reorders the microbatches: the losses must not change)")
+    parser.add_argument("--compositions", default="",
+                        help="comma list: run every schedule once per composition (--variable-seq-lengths): loader, "
+                             "packed, or regrouped / regrouped-padded (this test's own grouping, injected through "
+                             "composed_data.plan_composition); outputs are named SCHEDULE_COMPOSITION")
     opts = parser.parse_args()
 
     from megatron_app.train.args import parse_args
@@ -37,9 +41,10 @@ def main():
 
     init_distributed("cpu")
     init_model_parallel(opts.tensor_parallel, opts.pipeline_parallel, opts.model_chunks, "cpu")
-    for spec in opts.schedules.split(","):
+    runs = [(spec, composition) for spec in opts.schedules.split(",") for composition in opts.compositions.split(",")]
+    for spec, composition in runs:
         schedule, _, policy = spec.partition(":")
-        name = spec.replace(":", "-")
+        name = spec.replace(":", "-") + (f"_{composition}" if composition else "")
         file_flags = []
         if schedule.startswith("file="):      # file=PATH: that schedule file's action lists
             file_flags, schedule, name = ["--schedule-file", schedule[len("file="):]], "app", "file"
@@ -50,7 +55,13 @@ def main():
         flags += ["--trace-dir", opts.trace_dir] if opts.trace_dir else ["--no-trace"]
         flags += ["--hidden-dropout", str(opts.dropout), "--attention-dropout", str(opts.dropout)]
         flags += shlex.split(opts.extra)
+        flags += ["--composition", "loader" if composition.startswith("regrouped") else composition] if composition \
+            else []
         args = parse_args(flags)
+        if composition.startswith("regrouped"):
+            import megatron_app.train.composed_data as composed_data
+
+            composed_data.plan_composition = regrouped_composition(packed=composition == "regrouped")
         trainer = build_trainer(args)
         losses = []
         if opts.tell_lengths:
@@ -78,6 +89,36 @@ def main():
         dist.barrier()
     close_schedule(schedule)
     shutdown(destroy_process_group=True)
+
+
+def regrouped_composition(packed: bool):
+    """Not the loader's groups: documents in a strided order, in fewer microbatches of uneven sizes (1 to 4
+    documents), their count still a multiple of P (Megatron's interleaving rule, schedule/shape.py)."""
+    import math
+
+    from megatron_app.runtime import set_microbatch_lengths
+    from megatron_app.schedule.composition import Composition
+
+    def plan(args, lengths):
+        n, P = len(lengths), args.pipeline_parallel
+        stride = next(s for s in range(5, n + 5) if math.gcd(s, n) == 1)
+        order = [(stride * i + 3) % n for i in range(n)]
+        m = P * max(1, n // (2 * P) - 1)
+        sizes = [1] * m
+        for j in range(n - m):
+            sizes[(7 * j) % m] += 1
+        groups, start = [], 0
+        for size in sizes:
+            groups.append(tuple(order[start:start + size]))
+            start += size
+        composition = Composition(tuple(groups), packed)
+        assert composition.groups != tuple(tuple(range(k, k + args.micro_batch_size))
+                                           for k in range(0, n, args.micro_batch_size))
+        if args.schedule != "megatron":
+            set_microbatch_lengths(composition.microbatch_tokens(lengths))
+        return composition
+
+    return plan
 
 
 if __name__ == "__main__":
