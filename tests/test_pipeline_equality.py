@@ -141,8 +141,9 @@ def test_variable_length_schedules_match_unpipelined_training(tmp_path, real_cor
 # and position (runtime/keyed_randomness.py, train/document_dropout.py), so regrouping moves none.
 # Rows: (P, V, T, schedules, compositions, dropout).
 COMPOSITION_ROWS = [
-    (2, 2, 1, ["app:planned"], ["packed", "regrouped", "regrouped-padded"], 0.0),
-    (2, 2, 1, ["app:planned"], ["packed", "regrouped"], 0.1),
+    (2, 2, 1, ["app:planned"], ["packed", "balanced", "regrouped", "regrouped-padded"], 0.0),
+    (2, 2, 1, ["app:planned"], ["packed", "balanced", "regrouped"], 0.1),
+    (4, 2, 1, ["app:planned"], ["balanced"], 0.1),
 ]
 
 
