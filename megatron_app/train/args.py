@@ -14,6 +14,7 @@ from typing import Mapping, Optional, Sequence
 
 from megatron_app.lossy.config import TP_SITES
 from megatron_app.schedule import ADAPTIVE_POLICY_NAMES, DEFAULT_POLICY, STATIC_POLICY_NAMES
+from megatron_app.schedule.composition import COMPOSITION_NAMES, LOADER
 
 from .text_tokenizers import TOKENIZER_TYPES
 
@@ -89,10 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(train, "--variable-seq-lengths", action="store_true",
               help="one document per sample (no packing), truncated at --seq-length, each microbatch padded to its "
                    "own longest sample; needs --data-path; implies --calculate-per-token-loss")
-    _add_flag(train, "--composition", choices=("loader", "packed", "balanced"), default="loader",
+    _add_flag(train, "--composition", choices=COMPOSITION_NAMES, default=LOADER,
               help="which documents form each microbatch: loader = the loader's microbatches padded (default), "
-                   "packed = the same packed without padding, balanced = cost-balanced packing planned with the "
-                   "order (megatron_app.runtime.composition); needs --variable-seq-lengths or emulated lengths")
+                   "packed = the same packed without padding, dp-balanced = the loader's order packed up to a token "
+                   "budget as Megatron-LM's DpBalancedScheduler does (a reference), balanced = cost-balanced packing "
+                   "planned with the order (megatron_app.runtime.composition); needs --variable-seq-lengths or "
+                   "emulated lengths")
+    _add_flag(train, "--documents-per-microbatch", type=int, default=1, metavar="K",
+              help="with --emulate-lengths-file: each loader microbatch holds K documents (the iteration draws "
+                   "microbatches x K documents, composed by --composition); default 1")
     _add_flag(train, "--calculate-per-token-loss", action="store_true",
               help="Megatron's per-token loss: gradients are divided by the global batch's token count instead of "
                    "averaging per-microbatch means (the result does not depend on how samples form microbatches)")
@@ -423,6 +429,15 @@ def _check_memory_factor(args: argparse.Namespace) -> None:
 
 def _check_variable_lengths(args: argparse.Namespace) -> None:
     """Variable-length samples are whole documents of an indexed dataset; they need per-token loss."""
+    documents = getattr(args, "documents_per_microbatch", 1)
+    if documents < 1:
+        raise UsageError(f"--documents-per-microbatch must be >= 1, got {documents}")
+    if documents > 1 and not getattr(args, "emulate_lengths_file", None):
+        raise UsageError("--documents-per-microbatch needs --emulate-lengths-file (emulated documents to compose)")
+    if (documents > 1 or getattr(args, "composition", LOADER) != LOADER) and args.schedule == MEGATRON_SCHEDULE \
+            and getattr(args, "emulate_lengths_file", None):
+        raise UsageError("composed microbatches are planned by megatron_app's runtime: use --schedule app, "
+                         "interleaved or 1f1b, not megatron")
     if getattr(args, "composition", "loader") != "loader" and not (
             getattr(args, "variable_seq_lengths", False) or getattr(args, "emulate_lengths_file", None)):
         raise UsageError(f"--composition {args.composition} needs --variable-seq-lengths or --emulate-lengths-file "

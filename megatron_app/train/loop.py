@@ -120,8 +120,9 @@ def train_step(trainer: Trainer, iteration: int) -> Optional[float]:
     args = trainer.args
     trainer.optimizer.zero_grad(set_to_none=True)
     set_iteration(iteration)   # keys this step's dropout masks (no-op without dropout)
+    num_microbatches = args.num_microbatches
     if trainer.emulation is not None:
-        trainer.emulation.begin_iteration(iteration - 1)
+        num_microbatches = trainer.emulation.begin_iteration(iteration - 1)
     else:
         tell_microbatch_lengths(args.schedule, microbatch_lengths(
             args, trainer.train_dataset, trainer.dp_rank, (iteration - 1) * args.global_batch_size))
@@ -129,7 +130,7 @@ def train_step(trainer: Trainer, iteration: int) -> Optional[float]:
         forward_step_func=trainer.forward_step_func,
         data_iterator=trainer.data_iterator,
         model=trainer.chunks,
-        num_microbatches=args.num_microbatches,
+        num_microbatches=num_microbatches,
         seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size,
         decoder_seq_length=args.seq_length,
@@ -190,7 +191,8 @@ def train(args) -> None:
             seconds = time.perf_counter() - start
             tokens = None if trainer.emulation is not None or not trainer.reporter.enabled else global_batch_tokens(
                 args, trainer.train_dataset, (iteration - 1) * args.global_batch_size)
-            trainer.reporter.record(iteration, loss, seconds, tokens)
+            composed = None if trainer.emulation is None else trainer.emulation.composition_report(iteration - 1)
+            trainer.reporter.record(iteration, loss, seconds, tokens, composed)
             if loss_layer is not None:
                 loss_layer.end_iteration(iteration, current_tracer())
             if not after_iteration(trainer, iteration):
