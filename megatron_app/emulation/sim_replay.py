@@ -86,7 +86,8 @@ def simulate_emulation(spec: EmulationSpec, shape: PipelineShape, policy: str, i
 def traced_shape(run, iteration: int) -> PipelineShape:
     """The pipeline a traced iteration ran: split backward when it has W ('weight') events."""
     split = any(True for rank in run.ranks for _ in rank.events_of(iteration, {Kind.WEIGHT.trace_name}))
-    return PipelineShape(run.pipeline_parallel, run.model_chunks, run.microbatches, split_backward=split)
+    return PipelineShape(run.pipeline_parallel, run.model_chunks, run.microbatches_of(iteration),
+                         split_backward=split)
 
 
 def measured_durations(run, iteration: int) -> DurationTable:
