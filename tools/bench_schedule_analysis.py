@@ -118,20 +118,24 @@ def measured_iterations(run: dict) -> range:
 
 
 def is_composed(run: dict) -> bool:
-    """The trainer composed this run's microbatches per iteration (train/emulation.py) and logged them."""
-    return bool(run.get("composition")) or (run.get("documents_per_microbatch") or 1) > 1
+    """A composition row, or documents several a microbatch: the trainer composed its microbatches per iteration
+    (train/emulation.py) and logged them."""
+    return run.get("composition") is not None or (run.get("documents_per_microbatch") or 1) > 1
 
 
-def composed_iterations(run: dict, run_dir: Path) -> List[dict]:
-    """Per iteration (0-based), what the trainer logged it ran: num_microbatches, microbatch_tokens, padding_tokens."""
+def composed_iterations(run: dict, run_dir: Path, spec: EmulationSpec, shape: PipelineShape) -> List[dict]:
+    """Per iteration (0-based): num_microbatches, microbatch_tokens, padding_tokens, as the trainer logged them; the
+    loader's own single documents (nothing to compose: the trainer logs nothing) are the spec's draws, unpadded."""
     log = json.loads((run_dir / "log.json").read_text())
-    return [entry["composed"] for entry in log["iterations"]]
+    return [entry.get("composed") or {"num_microbatches": shape.num_microbatches, "padding_tokens": 0,
+                                      "microbatch_tokens": list(spec.microbatch_lengths(shape, k))}
+            for k, entry in enumerate(log["iterations"])]
 
 
 def microbatch_tokens_of(run: dict, run_dir: Path, spec: EmulationSpec, shape: PipelineShape) -> Dict[int, list]:
     """Iteration -> each microbatch's tokens (activation sizes), composed or drawn."""
     if is_composed(run):
-        return dict(enumerate(entry["microbatch_tokens"] for entry in composed_iterations(run, run_dir)))
+        return dict(enumerate(entry["microbatch_tokens"] for entry in composed_iterations(run, run_dir, spec, shape)))
     return {k: spec.microbatch_lengths(shape, k) for k in range(run["iterations"])}
 
 
@@ -153,7 +157,7 @@ def _app_measurements(run: dict, run_dir: Path) -> dict:
     if spec.lengths is not None:
         extra["peak_tokens"] = [peak_tokens_per_rank(trace, k, tokens[k]) for k in measured_iterations(run)]
     if is_composed(run):
-        logged = composed_iterations(run, run_dir)
+        logged = composed_iterations(run, run_dir, spec, shape)
         extra["counts"] = [logged[k]["num_microbatches"] for k in measured_iterations(run)]
         extra["padding_shares"] = [logged[k]["padding_tokens"] / sum(logged[k]["microbatch_tokens"])
                                    for k in measured_iterations(run)]

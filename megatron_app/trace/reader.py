@@ -243,7 +243,9 @@ def _parse_event(obj, meta: TraceMeta) -> TraceEvent:
     if end < start:
         raise ValueError(f"{kind} event ends before it starts ({end} < {start})")
     chunk = _int_field(obj, "chunk", upper=meta.model_chunks)
-    microbatch = _int_field(obj, "microbatch", upper=meta.microbatches)
+    # No upper bound from the meta: it holds the first call's count, and a loop that composes its global batch
+    # (runtime/composition.py) may run more microbatches in a later call; TraceRun.microbatches_of counts them.
+    microbatch = _int_field(obj, "microbatch")
     if kind in COMPUTE_KINDS and (chunk is None or microbatch is None):
         raise ValueError(f"{kind} event needs chunk and microbatch")
     extra = obj.get("extra", {})
