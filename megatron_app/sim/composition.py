@@ -43,8 +43,9 @@ US_PER_S = 1e6
 # The rows are the compositions of schedule/composition.py, each run by its order (balanced: `planned`).
 LOADER_ROW, PACKED_ROW, DP_BALANCED_ROW, BALANCED_ROW = LOADER, PACKED, DP_BALANCED, BALANCED
 COMPOSITION_ROWS = (LOADER_ROW, PACKED_ROW, DP_BALANCED_ROW, BALANCED_ROW)
-# The runtime's own time per task, measured with near-zero emulated compute on this 2-core machine (issue 23:
-# about 0.4 ms; BENCHMARKS.md). A parameter: set it from a measurement on the machine being modelled.
+# The runtime's own time per task: issue 23's figure (about 0.4 ms with near-zero compute on a 2-core machine), not
+# measured here. tools/bench_schedule.py measures it in every run with composition rows (its host-cost probe,
+# bench_schedule_analysis.measure_host_cost) and feeds that to its predictions; set it from such a measurement.
 DEFAULT_HOST_US = 400.0
 
 
