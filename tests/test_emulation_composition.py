@@ -11,6 +11,7 @@ from pipeline_runs import HELPERS, forked_ranks
 from megatron_app.emulation.spec import EmulationSpec, TaskDurations
 from megatron_app.schedule import Kind, PipelineShape
 from megatron_app.schedule.composition import COMPOSITION_NAMES, loader_composition
+from megatron_app.schedule.composition_plan import valid_microbatch_counts
 from megatron_app.sim.composition import CompositionSimConfig, composed_durations
 from megatron_app.sim.lengths import MicrobatchLengths
 from megatron_app.train.args import UsageError, parse_args
@@ -71,6 +72,8 @@ def test_emulated_p2_v2_runs_every_composition_with_its_planned_microbatch_count
         composed = [it["composed"] for it in iterations]
         assert all(c["composition"] == name for c in composed)
         assert all(len(c["microbatch_tokens"]) == c["num_microbatches"] for c in composed)
+        assert all(c["num_microbatches"] in valid_microbatch_counts(2, 2, 8) and c["planning_ms"] >= 0
+                   for c in composed)
         counts[name] = composed
     assert "microbatches" in result.stdout        # the iteration line says how many ran
     # the loader's own groups: 4 microbatches of 2 documents

@@ -399,7 +399,8 @@ def format_table(rows) -> str:
 def format_composition_rows(rows) -> str:
     """The composition rows' own columns; x baseline = the scenario's loader-padded row (Megatron's order)."""
     header = (f"{'scenario':<18} {'composition row':<48} {'m':>5} {'iter ms':>8} {'x base':>7} {'sim ms':>7} "
-              f"{'sim err':>8} {'own bound':>9} {'padding':>8} {'tokens/base':>11}  peak activation tokens per rank")
+              f"{'sim err':>8} {'own bound':>9} {'padding':>8} {'tokens/base':>11} {'plan ms':>8}  "
+              "peak activation tokens per rank")
     lines = [header, "-" * len(header)]
     for row in rows:
         base = next((r for r in rows if r.scenario == row.scenario and r.key == "loader-padded"), None)
@@ -407,7 +408,8 @@ def format_composition_rows(rows) -> str:
         lines.append(f"{row.scenario:<18} {row.label:<48} {row.num_microbatches:>5.1f} {row.iteration_ms:>8.1f} "
                      f"{_fmt(speedup, '7.3f'):>7} {_fmt(row.sim_ms, '7.1f'):>7} {_fmt(row.sim_error, '+8.1%'):>8} "
                      f"{_fmt(row.own_bound_error, '+9.1%'):>9} {row.padding_share:>8.1%} "
-                     f"{_fmt(row.peak_tokens_over_base, '11.3f'):>11}  {','.join(map(str, row.peak_tokens))}")
+                     f"{_fmt(row.peak_tokens_over_base, '11.3f'):>11} {_fmt(row.planning_ms, '8.1f'):>8}  "
+                     f"{','.join(map(str, row.peak_tokens))}")
     return "\n".join(lines)
 
 
@@ -566,6 +568,8 @@ def main(argv=None) -> int:
     composed = [row for row in rows if row.composition]
     if composed:
         print(format_composition_rows(composed))
+        print("composition rows: iter ms = the forward_backward call; plan ms = plan_microbatches before it (rank 0 "
+              "plans, the pipeline waits for the broadcast), not in iter ms")
         print(f"composition rows: sim ms = megatron_app.sim's composition rows on the same documents with "
               + (f"host cost {args.host_ms:g} ms per task (--host-ms)" if host is None else host.host_note))
     if VARIABLE_LENGTH in args.scenario_names:

@@ -80,6 +80,7 @@ class Row:
     composition: Optional[str] = None           # composition rows: which documents formed each microbatch
     num_microbatches: Optional[float] = None    # composition rows: mean microbatch count over measured iterations
     padding_share: Optional[float] = None       # composition rows: padding tokens / computed tokens
+    planning_ms: Optional[float] = None         # composition rows: plan_microbatches per iteration (before the call)
     peak_tokens_over_base: Optional[float] = None  # max over ranks of peak tokens / the loader-padded row's
     host_cost: Optional[dict] = None            # the host-cost probe's row: measure_host_cost's numbers
     host_note: str = ""
@@ -161,6 +162,7 @@ def _app_measurements(run: dict, run_dir: Path) -> dict:
         extra["counts"] = [logged[k]["num_microbatches"] for k in measured_iterations(run)]
         extra["padding_shares"] = [logged[k]["padding_tokens"] / sum(logged[k]["microbatch_tokens"])
                                    for k in measured_iterations(run)]
+        extra["planning_ms"] = [logged[k].get("planning_ms", 0.0) for k in measured_iterations(run)]
     return {**extra, "times": [m.iteration_time_us / 1e3 for m in metrics], "makespans": [m.makespan_us / 1e3 for m in metrics],
             "bubbles": [m.mean_bubble_ratio for m in metrics],
             "peaks": [[r.peak_activations for r in sorted(m.ranks, key=lambda r: r.pp_rank)] for m in metrics],
@@ -247,6 +249,7 @@ def _composition_columns(row: Row, run: dict, pooled: Dict[str, list], host_us: 
     row.composition = run.get("composition") or "loader"
     row.num_microbatches = statistics.fmean(pooled["counts"])
     row.padding_share = statistics.fmean(pooled["padding_shares"])
+    row.planning_ms = statistics.fmean(pooled["planning_ms"])
     forward_ms, backward_ms = (float(x) for x in run["emulate_compute"].split(",")[:2])
     config = CompositionSimConfig(run["pipeline_parallel"], run["model_chunks"], run["microbatches"],
                                   run.get("documents_per_microbatch") or 1, spec_of(run).lengths,

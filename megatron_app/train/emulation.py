@@ -10,6 +10,7 @@ activations of its tokens (one row packed, K rows of the longest document padded
 
 from __future__ import annotations
 
+import time
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -46,6 +47,7 @@ class ComputeEmulation:
                                                       or self.composition_name != LOADER)
         # iteration (0-based) -> (its documents' lengths, their composition); the current one only
         self.compositions: Dict[int, Tuple[Tuple[int, ...], Composition]] = {}
+        self.planning_s: Dict[int, float] = {}
 
     @staticmethod
     def trainer_forward_step(data_iterator, model: EmulatedChunk):
@@ -106,8 +108,10 @@ class ComputeEmulation:
 
         K, lengths = self.documents_per_microbatch, self.spec.lengths
         documents = lengths.draw(self.args.num_microbatches * K, self.spec.seed, iteration)
+        began = time.perf_counter()
         composition = plan_microbatches(documents, K, self.composition_name,
                                         token_budget=dp_balanced_token_budget(lengths, K))
+        self.planning_s[iteration] = time.perf_counter() - began   # rank 0's planning + broadcast, as seen here
         self.compositions = {iteration: (documents, composition)}
         self.durations.compose(iteration, composition.microbatch_tokens(documents),
                                composition.microbatch_squared_tokens(documents))
@@ -120,7 +124,8 @@ class ComputeEmulation:
         documents, composition = self.compositions[iteration]
         return {"composition": self.composition_name, "num_microbatches": composition.num_microbatches,
                 "microbatch_tokens": list(composition.microbatch_tokens(documents)),
-                "padding_tokens": composition.padding_tokens(documents)}
+                "padding_tokens": composition.padding_tokens(documents),
+                "planning_ms": self.planning_s.pop(iteration, 0.0) * 1e3}
 
     def begin_iteration(self, iteration: int) -> int:
         """Before forward_backward of `iteration` (0-based): tell the schedule the microbatch lengths (every rank
