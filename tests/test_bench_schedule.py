@@ -106,7 +106,8 @@ def test_traced_task_durations_are_the_emulated_ones(quick):
             assert min(excess) >= -200.0, run["label"]            # a wait never ends early (200 us clock slack)
             assert sorted(excess)[len(excess) // 2] < 5_000.0, run["label"]   # typical overhead well under 5 ms
             checked += 1
-    runtime_schedules = sum(1 for key in DEFAULT_SCHEDULE_KEYS if SCHEDULES[key][1] == "app" and key not in SPLIT_BACKWARD_KEYS)
+    runtime_schedules = sum(1 for key in DEFAULT_SCHEDULE_KEYS
+                            if SCHEDULES[key][1] == "app" and key not in SPLIT_BACKWARD_KEYS)
     assert checked == len(SCENARIO_KEYS) * runtime_schedules * 3    # x (1 warm-up + 2 measured) iterations
 
 

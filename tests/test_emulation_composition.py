@@ -53,7 +53,8 @@ def test_trainer_composition_flags_are_checked_in_one_line(tmp_path):
     with pytest.raises(UsageError, match="must be >= 1"):
         parse_args(["--documents-per-microbatch", "0"], environ={"WORLD_SIZE": "1"})
     args = parse_args([str(a) for a in _train_args(tmp_path, "--documents-per-microbatch", 2,
-                                                   "--composition", "dp-balanced")], environ={"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"})
+                                                   "--composition", "dp-balanced")],
+                      environ={"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"})
     assert args.documents_per_microbatch == 2 and args.composition == "dp-balanced"
 
 

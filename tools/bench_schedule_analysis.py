@@ -304,8 +304,8 @@ def analyse_plan(plan: dict) -> List[Row]:
         probe = analyse_runs(probe_runs, out_dir)
         probe.host_cost = measure_host_cost(probe, probe_runs[0])
         cost = probe.host_cost
-        probe.host_note = (f"host cost {cost['host_ms']:.3f} ms per task, measured: (iteration {cost['measured_iteration_ms']:.1f} "
-                           f"ms - simulated {cost['simulated_zero_host_ms']:.1f} ms at zero host cost) / "
+        probe.host_note = (f"host cost {cost['host_ms']:.3f} ms per task, measured: (iteration "
+                           f"{cost['measured_iteration_ms']:.1f} ms - simulated {cost['simulated_zero_host_ms']:.1f} ms at zero host cost) / "
                            f"{cost['critical_path_tasks']:.0f} tasks on the critical path, on "
                            f"{cost['probe_compute_ms'][0]:g},{cost['probe_compute_ms'][1]:g} ms tasks")
         host_us = cost["host_ms"] * 1e3

@@ -4,12 +4,12 @@ A collective of the pipeline group: every rank of a pipeline calls it at the sam
 call that runs those microbatches, with the same document lengths (loader order 0..n-1). Names
 (schedule/composition.py): 'loader' = the loader's groups padded, 'packed' = the loader's groups packed,
 'dp-balanced' = the documents in loader order packed up to a token budget, as Megatron-LM's DpBalancedScheduler does
-(not cost-aware; the benchmark's reference packer), 'balanced' = schedule/composition_plan.py's choice (microbatch count, groups, order, per-rank warm-ups), planned on
-pipeline rank 0 with the costs its `planned` policy has learnt (the prior before any call) within the planning
-budget, and broadcast over the pipeline group. The next forward_backward must be called with
-num_microbatches = composition.num_microbatches; the runtime is told each microbatch's tokens (activation sizes)
-and squared tokens (cost learning) itself, and the `planned` policy ADOPTS the plan chosen with the composition
-(no second search). With data parallelism each replica plans its own share.
+(not cost-aware; the benchmark's reference packer), 'balanced' = schedule/composition_plan.py's choice (microbatch
+count, groups, order, per-rank warm-ups), planned on pipeline rank 0 with the costs its `planned` policy has learnt
+(the prior before any call) within the planning budget, and broadcast over the pipeline group. The next
+forward_backward must be called with num_microbatches = composition.num_microbatches; the runtime is told each
+microbatch's tokens (activation sizes) and squared tokens (cost learning) itself, and the `planned` policy ADOPTS the
+plan chosen with the composition (no second search). With data parallelism each replica plans its own share.
 
 The interleaved schedule's rule on the microbatch count (megatron-core 0.16.1, and our PipelineShape): with
 N = microbatch_group_size_per_vp_stage (default P), P <= N <= m and m % N in {0} or >= P; the balanced planner

@@ -118,7 +118,8 @@ class ComputeEmulation:
         return composition.num_microbatches
 
     def composition_report(self, iteration: int) -> Optional[dict]:
-        """What `iteration` ran, for the log: microbatch count, tokens each, padding tokens (None when not composing)."""
+        """What `iteration` ran, for the log: microbatch count, tokens each, padding tokens, planning time (None when
+        not composing)."""
         if iteration not in self.compositions:
             return None
         documents, composition = self.compositions[iteration]
