@@ -86,3 +86,20 @@ def test_emulated_p2_v2_runs_every_composition_with_its_planned_microbatch_count
         for mine, loader in zip(counts[name], counts["loader"]):
             assert sum(mine["microbatch_tokens"]) - mine["padding_tokens"] == \
                 sum(loader["microbatch_tokens"]) - loader["padding_tokens"]
+
+
+def test_simulated_emulation_with_host_cost_is_the_composition_simulators_loader_row():
+    """One document a microbatch, loader order: the bench's two simulator paths (its variable-length rows and its
+    composition rows) predict the same iterations, host cost included."""
+    from megatron_app.emulation.sim_replay import simulate_emulation
+    from megatron_app.sim.composition import LOADER_ROW, simulate_composition
+
+    lengths = MicrobatchLengths(corpus=LENGTHS)
+    emulated = simulate_emulation(EmulationSpec.parse("10,20", seed=1, lengths=lengths), PipelineShape(2, 2, 4),
+                                  "interleaved", 3, host_us=400.0)
+    composed = simulate_composition(CompositionSimConfig(2, 2, 4, 1, lengths, host_us=400.0, iterations=3,
+                                                         warmup_iterations=0, seed=1), LOADER_ROW)
+    assert [it.makespan_us for it in emulated] == pytest.approx([it.makespan_us for it in composed.iterations])
+    without_host = simulate_emulation(EmulationSpec.parse("10,20", seed=1, lengths=lengths), PipelineShape(2, 2, 4),
+                                      "interleaved", 3)
+    assert all(a.makespan_us > b.makespan_us for a, b in zip(emulated, without_host))

@@ -26,8 +26,9 @@ form each microbatch (COMPOSITION_ROWS: Megatron's interleaved order on the load
 the same groups packed, a DpBalanced-style loader-order packer, ours = balanced + planned); the variable-length
 scenario runs them too when --schedules names them (one document a loader microbatch). Their rows add the microbatch
 count, padding share, peak activation tokens per rank over the baseline's, and a simulator prediction from
-megatron_app.sim's composition rows with the runtime's host cost per task, measured once per run (host_cost.py's
-formula; --host-ms overrides it).
+megatron_app.sim's composition rows. With composition rows the run also measures the runtime's host cost per task
+once (bench_schedule_analysis.measure_host_cost) and every row's simulator prediction adds it; --host-ms gives it
+instead (and applies it to any run).
 Bad options print one line and exit 2; a failed worker exits 1.
 """
 
@@ -168,7 +169,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--seq-length", dest="seq_length", type=positive_int, default=64)
     add("--micro-batch-size", dest="micro_batch_size", type=positive_int, default=2)
     add("--host-ms", "--host_ms", dest="host_ms", type=number(0, finite=True), default=None,
-        help="composition rows: the runtime's cost per task the simulator adds (default: measured in this run)")
+        help="the runtime's own cost per task the simulator adds to every task (default: measured by a probe run when "
+             "composition rows run, else none)")
     add("--sim-latency-us", dest="sim_latency_us", type=number(0, finite=True), default=0.0,
         help="per-message latency the simulator assumes (0)")
     add("--json", default=None, metavar="FILE", help="write all rows, predictions and target checks as JSON")
@@ -569,8 +571,10 @@ def main(argv=None) -> int:
     if composed:
         print(format_composition_rows(composed))
         print("composition rows: iter ms = the forward_backward call; plan ms = plan_microbatches before it (rank 0 "
-              "plans, the pipeline waits for the broadcast), not in iter ms")
-        print(f"composition rows: sim ms = megatron_app.sim's composition rows on the same documents with "
+              "plans, the pipeline waits for the broadcast), not in iter ms; sim ms = megatron_app.sim's composition "
+              "rows on the same documents")
+    if host is not None or args.host_ms is not None:
+        print("simulator (sim ms, bound ms): every task plus the runtime's "
               + (f"host cost {args.host_ms:g} ms per task (--host-ms)" if host is None else host.host_note))
     if VARIABLE_LENGTH in args.scenario_names:
         from megatron_app.sim.lengths import MicrobatchLengths

@@ -202,7 +202,7 @@ def _torch_measurements(run: dict, run_dir: Path) -> dict:
 
 def analyse_runs(runs: List[dict], out_dir: Path, host_us: Optional[float] = None) -> Row:
     """One row from the repeats of one (scenario, schedule): measured iterations pooled over the repeats.
-    host_us: the runtime's cost per task the composition rows' simulator adds."""
+    host_us: the runtime's own cost per task the simulator adds to every task (None: none measured or given)."""
     pooled: Dict[str, list] = {}
     for run in runs:
         run_dir = out_dir / run["id"]
@@ -232,7 +232,8 @@ def analyse_runs(runs: List[dict], out_dir: Path, host_us: Optional[float] = Non
     predicted = simulate_emulation(spec_of(run), shape_of(run), run["sim_policy"] or "interleaved",
                                    run["iterations"],
                                    SlowLink.parse_delay(run["slow_link"]) if run.get("slow_link") else None,
-                                   run["sim_latency_us"], memory_factor=run.get("memory_factor"))[run["warmup"]:]
+                                   run["sim_latency_us"], memory_factor=run.get("memory_factor"),
+                                   host_us=host_us or 0.0)[run["warmup"]:]
     if predicted[0].peak_activation_tokens is not None:
         row.sim_peak_tokens = [int(round(max(values))) for values in zip(*(p.peak_activation_tokens
                                                                             for p in predicted))]
@@ -291,7 +292,7 @@ def measure_host_cost(probe: Row, run: dict) -> dict:
 
 def analyse_plan(plan: dict) -> List[Row]:
     """Rows in plan order, one per (scenario, schedule key); the host-cost probe's row (if run) last, its
-    measurement fed to the composition rows' simulator (plan["host_ms"], --host-ms, overrides it)."""
+    measurement fed to every row's simulator prediction (plan["host_ms"], --host-ms, overrides it)."""
     groups: Dict[tuple, List[dict]] = {}
     for run in plan["runs"]:
         groups.setdefault((run["scenario"], run["key"]), []).append(run)

@@ -33,7 +33,7 @@ from megatron_app.schedule.composition_plan import CompositionPlanner, loader_pe
 from megatron_app.schedule.length_costs import LengthCostModel
 
 from .bounds import lower_bounds
-from .costs import DurationTable, draw_durations, ComputeCosts, ComputePerturbations
+from .costs import DurationTable, draw_durations, ComputeCosts, ComputePerturbations, with_host_cost
 from .engine import TaskTable, run_iteration
 from .lengths import MicrobatchLengths
 from .network import LinkCosts, Network
@@ -132,11 +132,8 @@ def composed_durations(config: CompositionSimConfig, shape: PipelineShape, token
                        squared: Sequence[float], iteration: int) -> DurationTable:
     factors = [config.lengths.composed_cost_factor(t, s) for t, s in zip(tokens, squared)]
     costs = ComputeCosts.uniform(shape, config.forward_us, config.backward_us)
-    table = np.asarray(draw_durations(shape, costs, ComputePerturbations(), config.seed, iteration, factors),
-                       dtype=float).copy()
-    present = [Kind.FORWARD.index, Kind.BACKWARD.index] + ([Kind.WEIGHT.index] if shape.split_backward else [])
-    table[:, present] += config.host_us
-    return DurationTable(table)
+    return with_host_cost(shape, draw_durations(shape, costs, ComputePerturbations(), config.seed, iteration, factors),
+                          config.host_us)
 
 
 def simulate_composition(config: CompositionSimConfig, row: str,
