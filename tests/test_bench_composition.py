@@ -40,6 +40,8 @@ def test_copyright_scenarios_run_the_four_compositions_on_two_documents_a_microb
     assert len(probes) == 1 and probes[0]["emulate_compute"] == bench_schedule.HOST_PROBE_COMPUTE
     assert not any(run.get("host_probe") for run in _plan(tmp_path, "--scenarios", "copyright-2048",
                                                           "--host-ms", "0.5")["runs"])
+    repeated = _plan(tmp_path, "--scenarios", "copyright-2048", "--repeats", "2")["runs"]
+    assert [run["repeat"] for run in repeated if run.get("host_probe")] == [0, 1]   # one a repeat, round robin
 
 
 def test_composition_rows_join_the_variable_length_scenario_only_when_named(tmp_path):

@@ -287,8 +287,9 @@ def build_plan(args, work_dir: Path) -> dict:
                     run = plan_run(args, f"run{len(runs):03d}", repeat, scenario, key)
                     run.update(key=row_key, label=run["label"] + suffix, memory_factor=factor)
                     runs.append(run)
-    if any(run.get("composition") for run in runs) and args.host_ms is None:
-        runs.append(host_probe_run(args, f"run{len(runs):03d}"))
+        if any(run.get("composition") for run in runs) and args.host_ms is None:
+            # once a repeat, like every row, so bursts of other load spread over the probe too
+            runs.append(host_probe_run(args, f"run{len(runs):03d}", repeat))
     out_dir = work_dir / job_id
     out_dir.mkdir(parents=True)
     if TORCH_ZB_ORDER in (args.schedule_keys or DEFAULT_SCHEDULE_KEYS):
@@ -304,10 +305,10 @@ def build_plan(args, work_dir: Path) -> dict:
     return {"job_id": job_id, "out_dir": str(out_dir), "runs": runs, "host_ms": args.host_ms}
 
 
-def host_probe_run(args, run_id: str) -> dict:
+def host_probe_run(args, run_id: str, repeat: int) -> dict:
     """The run that measures the runtime's own cost per task (bench_schedule_analysis.measure_host_cost): Megatron's
     interleaved order, near-zero emulated compute, same pipeline."""
-    run = plan_run(args, run_id, 0, HOST_PROBE, "interleaved")
+    run = plan_run(args, run_id, repeat, HOST_PROBE, "interleaved")
     run.update(key=HOST_PROBE, label=HOST_PROBE, emulate_compute=HOST_PROBE_COMPUTE, host_probe=True)
     return run
 
