@@ -13,7 +13,7 @@ from pipeline_runs import REPO, run_env
 
 sys.path.insert(0, str(REPO / "tools"))
 
-from bench_schedule import SCENARIO_KEYS, SCHEDULES, SPLIT_BACKWARD_KEYS  # noqa: E402
+from bench_schedule import DEFAULT_SCHEDULE_KEYS, SCENARIO_KEYS, SCHEDULES, SPLIT_BACKWARD_KEYS  # noqa: E402
 from bench_schedule_analysis import spec_of, torch_span_metrics  # noqa: E402
 
 from megatron_app.schedule import PipelineShape  # noqa: E402
@@ -31,7 +31,7 @@ def _bench(*flags, timeout=240):
 
 # Every schedule row but planned with a split backward (the split mechanism of adaptive's row, another policy) and
 # torch's zero-bubble order in our runtime (its schedule file runs in the equality test): the CI budget.
-QUICK_KEYS = [key for key in SCHEDULES if key not in ("app-planned-split", "torch-zb-order")]
+QUICK_KEYS = [key for key in DEFAULT_SCHEDULE_KEYS if key not in ("app-planned-split", "torch-zb-order")]
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,8 @@ def test_traced_task_durations_are_the_emulated_ones(quick):
             assert min(excess) >= -200.0, run["label"]            # a wait never ends early (200 us clock slack)
             assert sorted(excess)[len(excess) // 2] < 5_000.0, run["label"]   # typical overhead well under 5 ms
             checked += 1
-    runtime_schedules = sum(1 for key, entry in SCHEDULES.items() if entry[1] == "app" and key not in SPLIT_BACKWARD_KEYS)
+    runtime_schedules = sum(1 for key in DEFAULT_SCHEDULE_KEYS
+                            if SCHEDULES[key][1] == "app" and key not in SPLIT_BACKWARD_KEYS)
     assert checked == len(SCENARIO_KEYS) * runtime_schedules * 3    # x (1 warm-up + 2 measured) iterations
 
 

@@ -19,6 +19,16 @@ tokens per rank, and skip torch.distributed.pipelining (one shape per stage). Co
 rank, the simulator's prediction from the same cost model, its lower bound, its error when fed with the run's
 measured task durations, and the measured makespan over the lower bound of those measured durations: "own bound"),
 then the issue's targets, pass or fail. 1f1b rows run with one chunk per rank and each task V times longer (the same model).
+
+Composition (issue 23), on request: `--scenarios copyright-2048,copyright-8192` draw m x 2 whole documents per
+iteration from the copyright corpus's token counts (docs/results/lengths/), and the rows differ in which documents
+form each microbatch (COMPOSITION_ROWS: Megatron's interleaved order on the loader's groups padded = the baseline,
+the same groups packed, a DpBalanced-style loader-order packer, ours = balanced + planned); the variable-length
+scenario runs them too when --schedules names them (one document a loader microbatch). Their rows add the microbatch
+count, padding share, peak activation tokens per rank over the baseline's, and a simulator prediction from
+megatron_app.sim's composition rows. With composition rows the run also measures the runtime's host cost per task
+once (bench_schedule_analysis.measure_host_cost) and every row's simulator prediction adds it; --host-ms gives it
+instead (and applies it to any run).
 Bad options print one line and exit 2; a failed worker exits 1.
 """
 
@@ -47,6 +57,7 @@ for _path in (_root, Path(__file__).resolve().parent):
         sys.path.insert(0, str(_path))
 
 from megatron_app.schedule import POLICIES  # noqa: E402
+from megatron_app.schedule.composition import BALANCED, DP_BALANCED, LOADER, PACKED  # noqa: E402
 from megatron_app.trace import TraceError  # noqa: E402
 from megatron_app.trace.cli import (OneLineArgumentParser, non_negative_int, number,  # noqa: E402
                                     positive_int)
@@ -87,16 +98,36 @@ SCHEDULES: Dict[str, tuple] = {
                           "interleaved"),
     "torch-zb": ("torch ScheduleInterleavedZeroBubble", "torch", "torch-InterleavedZeroBubble", None, False, None),
 }
+# Composition rows (issue 23): key -> (label, the schedule key whose order runs it, composition of its microbatches)
+COMPOSITION_ROWS: Dict[str, tuple] = {
+    "loader-padded": ("Megatron interleaved, loader groups padded", "interleaved", LOADER),
+    "loader-packed": ("Megatron interleaved, loader groups packed", "interleaved", PACKED),
+    "dp-balanced": ("Megatron interleaved, DpBalanced-style packer", "interleaved", DP_BALANCED),
+    "balanced": ("APP planned, balanced composition", "planned", BALANCED),
+}
+SCHEDULES.update({key: (label, *SCHEDULES[order][1:]) for key, (label, order, _) in COMPOSITION_ROWS.items()})
+DEFAULT_SCHEDULE_KEYS = [key for key in SCHEDULES if key not in COMPOSITION_ROWS]
 SCENARIO_KEYS = {"homogeneous": "homogeneous", "slow-rank": "slow rank 1.5x", "jitter": "jitter +-30%",
                  "stragglers": "stragglers 10% x3", "slow-link": "slow link"}
 # Run only when asked (--scenarios variable-length): microbatch lengths drawn from a real corpus's token counts.
 VARIABLE_LENGTH_KEY, VARIABLE_LENGTH = "variable-length", "variable length"
-ALL_SCENARIO_KEYS = {**SCENARIO_KEYS, VARIABLE_LENGTH_KEY: VARIABLE_LENGTH}
+# Run only when asked: whole documents of the copyright corpus, several a loader microbatch, composed per row.
+# scenario key -> (name, lengths file, documents per loader microbatch)
+LENGTHS_DIR = _root / "docs" / "results" / "lengths"
+COMPOSITION_SCENARIOS = {
+    "copyright-2048": ("copyright 2048", LENGTHS_DIR / "copyright_2048.txt", 2),
+    "copyright-8192": ("copyright 8192", LENGTHS_DIR / "copyright_8192.txt", 2),
+}
+COMPOSITION_SCENARIO_NAMES = {name for name, _, _ in COMPOSITION_SCENARIOS.values()}
+ALL_SCENARIO_KEYS = {**SCENARIO_KEYS, VARIABLE_LENGTH_KEY: VARIABLE_LENGTH,
+                     **{key: name for key, (name, _, _) in COMPOSITION_SCENARIOS.items()}}
 # torch.distributed.pipelining's PipelineStage (torch 2.13, stage.py) sets up its receive buffers once, on the first
 # step, from one input/output shape per stage (given, or inferred from the first microbatch), and receives every
 # later microbatch into them: its schedules cannot run microbatches of different lengths.
 FIXED_SHAPE_NOTE = ("torch.distributed.pipelining skipped: its PipelineStage receives every microbatch into buffers "
                     "of one shape per stage, fixed on the first step")
+# The host-cost probe: a run of near-zero compute (forward, backward ms) whose time is the runtime's own per task.
+HOST_PROBE, HOST_PROBE_COMPUTE = "host cost probe", "0.1,0.2"
 # Full run and --quick defaults (P, V, m, fwd, bwd, iters, warmup).
 FULL = dict(pipeline_parallel=4, model_chunks=2, microbatches=8, fwd_ms=10.0, bwd_ms=20.0, iters=5, warmup=2)
 QUICK = dict(pipeline_parallel=2, model_chunks=2, microbatches=4, fwd_ms=2.0, bwd_ms=4.0, iters=2, warmup=1)
@@ -122,7 +153,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--warmup", type=non_negative_int, help="iterations before measuring (2; --quick 1)")
     add("--scenarios", default=",".join(SCENARIO_KEYS),
         help=f"comma list of {', '.join(ALL_SCENARIO_KEYS)} (default: all but {VARIABLE_LENGTH_KEY})")
-    add("--schedules", default=",".join(SCHEDULES), help=f"comma list of {', '.join(SCHEDULES)}")
+    add("--schedules", default=None,
+        help=f"comma list of {', '.join(SCHEDULES)} (default: all but the composition rows "
+             f"{', '.join(COMPOSITION_ROWS)}, which are the copyright scenarios' default)")
     add("--planned-memory-factors", "--planned_memory_factors", dest="planned_memory_factors", default="1.0",
         metavar="X[,X...]", help="one planned row per factor (its --memory-factor: activation tokens a rank may hold, "
                                  "x Megatron's interleaved peak), e.g. 1.0,1.25 (1.0)")
@@ -135,6 +168,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--hidden-size", dest="hidden_size", type=positive_int, default=64)
     add("--seq-length", dest="seq_length", type=positive_int, default=64)
     add("--micro-batch-size", dest="micro_batch_size", type=positive_int, default=2)
+    add("--host-ms", "--host_ms", dest="host_ms", type=number(0, finite=True), default=None,
+        help="the runtime's own cost per task the simulator adds to every task (default: measured by a probe run when "
+             "composition rows run, else none)")
     add("--sim-latency-us", dest="sim_latency_us", type=number(0, finite=True), default=0.0,
         help="per-message latency the simulator assumes (0)")
     add("--json", default=None, metavar="FILE", help="write all rows, predictions and target checks as JSON")
@@ -179,7 +215,7 @@ def _check(args: argparse.Namespace) -> None:
     P, V, m = args.pipeline_parallel, args.model_chunks, args.microbatches
     args.scenario_names = [ALL_SCENARIO_KEYS[key]
                            for key in _split_list(args.scenarios, ALL_SCENARIO_KEYS, "scenario")]
-    args.schedule_keys = _split_list(args.schedules, SCHEDULES, "schedule")
+    args.schedule_keys = _split_list(args.schedules, SCHEDULES, "schedule") if args.schedules is not None else None
     try:
         args.memory_factors = [float(x) for x in args.planned_memory_factors.split(",") if x.strip()]
     except ValueError:
@@ -198,7 +234,7 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError("--pipeline_parallel must be at least 2 (a pipeline)")
     if args.slow_link is None:
         args.slow_link = f"{P // 2 - 1}-{P // 2}:0-{30 * args.fwd_ms:g}:{1.2 * args.fwd_ms:g}"
-    if args.warmup < 1 and any(SCHEDULES[key][1] == "torch" for key in args.schedule_keys):
+    if args.warmup < 1 and any(SCHEDULES[key][1] == "torch" for key in args.schedule_keys or DEFAULT_SCHEDULE_KEYS):
         raise UsageError("--warmup must be >= 1 with torch schedules (their first step infers tensor shapes)")
     try:
         SlowLink.parse_delay(args.slow_link).check_ranks(P)
@@ -216,7 +252,20 @@ def scenario_flags(name: str, args) -> dict:
         "stragglers 10% x3": {"straggler_prob": 0.1, "straggler_factor": 3.0},
         "slow link": {"slow_link": args.slow_link},
         VARIABLE_LENGTH: {"lengths_file": args.lengths_file},
+        HOST_PROBE: {},
+        **{scenario: {"lengths_file": str(path), "documents_per_microbatch": documents}
+           for scenario, path, documents in COMPOSITION_SCENARIOS.values()},
     }[name]
+
+
+def scenario_schedule_keys(scenario: str, args) -> List[str]:
+    """The rows a scenario runs: --schedules, or by default the composition rows on the copyright corpus and the
+    others elsewhere; composition rows need documents of known lengths, torch's schedules one shape per stage."""
+    composing = scenario in COMPOSITION_SCENARIO_NAMES
+    keys = args.schedule_keys or (list(COMPOSITION_ROWS) if composing else DEFAULT_SCHEDULE_KEYS)
+    has_lengths = composing or scenario == VARIABLE_LENGTH
+    return [key for key in keys if (has_lengths or key not in COMPOSITION_ROWS)
+            and not (has_lengths and SCHEDULES[key][1] == "torch")]
 
 
 def planned_variants(key: str, args) -> List[tuple]:
@@ -233,16 +282,17 @@ def build_plan(args, work_dir: Path) -> dict:
     runs = []
     for repeat in range(args.repeats):
         for scenario in args.scenario_names:
-            for key in args.schedule_keys:
-                if scenario == VARIABLE_LENGTH and SCHEDULES[key][1] == "torch":
-                    continue   # FIXED_SHAPE_NOTE
+            for key in scenario_schedule_keys(scenario, args):
                 for row_key, suffix, factor in planned_variants(key, args):
                     run = plan_run(args, f"run{len(runs):03d}", repeat, scenario, key)
                     run.update(key=row_key, label=run["label"] + suffix, memory_factor=factor)
                     runs.append(run)
+        if any(run.get("composition") for run in runs) and args.host_ms is None:
+            # once a repeat, like every row, so bursts of other load spread over the probe too
+            runs.append(host_probe_run(args, f"run{len(runs):03d}", repeat))
     out_dir = work_dir / job_id
     out_dir.mkdir(parents=True)
-    if TORCH_ZB_ORDER in args.schedule_keys:
+    if TORCH_ZB_ORDER in (args.schedule_keys or DEFAULT_SCHEDULE_KEYS):
         from torch_schedule_csv import action_lists
 
         path = out_dir / "torch_zb_order.csv"
@@ -252,7 +302,15 @@ def build_plan(args, work_dir: Path) -> dict:
         for run in runs:
             if run["key"] == TORCH_ZB_ORDER:
                 run["schedule_file"] = str(path)
-    return {"job_id": job_id, "out_dir": str(out_dir), "runs": runs}
+    return {"job_id": job_id, "out_dir": str(out_dir), "runs": runs, "host_ms": args.host_ms}
+
+
+def host_probe_run(args, run_id: str, repeat: int) -> dict:
+    """The run that measures the runtime's own cost per task (bench_schedule_analysis.measure_host_cost): Megatron's
+    interleaved order, near-zero emulated compute, same pipeline."""
+    run = plan_run(args, run_id, repeat, HOST_PROBE, "interleaved")
+    run.update(key=HOST_PROBE, label=HOST_PROBE, emulate_compute=HOST_PROBE_COMPUTE, host_probe=True)
+    return run
 
 
 def plan_run(args, run_id: str, repeat: int, scenario: str, key: str) -> dict:
@@ -277,6 +335,8 @@ def plan_run(args, run_id: str, repeat: int, scenario: str, key: str) -> dict:
     if key in SPLIT_BACKWARD_KEYS:
         run["split_backward"] = True
         run["notes"].append("split backward (B + W, W 50% of each backward wait)")
+    if key in COMPOSITION_ROWS:
+        run["composition"] = COMPOSITION_ROWS[key][2]
     if key == "torch-zb":
         run["notes"].append("backward split 50/50 into input- and weight-gradient waits; no simulator policy for "
                             "ZeroBubble")
@@ -336,6 +396,23 @@ def format_table(rows) -> str:
                      f"{','.join(map(str, row.peak_activations))}"
                      + (f"  [{','.join(map(str, row.peak_tokens))}; {','.join(map(str, row.sim_peak_tokens or []))}]"
                         if row.peak_tokens else ""))
+    return "\n".join(lines)
+
+
+def format_composition_rows(rows) -> str:
+    """The composition rows' own columns; x baseline = the scenario's loader-padded row (Megatron's order)."""
+    header = (f"{'scenario':<18} {'composition row':<48} {'m':>5} {'iter ms':>8} {'x base':>7} {'sim ms':>7} "
+              f"{'sim err':>8} {'own bound':>9} {'padding':>8} {'tokens/base':>11} {'plan ms':>8}  "
+              "peak activation tokens per rank")
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        base = next((r for r in rows if r.scenario == row.scenario and r.key == "loader-padded"), None)
+        speedup = None if base is None else base.iteration_ms / row.iteration_ms
+        lines.append(f"{row.scenario:<18} {row.label:<48} {row.num_microbatches:>5.1f} {row.iteration_ms:>8.1f} "
+                     f"{_fmt(speedup, '7.3f'):>7} {_fmt(row.sim_ms, '7.1f'):>7} {_fmt(row.sim_error, '+8.1%'):>8} "
+                     f"{_fmt(row.own_bound_error, '+9.1%'):>9} {row.padding_share:>8.1%} "
+                     f"{_fmt(row.peak_tokens_over_base, '11.3f'):>11} {_fmt(row.planning_ms, '8.1f'):>8}  "
+                     f"{','.join(map(str, row.peak_tokens))}")
     return "\n".join(lines)
 
 
@@ -478,6 +555,8 @@ def main(argv=None) -> int:
     finally:
         if args.work_dir is None:
             shutil.rmtree(work_dir, ignore_errors=True)
+    host = next((row for row in rows if row.key == HOST_PROBE), None)
+    rows = [row for row in rows if row.key != HOST_PROBE]
     checks = check_targets(rows)
     statistic = "median" if VARIABLE_LENGTH not in args.scenario_names else \
         "mean" if len(args.scenario_names) == 1 else "median (variable length: mean)"
@@ -489,6 +568,15 @@ def main(argv=None) -> int:
         load = f"re-analysed from {args.analyse_only} (its load: see that run's output)"
     print(f"{title}; {load}")
     print(format_table(rows))
+    composed = [row for row in rows if row.composition]
+    if composed:
+        print(format_composition_rows(composed))
+        print("composition rows: iter ms = the forward_backward call; plan ms = plan_microbatches before it (rank 0 "
+              "plans, the pipeline waits for the broadcast), not in iter ms; sim ms = megatron_app.sim's composition "
+              "rows on the same documents")
+    if host is not None or args.host_ms is not None:
+        print("simulator (sim ms, bound ms): every task plus the runtime's "
+              + (f"host cost {args.host_ms:g} ms per task (--host-ms)" if host is None else host.host_note))
     if VARIABLE_LENGTH in args.scenario_names:
         from megatron_app.sim.lengths import MicrobatchLengths
 
@@ -497,7 +585,7 @@ def main(argv=None) -> int:
               f"{described['corpus_mean_tokens']:.1f} tokens), task cost x {described['cost']}; iter ms and sim ms "
               f"are means over the measured iterations (each draws other lengths, the same for every schedule); "
               f"peak tokens = activation tokens held per rank (each microbatch's sequence length)")
-        if any(SCHEDULES[key][1] == "torch" for key in args.schedule_keys):
+        if any(SCHEDULES[key][1] == "torch" for key in args.schedule_keys or DEFAULT_SCHEDULE_KEYS):
             print(f"{VARIABLE_LENGTH}: {FIXED_SHAPE_NOTE}")
     print(format_checks(checks))
     if args.quick:
@@ -513,7 +601,8 @@ def main(argv=None) -> int:
             "config": {k: getattr(args, k) for k in ("pipeline_parallel", "model_chunks", "microbatches", "fwd_ms",
                                                      "bwd_ms", "iters", "warmup", "repeats", "seed", "slow_link",
                                                      "hidden_size", "seq_length", "micro_batch_size",
-                                                     "sim_latency_us", "quick")},
+                                                     "sim_latency_us", "quick", "host_ms")},
+            "host_cost": None if host is None else host.host_cost,
             "scenarios": args.scenario_names,
             "lengths_file": args.lengths_file,
             "planned_memory_factors": args.memory_factors,

@@ -27,6 +27,7 @@ from megatron_app.emulation.sim_replay import (measured_durations, replay_trace_
 from megatron_app.sim import lower_bounds
 from megatron_app.emulation.spec import EmulationSpec
 from megatron_app.sim.lengths import MicrobatchLengths
+from megatron_app.sim.composition import CompositionSimConfig, simulate_composition
 from megatron_app.sim.network import SlowLink
 from megatron_app.trace.schema import BACKWARD, FORWARD, WEIGHT
 
@@ -36,6 +37,17 @@ SPLIT_BACKWARD_KEYS = ("torch-zb",)
 APP_SPLIT_KEYS = ("app-adaptive-split", "app-planned-split")
 OUR_SPLIT_KEYS = (*APP_SPLIT_KEYS, "zb-h1", "torch-zb-order")
 SIM_TOLERANCE = 0.15
+# Issue 23's composition targets, one run at <= 1.0x the baseline's peak activation tokens on every rank:
+# (scenario, P) -> ((reference row key, ours at least this many times faster), ...)
+COMPOSITION_OURS, COMPOSITION_BASELINE = "balanced", "loader-padded"
+COMPOSITION_TARGETS = {
+    ("copyright 2048", 4): (("loader-padded", 1.35), ("loader-packed", 1.15), ("dp-balanced", 1.1)),
+    ("copyright 8192", 4): (("loader-padded", 2.0), ("loader-packed", 1.3)),
+    ("copyright 8192", 8): (("loader-packed", 1.4),),
+    ("variable length", 4): (("loader-padded", 1.09),),     # better than `planned` alone measured (issue 23)
+}
+COMPOSITION_SIM_TOLERANCE = 0.10
+MS_PER_PROBE_STEP = 1.0    # the host-cost probe's sensitivity step: every task 1 ms longer
 
 
 @dataclass
@@ -65,6 +77,13 @@ class Row:
     memory_factor: Optional[float] = None  # planned rows: activation tokens allowed, x Megatron's peak
     peak_tokens: List[int] = field(default_factory=list)       # variable lengths: per rank, activation tokens held
     sim_peak_tokens: List[int] = field(default_factory=list)   # the simulator's, same iterations
+    composition: Optional[str] = None           # composition rows: which documents formed each microbatch
+    num_microbatches: Optional[float] = None    # composition rows: mean microbatch count over measured iterations
+    padding_share: Optional[float] = None       # composition rows: padding tokens / computed tokens
+    planning_ms: Optional[float] = None         # composition rows: plan_microbatches per iteration (before the call)
+    peak_tokens_over_base: Optional[float] = None  # max over ranks of peak tokens / the loader-padded row's
+    host_cost: Optional[dict] = None            # the host-cost probe's row: measure_host_cost's numbers
+    host_note: str = ""
 
 
 def spec_of(run: dict) -> EmulationSpec:
@@ -99,14 +118,37 @@ def measured_iterations(run: dict) -> range:
     return range(run["warmup"], run["iterations"])
 
 
+def is_composed(run: dict) -> bool:
+    """A composition row, or documents several a microbatch: the trainer composed its microbatches per iteration
+    (train/emulation.py) and logged them."""
+    return run.get("composition") is not None or (run.get("documents_per_microbatch") or 1) > 1
+
+
+def composed_iterations(run: dict, run_dir: Path, spec: EmulationSpec, shape: PipelineShape) -> List[dict]:
+    """Per iteration (0-based): num_microbatches, microbatch_tokens, padding_tokens, as the trainer logged them; the
+    loader's own single documents (nothing to compose: the trainer logs nothing) are the spec's draws, unpadded."""
+    log = json.loads((run_dir / "log.json").read_text())
+    return [entry.get("composed") or {"num_microbatches": shape.num_microbatches, "padding_tokens": 0,
+                                      "microbatch_tokens": list(spec.microbatch_lengths(shape, k))}
+            for k, entry in enumerate(log["iterations"])]
+
+
+def microbatch_tokens_of(run: dict, run_dir: Path, spec: EmulationSpec, shape: PipelineShape) -> Dict[int, list]:
+    """Iteration -> each microbatch's tokens (activation sizes), composed or drawn."""
+    if is_composed(run):
+        return dict(enumerate(entry["microbatch_tokens"] for entry in composed_iterations(run, run_dir, spec, shape)))
+    return {k: spec.microbatch_lengths(shape, k) for k in range(run["iterations"])}
+
+
 def _app_measurements(run: dict, run_dir: Path) -> dict:
     """Per measured iteration: times, makespans, bubble ratios, peaks per rank, and the replay of its durations."""
     trace = read_trace_dir(run_dir / "trace", run["pipeline_parallel"], run["model_chunks"])
     metrics = [iteration_metrics(trace, k) for k in measured_iterations(run)]
     slow_link = SlowLink.parse_delay(run["slow_link"]) if run.get("slow_link") else None
     spec, shape = spec_of(run), shape_of(run)
+    tokens = microbatch_tokens_of(run, run_dir, spec, shape) if spec.lengths is not None else {}
     replayed = [replay_trace_iteration(trace, k, run["sim_policy"], slow_link, run["sim_latency_us"],
-                                       lengths=spec.microbatch_lengths(shape, k),
+                                       lengths=tokens.get(k),
                                        memory_factor=run.get("memory_factor"))
                 for k in measured_iterations(run)] if run["sim_policy"] is not None else []
     replays = [r.makespan_us for r in replayed]
@@ -114,8 +156,13 @@ def _app_measurements(run: dict, run_dir: Path) -> dict:
                   for k in measured_iterations(run)]
     extra = {}
     if spec.lengths is not None:
-        extra["peak_tokens"] = [peak_tokens_per_rank(trace, k, spec.microbatch_lengths(shape, k))
-                                for k in measured_iterations(run)]
+        extra["peak_tokens"] = [peak_tokens_per_rank(trace, k, tokens[k]) for k in measured_iterations(run)]
+    if is_composed(run):
+        logged = composed_iterations(run, run_dir, spec, shape)
+        extra["counts"] = [logged[k]["num_microbatches"] for k in measured_iterations(run)]
+        extra["padding_shares"] = [logged[k]["padding_tokens"] / sum(logged[k]["microbatch_tokens"])
+                                   for k in measured_iterations(run)]
+        extra["planning_ms"] = [logged[k].get("planning_ms", 0.0) for k in measured_iterations(run)]
     return {**extra, "times": [m.iteration_time_us / 1e3 for m in metrics], "makespans": [m.makespan_us / 1e3 for m in metrics],
             "bubbles": [m.mean_bubble_ratio for m in metrics],
             "peaks": [[r.peak_activations for r in sorted(m.ranks, key=lambda r: r.pp_rank)] for m in metrics],
@@ -153,8 +200,9 @@ def _torch_measurements(run: dict, run_dir: Path) -> dict:
             "bubbles": [m["bubble"] for m in metrics], "peaks": [m["peaks"] for m in metrics]}
 
 
-def analyse_runs(runs: List[dict], out_dir: Path) -> Row:
-    """One row from the repeats of one (scenario, schedule): measured iterations pooled over the repeats."""
+def analyse_runs(runs: List[dict], out_dir: Path, host_us: Optional[float] = None) -> Row:
+    """One row from the repeats of one (scenario, schedule): measured iterations pooled over the repeats.
+    host_us: the runtime's own cost per task the simulator adds to every task (None: none measured or given)."""
     pooled: Dict[str, list] = {}
     for run in runs:
         run_dir = out_dir / run["id"]
@@ -178,10 +226,14 @@ def analyse_runs(runs: List[dict], out_dir: Path) -> Row:
         row.replay_error = statistics.median(pooled["replay_errors"])
     if "own_bound_errors" in pooled:
         row.own_bound_error = statistics.median(pooled["own_bound_errors"])
+    if is_composed(run):
+        _composition_columns(row, run, pooled, host_us)
+        return row
     predicted = simulate_emulation(spec_of(run), shape_of(run), run["sim_policy"] or "interleaved",
                                    run["iterations"],
                                    SlowLink.parse_delay(run["slow_link"]) if run.get("slow_link") else None,
-                                   run["sim_latency_us"], memory_factor=run.get("memory_factor"))[run["warmup"]:]
+                                   run["sim_latency_us"], memory_factor=run.get("memory_factor"),
+                                   host_us=host_us or 0.0)[run["warmup"]:]
     if predicted[0].peak_activation_tokens is not None:
         row.sim_peak_tokens = [int(round(max(values))) for values in zip(*(p.peak_activation_tokens
                                                                             for p in predicted))]
@@ -192,12 +244,78 @@ def analyse_runs(runs: List[dict], out_dir: Path) -> Row:
     return row
 
 
+def _composition_columns(row: Row, run: dict, pooled: Dict[str, list], host_us: Optional[float]) -> None:
+    """A composition row's microbatch count, padding share, and megatron_app.sim's composition row on the same
+    documents (same draws, cost model and order; each task plus host_us)."""
+    row.composition = run.get("composition") or "loader"
+    row.num_microbatches = statistics.fmean(pooled["counts"])
+    row.padding_share = statistics.fmean(pooled["padding_shares"])
+    row.planning_ms = statistics.fmean(pooled["planning_ms"])
+    forward_ms, backward_ms = (float(x) for x in run["emulate_compute"].split(",")[:2])
+    config = CompositionSimConfig(run["pipeline_parallel"], run["model_chunks"], run["microbatches"],
+                                  run.get("documents_per_microbatch") or 1, spec_of(run).lengths,
+                                  forward_us=forward_ms * 1e3, backward_us=backward_ms * 1e3,
+                                  host_us=host_us or 0.0, iterations=run["iterations"],
+                                  warmup_iterations=run["warmup"], seed=run["seed"])
+    simulated = simulate_composition(config, row.composition)
+    row.sim_ms = simulated.makespan_us / 1e3
+    row.bound_ms = simulated.lower_bound_us / 1e3
+    row.sim_error = row.iteration_ms / row.sim_ms - 1.0
+    row.sim_peak_tokens = [int(round(p)) for p in simulated.peak_tokens]
+    if host_us is None:
+        row.notes.append("sim column without a host cost per task (none measured or given)")
+
+
+def measure_host_cost(probe: Row, run: dict) -> dict:
+    """The runtime's own time per task (Python loop, Megatron's step functions, transport calls), from the probe:
+    Megatron's interleaved order on near-zero emulated compute (bench_schedule.HOST_PROBE_COMPUTE).
+
+        host_us = (measured iteration - simulated iteration at zero host cost) / critical-path tasks
+        critical-path tasks = (simulated iteration with every task 1 ms longer - simulated iteration) / 1 ms
+
+    i.e. how many task durations the schedule's longest path adds up (the simulator's own sensitivity to a cost
+    paid by every task), so a simulator adding host_us to every task reproduces the measured iteration."""
+    spec, shape = spec_of(run), shape_of(run)
+    forward_ms, backward_ms = spec.forward_ms, spec.backward_ms
+
+    def simulated_ms(extra_ms: float) -> float:
+        slower = EmulationSpec(forward_ms + extra_ms, backward_ms + extra_ms, seed=run["seed"])
+        predicted = simulate_emulation(slower, shape, "interleaved", run["iterations"])[run["warmup"]:]
+        return statistics.median(p.makespan_us for p in predicted) / 1e3
+
+    zero_host = simulated_ms(0.0)
+    critical_tasks = (simulated_ms(MS_PER_PROBE_STEP) - zero_host) / MS_PER_PROBE_STEP
+    host_ms = max(0.0, (probe.iteration_ms - zero_host) / critical_tasks)
+    return {"host_ms": host_ms, "measured_iteration_ms": probe.iteration_ms, "simulated_zero_host_ms": zero_host,
+            "critical_path_tasks": critical_tasks, "probe_compute_ms": [forward_ms, backward_ms]}
+
+
 def analyse_plan(plan: dict) -> List[Row]:
-    """Rows in plan order, one per (scenario, schedule key)."""
+    """Rows in plan order, one per (scenario, schedule key); the host-cost probe's row (if run) last, its
+    measurement fed to every row's simulator prediction (plan["host_ms"], --host-ms, overrides it)."""
     groups: Dict[tuple, List[dict]] = {}
     for run in plan["runs"]:
         groups.setdefault((run["scenario"], run["key"]), []).append(run)
-    return [analyse_runs(runs, Path(plan["out_dir"])) for runs in groups.values()]
+    out_dir = Path(plan["out_dir"])
+    probe_key = next((key for key, runs in groups.items() if runs[0].get("host_probe")), None)
+    probe = None
+    host_us = None if plan.get("host_ms") is None else plan["host_ms"] * 1e3
+    if probe_key is not None:
+        probe_runs = groups.pop(probe_key)
+        probe = analyse_runs(probe_runs, out_dir)
+        probe.host_cost = measure_host_cost(probe, probe_runs[0])
+        cost = probe.host_cost
+        probe.host_note = (f"host cost {cost['host_ms']:.3f} ms per task, measured: (iteration "
+                           f"{cost['measured_iteration_ms']:.1f} ms - simulated {cost['simulated_zero_host_ms']:.1f} ms at zero host cost) / "
+                           f"{cost['critical_path_tasks']:.0f} tasks on the critical path, on "
+                           f"{cost['probe_compute_ms'][0]:g},{cost['probe_compute_ms'][1]:g} ms tasks")
+        host_us = cost["host_ms"] * 1e3
+    rows = [analyse_runs(runs, out_dir, host_us) for runs in groups.values()]
+    for row in rows:
+        base = next((r for r in rows if r.scenario == row.scenario and r.key == COMPOSITION_BASELINE), None)
+        if row.composition and base is not None and row.peak_tokens:
+            row.peak_tokens_over_base = max(a / b for a, b in zip(row.peak_tokens, base.peak_tokens))
+    return rows + ([probe] if probe is not None else [])
 
 
 # ---- targets --------------------------------------------------------------------------------------------------
@@ -242,7 +360,11 @@ def check_targets(rows: List[Row]) -> List[TargetCheck]:
     checks: List[TargetCheck] = []
     for scenario in dict.fromkeys(row.scenario for row in rows):
         checks += _split_backward_checks(scenario, [row for row in rows if row.scenario == scenario])
-        group = [row for row in rows if row.scenario == scenario and row.key not in OUR_SPLIT_KEYS]
+        checks += _composition_checks(scenario, [row for row in rows if row.scenario == scenario and row.composition])
+        group = [row for row in rows if row.scenario == scenario and row.key not in OUR_SPLIT_KEYS
+                 and not row.composition]
+        if not group:
+            continue
         by = _by_key(group)
         app = [row for row in group if row.key in APP_POLICIES]
         static = [row for row in group if row not in app]
@@ -328,6 +450,35 @@ def _variable_length_checks(scenario: str, group: List[Row]) -> List[TargetCheck
             checks.append(TargetCheck(scenario, f"simulator predicts {row.label} within 10%",
                                       f"measured {row.iteration_ms:.1f} ms vs sim {row.sim_ms:.1f} ms "
                                       f"({row.sim_error:+.1%})", abs(row.sim_error) <= 0.10))
+    return checks
+
+
+def _composition_checks(scenario: str, group: List[Row]) -> List[TargetCheck]:
+    """Issue 23: ours (balanced + planned) faster than each reference composition by COMPOSITION_TARGETS, at <= 1.0x
+    the baseline's peak activation tokens on every rank; the simulator within 10% of every composition row."""
+    if not group:
+        return []
+    by = _by_key(group)
+    ours, checks = by.get(COMPOSITION_OURS), []
+    targets = COMPOSITION_TARGETS.get((scenario, len(group[0].peak_tokens)), ())
+    for reference, need in targets if ours is not None else ():
+        other = by.get(reference)
+        if other is None:
+            checks.append(TargetCheck(scenario, f"{ours.label} >= {need}x {reference}", "row not run", None))
+            continue
+        speedup = other.iteration_ms / ours.iteration_ms
+        checks.append(TargetCheck(scenario, f"{ours.label} >= {need}x {other.label}",
+                                  f"{other.iteration_ms:.1f} / {ours.iteration_ms:.1f} ms = {speedup:.3f}x",
+                                  speedup >= need))
+    if ours is not None and ours.peak_tokens_over_base is not None:
+        checks.append(TargetCheck(scenario, f"{ours.label} peak activation tokens <= 1.0x the baseline's on every "
+                                  "rank", f"max {ours.peak_tokens_over_base:.3f}x ({ours.peak_tokens} vs "
+                                  f"{by[COMPOSITION_BASELINE].peak_tokens})", ours.peak_tokens_over_base <= 1.0 + 1e-9))
+    for row in group:
+        if row.sim_error is not None:
+            checks.append(TargetCheck(scenario, f"simulator predicts {row.label} within 10%",
+                                      f"measured {row.iteration_ms:.1f} ms vs sim {row.sim_ms:.1f} ms "
+                                      f"({row.sim_error:+.1%})", abs(row.sim_error) <= COMPOSITION_SIM_TOLERANCE))
     return checks
 
 

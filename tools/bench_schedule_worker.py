@@ -35,7 +35,8 @@ def trainer_argv(run: dict, run_dir: Path) -> list:
     for flag, key in (("--slow-rank", "slow_rank"), ("--slow-factor", "slow_factor"),
                       ("--straggler-prob", "straggler_prob"), ("--straggler-factor", "straggler_factor"),
                       ("--slow-link", "slow_link"), ("--emulate-lengths-file", "lengths_file"),
-                      ("--memory-factor", "memory_factor")):
+                      ("--memory-factor", "memory_factor"), ("--composition", "composition"),
+                      ("--documents-per-microbatch", "documents_per_microbatch")):
         if run.get(key) is not None:
             argv += [flag, run[key]]
     if run.get("split_backward"):

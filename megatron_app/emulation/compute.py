@@ -12,7 +12,7 @@ same ones. The trainer's wiring (chunks from its flags, its loss function) is me
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence, Tuple
 
 import torch
 
@@ -128,14 +128,21 @@ def emulated_forward_step(data_iterator, model: EmulatedChunk, loss_func: Callab
 
 def emulated_microbatches(num_microbatches: int, micro_batch_size: int, seq_length: int, vocab_size: int,
                           iterations: int,
-                          lengths_of: Optional[Callable[[int], Optional[Sequence[int]]]] = None) -> Iterator[dict]:
+                          lengths_of: Optional[Callable[[int], Optional[Sequence[int]]]] = None,
+                          layouts_of: Optional[Callable[[int], Sequence[Tuple[int, int]]]] = None) -> Iterator[dict]:
     """Items for `iterations` iterations of `num_microbatches`: tokens, loss mask and the (iteration, microbatch).
     lengths_of(iteration), when given, sets each microbatch's sequence length (variable lengths: activations sized
-    by tokens); otherwise every microbatch has seq_length tokens."""
+    by tokens); otherwise every microbatch has seq_length tokens. layouts_of(iteration), when given, replaces both:
+    the iteration's microbatches as (rows, sequence length) each, their count included (composed microbatches,
+    asked for when the iteration's first item is drawn, after the loop planned them)."""
     for iteration in range(iterations):
-        lengths = lengths_of(iteration) if lengths_of is not None else None
-        for microbatch in range(num_microbatches):
-            length = seq_length if lengths is None else lengths[microbatch]
-            base = torch.arange(micro_batch_size * length).view(micro_batch_size, length)
-            yield {"tokens": (base + microbatch) % vocab_size, "loss_mask": torch.ones(micro_batch_size, length),
+        if layouts_of is not None:
+            layouts = list(layouts_of(iteration))
+        else:
+            lengths = lengths_of(iteration) if lengths_of is not None else None
+            layouts = [(micro_batch_size, seq_length if lengths is None else lengths[microbatch])
+                       for microbatch in range(num_microbatches)]
+        for microbatch, (rows, length) in enumerate(layouts):
+            base = torch.arange(rows * length).view(rows, length)
+            yield {"tokens": (base + microbatch) % vocab_size, "loss_mask": torch.ones(rows, length),
                    "iteration": iteration, "microbatch": microbatch}

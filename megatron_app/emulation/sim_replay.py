@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_app.schedule import KIND_OF_TRACE_NAME, KINDS_BY_INDEX, Kind, PipelineShape
 from megatron_app.sim import lower_bounds, run_iteration
-from megatron_app.sim.costs import DurationTable
+from megatron_app.sim.costs import DurationTable, with_host_cost
 from megatron_app.sim.engine import TaskTable, make_policies
 from megatron_app.sim.network import SlowLink
 
@@ -61,8 +61,9 @@ class SimulatedIteration:
 def simulate_emulation(spec: EmulationSpec, shape: PipelineShape, policy: str, iterations: int,
                        slow_link: Optional[SlowLink] = None, latency_us: float = 0.0,
                        memory_cap: Optional[int] = None,
-                       memory_factor: Optional[float] = None) -> List[SimulatedIteration]:
-    """With spec.lengths, each iteration's microbatch lengths go to the policies (planning, token-sized memory)."""
+                       memory_factor: Optional[float] = None, host_us: float = 0.0) -> List[SimulatedIteration]:
+    """With spec.lengths, each iteration's microbatch lengths go to the policies (planning, token-sized memory).
+    host_us: the runtime's own time per task, added to every task (sim.costs.with_host_cost)."""
     network = SlowLinkNetwork(slow_link, latency_us)
     table = TaskTable(shape)
     start_us = 0.0
@@ -71,7 +72,7 @@ def simulate_emulation(spec: EmulationSpec, shape: PipelineShape, policy: str, i
     # learn in one iteration (durations, f(tokens)) shapes the next one's decisions and plans.
     policies = make_policies(shape, policy, memory_cap, memory_factor)
     for iteration in range(iterations):
-        durations = spec.draw(shape, iteration)
+        durations = with_host_cost(shape, spec.draw(shape, iteration), host_us)
         lengths = spec.microbatch_lengths(shape, iteration)
         network.begin_iteration(start_us)
         outcome = run_iteration(shape, policies, durations, network, iteration, start_us, None, table,
@@ -86,7 +87,8 @@ def simulate_emulation(spec: EmulationSpec, shape: PipelineShape, policy: str, i
 def traced_shape(run, iteration: int) -> PipelineShape:
     """The pipeline a traced iteration ran: split backward when it has W ('weight') events."""
     split = any(True for rank in run.ranks for _ in rank.events_of(iteration, {Kind.WEIGHT.trace_name}))
-    return PipelineShape(run.pipeline_parallel, run.model_chunks, run.microbatches, split_backward=split)
+    return PipelineShape(run.pipeline_parallel, run.model_chunks, run.microbatches_of(iteration),
+                         split_backward=split)
 
 
 def measured_durations(run, iteration: int) -> DurationTable:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 from megatron_app.schedule import Kind, PipelineShape, ScheduleConfigError
 from megatron_app.sim.costs import ComputeCosts, ComputePerturbations, DurationTable, draw_durations
@@ -79,6 +79,16 @@ class EmulationSpec:
         return draw_durations(shape, self.costs(shape), self.perturbations, self.seed, iteration, factors,
                               weight_factors)
 
+    def draw_composed(self, shape: PipelineShape, iteration: int, tokens: Sequence[float],
+                      squared_tokens: Sequence[float]) -> DurationTable:
+        """Every task's duration (microseconds) in `iteration` when its microbatches are composed documents: each
+        costs the simulator's composed_cost_factor of its tokens and squared tokens (sim/composition.py's model;
+        no host cost added, the runtime pays its own)."""
+        if self.lengths is None:
+            raise ScheduleConfigError("composed microbatches need document lengths (--emulate-lengths-file)")
+        factors = [self.lengths.composed_cost_factor(t, s) for t, s in zip(tokens, squared_tokens)]
+        return draw_durations(shape, self.costs(shape), self.perturbations, self.seed, iteration, factors)
+
 
 class TaskDurations:
     """Seconds of each (iteration, rank, kind, chunk, microbatch) task; one iteration's draws kept at a time."""
@@ -89,8 +99,17 @@ class TaskDurations:
         self.shape = shape
         self._iteration: Optional[int] = None
         self._table = None
+        self._composed: Dict[int, DurationTable] = {}
+
+    def compose(self, iteration: int, tokens: Sequence[float], squared_tokens: Sequence[float]) -> None:
+        """`iteration` runs len(tokens) composed microbatches (this many tokens, squared tokens each)."""
+        shape = PipelineShape(self.shape.num_stages, self.shape.num_chunks, len(tokens),
+                              split_backward=self.shape.split_backward)
+        self._composed = {iteration: self.spec.draw_composed(shape, iteration, tokens, squared_tokens)}
 
     def seconds(self, iteration: int, rank: int, kind: Kind, chunk: int, microbatch: int) -> float:
+        if iteration in self._composed:
+            return self._composed[iteration][rank][kind.index][chunk][microbatch] / 1e6
         if iteration != self._iteration:
             self._table = self.spec.draw(self.shape, iteration)
             self._iteration = iteration

@@ -3,12 +3,13 @@
 A collective of the pipeline group: every rank of a pipeline calls it at the same point, before the forward_backward
 call that runs those microbatches, with the same document lengths (loader order 0..n-1). Names
 (schedule/composition.py): 'loader' = the loader's groups padded, 'packed' = the loader's groups packed,
-'balanced' = schedule/composition_plan.py's choice (microbatch count, groups, order, per-rank warm-ups), planned on
-pipeline rank 0 with the costs its `planned` policy has learnt (the prior before any call) within the planning
-budget, and broadcast over the pipeline group. The next forward_backward must be called with
-num_microbatches = composition.num_microbatches; the runtime is told each microbatch's tokens (activation sizes)
-and squared tokens (cost learning) itself, and the `planned` policy ADOPTS the plan chosen with the composition
-(no second search). With data parallelism each replica plans its own share.
+'dp-balanced' = the documents in loader order packed up to a token budget, as Megatron-LM's DpBalancedScheduler does
+(not cost-aware; the benchmark's reference packer), 'balanced' = schedule/composition_plan.py's choice (microbatch
+count, groups, order, per-rank warm-ups), planned on pipeline rank 0 with the costs its `planned` policy has learnt
+(the prior before any call) within the planning budget, and broadcast over the pipeline group. The next
+forward_backward must be called with num_microbatches = composition.num_microbatches; the runtime is told each
+microbatch's tokens (activation sizes) and squared tokens (cost learning) itself, and the `planned` policy ADOPTS the
+plan chosen with the composition (no second search). With data parallelism each replica plans its own share.
 
 The interleaved schedule's rule on the microbatch count (megatron-core 0.16.1, and our PipelineShape): with
 N = microbatch_group_size_per_vp_stage (default P), P <= N <= m and m % N in {0} or >= P; the balanced planner
@@ -22,9 +23,9 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
-from megatron_app.schedule.composition import (BALANCED, PACKED, Composition, check_composition_name,
-                                               loader_composition)
-from megatron_app.schedule.composition_plan import CompositionPlanner
+from megatron_app.schedule.composition import (BALANCED, DP_BALANCED, PACKED, Composition, check_composition_name,
+                                               loader_composition, loader_order_packing)
+from megatron_app.schedule.composition_plan import CompositionPlanner, valid_microbatch_counts
 
 from .microbatch_lengths import set_microbatch_lengths
 from .session import PendingComposition, current_session
@@ -42,14 +43,21 @@ def _pipeline():
     return group, ranks, dist.get_rank(group), len(ranks), V
 
 
-def plan_microbatches(document_lengths: Sequence[int], micro_batch_size: int, composition: str) -> Composition:
+def plan_microbatches(document_lengths: Sequence[int], micro_batch_size: int, composition: str,
+                      token_budget: Optional[int] = None) -> Composition:
+    """token_budget: dp-balanced's tokens per microbatch (default micro_batch_size x the longest document)."""
     check_composition_name(composition)
     lengths = tuple(int(v) for v in document_lengths)
     if not lengths or min(lengths) < 1:
         raise ValueError(f"document lengths must be positive integers, got {list(document_lengths)!r}")
     session = current_session()
     plan = None
-    if composition != BALANCED:
+    if composition == DP_BALANCED:
+        _, _, _, P, V = _pipeline()
+        chosen = loader_order_packing(lengths, token_budget or micro_batch_size * max(lengths),
+                                      valid_microbatch_counts(P, V, len(lengths),
+                                                              split_backward=session.settings.split_backward))
+    elif composition != BALANCED:
         chosen = loader_composition(len(lengths), micro_batch_size, packed=composition == PACKED)
     else:
         group, ranks, pp_rank, P, V = _pipeline()

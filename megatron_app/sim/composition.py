@@ -27,46 +27,32 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from megatron_app.schedule import Kind, PipelineShape, ScheduleConfigError, make_policy
-from megatron_app.schedule.composition import Composition, loader_composition
+from megatron_app.schedule.composition import (BALANCED, DP_BALANCED, LOADER, PACKED, Composition,  # noqa: F401
+                                               loader_composition, loader_order_packing)
 from megatron_app.schedule.composition_plan import CompositionPlanner, loader_peak_caps, valid_microbatch_counts
 from megatron_app.schedule.length_costs import LengthCostModel
 
 from .bounds import lower_bounds
-from .costs import DurationTable, draw_durations, ComputeCosts, ComputePerturbations
+from .costs import DurationTable, draw_durations, ComputeCosts, ComputePerturbations, with_host_cost
 from .engine import TaskTable, run_iteration
 from .lengths import MicrobatchLengths
 from .network import LinkCosts, Network
 
 US_PER_S = 1e6
 
-LOADER_ROW, PACKED_ROW, DP_BALANCED_ROW, BALANCED_ROW = "loader", "packed", "dp-balanced", "balanced"
+# The rows are the compositions of schedule/composition.py, each run by its order (balanced: `planned`).
+LOADER_ROW, PACKED_ROW, DP_BALANCED_ROW, BALANCED_ROW = LOADER, PACKED, DP_BALANCED, BALANCED
 COMPOSITION_ROWS = (LOADER_ROW, PACKED_ROW, DP_BALANCED_ROW, BALANCED_ROW)
-# The runtime's own time per task, measured with near-zero emulated compute on this 2-core machine (issue 23:
-# about 0.4 ms; BENCHMARKS.md). A parameter: set it from a measurement on the machine being modelled.
+# The runtime's own time per task: issue 23's figure (about 0.4 ms with near-zero compute on a 2-core machine), not
+# measured here. tools/bench_schedule.py measures it in every run with composition rows (its host-cost probe,
+# bench_schedule_analysis.measure_host_cost) and feeds that to its predictions; set it from such a measurement.
 DEFAULT_HOST_US = 400.0
 
 
-def loader_order_packing(lengths: Sequence[int], token_budget: int, valid_counts: Sequence[int]
-                         ) -> Composition:
-    """Documents in loader order into packed microbatches of at most token_budget tokens (a longer document alone),
-    then, while the count is not valid for the pipeline, the last document of the last multi-document microbatch
-    becomes a microbatch of its own."""
-    groups: List[List[int]] = []
-    current, tokens = [], 0
-    for position, length in enumerate(lengths):
-        if current and tokens + length > token_budget:
-            groups.append(current)
-            current, tokens = [], 0
-        current.append(position)
-        tokens += length
-    groups.append(current)
-    valid = set(valid_counts)
-    while len(groups) not in valid:
-        splittable = [k for k, group in enumerate(groups) if len(group) > 1]
-        if not splittable:
-            raise ScheduleConfigError(f"{len(lengths)} documents cannot form a valid number of microbatches")
-        groups.append([groups[splittable[-1]].pop()])
-    return Composition(tuple(tuple(g) for g in groups), packed=True)
+def dp_balanced_token_budget(lengths: MicrobatchLengths, documents_per_microbatch: int) -> int:
+    """The dp-balanced packer's default tokens per microbatch: the loader's microbatch at the corpus's longest
+    document (its truncation), as Megatron's packer fills up to max_seqlen x micro batch size."""
+    return documents_per_microbatch * max(lengths.corpus or (4 * lengths.median_tokens,))
 
 
 @dataclass(frozen=True)
@@ -144,16 +130,10 @@ class CompositionResult:
 
 def composed_durations(config: CompositionSimConfig, shape: PipelineShape, tokens: Sequence[float],
                        squared: Sequence[float], iteration: int) -> DurationTable:
-    mean = config.lengths.mean_tokens
-    linear, quadratic = config.lengths.linear, config.lengths.quadratic
-    factors = [(linear * t / mean + quadratic * s / mean ** 2) / (linear + quadratic)
-               for t, s in zip(tokens, squared)]
+    factors = [config.lengths.composed_cost_factor(t, s) for t, s in zip(tokens, squared)]
     costs = ComputeCosts.uniform(shape, config.forward_us, config.backward_us)
-    table = np.asarray(draw_durations(shape, costs, ComputePerturbations(), config.seed, iteration, factors),
-                       dtype=float).copy()
-    present = [Kind.FORWARD.index, Kind.BACKWARD.index] + ([Kind.WEIGHT.index] if shape.split_backward else [])
-    table[:, present] += config.host_us
-    return DurationTable(table)
+    return with_host_cost(shape, draw_durations(shape, costs, ComputePerturbations(), config.seed, iteration, factors),
+                          config.host_us)
 
 
 def simulate_composition(config: CompositionSimConfig, row: str,
@@ -166,7 +146,7 @@ def simulate_composition(config: CompositionSimConfig, row: str,
                                  **({} if planner_evaluations is None else {"final_evaluations": planner_evaluations}))
     costs = LengthCostModel()
     valid = valid_microbatch_counts(P, V, n)
-    budget = config.token_budget or K * max(config.lengths.corpus or (4 * config.lengths.median_tokens,))
+    budget = config.token_budget or dp_balanced_token_budget(config.lengths, K)
     result = CompositionResult(row)
     for iteration in range(config.iterations):
         documents = config.lengths.draw(n, config.seed, iteration)

@@ -159,3 +159,14 @@ def draw_durations(shape: PipelineShape, costs: ComputeCosts, perturbations: Com
         times[1] -= weight
         result.append(np.concatenate([times, weight[None]]))
     return DurationTable(result)
+
+
+def with_host_cost(shape: PipelineShape, durations: DurationTable, host_us: float) -> DurationTable:
+    """Every task present in the shape (F, B, and W with a split backward) plus host_us: the runtime's own time per
+    task (Python loop, Megatron's step functions, transport calls) that does not scale with the compute."""
+    if not host_us:
+        return durations
+    table = np.array(durations, dtype=float)
+    present = [Kind.FORWARD.index, Kind.BACKWARD.index] + ([Kind.WEIGHT.index] if shape.split_backward else [])
+    table[:, present] += host_us
+    return DurationTable(table)

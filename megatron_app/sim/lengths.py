@@ -88,8 +88,15 @@ class MicrobatchLengths:
         return tuple(max(1, int(round(v))) for v in values)
 
     def cost_factor(self, length: float) -> float:
-        x = length / self.mean_tokens
-        return (self.linear * x + self.quadratic * x * x) / (self.linear + self.quadratic)
+        return self.composed_cost_factor(length, length * length)
+
+    def composed_cost_factor(self, tokens: float, squared_tokens: float) -> float:
+        """Cost of a microbatch over one mean-length document's: linear in its tokens, quadratic in each attention
+        block's length (squared_tokens = the sum of the blocks' squared lengths: its documents packed, rows x
+        longest^2 padded). The simulator's composition rows and the emulated tasks both use it."""
+        mean = self.mean_tokens
+        return (self.linear * tokens / mean + self.quadratic * squared_tokens / mean ** 2) / (self.linear
+                                                                                            + self.quadratic)
 
     def weight_share_factor(self, length: float) -> float:
         """How a microbatch's length scales the weight-gradient share of its backward (1 at the mean length). The

@@ -80,9 +80,15 @@ class TraceRun:
         return sorted({k for rank in self.ranks for k, events in rank.by_iteration().items()
                        if any(e.kind in COMPUTE_KINDS for e in events)})
 
+    def microbatches_of(self, iteration: int) -> int:
+        """Microbatches `iteration` ran: the meta's count, or more or fewer when the loop composed the global batch
+        into another count for that call (runtime/composition.py)."""
+        seen = [e.microbatch for rank in self.ranks for e in rank.events_of(iteration, COMPUTE_KINDS)]
+        return max(seen) + 1 if seen else self.microbatches
+
     def incomplete_reason(self, iteration: int) -> str | None:
         """None when every rank ran every forward and backward of `iteration`, else what is missing."""
-        expected = self.model_chunks * self.microbatches
+        expected = self.model_chunks * self.microbatches_of(iteration)
         for rank in self.ranks:
             counts = {FORWARD: 0, BACKWARD: 0, WEIGHT: 0}
             for event in rank.events_of(iteration, COMPUTE_KINDS):
@@ -237,7 +243,9 @@ def _parse_event(obj, meta: TraceMeta) -> TraceEvent:
     if end < start:
         raise ValueError(f"{kind} event ends before it starts ({end} < {start})")
     chunk = _int_field(obj, "chunk", upper=meta.model_chunks)
-    microbatch = _int_field(obj, "microbatch", upper=meta.microbatches)
+    # No upper bound from the meta: it holds the first call's count, and a loop that composes its global batch
+    # (runtime/composition.py) may run more microbatches in a later call; TraceRun.microbatches_of counts them.
+    microbatch = _int_field(obj, "microbatch")
     if kind in COMPUTE_KINDS and (chunk is None or microbatch is None):
         raise ValueError(f"{kind} event needs chunk and microbatch")
     extra = obj.get("extra", {})

@@ -94,8 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(train, "--composition", choices=COMPOSITION_NAMES, default=None,
               help="with --variable-seq-lengths (or emulated lengths), which documents of the global batch form each "
                    "microbatch: loader (default: the loader's microbatches, padded to their longest document), packed "
-                   "(the same documents concatenated in one row, no padding), balanced (cost-balanced packing "
-                   "planned together with the order)")
+                   "(the same documents concatenated in one row, no padding), dp-balanced (the loader's order packed "
+                   "up to a token budget as Megatron-LM's DpBalancedScheduler does; a reference), balanced "
+                   "(cost-balanced packing planned together with the order)")
+    _add_flag(train, "--documents-per-microbatch", type=int, default=1, metavar="K",
+              help="with --emulate-lengths-file: each loader microbatch holds K documents (the iteration draws "
+                   "microbatches x K documents, composed by --composition); default 1")
     _add_flag(train, "--calculate-per-token-loss", action="store_true",
               help="Megatron's per-token loss: gradients are divided by the global batch's token count instead of "
                    "averaging per-microbatch means (the result does not depend on how samples form microbatches)")
@@ -430,13 +434,23 @@ def _check_memory_factor(args: argparse.Namespace) -> None:
 
 def _check_variable_lengths(args: argparse.Namespace) -> None:
     """Variable-length samples are whole documents of an indexed dataset; they need per-token loss."""
+    documents = getattr(args, "documents_per_microbatch", 1)
+    emulated = bool(getattr(args, "emulate_lengths_file", None))
+    composition = getattr(args, "composition", None)
+    if documents < 1:
+        raise UsageError(f"--documents-per-microbatch must be >= 1, got {documents}")
+    if documents > 1 and not emulated:
+        raise UsageError("--documents-per-microbatch needs --emulate-lengths-file (emulated documents to compose)")
     if not getattr(args, "variable_seq_lengths", False):
-        if getattr(args, "composition", None) is not None and not getattr(args, "emulate_lengths_file", None):
+        if composition is not None and not emulated:
             raise UsageError("--composition needs --variable-seq-lengths (it regroups whole documents) or emulated "
                              "lengths (--emulate-lengths-file)")
+        if (documents > 1 or composition not in (None, LOADER)) and args.schedule == MEGATRON_SCHEDULE:
+            raise UsageError("composed microbatches are planned by megatron_app's runtime: use --schedule app, "
+                             "interleaved or 1f1b, not megatron")
+        args.composition = composition or LOADER
         return
-    if getattr(args, "composition", None) is None:
-        args.composition = LOADER
+    args.composition = composition or LOADER
     if args.composition == BALANCED and args.schedule == MEGATRON_SCHEDULE:
         raise UsageError("--composition balanced needs our schedule (--schedule app|interleaved|1f1b): the plan "
                          "comes from its runtime")

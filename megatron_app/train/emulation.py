@@ -1,9 +1,17 @@
 """The trainer's side of --emulate-compute / --slow-link: emulated chunks built from its flags, its loss function,
-and the slow-link delay put around the runtime's transport (megatron_app.emulation does the emulating)."""
+and the slow-link delay put around the runtime's transport (megatron_app.emulation does the emulating).
+
+Composed microbatches (--emulate-lengths-file with --documents-per-microbatch K > 1 or --composition other than
+loader): each iteration draws m x K documents from the lengths file with --seed as megatron_app.sim's composition rows
+do (sim/composition.py), the runtime's plan_microbatches groups them, the iteration runs that many microbatches, and
+each task waits the simulator's cost of its microbatch's composition (sim.lengths.composed_cost_factor), with
+activations of its tokens (one row packed, K rows of the longest document padded).
+"""
 
 from __future__ import annotations
 
-from typing import List, Optional
+import time
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -16,6 +24,7 @@ from megatron_app.emulation.link_delay import LinkDelay
 from megatron_app.runtime import add_transport_wrapper, remove_transport_wrapper
 from megatron_app.runtime.session import current_session
 from megatron_app.schedule import PipelineShape
+from megatron_app.schedule.composition import LOADER, Composition
 
 from .forward_backward import tell_microbatch_lengths
 from .step import loss_func
@@ -32,6 +41,13 @@ class ComputeEmulation:
         self.durations = TaskDurations(spec, self.shape)
         self.link_delay = None if slow_link is None else LinkDelay(slow_link)
         self.forward_step = self.trainer_forward_step
+        self.documents_per_microbatch = int(getattr(args, "documents_per_microbatch", 1) or 1)
+        self.composition_name = getattr(args, "composition", LOADER)
+        self.composing = spec.lengths is not None and (self.documents_per_microbatch > 1
+                                                      or self.composition_name != LOADER)
+        # iteration (0-based) -> (its documents' lengths, their composition); the current one only
+        self.compositions: Dict[int, Tuple[Tuple[int, ...], Composition]] = {}
+        self.planning_s: Dict[int, float] = {}
 
     @staticmethod
     def trainer_forward_step(data_iterator, model: EmulatedChunk):
@@ -67,7 +83,8 @@ class ComputeEmulation:
         """One iterator per chunk (every emulated chunk draws an item per microbatch)."""
         args = self.args
         iterators = [emulated_microbatches(args.num_microbatches, args.micro_batch_size, args.seq_length,
-                                           args.vocab_size, args.iters, self.microbatch_lengths)
+                                           args.vocab_size, args.iters, self.microbatch_lengths,
+                                           self.microbatch_layouts if self.composing else None)
                      for _ in range(args.model_chunks)]
         return iterators[0] if args.model_chunks == 1 else iterators
 
@@ -75,12 +92,53 @@ class ComputeEmulation:
         """Sequence length of each microbatch of `iteration` (0-based) under --emulate-lengths-file, else None."""
         return self.spec.microbatch_lengths(self.shape, iteration)
 
-    def begin_iteration(self, iteration: int) -> None:
+    def microbatch_layouts(self, iteration: int) -> List[Tuple[int, int]]:
+        """(rows, sequence length) of each composed microbatch of `iteration`: one row of its documents packed, or
+        one row per document padded to the longest."""
+        documents, composition = self.compositions[iteration]
+        if composition.packed:
+            return [(1, tokens) for tokens in composition.microbatch_tokens(documents)]
+        return [(len(group), max(documents[p] for p in group)) for group in composition.groups]
+
+    def compose(self, iteration: int) -> int:
+        """Draw `iteration`'s documents, plan their composition (a collective of the pipeline), and set each task's
+        wait from it; returns its microbatch count."""
+        from megatron_app.runtime.composition import plan_microbatches
+        from megatron_app.sim.composition import dp_balanced_token_budget
+
+        K, lengths = self.documents_per_microbatch, self.spec.lengths
+        documents = lengths.draw(self.args.num_microbatches * K, self.spec.seed, iteration)
+        began = time.perf_counter()
+        composition = plan_microbatches(documents, K, self.composition_name,
+                                        token_budget=dp_balanced_token_budget(lengths, K))
+        self.planning_s[iteration] = time.perf_counter() - began   # rank 0's planning + broadcast, as seen here
+        self.compositions = {iteration: (documents, composition)}
+        self.durations.compose(iteration, composition.microbatch_tokens(documents),
+                               composition.microbatch_squared_tokens(documents))
+        return composition.num_microbatches
+
+    def composition_report(self, iteration: int) -> Optional[dict]:
+        """What `iteration` ran, for the log: microbatch count, tokens each, padding tokens, planning time (None when
+        not composing)."""
+        if iteration not in self.compositions:
+            return None
+        documents, composition = self.compositions[iteration]
+        return {"composition": self.composition_name, "num_microbatches": composition.num_microbatches,
+                "microbatch_tokens": list(composition.microbatch_tokens(documents)),
+                "padding_tokens": composition.padding_tokens(documents),
+                "planning_ms": self.planning_s.pop(iteration, 0.0) * 1e3}
+
+    def begin_iteration(self, iteration: int) -> int:
         """Before forward_backward of `iteration` (0-based): tell the schedule the microbatch lengths (every rank
-        draws the same ones) and restart the slow-link window."""
-        tell_microbatch_lengths(self.args.schedule, self.microbatch_lengths(iteration))
+        draws the same ones; composed: plan them) and restart the slow-link window. Returns the call's microbatch
+        count."""
+        if self.composing:
+            num_microbatches = self.compose(iteration)
+        else:
+            num_microbatches = self.args.num_microbatches
+            tell_microbatch_lengths(self.args.schedule, self.microbatch_lengths(iteration))
         if self.link_delay is None:
-            return
+            return num_microbatches
         if self.link_delay.transport is None:
             # Open the runtime's transport now (a collective: every rank is here together), so the first window
             # starts after it; the loss layer, registered earlier, stays the inner wrapper.
@@ -88,6 +146,7 @@ class ComputeEmulation:
             group = parallel_state.get_pipeline_model_parallel_group()
             current_session().ensure_transport(dist.get_process_group_ranks(group))
         self.link_delay.begin_iteration()
+        return num_microbatches
 
     def end_iteration(self) -> None:
         """Every rank ends an iteration together, as under Megatron's grad-norm all-reduce and in the simulator."""

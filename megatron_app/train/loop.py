@@ -131,7 +131,7 @@ def train_step(trainer: Trainer, iteration: int) -> Optional[float]:
     forward_step_func = trainer.forward_step_func
     first_sample = (iteration - 1) * args.global_batch_size
     if trainer.emulation is not None:
-        trainer.emulation.begin_iteration(iteration - 1)
+        num_microbatches = trainer.emulation.begin_iteration(iteration - 1)
     elif composes(args):   # the composition's microbatches; planning told the schedule their tokens
         composed = compose_global_batch(args, trainer.train_dataset, trainer.dp_rank, first_sample, args.model_chunks)
         data_iterator, num_microbatches = composed.data_iterator, composed.num_microbatches
@@ -204,7 +204,8 @@ def train(args) -> None:
             seconds = time.perf_counter() - start
             tokens = None if trainer.emulation is not None or not trainer.reporter.enabled else global_batch_tokens(
                 args, trainer.train_dataset, (iteration - 1) * args.global_batch_size)
-            trainer.reporter.record(iteration, loss, seconds, tokens)
+            composed = None if trainer.emulation is None else trainer.emulation.composition_report(iteration - 1)
+            trainer.reporter.record(iteration, loss, seconds, tokens, composed)
             if loss_layer is not None:
                 loss_layer.end_iteration(iteration, current_tracer())
             if not after_iteration(trainer, iteration):

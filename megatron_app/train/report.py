@@ -59,15 +59,20 @@ class IterationReporter:
         self.log_json = log_json
         self.payload = {"schema": LOG_SCHEMA, "config": run_config, "iterations": [], "validation": []}
 
-    def record(self, iteration: int, loss: Optional[float], seconds: float, tokens: Optional[int] = None) -> None:
-        """``tokens``: the iteration's tokens when they vary (variable-length samples), else the fixed count."""
+    def record(self, iteration: int, loss: Optional[float], seconds: float, tokens: Optional[int] = None,
+               composed: Optional[dict] = None) -> None:
+        """``tokens``: the iteration's tokens when they vary (variable-length samples), else the fixed count.
+        ``composed``: the planned microbatches when the loop composed them (num_microbatches, microbatch_tokens,
+        padding_tokens, composition), kept in the JSON log."""
         if not self.enabled:
             return
         tokens_per_s = (self.tokens_per_iteration if tokens is None else tokens) / seconds
+        planned = "" if composed is None else f" | {composed['num_microbatches']} microbatches"
         print(f"iter {iteration}/{self.iters} | loss {loss:.4f} | {seconds * 1e3:.1f} ms | "
-              f"{tokens_per_s:.0f} tokens/s", flush=True)
+              f"{tokens_per_s:.0f} tokens/s{planned}", flush=True)
         self.payload["iterations"].append({
             "iteration": iteration, "loss": loss, "time_ms": seconds * 1e3, "tokens_per_s": tokens_per_s,
+            **({} if composed is None else {"composed": composed}),
         })
         self._write()
 
