@@ -1,0 +1,102 @@
+"""Real (not emulated) training runs of the Megatron-Core GPT model on CPU, one per composition, alternated, for
+tokens/s side by side: what regrouping documents (no padding, balanced microbatches) buys on real compute.
+
+Each round runs every composition once through run_single.sh with the same data, seed and model; the first
+iteration of each run is a warm-up and is left out. Tokens are the trainer's count (document tokens, padding
+excluded), so a composition that computes on padding shows it as lower tokens/s. The same documents form every
+iteration whatever the composition, so the runs' losses must agree (printed as a check).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class CompositionRun:
+    composition: str
+    round: int
+    seconds: List[float]              # per measured iteration
+    tokens_per_s: List[float]
+    losses: List[float]
+
+
+@dataclass
+class CompositionSummary:
+    composition: str
+    median_tokens_per_s: float
+    median_iteration_ms: float
+    iterations: int
+    speedup_over_baseline: float
+    max_loss_difference: float        # against the baseline's losses, same iterations
+    runs: List[CompositionRun] = field(default_factory=list)
+
+
+def run_once(composition: str, round_index: int, launcher_flags: Sequence[str], warmup: int,
+             env: Dict[str, str]) -> CompositionRun:
+    with tempfile.TemporaryDirectory() as scratch:
+        log = os.path.join(scratch, "log.json")
+        command = ["bash", str(REPO_ROOT / "run_single.sh"), *launcher_flags, "--composition", composition,
+                   "--log-json", log, "--no-trace"]
+        done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
+            raise RuntimeError(f"composition {composition}: run_single.sh exited {done.returncode}: {tail[0]}")
+        iterations = json.loads(Path(log).read_text())["iterations"][warmup:]
+    return CompositionRun(composition, round_index, [it["time_ms"] / 1e3 for it in iterations],
+                          [it["tokens_per_s"] for it in iterations], [it["loss"] for it in iterations])
+
+
+def summarise(runs: Sequence[CompositionRun], baseline: str) -> List[CompositionSummary]:
+    by_name: Dict[str, List[CompositionRun]] = {}
+    for run in runs:
+        by_name.setdefault(run.composition, []).append(run)
+    base_rate = statistics.median([rate for run in by_name[baseline] for rate in run.tokens_per_s])
+    base_losses = by_name[baseline][0].losses
+    summaries = []
+    for name, own in by_name.items():
+        rates = [rate for run in own for rate in run.tokens_per_s]
+        times = [seconds for run in own for seconds in run.seconds]
+        rate = statistics.median(rates)
+        difference = max((abs(a - b) for run in own for a, b in zip(run.losses, base_losses)), default=0.0)
+        summaries.append(CompositionSummary(name, rate, statistics.median(times) * 1e3, len(rates),
+                                            rate / base_rate, difference, list(own)))
+    return summaries
+
+
+def format_table(summaries: Sequence[CompositionSummary], baseline: str) -> str:
+    lines = [f"{'composition':<12} {'tokens/s':>10} {'iter ms':>9} {'n':>3} {'x ' + baseline:>10} "
+             f"{'max |loss diff|':>16}"]
+    for s in summaries:
+        lines.append(f"{s.composition:<12} {s.median_tokens_per_s:>10.0f} {s.median_iteration_ms:>9.0f} "
+                     f"{s.iterations:>3} {s.speedup_over_baseline:>10.3f} {s.max_loss_difference:>16.2e}")
+    return "\n".join(lines)
+
+
+def run_alternated(compositions: Sequence[str], rounds: int, launcher_flags: Sequence[str], warmup: int,
+                   progress=print) -> List[CompositionRun]:
+    env = dict(os.environ)
+    runs = []
+    for round_index in range(rounds):
+        order = list(compositions) if round_index % 2 == 0 else list(reversed(compositions))
+        for composition in order:
+            run = run_once(composition, round_index, launcher_flags, warmup, env)
+            progress(f"round {round_index + 1}/{rounds} {composition}: median "
+                     f"{statistics.median(run.tokens_per_s):.0f} tokens/s over {len(run.tokens_per_s)} iterations")
+            runs.append(run)
+    return runs
+
+
+def write_json(path: str, summaries: Sequence[CompositionSummary], launcher_flags: Sequence[str]) -> None:
+    payload = {"launcher_flags": list(launcher_flags), "load_average": os.getloadavg(),
+               "summaries": [asdict(s) for s in summaries]}
+    Path(path).write_text(json.dumps(payload, indent=1))
