@@ -9,11 +9,11 @@ import pytest
 from megatron_app.schedule import (ADAPTIVE_POLICY_NAMES, POLICIES, POLICY_NAMES, STATIC_POLICY_NAMES, PipelineShape,
                                    ScheduleConfigError, make_policy, policies_for)
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+RUNNING = Path(__file__).resolve().parents[1] / "docs" / "running.md"   # the page with the policy table
 
 
 def readme_policy_table() -> str:
-    """The README's policy table as the registry says it should read."""
+    """docs/running.md's policy table as the registry says it should read."""
     lines = ["| policy | chosen with | what it does |", "|---|---|---|"]
     for name, entry in POLICIES.items():
         flag = f"`--schedule {name}`" if entry.static else f"`--policy {name}`"
@@ -22,9 +22,9 @@ def readme_policy_table() -> str:
 
 
 def test_readme_policy_table_matches_the_registry():
-    text = README.read_text()
+    text = RUNNING.read_text()
     match = re.search(r"<!-- policies: begin.*?-->\n(.*?)\n<!-- policies: end -->", text, re.S)
-    assert match, "README.md has no <!-- policies: begin --> ... <!-- policies: end --> block"
+    assert match, "docs/running.md has no <!-- policies: begin --> ... <!-- policies: end --> block"
     assert match.group(1).strip() == readme_policy_table(), "regenerate the table:\n" + readme_policy_table()
 
 
@@ -60,7 +60,7 @@ def test_flags_settings_and_benchmark_read_the_registry():
                 AppSettings(schedule=name).validate()
     with pytest.raises(AppConfigError):
         AppSettings(policy="nope").validate()
-    sys.path.insert(0, str(README.parent / "tools"))
+    sys.path.insert(0, str(RUNNING.parent.parent / "tools"))
     try:
         import bench_schedule
     finally:
