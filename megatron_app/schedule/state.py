@@ -1,8 +1,8 @@
 """RankState: what one pipeline rank has received, started and finished, and which of its tasks may run now.
 
-The driver (runtime or simulator) reports events; policies only read. A forward becomes ready when its remote input
-is here (or it needs none); a backward additionally needs this rank's own forward of the same chunk and microbatch;
-a W (split backward) needs only this rank's B of the same chunk and microbatch. A chunk's activation is held from its
+The driver (runtime or simulator) reports events; policies only read. Readiness follows the shape's rules: a task is
+ready when its remote input is here (shape.input_source; or it needs none) and its local source is done here
+(shape.local_source: a backward needs this rank's own forward, a W its own B). A chunk's activation is held from its
 forward's start until its backward ends, or its W ends when the backward is split (W needs the saved tensors).
 """
 
@@ -48,8 +48,17 @@ class RankState:
         self._peak = 0
         self._held_size = 0
         self._peak_size = 0
+        # The shape's local rules, resolved once per kind: which kind a finished task may make ready on this rank,
+        # which kind each kind waits for here, and which kind's end frees an activation.
+        self._local_source_kind = {}
+        for kind in shape.kinds:
+            source = shape.local_source(Task(kind, 0, 0))
+            if source is not None:
+                self._local_source_kind[kind] = source.kind
+        self._local_successor_kind = {source: kind for kind, source in self._local_source_kind.items()}
+        self._releasing_kind = shape.releasing_kind
         for task in shape.tasks(rank):
-            if task.kind is Kind.FORWARD and shape.input_source(rank, task) is None:
+            if task.kind not in self._local_source_kind and shape.input_source(rank, task) is None:
                 self._ready.add(task)
 
     # ---- events from the driver ------------------------------------------------------------------------------
@@ -90,22 +99,20 @@ class RankState:
         self._done.add(task)
         self._done_list.append(task)
         mb = task.microbatch
-        if task.kind is Kind.FORWARD:
+        successor_kind = self._local_successor_kind.get(task.kind)
+        if successor_kind is not None:
+            successor = Task(successor_kind, task.chunk, mb)
+            if self._deps_met(successor):
+                self._ready.add(successor)
+        if task.kind is self._releasing_kind:
+            self._release(mb)
             if self.shape.forward_only:   # evaluation keeps no activation for a backward
-                self._release(mb)
                 if self._held_by_microbatch[mb] == 0 and self._forwards_started[mb] == self.shape.num_chunks:
                     self._in_flight.discard(mb)
             else:
-                backward = Task(Kind.BACKWARD, task.chunk, mb)
-                if self._deps_met(backward):
-                    self._ready.add(backward)
-        elif task.kind is Kind.BACKWARD and self.shape.split_backward:
-            self._ready.add(Task(Kind.WEIGHT, task.chunk, mb))
-        else:
-            self._release(mb)
-            self._backwards_done[mb] += 1
-            if self._backwards_done[mb] == self.shape.num_chunks:
-                self._in_flight.discard(mb)
+                self._backwards_done[mb] += 1
+                if self._backwards_done[mb] == self.shape.num_chunks:
+                    self._in_flight.discard(mb)
 
     def _release(self, mb: int) -> None:
         self._held_by_microbatch[mb] -= 1
@@ -113,12 +120,12 @@ class RankState:
         self._held_size -= self.size_of(mb)
 
     def _deps_met(self, task: Task) -> bool:
+        """Not started, its local source (shape.local_source) done here, its remote input arrived or none needed."""
         if task in self._started:
             return False
-        if task.kind is Kind.BACKWARD and Task(Kind.FORWARD, task.chunk, task.microbatch) not in self._done:
+        source_kind = self._local_source_kind.get(task.kind)
+        if source_kind is not None and Task(source_kind, task.chunk, task.microbatch) not in self._done:
             return False
-        if task.kind is Kind.WEIGHT:
-            return Task(Kind.BACKWARD, task.chunk, task.microbatch) in self._done
         return task in self._arrived or self.shape.input_source(self.rank, task) is None
 
     # ---- queries ---------------------------------------------------------------------------------------------
