@@ -6,8 +6,8 @@ import pytest
 
 from megatron_app.schedule import Kind, PipelineShape, Task, drive
 from megatron_app.schedule.megatron_order import (megatron_order, megatron_slot_order, order_over, order_peak_size,
-                                                  peak_activations_of_order, with_weights_after_backwards,
-                                                  without_weights)
+                                                  peak_activations_of_order, with_fill_after_sources,
+                                                  without_fill)
 from megatron_app.schedule.plan_graph import PlanGraph
 from megatron_app.schedule.plan_search import Plan, plan_order, predicted_makespan
 from megatron_app.schedule.task_table import TaskTable
@@ -21,8 +21,8 @@ def test_megatron_order_is_the_slot_order_over_data_order(P, V, m):
         for rank in range(P):
             order = megatron_order(shape, rank)
             assert order == order_over(megatron_slot_order(shape, rank))
-            skeleton = without_weights(order)
-            assert order == (tuple(with_weights_after_backwards(skeleton)) if split else skeleton)
+            skeleton = without_fill(order)
+            assert order == (tuple(with_fill_after_sources(shape, skeleton)) if split else skeleton)
 
 
 def test_extra_warmup_moves_forwards_before_the_first_backward():

@@ -53,7 +53,7 @@ def test_w_becomes_ready_after_its_b_and_frees_the_activation():
     assert state.ready() == [backward]
     state.mark_started(backward)
     state.mark_done(backward)
-    assert state.ready_weights() == [weight]
+    assert state.ready_fill() == [weight]
     assert state.activations_held == 1 and state.in_flight_microbatches() == [0]     # W still needs the tensors
     state.mark_started(weight)
     state.mark_done(weight)

@@ -43,7 +43,7 @@ from typing import Dict, Optional, Set, Tuple
 from .admission import check_memory_cap, forward_fits
 from .errors import ScheduleConfigError
 from .megatron_order import (megatron_interleaved_cap, megatron_order, megatron_pipeline_cap,
-                             peak_activations_of_order, with_weights_after_backwards, without_weights)
+                             peak_activations_of_order, with_fill_after_sources, without_fill)
 from .greedy import make_dfc
 from .policy import Policy
 from .shape import PipelineShape
@@ -99,7 +99,7 @@ class AdaptivePolicy(Policy):
         super().__init__(shape, rank, memory_cap)
         if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
             raise ScheduleConfigError(f"patience must be an int >= 0, got {patience!r}")
-        planned_tasks = [task for task in shape.tasks(rank) if task.kind is not Kind.WEIGHT]
+        planned_tasks = [task for task in shape.tasks(rank) if task.kind not in shape.fill_kinds]
         if sorted(plan, key=_task_key) != sorted(planned_tasks, key=_task_key):
             raise ScheduleConfigError(f"the plan for rank {rank} must list each of its tasks exactly once (W "
                                       f"tasks excepted: they are not planned)")
@@ -146,10 +146,10 @@ class AdaptivePolicy(Policy):
             return self.below_plan_cap.next(state)
         planned = self.expected_next(state)
         if planned is None:    # the plan is done; W's left (split backward) close the iteration
-            weights = state.ready_weights()
-            return weights[0] if weights else None
+            fill = state.ready_fill()
+            return fill[0] if fill else None
         choice = self._choose(state, planned)
-        if choice is None or choice.kind is Kind.WEIGHT:
+        if choice is None or choice.kind in self.shape.fill_kinds:
             self._idle_calls += 1     # a W fills a wait for the plan's input: the wait goes on
         else:
             self._idle_calls = 0
@@ -159,22 +159,22 @@ class AdaptivePolicy(Policy):
         return choice
 
     def _choose(self, state: RankState, planned: Task) -> Optional[Task]:
-        weights = state.ready_weights()
+        fill = state.ready_fill()
         if state.is_ready(planned):
             if self._fits(state, planned):
                 return planned
-            if weights:             # W's hold the memory the planned forward needs
-                return weights[0]
+            if fill:                # W's hold the memory the planned forward needs
+                return fill[0]
         if self._idle_calls >= self.patience:
             deviation = self._critical_backward(state, floor=self.chain_after_seconds(planned))
             if deviation is not None:
                 return deviation
-        if weights:
-            return weights[0]
+        if fill:
+            return fill[0]
         return self._oldest_microbatch_task(state) if self.keeps_oldest_moving else None
 
     def _fits(self, state: RankState, task: Task) -> bool:
-        return task.kind is Kind.BACKWARD or forward_fits(state, task, self.memory_cap)
+        return task.kind is not Kind.FORWARD or forward_fits(state, task, self.memory_cap)
 
     def _critical_backward(self, state: RankState, floor: float) -> Optional[Task]:
         """The ready backward with the longest remaining chain, if that chain is at least `floor`."""
@@ -219,7 +219,7 @@ def _task_key(task: Task):
 
 def plan_peak(shape: PipelineShape, plan) -> int:
     """Peak activations of a forward/backward plan, each W counted as running right after its B."""
-    return peak_activations_of_order(shape, with_weights_after_backwards(plan) if shape.split_backward else plan)
+    return peak_activations_of_order(shape, with_fill_after_sources(shape, plan))
 
 
 def make_adaptive(shape: PipelineShape, rank: int, memory_cap: Optional[int] = None,
@@ -231,6 +231,6 @@ def make_adaptive(shape: PipelineShape, rank: int, memory_cap: Optional[int] = N
     if memory_cap is None:   # the pipeline's peak for a split backward (module doc); every rank follows its plan
         memory_cap = megatron_pipeline_cap(shape) if shape.split_backward else megatron_interleaved_cap(shape, rank)
     check_memory_cap(shape, memory_cap)
-    return AdaptivePolicy(shape, rank, memory_cap, without_weights(megatron_order(shape, rank)),
+    return AdaptivePolicy(shape, rank, memory_cap, without_fill(megatron_order(shape, rank)),
                           below_plan_cap=make_dfc(shape, rank, memory_cap), keeps_oldest_moving=guarded,
                           patience=patience)

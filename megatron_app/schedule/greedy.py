@@ -35,8 +35,8 @@ class GreedyPolicy(Policy):
         for task in sorted((t for t in ready if t.kind is Kind.FORWARD), key=self.priority):
             if forward_fits(state, task, self.memory_cap):
                 return task
-        weights = state.ready_weights()    # admission.py rule (3): a rank with a ready W never idles
-        return weights[0] if weights else None
+        fill = state.ready_fill()    # admission.py rule (3): a rank with a ready W never idles
+        return fill[0] if fill else None
 
 
 def depth_first(shape: PipelineShape) -> Callable[[Task], Tuple]:

@@ -68,11 +68,33 @@ def megatron_slot_order(shape: PipelineShape, rank: int, extra_warmup: int = 0,
     for k, forward in enumerate(forwards[warmup:]):
         order += (forward, backwards[k])
     order += backwards[len(forwards) - warmup:]
-    if shape.split_backward if with_weights is None else with_weights:
-        order = [step for kind, chunk, slot in order
-                 for step in ([(kind, chunk, slot), (Kind.WEIGHT, chunk, slot)] if kind is Kind.BACKWARD
-                              else [(kind, chunk, slot)])]
+    if with_weights is not False:
+        order = _with_fill(shape, order, lambda kind, chunk, slot: (kind, chunk, slot))
     return tuple(order)
+
+
+def _fill_after(shape: PipelineShape):
+    """{source kind: fill kinds that run right after it}, from the shape's local rules (W after its B)."""
+    after = {}
+    for kind in shape.fill_kinds:
+        after.setdefault(shape.local_source(Task(kind, 0, 0)).kind, []).append(kind)
+    return after
+
+
+def _with_fill(shape: PipelineShape, order, make):
+    """`order` with each fill task right after its local source (recursively); make(kind, chunk, mb) builds one."""
+    after = _fill_after(shape)
+    result = []
+
+    def emit(kind, chunk, mb):
+        result.append(make(kind, chunk, mb))
+        for fill in after.get(kind, ()):
+            emit(fill, chunk, mb)
+
+    for step in order:
+        kind, chunk, mb = (step.kind, step.chunk, step.microbatch) if isinstance(step, Task) else step
+        emit(kind, chunk, mb)
+    return result
 
 
 def order_over(slot_order: Sequence[SlotTask], start_order: Optional[Sequence[int]] = None) -> Tuple[Task, ...]:
@@ -88,19 +110,15 @@ def megatron_order(shape: PipelineShape, rank: int) -> Tuple[Task, ...]:
     return order_over(megatron_slot_order(shape, rank))
 
 
-def with_weights_after_backwards(order) -> List[Task]:
-    """`order` with each backward's W right after it (whole-backward timing on a split shape)."""
-    result = []
-    for task in order:
-        result.append(task)
-        if task.kind is Kind.BACKWARD:
-            result.append(Task(Kind.WEIGHT, task.chunk, task.microbatch))
-    return result
+def with_fill_after_sources(shape: PipelineShape, order) -> List[Task]:
+    """`order` (forwards and backwards) with each fill task (W) right after its local source: whole-backward timing
+    on a split shape."""
+    return _with_fill(shape, order, Task)
 
 
-def without_weights(order) -> Tuple[Task, ...]:
-    """`order` without its W tasks (the forward/backward skeleton that adaptive policies follow)."""
-    return tuple(task for task in order if task.kind is not Kind.WEIGHT)
+def without_fill(order) -> Tuple[Task, ...]:
+    """`order` without its fill tasks (W): the forward/backward skeleton that adaptive policies follow."""
+    return tuple(task for task in order if task.kind is Kind.FORWARD or task.kind is Kind.BACKWARD)
 
 
 def order_peak_size(order: Sequence[Task], sizes: Optional[Sequence[float]] = None,

@@ -22,7 +22,7 @@ from .adaptive import DEFAULT_PATIENCE, AdaptivePolicy, plan_peak
 from .admission import check_memory_cap
 from .errors import ScheduleConfigError
 from .length_costs import LengthCostModel
-from .megatron_order import megatron_interleaved_cap, megatron_order, without_weights
+from .megatron_order import megatron_interleaved_cap, megatron_order, without_fill
 from .plan_search import DEFAULT_EVALUATIONS, Plan, PlanChoice, PlanSearch, order_peak_size, plan_order
 from .greedy import make_dfc
 from .shape import PipelineShape
@@ -55,7 +55,7 @@ class PlannedPolicy(AdaptivePolicy):
         if memory_cap is None:
             memory_cap = megatron_interleaved_cap(shape, rank)
         check_memory_cap(shape, memory_cap)
-        super().__init__(shape, rank, memory_cap, without_weights(megatron_order(shape, rank)),
+        super().__init__(shape, rank, memory_cap, without_fill(megatron_order(shape, rank)),
                          below_plan_cap=make_dfc(shape, rank, memory_cap),
                          keeps_oldest_moving=not self.reorders, patience=patience)
         self.memory_factor = check_memory_factor(DEFAULT_MEMORY_FACTOR if memory_factor is None else memory_factor)
@@ -113,7 +113,7 @@ class PlannedPolicy(AdaptivePolicy):
         # chosen; the count cap (Megatron's) does not bound a plan with extra warm-up. The plan's peak counts each W
         # right after its B, so with a split backward a forward waits for the ready W's (they free memory first).
         if self.reorders:
-            return task.kind is not Kind.FORWARD or not state.ready_weights()
+            return task.kind is not Kind.FORWARD or not state.ready_fill()
         return super()._fits(state, task)
 
 

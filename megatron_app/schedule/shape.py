@@ -7,6 +7,7 @@ that path) and a weight-gradient task W of the same chunk and microbatch, which 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -112,6 +113,12 @@ class PipelineShape:
         if self.forward_only:
             return (Kind.FORWARD,)
         return (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT) if self.split_backward else (Kind.FORWARD, Kind.BACKWARD)
+
+    @functools.cached_property
+    def fill_kinds(self) -> Tuple[Kind, ...]:
+        """Kinds whose tasks neither receive from nor send to another rank (W): work a policy places in idle time,
+        after their local source, never planned in Megatron's forward/backward skeleton."""
+        return tuple(kind for kind in self.kinds if kind not in (Kind.FORWARD, Kind.BACKWARD))
 
     @property
     def releasing_kind(self) -> Kind:

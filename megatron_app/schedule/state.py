@@ -139,9 +139,11 @@ class RankState:
     def has_arrived(self, task: Task) -> bool:
         return task in self._arrived
 
-    def ready_weights(self) -> List[Task]:
-        """W tasks that may run now (their B is done), oldest microbatch first."""
-        return [task for task in self.ready() if task.kind is Kind.WEIGHT]
+    def ready_fill(self) -> List[Task]:
+        """Fill tasks (shape.fill_kinds: W) that may run now (their local source is done), oldest microbatch
+        first."""
+        fill = self.shape.fill_kinds
+        return [task for task in self.ready() if task.kind in fill] if fill else []
 
     @property
     def activations_held(self) -> int:

@@ -15,7 +15,7 @@ from collections import deque
 from typing import List, Optional, Tuple
 
 from .errors import ScheduleConfigError
-from .megatron_order import megatron_order, without_weights
+from .megatron_order import megatron_order, without_fill
 from .shape import PipelineShape
 from .static_order import StaticOrderPolicy, make_static
 from .tasks import Kind, Task
@@ -28,7 +28,7 @@ def zb_h1_order(shape: PipelineShape, rank: int) -> Tuple[Task, ...]:
     deferred = rank
     order: List[Task] = []
     pending: deque = deque()
-    for task in without_weights(megatron_order(shape, rank)):
+    for task in without_fill(megatron_order(shape, rank)):
         order.append(task)
         if task.kind is Kind.BACKWARD:
             pending.append(Task(Kind.WEIGHT, task.chunk, task.microbatch))

@@ -167,6 +167,6 @@ def with_host_cost(shape: PipelineShape, durations: DurationTable, host_us: floa
     if not host_us:
         return durations
     table = np.array(durations, dtype=float)
-    present = [Kind.FORWARD.index, Kind.BACKWARD.index] + ([Kind.WEIGHT.index] if shape.split_backward else [])
+    present = [kind.index for kind in shape.kinds]
     table[:, present] += host_us
     return DurationTable(table)
