@@ -77,7 +77,7 @@ def _free_port():
 def runs(tmp_path_factory):
     import torch.multiprocessing as mp
 
-    from megatron_app.train.preprocess import TokenizerSpec, preprocess
+    from megatron_app.data.preprocess import TokenizerSpec, preprocess
 
     data_dir = tmp_path_factory.mktemp("data")
     corpus = build_tiny_corpus(data_dir)

@@ -54,7 +54,7 @@ def _worker(rank, world, port, out_dir, data_prefix):
 def runs(tmp_path_factory):
     import torch.multiprocessing as mp
 
-    from megatron_app.train.preprocess import TokenizerSpec, preprocess
+    from megatron_app.data.preprocess import TokenizerSpec, preprocess
 
     data_dir = tmp_path_factory.mktemp("data")
     corpus = build_tiny_corpus(data_dir)

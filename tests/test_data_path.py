@@ -19,7 +19,7 @@ DOCUMENTS = 200
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     """The tiny corpus, preprocessed with its own BPE (vocabulary 300, ids < 300)."""
-    from megatron_app.train.preprocess import TokenizerSpec, preprocess
+    from megatron_app.data.preprocess import TokenizerSpec, preprocess
 
     directory = tmp_path_factory.mktemp("data")
     corpus = build_tiny_corpus(directory, documents=DOCUMENTS)
@@ -41,7 +41,7 @@ def _bad(*argv, world="1"):
 
 
 def test_vocab_size_comes_from_the_data_or_the_tokenizer_padded_like_megatron(data):
-    from megatron_app.train.indexed_data import inspect_indexed_dataset
+    from megatron_app.data.indexed_data import inspect_indexed_dataset
 
     info = inspect_indexed_dataset(data["prefix"])
     assert info.documents == DOCUMENTS and 250 < info.max_token_id < 300
@@ -148,7 +148,7 @@ def _truncate(suffix, size):
 
 def _pair_with_other_index(data, tmp_path):
     """A .bin with the .idx of another (smaller) corpus: both files whole, but they do not belong together."""
-    from megatron_app.train.preprocess import TokenizerSpec, preprocess
+    from megatron_app.data.preprocess import TokenizerSpec, preprocess
 
     other = tmp_path / "other"
     other.mkdir()

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_app.train.document_data import CU_SEQLENS, pack_documents, pad_to_longest
+from megatron_app.data.document_data import CU_SEQLENS, pack_documents, pad_to_longest
 
 LENGTHS = (7, 3, 12)
 

@@ -95,7 +95,7 @@ def _outputs(directory: Path, stem: str):
 
 
 def test_gpt2_files_and_tokenizer_json_load_the_same_bpe(corpus):
-    from megatron_app.train.text_tokenizers import load_tokenizer
+    from megatron_app.data.text_tokenizers import load_tokenizer
 
     gpt2 = load_tokenizer(vocab_file=str(corpus["vocab"]), merge_file=str(corpus["merges"]))
     hf = load_tokenizer(tokenizer_json=str(corpus["tokenizer_json"]))
@@ -112,7 +112,7 @@ def test_gpt2_files_and_tokenizer_json_load_the_same_bpe(corpus):
 def test_preprocess_writes_a_megatron_indexed_dataset(tool, corpus, tmp_path, capsys):
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from megatron_app.train.text_tokenizers import load_tokenizer
+    from megatron_app.data.text_tokenizers import load_tokenizer
 
     status, out, err = _run(tool, ["--input", corpus["corpus"], "--output-prefix", tmp_path / "c",
                                    *_gpt2_flags(corpus), "--append-eod", "--workers", 2, "--log-interval", 64],

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_app.train.args import UsageError, parse_args
-from megatron_app.train.corpus import LengthStats, indexed_document_lengths, paragraphs
+from megatron_app.data.corpus import LengthStats, indexed_document_lengths, paragraphs
 from real_corpus import TOOL
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*not installed")
@@ -69,7 +69,7 @@ def _args(corpus, **overrides):
 @pytest.mark.parametrize("dp_size", [1, 2])
 def test_microbatches_are_padded_to_their_longest_document_and_told_in_data_order(real_corpus, dp_size):
     from megatron_app.train.data import build_data_iterators, build_datasets, global_batch_tokens, microbatch_lengths
-    from megatron_app.train.document_data import DocumentDataset
+    from megatron_app.data.document_data import DocumentDataset
 
     args = _args(real_corpus, data_parallel=dp_size)
     dataset = build_datasets(args)[0]

@@ -33,7 +33,7 @@ if __package__ in (None, ""):  # run as a script from a checkout: make megatron_
     if (_root / "megatron_app").is_dir() and str(_root) not in sys.path:
         sys.path.insert(0, str(_root))
 
-from megatron_app.train.corpus import (  # noqa: E402
+from megatron_app.data.corpus import (  # noqa: E402
     DEFAULT_VOCAB_SIZE, SHUFFLE_SEED, SOURCES, CorpusError, LengthStats, collect_documents,
     indexed_document_lengths, train_bpe, write_jsonl)
 
@@ -69,8 +69,8 @@ def main(argv=None) -> int:
         _fail(f"--vocab-size must be at least 300 (256 byte tokens + the end-of-document token), "
               f"got {args.vocab_size}")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from megatron_app.train.preprocess import PreprocessError, TokenizerSpec, preprocess
-    from megatron_app.train.text_tokenizers import TokenizerError
+    from megatron_app.data.preprocess import PreprocessError, TokenizerSpec, preprocess
+    from megatron_app.data.text_tokenizers import TokenizerError
 
     out = Path(args.output_dir)
     try:

@@ -27,7 +27,7 @@ if __package__ in (None, ""):  # run as a script from a checkout: make megatron_
     if (_root / "megatron_app").is_dir() and str(_root) not in sys.path:
         sys.path.insert(0, str(_root))
 
-from megatron_app.train.text_tokenizers import (  # noqa: E402
+from megatron_app.data.text_tokenizers import (  # noqa: E402
     DEFAULT_EOD_TOKEN, GPT2_BPE, HUGGING_FACE, TOKENIZER_TYPES, TokenizerError)
 
 PROG = "preprocess_data.py"
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     # --workers is the parallelism knob: keep the Rust tokenizer from starting a thread pool per process.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-    from megatron_app.train.preprocess import PreprocessError, TokenizerSpec, preprocess
+    from megatron_app.data.preprocess import PreprocessError, TokenizerSpec, preprocess
 
     spec = TokenizerSpec(args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_json,
                          args.eod_token)

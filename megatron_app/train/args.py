@@ -17,7 +17,7 @@ from megatron_app.schedule import ADAPTIVE_POLICY_NAMES, DEFAULT_POLICY, STATIC_
 from megatron_app.schedule.composition import BALANCED, COMPOSITION_NAMES, LOADER
 from megatron_app.schedule.policies import policies_taking
 
-from .text_tokenizers import TOKENIZER_TYPES
+from megatron_app.data.text_tokenizers import TOKENIZER_TYPES
 
 MEGATRON_SCHEDULE = "megatron"   # Megatron-Core's own forward_backward function, not our runtime
 SCHEDULES = ("app",) + STATIC_POLICY_NAMES + (MEGATRON_SCHEDULE,)
@@ -307,7 +307,7 @@ def _round_up(value: int, multiple: int) -> int:
 def _tokenizer_vocab_size(args: argparse.Namespace) -> Optional[int]:
     if not (args.vocab_file or args.merge_file or args.tokenizer_json or args.tokenizer_type):
         return None
-    from .text_tokenizers import TokenizerError, load_tokenizer
+    from megatron_app.data.text_tokenizers import TokenizerError, load_tokenizer
 
     try:
         return load_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
@@ -327,7 +327,7 @@ def _check_data_path(args: argparse.Namespace) -> int:
             except ValueError:
                 raise UsageError(f"--data-path weight {weight!r} is not a number "
                                  "(give one PREFIX, or WEIGHT PREFIX pairs)") from None
-    from .indexed_data import DataError, check_blend
+    from megatron_app.data.indexed_data import DataError, check_blend
 
     try:
         return check_blend(items, args.split, need_validation=args.eval_interval is not None)

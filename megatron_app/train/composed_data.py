@@ -17,7 +17,7 @@ from megatron_app.schedule.composition import LOADER, PACKED, Composition, loade
 
 from .args import MEGATRON_SCHEDULE
 from .data import MicrobatchSampler
-from .document_data import pack_documents, pad_to_longest, sample_length
+from megatron_app.data.document_data import pack_documents, pad_to_longest, sample_length
 from .step import forward_step, packed_forward_step
 
 

@@ -20,7 +20,7 @@ from megatron.core.datasets.utils import get_blend_from_list
 
 from megatron_app.megatron_compat import null_tokenizer
 
-from .document_data import DocumentDataset, pad_to_longest, padded_lengths, sample_length
+from megatron_app.data.document_data import DocumentDataset, pad_to_longest, padded_lengths, sample_length
 
 DEFAULT_SPLIT = "949,50,1"
 

@@ -24,7 +24,7 @@ import torch
 
 from megatron_app.schedule.composition import BALANCED, Composition
 
-from .document_data import CU_SEQLENS, pack_documents, pad_to_longest
+from megatron_app.data.document_data import CU_SEQLENS, pack_documents, pad_to_longest
 from .step import packed_seq_params_of  # noqa: F401 (re-exported for users' forward steps)
 
 MAX_SEQLEN = "max_seqlen"

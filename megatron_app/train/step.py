@@ -18,7 +18,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.utils import get_attr_wrapped_model
 
 from .data import move_batch
-from .document_data import CU_SEQLENS
+from megatron_app.data.document_data import CU_SEQLENS
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

@@ -102,9 +102,9 @@ def collect_documents(sources: Sequence[str], seed: int = SHUFFLE_SEED) -> List[
     return ordered
 
 
-def train_bpe(documents: Sequence[str], vocab_size: int, directory: str,
-              eod_token: str = DEFAULT_EOD_TOKEN) -> Dict[str, str]:
-    """Byte-level BPE trained on ``documents``; writes tokenizer.json, vocab.json and merges.txt."""
+def build_bpe(documents: Sequence[str], vocab_size: int, eod_token: str = DEFAULT_EOD_TOKEN):
+    """A byte-level BPE (Hugging Face tokenizers) trained on ``documents``, the end-of-document token included: the
+    tokenizer a small model trained on this text would have."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -113,6 +113,13 @@ def train_bpe(documents: Sequence[str], vocab_size: int, directory: str,
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eod_token], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(documents, trainer)
+    return tokenizer
+
+
+def train_bpe(documents: Sequence[str], vocab_size: int, directory: str,
+              eod_token: str = DEFAULT_EOD_TOKEN) -> Dict[str, str]:
+    """build_bpe, saved: writes tokenizer.json, vocab.json and merges.txt into ``directory``."""
+    tokenizer = build_bpe(documents, vocab_size, eod_token)
     tokenizer.model.save(directory)
     tokenizer_json = os.path.join(directory, "tokenizer.json")
     tokenizer.save(tokenizer_json)
