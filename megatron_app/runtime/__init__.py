@@ -4,7 +4,7 @@ from .executor import PipelineStallError, forward_backward_app
 from .microbatch_lengths import set_microbatch_lengths, take_microbatch_lengths
 from .keyed_randomness import disable_keyed_randomness, enable_keyed_randomness, set_iteration
 from .install import add_arguments, install, install_from_args, is_installed, uninstall
-from .session import add_transport_wrapper, current_tracer, remove_transport_wrapper, shutdown
+from .job import add_transport_wrapper, current_tracer, remove_transport_wrapper, shutdown
 from .settings import AppConfigError, AppSettings
 
 __all__ = [
