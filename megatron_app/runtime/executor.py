@@ -14,7 +14,6 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.schedules import (
     check_first_val_step,
     deallocate_output_tensor,
@@ -22,7 +21,7 @@ from megatron.core.pipeline_parallel.schedules import (
 )
 from megatron.core.utils import get_model_config
 
-from megatron_app.megatron_compat import backward_step, megatron_core_version
+from megatron_app.megatron_compat import backward_step
 from megatron_app.schedule import Kind, RankState, Task
 
 from .call_contract import apply_tensor_shape_hook, resolve_groups
@@ -134,25 +133,14 @@ class PipelineStep:
         self._microbatch_scope = _unkeyed if keyed is None else keyed.microbatch_scope
         self._keyed = keyed
 
-        # What the session lends this call (made on its first call: the transport, the tracer).
-        self.policy = session.policy_for(self.shape, self.pp_rank, None if self.forward_only else settings.memory_cap)
-        session.announce_once(f"rank {dist.get_rank()} (pipeline rank {self.pp_rank}): schedule "
-                              f"policy={self.policy.name} P={self.shape.num_stages} V={self.shape.num_chunks} "
-                              f"memory_cap={self.policy.memory_cap} (megatron-core {megatron_core_version()})")
         # Tokens per microbatch, told by the loop (set_microbatch_lengths); sizes activations, feeds planning.
         self.lengths = job.next_call.take_lengths(self.num_microbatches)
+        self.policy, self.transport, self.tracer = session.serve_call(placement, self.forward_only,
+                                                                      self.num_microbatches)
         self.state = RankState(self.shape, self.pp_rank, self.lengths)
         self.links = PipelineLinks(self.shape, self.pp_rank, self._pp_global, session.calls)
-        self.transport = session.ensure_transport(self._pp_global)
         self.agreement = TaskAgreement(placement.tp_group)
         self.iteration = session.training_calls
-        self.tracer = None
-        if not self.forward_only:
-            tp_group = placement.tp_group
-            tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
-            dp_rank = parallel_state.get_data_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
-            self.tracer = session.ensure_tracer(self.pp_rank, tp_rank, dp_rank, self.shape.num_stages,
-                                                self.shape.num_chunks, self.num_microbatches)
 
         # This call's bookkeeping.
         V, m = self.shape.num_chunks, self.num_microbatches

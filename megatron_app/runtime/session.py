@@ -16,6 +16,8 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_app.megatron_compat import megatron_core_version
+
 from .settings import AppSettings
 
 _JOB_ID_ENV = "MEGATRON_APP_JOB_ID"
@@ -95,6 +97,26 @@ class RuntimeSession:
     def policies_in_use(self):
         """The policy objects this process has run (one per shape and rank), e.g. to read a plan."""
         return list(self._policies.values())
+
+    def serve_call(self, placement, forward_only: bool, num_microbatches: int):
+        """(policy, transport, tracer or None when not traced) for one call of this rank (call_setup.RankPlacement);
+        the transport and the tracer open on the first call that needs them."""
+        shape, pp_rank = placement.shape, placement.pp_rank
+        policy = self.policy_for(shape, pp_rank, None if forward_only else self.settings.memory_cap)
+        self.announce_once(f"rank {dist.get_rank()} (pipeline rank {pp_rank}): schedule policy={policy.name} "
+                           f"P={shape.num_stages} V={shape.num_chunks} memory_cap={policy.memory_cap} "
+                           f"(megatron-core {megatron_core_version()})")
+        transport = self.ensure_transport(placement.pp_global)
+        tracer = None
+        if not forward_only:
+            tp_group = placement.tp_group
+            tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
+            from megatron.core import parallel_state
+
+            dp_rank = parallel_state.get_data_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
+            tracer = self.ensure_tracer(pp_rank, tp_rank, dp_rank, shape.num_stages, shape.num_chunks,
+                                        num_microbatches)
+        return policy, transport, tracer
 
     def ensure_transport(self, pp_global_ranks: List[int]):
         if self.transport is None and len(pp_global_ranks) > 1:
