@@ -13,7 +13,8 @@ between layers or after the forward (data sampling, Megatron's own streams) sees
 keyed randomness.
 
 Use: ``enable_keyed_randomness(model_chunks, seed)`` once; ``set_iteration(i)`` before each training step (left
-out, the iteration advances by one after each training forward_backward call).
+out, the iteration advances by one after each training forward_backward call). The KeyedRandomness lives on the
+current job (job.py); the executor takes it from the job it is handed, once per call.
 
 Variable-length documents (a composition may regroup them into other microbatches, padded or packed): the loop says
 which documents each microbatch of the next call holds (``set_microbatch_documents``), and the dropout of our CPU
