@@ -1,8 +1,8 @@
 """Deferred weight gradients: how autograd nodes take part in a split backward (runtime/split_backward.py).
 
-While a split backward's B runs (inside `deferring(products, nodes)`), a node that computes an input and a weight gradient
-in one call (Megatron's local linear layers, the emulated chunks) computes only the input gradient and appends a
-DeferredProduct: the tensors its weight gradient needs, and where that gradient goes (the weights' AccumulateGrad
+While a split backward's B runs (inside `deferring(products, nodes)`), a node that computes an input and a weight
+gradient in one call (Megatron's local linear layers, the emulated chunks) computes only the input gradient and
+appends a DeferredProduct: the tensors its weight gradient needs, and where that gradient goes (the weights' AccumulateGrad
 nodes). W computes the products later and sends them through those nodes, so hooks on them (Megatron's DDP) run as
 after a whole backward. A node says which of its input edges it defers through `register(backward_class, rule)`;
 the B driver reads the same rule to leave those weights out of B, so both always agree.

@@ -9,7 +9,7 @@ from .settings import AppConfigError, AppSettings
 
 __all__ = [
     "AppConfigError", "AppJob", "AppSettings", "PipelineStallError", "add_arguments", "add_transport_wrapper",
-    "current_job", "current_tracer", "disable_keyed_randomness", "enable_keyed_randomness", "forward_backward_app", "install", "install_from_args",
-    "is_installed", "remove_transport_wrapper", "set_iteration", "set_microbatch_lengths", "shutdown",
-    "take_microbatch_lengths", "uninstall",
+    "current_job", "current_tracer", "disable_keyed_randomness", "enable_keyed_randomness", "forward_backward_app",
+    "install", "install_from_args", "is_installed", "remove_transport_wrapper", "set_iteration",
+    "set_microbatch_lengths", "shutdown", "take_microbatch_lengths", "uninstall",
 ]
