@@ -108,11 +108,12 @@ def test_a_packed_microbatch_gives_the_loss_and_gradients_of_the_same_documents_
 def test_hidden_and_attention_dropout_masks_follow_the_document_not_its_place():
     """Document 42 (5 tokens) drops the same positions as row 1 of a padded microbatch and second in a packed row."""
     from megatron_app.runtime import keyed_randomness
+    from megatron_app.runtime.job import current_job
     from megatron_app.runtime.keyed_randomness import DocumentSegment
     from megatron_app.train.document_dropout import attention_dropout_draw, keyed_hidden_dropout
 
     state = keyed_randomness.KeyedRandomness(seed=3)
-    keyed_randomness._active = state
+    current_job().keyed_randomness = state
     try:
         padded = [DocumentSegment(7, 0, 0, 8), DocumentSegment(42, 1, 0, 5)]
         packed = [DocumentSegment(9, 0, 0, 3), DocumentSegment(42, 0, 3, 5)]
@@ -129,4 +130,4 @@ def test_hidden_and_attention_dropout_masks_follow_the_document_not_its_place():
         state.current = (1, 5)    # another layer: another mask
         assert not torch.equal(attention_dropout_draw(1, 4, 5, 5, segment_index=1)[0], packed_draw)
     finally:
-        keyed_randomness._active = None
+        current_job().keyed_randomness = None

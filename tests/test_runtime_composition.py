@@ -4,7 +4,7 @@ import pytest
 
 from megatron_app.runtime import composition as runtime_composition
 from megatron_app.runtime.microbatch_lengths import take_microbatch_lengths
-from megatron_app.runtime.session import shutdown
+from megatron_app.runtime.job import shutdown
 
 LENGTHS = (120, 300, 2048, 90, 410, 150, 1900, 260)
 

@@ -73,6 +73,7 @@ def test_hooks_filter_arrivals_and_change_sends():
 
 def test_the_session_applies_registered_wrappers_in_order(monkeypatch):
     from megatron_app.runtime import session as session_module
+    from megatron_app.runtime.job import AppJob
 
     calls = []
 
@@ -90,12 +91,8 @@ def test_the_session_applies_registered_wrappers_in_order(monkeypatch):
     monkeypatch.setattr(session_module.dist, "get_rank", lambda: 3)
     monkeypatch.setattr(session_module.dist, "get_world_size", lambda: 5)
     monkeypatch.setattr(session_module.dist.distributed_c10d, "_get_default_store", lambda: None)
-    session_module.add_transport_wrapper(inner)
-    session_module.add_transport_wrapper(outer)
-    try:
-        transport = session_module.RuntimeSession(session_module.AppSettings()).ensure_transport([2, 3, 4])
-    finally:
-        session_module.remove_transport_wrapper(inner)
-        session_module.remove_transport_wrapper(outer)
+    job = AppJob()
+    job.transport_wrappers += [inner, outer]
+    transport = job.session.ensure_transport([2, 3, 4])
     assert [name for name, _ in calls] == ["inner", "outer"] and calls[0][1] == [2, 3, 4]
     assert isinstance(transport, Tagging) and type(transport.inner) is TransportWrapper and transport.inner.inner is fake

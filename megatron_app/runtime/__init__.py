@@ -4,12 +4,12 @@ from .executor import PipelineStallError, forward_backward_app
 from .microbatch_lengths import set_microbatch_lengths, take_microbatch_lengths
 from .keyed_randomness import disable_keyed_randomness, enable_keyed_randomness, set_iteration
 from .install import add_arguments, install, install_from_args, is_installed, uninstall
-from .session import add_transport_wrapper, current_tracer, remove_transport_wrapper, shutdown
+from .job import AppJob, add_transport_wrapper, current_job, current_tracer, remove_transport_wrapper, shutdown
 from .settings import AppConfigError, AppSettings
 
 __all__ = [
-    "AppConfigError", "AppSettings", "PipelineStallError", "add_arguments", "add_transport_wrapper", "current_tracer",
-    "disable_keyed_randomness", "enable_keyed_randomness", "forward_backward_app", "install", "install_from_args",
-    "is_installed", "remove_transport_wrapper", "set_iteration", "set_microbatch_lengths", "shutdown",
-    "take_microbatch_lengths", "uninstall",
+    "AppConfigError", "AppJob", "AppSettings", "PipelineStallError", "add_arguments", "add_transport_wrapper",
+    "current_job", "current_tracer", "disable_keyed_randomness", "enable_keyed_randomness", "forward_backward_app",
+    "install", "install_from_args", "is_installed", "remove_transport_wrapper", "set_iteration",
+    "set_microbatch_lengths", "shutdown", "take_microbatch_lengths", "uninstall",
 ]

@@ -27,8 +27,9 @@ from megatron_app.schedule.composition import (BALANCED, DP_BALANCED, PACKED, Co
                                                loader_composition, loader_order_packing)
 from megatron_app.schedule.composition_plan import CompositionPlanner, valid_microbatch_counts
 
+from .job import current_job
 from .microbatch_lengths import set_microbatch_lengths
-from .session import PendingComposition, current_session
+from .next_call import PendingComposition
 
 
 def _pipeline():
@@ -50,7 +51,8 @@ def plan_microbatches(document_lengths: Sequence[int], micro_batch_size: int, co
     lengths = tuple(int(v) for v in document_lengths)
     if not lengths or min(lengths) < 1:
         raise ValueError(f"document lengths must be positive integers, got {list(document_lengths)!r}")
-    session = current_session()
+    job = current_job()
+    session = job.session
     plan = None
     if composition == DP_BALANCED:
         _, _, _, P, V = _pipeline()
@@ -78,17 +80,13 @@ def plan_microbatches(document_lengths: Sequence[int], micro_batch_size: int, co
             dist.broadcast_object_list(shared, src=ranks[0], group=group)
             chosen, plan = shared[0]
     tokens = chosen.microbatch_tokens(lengths)
-    session.pending_composition = PendingComposition(chosen.num_microbatches, tokens,
-                                                     chosen.microbatch_squared_tokens(lengths), plan)
+    # Handed to the job's next forward_backward call (next_call.py), which takes both.
+    job.next_call.composition = PendingComposition(chosen.num_microbatches, tokens,
+                                                   chosen.microbatch_squared_tokens(lengths), plan)
     set_microbatch_lengths(tokens)
     return chosen
 
 
 def take_pending_composition(num_microbatches: int) -> Optional[PendingComposition]:
-    """The composition planned for this call (consumed), or None when the loop planned none."""
-    session = current_session()
-    pending, session.pending_composition = session.pending_composition, None
-    if pending is not None and pending.num_microbatches != num_microbatches:
-        raise ValueError(f"plan_microbatches planned {pending.num_microbatches} microbatches, the forward_backward "
-                         f"call runs {num_microbatches}")
-    return pending
+    """The composition planned for the current job's next call (consumed), or None when the loop planned none."""
+    return current_job().next_call.take_composition(num_microbatches)

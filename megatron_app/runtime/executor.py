@@ -14,26 +14,30 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.schedules import (
     check_first_val_step,
     deallocate_output_tensor,
     forward_step,
 )
-from megatron.core.utils import get_model_config, get_model_type
+from megatron.core.utils import get_model_config
 
-from megatron_app.megatron_compat import backward_step, megatron_core_version
-from megatron_app.schedule import Kind, PipelineShape, RankState, Task
+from megatron_app.megatron_compat import backward_step
+from megatron_app.schedule import Kind, RankState, Task
 
-from . import keyed_randomness
-from .call_contract import ScheduleGroups, apply_tensor_shape_hook, full_checkpoint_flags, resolve_groups
+from .call_contract import apply_tensor_shape_hook, resolve_groups
+from .call_setup import CallRequest, ModelChunks, RankPlacement
+from .job import AppJob, current_job
 from .links import PipelineLinks, direction_of
-from .composition import take_pending_composition
-from .microbatch_data import MicrobatchReplay
-from .microbatch_lengths import take_microbatch_lengths
-from .session import RuntimeSession, current_session
 from .split_backward import defers_weights, run_input_backward, run_weight_backward
 from .tp_agreement import TaskAgreement
+
+
+_NOT_KEYED = contextlib.nullcontext()
+
+
+def _unkeyed(microbatch: int):
+    """The microbatch scope of a job without keyed randomness: nothing to set."""
+    return _NOT_KEYED
 
 
 class PipelineStallError(RuntimeError):
@@ -110,67 +114,37 @@ class _GradSync:
 class PipelineStep:
     """One forward_backward call on one rank."""
 
-    def __init__(self, session: RuntimeSession, *, forward_step_func, data_iterator, model, num_microbatches: int,
-                 forward_only: bool, collect_non_loss_data: bool, first_val_step, groups: ScheduleGroups,
-                 force_all_reduce: bool):
-        self.session = session
-        self.settings = session.settings
-        self.models = list(model) if isinstance(model, (list, tuple)) else [model]
-        V = len(self.models)
-        if isinstance(data_iterator, (list, tuple)):
-            if len(data_iterator) != V:
-                raise ValueError(f"got {len(data_iterator)} data iterators for {V} model chunks")
-            iterators = list(data_iterator)
-        elif V == 1:
-            iterators = [data_iterator]
-        else:
-            raise ValueError("with several model chunks, data_iterator must be a list with one iterator per chunk")
-        self.data = [None if it is None else MicrobatchReplay(it) for it in iterators]
-        self.forward_step_func = forward_step_func
-        self.forward_only = forward_only
-        self.collect_non_loss_data = collect_non_loss_data
-        self.first_val_step = first_val_step
-        self.pg_collection = groups.pg_collection
-        self.force_all_reduce = force_all_reduce
-        self.num_microbatches = num_microbatches
+    def __init__(self, job: AppJob, request: CallRequest, chunks: ModelChunks, placement: RankPlacement):
+        session, settings = job.session, job.settings
+        self.session, self.settings = session, settings
+        self.next_call = job.next_call
+        # Copied once per call, so the loop below reads attributes of its own.
+        self.forward_step_func, self.num_microbatches = request.forward_step_func, request.num_microbatches
+        self.forward_only, self.collect_non_loss_data = request.forward_only, request.collect_non_loss_data
+        self.first_val_step, self.force_all_reduce = request.first_val_step, request.force_all_reduce
+        self.models, self.data, self.config = chunks.models, chunks.data, chunks.config
+        self.model_type, self.device = chunks.model_type, chunks.device
+        self.shape, self.pp_rank, self.cp_size = placement.shape, placement.pp_rank, placement.cp_size
+        self.split_backward, self.full_checkpoint = placement.split_backward, placement.full_checkpoint
+        self.pg_collection = placement.pg_collection
+        self._pp_group, self._pp_global = placement.pp_group, placement.pp_global
+        self.installation = job.installation
+        keyed = job.keyed_randomness     # dropout keyed by microbatch, whatever the order (keyed_randomness.py)
+        self._microbatch_scope = _unkeyed if keyed is None else keyed.microbatch_scope
+        self._keyed = keyed
 
-        self.config = get_model_config(self.models[0])
-        if getattr(self.config, "defer_embedding_wgrad_compute", False):
-            raise ValueError("megatron_app does not support defer_embedding_wgrad_compute yet")
-        self.model_type = get_model_type(self.models[0])
-        pp_group, tp_group, self.cp_size = groups.pp, groups.tp, groups.cp_size
-        P = dist.get_world_size(pp_group)
-        self.pp_rank = dist.get_rank(pp_group)
-        pp_global = dist.get_process_group_ranks(pp_group)
-
-        self.split_backward = self.settings.split_backward and not forward_only
-        self.shape = PipelineShape(num_stages=P, num_chunks=V, num_microbatches=num_microbatches,
-                                   forward_only=forward_only, split_backward=self.split_backward,
-                                   microbatch_group_size=getattr(self.config, "microbatch_group_size_per_vp_stage",
-                                                                 None) if V > 1 else None)
-        self.full_checkpoint = full_checkpoint_flags(
-            self.shape, self.pp_rank, getattr(self.config, "num_microbatches_with_partial_activation_checkpoints", None))
-        self.policy = session.policy_for(self.shape, self.pp_rank,
-                                         None if forward_only else self.settings.memory_cap)
-        session.announce_once(f"rank {dist.get_rank()} (pipeline rank {self.pp_rank}): schedule "
-                              f"policy={self.policy.name} P={P} V={V} memory_cap={self.policy.memory_cap} "
-                              f"(megatron-core {megatron_core_version()})")
         # Tokens per microbatch, told by the loop (set_microbatch_lengths); sizes activations, feeds planning.
-        self.lengths = take_microbatch_lengths(num_microbatches)
-        self._pp_group, self._pp_global = pp_group, pp_global
+        self.lengths = job.next_call.take_lengths(self.num_microbatches)
+        self.policy, self.transport, self.tracer = session.serve_call(placement, self.forward_only,
+                                                                      self.num_microbatches)
         self.state = RankState(self.shape, self.pp_rank, self.lengths)
-        self.links = PipelineLinks(self.shape, self.pp_rank, pp_global, session.calls)
-        self.transport = session.ensure_transport(pp_global)
-        self.agreement = TaskAgreement(tp_group)
-        self.device = next(self.models[0].parameters()).device
+        self.links = PipelineLinks(self.shape, self.pp_rank, self._pp_global, session.calls)
+        self.agreement = TaskAgreement(placement.tp_group)
         self.iteration = session.training_calls
-        self.tracer = None
-        if not forward_only:
-            tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
-            dp_rank = parallel_state.get_data_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
-            self.tracer = session.ensure_tracer(self.pp_rank, tp_rank, dp_rank, P, V, num_microbatches)
 
-        self.grad_sync = _GradSync(self.config, self.models, forward_only)
+        # This call's bookkeeping.
+        V, m = self.shape.num_chunks, self.num_microbatches
+        self.grad_sync = _GradSync(self.config, self.models, self.forward_only)
         self._marked: set = set()                                  # keys already reported to the state
         self._held: Dict[Tuple[int, int], list] = {}                # (chunk, mb) -> [input, output, send handle]
         self._pending_sends: List[tuple] = []
@@ -179,12 +153,16 @@ class PipelineStep:
         # Tasks per chunk and kind that still add weight gradients: every B; with a split backward also the W of
         # every chunk that defers (all but the first virtual stage, whose B is the whole backward).
         self._accumulations_left = {
-            (kind, c): num_microbatches for c in range(V) for kind in (Kind.BACKWARD, Kind.WEIGHT)
+            (kind, c): m for c in range(V) for kind in (Kind.BACKWARD, Kind.WEIGHT)
             if kind is Kind.BACKWARD or (self.split_backward and self.shape.virtual_stage(self.pp_rank, c) > 0)}
         self._pending_weights: Dict[Tuple[int, int], Any] = {}  # (chunk, mb) -> what its W needs (split backward)
         self._handlers = {Kind.FORWARD: self._run_forward, Kind.BACKWARD: self._run_backward,
                           Kind.WEIGHT: self._run_weight}
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)
+
+    def training_call_done(self):
+        if self._keyed is not None:
+            self._keyed.training_call_done()
 
     def _adopt_shared_plan(self, pp_group, pp_global):
         """Pipeline rank 0 plans this call (within its time budget) and every rank adopts that plan, so all ranks
@@ -192,7 +170,7 @@ class PipelineStep:
         if self.lengths is None:   # every rank knows no lengths were told: data order, no collective needed
             self.policy.use_plan(None, None)
             return
-        composed = take_pending_composition(self.num_microbatches)
+        composed = self.next_call.take_composition(self.num_microbatches)
         squared = None if composed is None else composed.squared_tokens
         if composed is not None and composed.plan is not None:   # planned with the composition: adopt, no search
             self.policy.use_plan(self.lengths, composed.plan, squared_tokens=squared)
@@ -296,7 +274,7 @@ class PipelineStep:
         store: list = []
         self.state.mark_started(task)
         start = self._now()
-        with keyed_randomness.microbatch_scope(i):   # dropout keyed by microbatch, whatever the order
+        with self._microbatch_scope(i):   # dropout keyed by microbatch, whatever the order
             output_tensor, num_tokens = forward_step(
                 self.forward_step_func,
                 None if self.data[c] is None else self.data[c].select(i),
@@ -335,7 +313,7 @@ class PipelineStep:
             deallocate_output_tensor(output_tensor, True)
         self.state.mark_started(task)
         start = self._now()
-        with keyed_randomness.microbatch_scope(i), self._accumulating(task):   # recomputation redraws the masks
+        with self._microbatch_scope(i), self._accumulating(task):   # recomputation redraws the masks
             if self.split_backward:
                 deferred = defers_weights(input_tensor)
                 if deferred != ((Kind.WEIGHT, c) in self._accumulations_left):
@@ -343,7 +321,7 @@ class PipelineStep:
                                        f"a gradient, unlike every microbatch's at virtual stage "
                                        f"{self.shape.virtual_stage(self.pp_rank, c)}")
                 input_grad, pending = run_input_backward(input_tensor, output_tensor, output_grad,
-                                                         self.model_type, self.config)
+                                                         self.model_type, self.config, self.installation)
                 if deferred:
                     self._pending_weights[(c, i)] = pending
             else:
@@ -443,11 +421,12 @@ def forward_backward_app(
                             num_chunks=len(chunks), seq_length=seq_length, micro_batch_size=micro_batch_size,
                             decoder_seq_length=decoder_seq_length, config=get_model_config(chunks[0]),
                             tp_group=groups.tp, cp_group=groups.cp)
-    session = current_session()
-    step = PipelineStep(session, forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-                        num_microbatches=num_microbatches, forward_only=forward_only,
-                        collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
-                        groups=groups, force_all_reduce=bool(force_all_reduce))
+    job = current_job()      # the one current job, handed down from here (job.py)
+    request = CallRequest(forward_step_func, num_microbatches, forward_only, collect_non_loss_data, first_val_step,
+                          bool(force_all_reduce))
+    chunks = ModelChunks(model, data_iterator)
+    step = PipelineStep(job, request, chunks, RankPlacement(groups, chunks, request, job.settings.split_backward))
+    session = step.session
     session.calls += 1
     if step.tracer is not None:
         session.training_calls += 1
@@ -457,6 +436,6 @@ def forward_backward_app(
         session.last_iteration_s = (end - start) / 1e6
         step.tracer.record("iteration", start, end, iteration=step.iteration)
         step.tracer.flush()   # a crash loses at most the iteration in flight
-        keyed_randomness.training_call_done()
+        step.training_call_done()
         return result
     return step.run()

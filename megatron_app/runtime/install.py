@@ -8,19 +8,19 @@ install() ran.
 from __future__ import annotations
 
 import argparse
-from typing import Dict, Optional
+from typing import Optional
 
 from megatron_app.schedule import DEFAULT_POLICY
 
 from .settings import AppSettings, SCHEDULES, ADAPTIVE_POLICIES
-from .session import current_session
+from . import linear_wgrad
+from .job import current_job
 
 _REPLACED = (
     "forward_backward_no_pipelining",
     "forward_backward_pipelining_without_interleaving",
     "forward_backward_pipelining_with_interleaving",
 )
-_originals: Optional[Dict[str, object]] = None
 
 
 def install(schedule: str = "app", policy: str = DEFAULT_POLICY, trace_dir: Optional[str] = None, *,
@@ -38,7 +38,6 @@ def install(schedule: str = "app", policy: str = DEFAULT_POLICY, trace_dir: Opti
     An installed megatron-core outside the tested range is refused (UnsupportedMegatronError, one line) unless
     allow_untested_megatron (or $MEGATRON_APP_ALLOW_UNTESTED_MEGATRON=1) says to try anyway.
     """
-    global _originals
     from megatron.core.pipeline_parallel import schedules
 
     from megatron_app.megatron_compat import check_megatron_version
@@ -51,28 +50,30 @@ def install(schedule: str = "app", policy: str = DEFAULT_POLICY, trace_dir: Opti
                            memory_cap=memory_cap, memory_factor=memory_factor,
                            trace_dir=trace_dir if tracing else None, timeout_s=timeout_s, job_id=job_id,
                            split_backward=split_backward, schedule_file=schedule_file).validate()
-    current_session(settings)
-    if _originals is None:
-        _originals = {name: getattr(schedules, name) for name in _REPLACED}
+    job = current_job()
+    job.use_settings(settings)
+    if job.installation.schedule_functions is None:
+        job.installation.schedule_functions = {name: getattr(schedules, name) for name in _REPLACED}
         for name in _REPLACED:
             setattr(schedules, name, forward_backward_app)
     return settings
 
 
 def uninstall() -> None:
-    """Restore Megatron's own schedule functions exactly."""
-    global _originals
-    if _originals is None:
+    """Restore Megatron's own schedule functions (and its linear backward, when a split backward replaced it)."""
+    installation = current_job().installation
+    linear_wgrad.uninstall(installation)
+    if installation.schedule_functions is None:
         return
     from megatron.core.pipeline_parallel import schedules
 
-    for name, func in _originals.items():
+    for name, func in installation.schedule_functions.items():
         setattr(schedules, name, func)
-    _originals = None
+    installation.schedule_functions = None
 
 
 def is_installed() -> bool:
-    return _originals is not None
+    return current_job().installation.schedule_functions is not None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -13,7 +13,8 @@ between layers or after the forward (data sampling, Megatron's own streams) sees
 keyed randomness.
 
 Use: ``enable_keyed_randomness(model_chunks, seed)`` once; ``set_iteration(i)`` before each training step (left
-out, the iteration advances by one after each training forward_backward call).
+out, the iteration advances by one after each training forward_backward call). The KeyedRandomness lives on the
+current job (job.py); the executor takes it from the job it is handed, once per call.
 
 Variable-length documents (a composition may regroup them into other microbatches, padded or packed): the loop says
 which documents each microbatch of the next call holds (``set_microbatch_documents``), and the dropout of our CPU
@@ -30,6 +31,8 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+
+from .job import current_job
 
 _KEY_BITS = 63
 
@@ -93,6 +96,28 @@ class KeyedRandomness:
             torch.cuda.set_rng_state(cuda_state)
         tracker.set_states(tracker_states)
 
+    @contextlib.contextmanager
+    def microbatch_scope(self, microbatch: int):
+        """The executor runs every task (forward, and backward with its recomputation) inside this."""
+        outer, self.microbatch = self.microbatch, microbatch
+        try:
+            yield
+        finally:
+            self.microbatch = outer
+
+    def set_microbatch_documents(self, microbatches: Sequence[Sequence[DocumentSegment]]) -> None:
+        self.microbatch_documents = tuple(tuple(segments) for segments in microbatches)
+
+    def document_generators(self, stream: str) -> Optional[List[Tuple[DocumentSegment, torch.Generator]]]:
+        if self.microbatch_documents is None or self.current is None:
+            return None
+        microbatch, layer = self.current
+        if microbatch >= len(self.microbatch_documents):
+            raise RuntimeError(f"keyed randomness: microbatch {microbatch} has no documents set "
+                               f"({len(self.microbatch_documents)} microbatches were)")
+        return [(segment, torch.Generator().manual_seed(self.document_key(segment.document, layer, stream)))
+                for segment in self.microbatch_documents[microbatch]]
+
     def training_call_done(self) -> None:
         if not self._iteration_set:
             self.iteration += 1
@@ -102,9 +127,6 @@ class KeyedRandomness:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-
-
-_active: Optional[KeyedRandomness] = None
 
 
 def _chunk_layers(chunk: torch.nn.Module):
@@ -117,9 +139,8 @@ def _chunk_layers(chunk: torch.nn.Module):
 
 
 def enable_keyed_randomness(model_chunks, seed: int) -> KeyedRandomness:
-    """Key every layer's randomness of these chunks by (seed, iteration, microbatch, layer); replaces an earlier
-    call's hooks."""
-    global _active
+    """Key every layer's randomness of these chunks by (seed, iteration, microbatch, layer), for the current job;
+    replaces an earlier call's hooks."""
     disable_keyed_randomness()
     state = KeyedRandomness(seed)
     chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
@@ -143,57 +164,40 @@ def enable_keyed_randomness(model_chunks, seed: int) -> KeyedRandomness:
             state._handles.append(module.register_forward_pre_hook(hook_for(layer_number)))
             # always_call: a layer that raises gives the generators back too
             state._handles.append(module.register_forward_hook(give_back, always_call=True))
-    _active = state
+    current_job().keyed_randomness = state
     return state
 
 
 def disable_keyed_randomness() -> None:
-    global _active
-    if _active is not None:
-        _active.close()
-        _active = None
+    job = current_job()
+    if job.keyed_randomness is not None:
+        job.keyed_randomness.close()
+        job.keyed_randomness = None
 
 
 def set_iteration(iteration: int) -> None:
     """The iteration of the next training step's keys (a resumed run continues its masks)."""
-    if _active is not None:
-        _active.iteration = iteration
-        _active._iteration_set = True
+    state = current_job().keyed_randomness
+    if state is not None:
+        state.iteration = iteration
+        state._iteration_set = True
 
 
-@contextlib.contextmanager
 def microbatch_scope(microbatch: int):
-    """The executor runs every task (forward, and backward with its recomputation) inside this."""
-    if _active is None:
-        yield
-        return
-    outer, _active.microbatch = _active.microbatch, microbatch
-    try:
-        yield
-    finally:
-        _active.microbatch = outer
-
-
-def training_call_done() -> None:
-    if _active is not None:
-        _active.training_call_done()
+    """KeyedRandomness.microbatch_scope of the current job (a no-op without keyed randomness)."""
+    state = current_job().keyed_randomness
+    return contextlib.nullcontext() if state is None else state.microbatch_scope(microbatch)
 
 
 def set_microbatch_documents(microbatches: Sequence[Sequence[DocumentSegment]]) -> None:
     """The documents each microbatch of the next forward_backward call holds (no-op without keyed randomness)."""
-    if _active is not None:
-        _active.microbatch_documents = tuple(tuple(segments) for segments in microbatches)
+    state = current_job().keyed_randomness
+    if state is not None:
+        state.set_microbatch_documents(microbatches)
 
 
 def document_generators(stream: str) -> Optional[List[Tuple[DocumentSegment, torch.Generator]]]:
     """For the layer running now, one CPU generator per document of its microbatch, keyed by (seed, document,
     layer, stream); None when no document layout is known (the caller draws as before)."""
-    state = _active
-    if state is None or state.microbatch_documents is None or state.current is None:
-        return None
-    microbatch, layer = state.current
-    if microbatch >= len(state.microbatch_documents):
-        raise RuntimeError(f"keyed randomness: microbatch {microbatch} has no documents set "
-                           f"({len(state.microbatch_documents)} microbatches were)")
-    return [(segment, torch.Generator().manual_seed(state.document_key(segment.document, layer, stream)))
-            for segment in state.microbatch_documents[microbatch]]
+    state = current_job().keyed_randomness
+    return None if state is None else state.document_generators(stream)

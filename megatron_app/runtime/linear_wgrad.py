@@ -17,21 +17,27 @@ import torch
 
 from megatron_app import weight_deferral
 
-_original = None
-
-
-def install() -> None:
-    """Route the local linear node's backward through _backward (idempotent; outside a split backward's B it is
-    Megatron's own backward, unchanged)."""
-    global _original
-    if _original is not None:
+def install(installation) -> None:
+    """Route the local linear node's backward through a deferrable one (idempotent; outside a split backward's B it
+    is Megatron's own backward, unchanged). The original is kept in the job's installation record (job.py)."""
+    if installation.linear_backward is not None:
         return
     from megatron.core.tensor_parallel import layers
 
     function = layers.LinearWithGradAccumulationAndAsyncCommunication
-    _original = function.backward
-    function.backward = staticmethod(layers.custom_bwd(_backward))
+    installation.linear_backward = function.backward
+    function.backward = staticmethod(layers.custom_bwd(_deferrable_backward(installation.linear_backward)))
     weight_deferral.register(function._backward_cls, _deferred_edges)
+
+
+def uninstall(installation) -> None:
+    """Put Megatron's own backward back."""
+    if installation.linear_backward is None:
+        return
+    from megatron.core.tensor_parallel import layers
+
+    layers.LinearWithGradAccumulationAndAsyncCommunication.backward = staticmethod(installation.linear_backward)
+    installation.linear_backward = None
 
 
 def _plain(ctx) -> bool:
@@ -49,23 +55,26 @@ def _deferred_edges(ctx) -> Tuple[int, ...]:
     return (1,)
 
 
-def _backward(ctx, grad_output):
-    if not weight_deferral.defers(ctx):
-        return _original(ctx, grad_output)
-    input, weight = ctx.saved_tensors
-    use_bias = ctx.use_bias
+def _deferrable_backward(original):
+    """The node's backward: Megatron's `original`, or in a split backward's B the input gradient only."""
+    def backward(ctx, grad_output):
+        if not weight_deferral.defers(ctx):
+            return original(ctx, grad_output)
+        input, weight = ctx.saved_tensors
+        use_bias = ctx.use_bias
 
-    def weight_gradients():
-        from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
+        def weight_gradients():
+            from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
 
-        grad, total_input = prepare_input_tensors_for_wgrad_compute(grad_output, input)
-        grad_weight = grad.t().matmul(total_input)
-        return (grad_weight, grad.sum(dim=0)) if use_bias else (grad_weight,)
+            grad, total_input = prepare_input_tensors_for_wgrad_compute(grad_output, input)
+            grad_weight = grad.t().matmul(total_input)
+            return (grad_weight, grad.sum(dim=0)) if use_bias else (grad_weight,)
 
-    weight_deferral.defer(ctx, weight_gradients, (input, grad_output))
-    grad_input = grad_output.matmul(weight)
-    if getattr(ctx, "allreduce_dgrad", False):
-        torch.distributed.all_reduce(grad_input, group=ctx.tp_group)
-    grads = [None] * len(ctx.needs_input_grad)
-    grads[0] = grad_input
-    return tuple(grads)
+        weight_deferral.defer(ctx, weight_gradients, (input, grad_output))
+        grad_input = grad_output.matmul(weight)
+        if getattr(ctx, "allreduce_dgrad", False):
+            torch.distributed.all_reduce(grad_input, group=ctx.tp_group)
+        grads = [None] * len(ctx.needs_input_grad)
+        grads[0] = grad_input
+        return tuple(grads)
+    return backward

@@ -1,22 +1,22 @@
-"""Process-lifetime state of the runtime: the transport, the tracer and the call counter.
+"""A job's open runtime session: the transport, the tracer, the policies, the learnt costs and the call counters.
 
-Created on the first forward_backward call (every rank makes that call at the same time, so the collectives here
-— agreeing on a job id, measuring the clock offset — are safe), closed at exit.
+Opened by the job (job.py) on its first forward_backward call (every rank makes that call at the same time, so the
+collectives here — agreeing on a job id, measuring the clock offset — are safe), closed by shutdown() or at exit.
 """
 
 from __future__ import annotations
 
-import atexit
 import os
 import re
 import socket
 import sys
 import uuid
-from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+from megatron_app.megatron_compat import megatron_core_version
 
 from .settings import AppSettings
 
@@ -25,17 +25,6 @@ _JOB_ID_ENV = "MEGATRON_APP_JOB_ID"
 # wrapper(transport, pipeline global ranks) -> transport: how layers above the runtime (the loss layer, link-delay
 # emulation) put themselves around the transport the session opens, applied in the order they were added.
 TransportWrapperFactory = Callable[["PipelineTransport", List[int]], "PipelineTransport"]
-_transport_wrappers: List[TransportWrapperFactory] = []
-
-
-def add_transport_wrapper(wrapper: TransportWrapperFactory) -> None:
-    """Wrap every transport the runtime opens from now on in this process (see TransportWrapper)."""
-    _transport_wrappers.append(wrapper)
-
-
-def remove_transport_wrapper(wrapper: TransportWrapperFactory) -> None:
-    if wrapper in _transport_wrappers:
-        _transport_wrappers.remove(wrapper)
 
 
 def agree_on_job_id(requested: Optional[str]) -> str:
@@ -48,19 +37,10 @@ def agree_on_job_id(requested: Optional[str]) -> str:
     return picked[0]
 
 
-@dataclass(frozen=True)
-class PendingComposition:
-    """What plan_microbatches decided for the next call: per microbatch tokens and squared document tokens, and the
-    plan chosen with the composition (None: the policy plans the call itself)."""
-    num_microbatches: int
-    tokens: Tuple[int, ...]
-    squared_tokens: Tuple[int, ...]
-    plan: object = None
-
-
 class RuntimeSession:
-    def __init__(self, settings: AppSettings):
+    def __init__(self, settings: AppSettings, transport_wrappers: Sequence[TransportWrapperFactory] = ()):
         self.settings = settings
+        self.transport_wrappers = transport_wrappers   # the job's list: wrappers added later apply too
         self.job_id: Optional[str] = None
         self.transport = None
         self.tracer = None
@@ -71,7 +51,6 @@ class RuntimeSession:
         self.last_planning_s: Optional[float] = None    # its planning time (pipeline rank 0, planning policies)
         self._closed = False
         self._announced = False
-        self.pending_composition: Optional[PendingComposition] = None
         self._shared_costs = None   # one learnt cost model per process, across calls of any microbatch count
 
     def shared_costs(self):
@@ -119,6 +98,26 @@ class RuntimeSession:
         """The policy objects this process has run (one per shape and rank), e.g. to read a plan."""
         return list(self._policies.values())
 
+    def serve_call(self, placement, forward_only: bool, num_microbatches: int):
+        """(policy, transport, tracer or None when not traced) for one call of this rank (call_setup.RankPlacement);
+        the transport and the tracer open on the first call that needs them."""
+        shape, pp_rank = placement.shape, placement.pp_rank
+        policy = self.policy_for(shape, pp_rank, None if forward_only else self.settings.memory_cap)
+        self.announce_once(f"rank {dist.get_rank()} (pipeline rank {pp_rank}): schedule policy={policy.name} "
+                           f"P={shape.num_stages} V={shape.num_chunks} memory_cap={policy.memory_cap} "
+                           f"(megatron-core {megatron_core_version()})")
+        transport = self.ensure_transport(placement.pp_global)
+        tracer = None
+        if not forward_only:
+            tp_group = placement.tp_group
+            tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
+            from megatron.core import parallel_state
+
+            dp_rank = parallel_state.get_data_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
+            tracer = self.ensure_tracer(pp_rank, tp_rank, dp_rank, shape.num_stages, shape.num_chunks,
+                                        num_microbatches)
+        return policy, transport, tracer
+
     def ensure_transport(self, pp_global_ranks: List[int]):
         if self.transport is None and len(pp_global_ranks) > 1:
             from megatron_app.transport import open_transport
@@ -132,7 +131,7 @@ class RuntimeSession:
             self.transport = open_transport(store, me, dist.get_world_size(), self.job_id, peers,
                                             master_addr=os.environ.get("MASTER_ADDR"),
                                             timeout_s=self.settings.timeout_s)
-            for wrap in _transport_wrappers:
+            for wrap in self.transport_wrappers:
                 self.transport = wrap(self.transport, list(pp_global_ranks))
         return self.transport
 
@@ -166,29 +165,3 @@ class RuntimeSession:
             self.tracer.close()
         if self.transport is not None:
             self.transport.close()
-
-
-_session: Optional[RuntimeSession] = None
-
-
-def current_session(settings: Optional[AppSettings] = None) -> RuntimeSession:
-    global _session
-    if _session is None:
-        _session = RuntimeSession(settings or AppSettings())
-        atexit.register(_session.close)
-    elif settings is not None:
-        _session.settings = settings
-    return _session
-
-
-def shutdown():
-    """Close the transport and flush the trace; the next call starts a new session."""
-    global _session
-    if _session is not None:
-        _session.close()
-        _session = None
-
-
-def current_tracer():
-    """The tracer of this process (a disabled one before the first call), for the trainer's optimizer events."""
-    return None if _session is None else _session.tracer

@@ -77,13 +77,18 @@ def walk_for_b(root) -> Tuple[List[torch.Tensor], List[object]]:
     return list(leaves.values()), deferring
 
 
-def run_input_backward(input_tensor, output_tensor, output_grad, model_type, config
+def run_input_backward(input_tensor, output_tensor, output_grad, model_type, config, installation=None
                        ) -> Tuple[Optional[torch.Tensor], Optional[PendingWeights]]:
     """B for one chunk and microbatch: (input gradient, what W needs). Mirrors Megatron's backward_step (loss
-    scaling on the last stage); without an input tensor it is that whole backward and W has nothing to do."""
+    scaling on the last stage); without an input tensor it is that whole backward and W has nothing to do.
+    installation: the job's record (job.py) that keeps Megatron's linear backward; default the current job's."""
     if not defers_weights(input_tensor) or not output_tensor.requires_grad:   # (Megatron skips the latter too)
         return backward_step(input_tensor, output_tensor, output_grad, model_type, config), None
-    linear_wgrad.install()
+    if installation is None:
+        from .job import current_job
+
+        installation = current_job().installation
+    linear_wgrad.install(installation)
     leaves, deferring = walk_for_b(output_tensor.grad_fn)
     if not deferring:     # nothing to defer (or a reentrant checkpoint): the whole backward, W empty
         return backward_step(input_tensor, output_tensor, output_grad, model_type, config), PendingWeights()

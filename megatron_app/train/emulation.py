@@ -22,7 +22,7 @@ from megatron_app.emulation import EmulationSpec, SlowLink, TaskDurations, spec_
 from megatron_app.emulation.compute import EmulatedChunk, emulated_forward_step, emulated_microbatches
 from megatron_app.emulation.link_delay import LinkDelay
 from megatron_app.runtime import add_transport_wrapper, remove_transport_wrapper
-from megatron_app.runtime.session import current_session
+from megatron_app.runtime.job import current_session
 from megatron_app.schedule import PipelineShape
 from megatron_app.schedule.composition import LOADER, Composition
 

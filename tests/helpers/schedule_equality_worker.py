@@ -77,7 +77,7 @@ def main():
                 set_microbatch_lengths([1 + (37 * (i + it) ** 2) % 97 for i in range(m)])
             losses.append(train_step(trainer, it))
             if opts.tell_lengths and schedule == "app":
-                from megatron_app.runtime.session import current_session
+                from megatron_app.runtime.job import current_session
 
                 orders = [list(p.current_plan.start_order) for p in current_session().policies_in_use()
                           if hasattr(p, "current_plan")]

@@ -1,0 +1,99 @@
+"""The per-job context: everything one training job's runtime needs, handed down explicitly from here.
+
+An AppJob holds the settings, the hand-off of the loop's next call (next_call.py), the keyed randomness, the
+transport wrappers, what install() changed in Megatron (Installation) and the session (transport, tracer, policies,
+learnt costs; opened by the first forward_backward call, closed by shutdown()). forward_backward_app resolves the
+job once per call and passes it down; nothing below reads module state.
+
+The public functions (install, set_microbatch_lengths, set_iteration, shutdown, ...) take no job argument, so they
+act on the one current job of the process, made by install() or by the first call that needs it.
+"""
+
+from __future__ import annotations
+
+import atexit
+from typing import Callable, Dict, List, Optional
+
+from .next_call import NextCall
+from .session import RuntimeSession, TransportWrapperFactory
+from .settings import AppSettings
+
+
+class Installation:
+    """What this job replaced in Megatron's modules, with the originals to put back (None: not replaced)."""
+
+    def __init__(self):
+        self.schedule_functions: Optional[Dict[str, Callable]] = None   # megatron's forward_backward functions
+        self.linear_backward: Optional[Callable] = None                 # the local linear node's backward
+
+
+class AppJob:
+    def __init__(self, settings: Optional[AppSettings] = None):
+        self.settings = settings or AppSettings()
+        self.next_call = NextCall()
+        self.keyed_randomness = None            # keyed_randomness.KeyedRandomness once enabled
+        self.installation = Installation()
+        # wrapper(transport, pipeline global ranks) -> transport, applied in the order added (session.py)
+        self.transport_wrappers: List[TransportWrapperFactory] = []
+        self._session: Optional[RuntimeSession] = None
+
+    def use_settings(self, settings: AppSettings) -> None:
+        self.settings = settings
+        if self._session is not None:
+            self._session.settings = settings
+
+    @property
+    def session(self) -> RuntimeSession:
+        """The open session, opened now if none is (every rank reaches its first call together)."""
+        if self._session is None:
+            self._session = RuntimeSession(self.settings, self.transport_wrappers)
+            atexit.register(self._session.close)
+        return self._session
+
+    @property
+    def open_session(self) -> Optional[RuntimeSession]:
+        return self._session
+
+    def close_session(self) -> None:
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+
+
+# The one reference the argument-less public API needs; everything else gets the job handed down.
+_current: Optional[AppJob] = None
+
+
+def current_job() -> AppJob:
+    global _current
+    if _current is None:
+        _current = AppJob()
+    return _current
+
+
+def current_session() -> RuntimeSession:
+    """The current job's session (opened now if none is)."""
+    return current_job().session
+
+
+def shutdown() -> None:
+    """Close the transport and flush the trace; the next call starts a new session."""
+    if _current is not None:
+        _current.close_session()
+
+
+def current_tracer():
+    """The tracer of this process (None before the first call), for the trainer's optimizer events."""
+    session = None if _current is None else _current.open_session
+    return None if session is None else session.tracer
+
+
+def add_transport_wrapper(wrapper: TransportWrapperFactory) -> None:
+    """Wrap every transport the runtime opens from now on in this job (see TransportWrapper)."""
+    current_job().transport_wrappers.append(wrapper)
+
+
+def remove_transport_wrapper(wrapper: TransportWrapperFactory) -> None:
+    wrappers = current_job().transport_wrappers
+    if wrapper in wrappers:
+        wrappers.remove(wrapper)
