@@ -81,7 +81,7 @@ class RuntimeSession:
 
         name = self.settings.policy_name
         # Only the options the policy declares (settings.validate refused a set option it does not take).
-        factor = self.settings.memory_factor if POLICIES[name].takes("memory_factor") else None
+        factor = self.settings.memory_factor if name in POLICIES and POLICIES[name].takes("memory_factor") else None
         key = (name, shape, rank, memory_cap, factor)
         if key not in self._policies:
             if self.settings.action_lists is not None:     # schedule "file"
