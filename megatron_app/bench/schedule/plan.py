@@ -14,11 +14,12 @@ import uuid
 from pathlib import Path
 from typing import List
 
-from megatron_app.bench.schedule.rows import (COMPOSITION_ROWS, DEFAULT_SCHEDULE_KEYS, SCHEDULES, SPLIT_BACKWARD_KEYS,
-                                              TORCH_ZB_ORDER)
+from megatron_app.bench.schedule.rows import (COMPOSITION_ROWS, DEFAULT_SCHEDULE_KEYS, MEGATRON_ROW, SCHEDULES,
+                                              SPLIT_BACKWARD_KEYS, TORCH_ZB_ORDER)
 from megatron_app.bench.schedule.scenarios import (COMPOSITION_SCENARIO_NAMES, HOST_PROBE, HOST_PROBE_COMPUTE, REPO,
                                                    VARIABLE_LENGTH, scenario_flags)
 from megatron_app.bench.torch_action_lists import action_lists
+from megatron_app.schedule import POLICIES
 
 WORKER_MODULE = "megatron_app.bench.schedule.worker"
 
@@ -34,10 +35,11 @@ def scenario_schedule_keys(scenario: str, args) -> List[str]:
 
 
 def planned_variants(key: str, args) -> List[tuple]:
-    """(row key, label suffix, memory factor) of each row a schedule key gives: planned one per memory factor."""
-    if key != "planned":
+    """(row key, label suffix, memory factor) of each row a schedule key gives: a policy that takes a memory factor
+    (the registry says which) one per factor."""
+    if key not in POLICIES or not POLICIES[key].takes("memory_factor"):
         return [(key, "", None)]
-    return [("planned" if factor == 1.0 else f"planned-x{factor:g}", "" if factor == 1.0 else f" mem {factor:g}x",
+    return [(key if factor == 1.0 else f"{key}-x{factor:g}", "" if factor == 1.0 else f" mem {factor:g}x",
              factor) for factor in args.memory_factors]
 
 
@@ -105,7 +107,7 @@ def plan_run(args, run_id: str, repeat: int, scenario: str, key: str) -> dict:
     if key == "torch-zb":
         run["notes"].append("backward split 50/50 into input- and weight-gradient waits; no simulator policy for "
                             "ZeroBubble")
-    if system == "torch" and sim_policy == "interleaved":
+    if system == "torch" and sim_policy == MEGATRON_ROW:
         run["notes"].append("sim column: Megatron's interleaved order")
     return run
 

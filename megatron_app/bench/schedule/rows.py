@@ -68,6 +68,8 @@ COMPOSITION_ROWS: Dict[str, CompositionRow] = {
 # A composition row runs as its order's row under its own label.
 SCHEDULES.update({key: replace(SCHEDULES[row.order], label=row.label) for key, row in COMPOSITION_ROWS.items()})
 DEFAULT_SCHEDULE_KEYS = [key for key in SCHEDULES if key not in COMPOSITION_ROWS]
+# The row of Megatron-Core's interleaved order: the baseline of the targets and of the torch rows' sim column.
+MEGATRON_ROW = "interleaved"
 
 
 def runs_torch(keys) -> bool:

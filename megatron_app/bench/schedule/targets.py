@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Tuple
 from megatron_app.schedule import ADAPTIVE_POLICY_NAMES
 
 from megatron_app.bench.schedule.analysis import COMPOSITION_BASELINE, Row
+from megatron_app.bench.schedule.rows import MEGATRON_ROW
 
 # Groups a Target's row or baseline may name instead of a row key: the fastest row of the group.
 BEST_APP = "best APP"                     # our adaptive policies (ADAPTIVE_POLICY_NAMES)
@@ -193,7 +194,7 @@ def check_targets(rows: List[Row]) -> List[TargetCheck]:
             checks += _variable_length_checks(scenario, group)
             continue
         checks += _family_checks("whole", scenario, group)
-        interleaved = next((row for row in group if row.key == "interleaved"), None)
+        interleaved = next((row for row in group if row.key == MEGATRON_ROW), None)
         if interleaved is not None:
             worse = [f"{row.label} {row.peak_activations}" for row in app
                      if any(a > b for a, b in zip(row.peak_activations, interleaved.peak_activations))]
@@ -208,11 +209,11 @@ def check_targets(rows: List[Row]) -> List[TargetCheck]:
 def _variable_length_checks(scenario: str, group: List[Row]) -> List[TargetCheck]:
     """Issue 13: the "variable" targets, and every row of our runtime within its memory factor of interleaved's peak
     activation tokens on every rank; the simulator within 10% for every row."""
-    interleaved = next((row for row in group if row.key == "interleaved"), None)
+    interleaved = next((row for row in group if row.key == MEGATRON_ROW), None)
     checks = []
     if interleaved is not None:
         for row in group:
-            if row.system != "app" or row.key == "interleaved":
+            if row.system != "app" or row.key == MEGATRON_ROW:
                 continue
             checks += _family_checks("variable", scenario, group, row_key=row.key)
             speedup = interleaved.iteration_ms / row.iteration_ms
