@@ -29,7 +29,7 @@ def test_copyright_scenarios_run_the_four_compositions_on_two_documents_a_microb
     for run in rows:
         assert run["documents_per_microbatch"] == 2 and run["lengths_file"].endswith(".txt")
         argv = trainer_argv(run, None)
-        assert argv[argv.index("--composition") + 1] == COMPOSITION_ROWS[run["key"]][2]
+        assert argv[argv.index("--composition") + 1] == COMPOSITION_ROWS[run["key"]].composition
         assert argv[argv.index("--documents-per-microbatch") + 1] == "2"
         order = argv[argv.index("--schedule") + 1], argv[argv.index("--policy") + 1]
         assert order == ("app", "planned") if run["key"] == "balanced" else order[0] == "interleaved"

@@ -193,7 +193,7 @@ def test_replay_of_a_missing_directory_is_one_line(tmp_path):
 
 
 def test_repeats_are_planned_round_robin_and_pooled_per_row(quick, tmp_path):
-    from bench_schedule_analysis import analyse_plan
+    from megatron_app.bench.schedule.analysis import analyse_plan
 
     args = bench_schedule.parse_args(["--quick", "--repeats", "2", "--scenarios", "homogeneous,jitter",
                                       "--schedules", "dfc,torch-zb"])
@@ -217,7 +217,7 @@ def test_repeats_are_planned_round_robin_and_pooled_per_row(quick, tmp_path):
 def test_torchs_zero_bubble_order_row_runs_our_trainer_on_torchs_lists(tmp_path):
     """The row is planned with torch's lists written beside the runs and handed to the trainer (--schedule-file);
     the lists are checked to complete on the pipeline the row runs."""
-    from bench_schedule_worker import trainer_argv
+    from megatron_app.bench.schedule.worker import trainer_argv
 
     from megatron_app.runtime.settings import read_action_lists
     from megatron_app.schedule.action_lists import orders_from_action_lists

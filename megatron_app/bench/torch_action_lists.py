@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Dict, List
 
 # tools/torch_schedule_csv.py's --help (its docstring's first line)
-TOOL_DESCRIPTION = ("Write the per-rank action lists of one of torch.distributed.pipelining's multi-stage schedules as a "
-                    "CSV that")
+TOOL_DESCRIPTION = ("Write the per-rank action lists of one of torch.distributed.pipelining's multi-stage schedules "
+                    "as a CSV that")
 SCHEDULES = ("InterleavedZeroBubble", "Interleaved1F1B", "LoopedBFS")
 
 
