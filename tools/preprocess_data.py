@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from megatron_app.train.text_tokenizers import (
     DEFAULT_EOD_TOKEN, GPT2_BPE, HUGGING_FACE, TOKENIZER_TYPES, TokenizerError)
