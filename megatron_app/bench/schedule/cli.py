@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import List
 
-from megatron_app.bench.schedule.plan import _last_error, build_plan, run_workers
+from megatron_app.bench.schedule.plan import build_plan, last_error, run_workers
 from megatron_app.bench.schedule.report import format_checks, format_composition_rows, format_table, machine, write_png
 from megatron_app.bench.schedule.replay import replay_main
 from megatron_app.bench.schedule.rows import COMPOSITION_ROWS, DEFAULT_SCHEDULE_KEYS, SCHEDULES, runs_torch
@@ -211,7 +211,7 @@ def main(argv=None) -> int:
             log_path = Path(plan["out_dir"]) / "worker.log"
             code = run_workers(plan, args.pipeline_parallel, log_path, args.timeout)
         if code != 0:
-            print(f"{PROG}: error: the workers failed (exit {code}): {_last_error(log_path)}"
+            print(f"{PROG}: error: the workers failed (exit {code}): {last_error(log_path)}"
                   + (f"; log: {log_path}" if args.work_dir else ""), file=sys.stderr)
             return EXIT_WORKER_FAILED
         try:

@@ -135,7 +135,7 @@ def run_workers(plan: dict, nproc: int, log_path: Path, timeout_s: float) -> int
             timer.cancel()
 
 
-def _last_error(log_path: Path) -> str:
+def last_error(log_path: Path) -> str:
     lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines()
              if "Error" in line or "error:" in line]
     return lines[-1][:300] if lines else "no error line in the log"
