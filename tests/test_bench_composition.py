@@ -3,22 +3,19 @@ they become, the host-cost probe's formula, and the targets as data. The rows' r
 trainer's (tests/test_emulation_composition.py); a full bench run is the lead's quiet re-measure (BENCHMARKS.md)."""
 
 import statistics
-import sys
 
 import pytest
 
-from pipeline_runs import REPO
-
-sys.path.insert(0, str(REPO / "tools"))
-
-import bench_schedule  # noqa: E402
-from bench_schedule import COMPOSITION_ROWS, HOST_PROBE, build_plan, parse_args  # noqa: E402
-from bench_schedule_analysis import COMPOSITION_TARGETS, Row, check_targets, measure_host_cost  # noqa: E402
-from bench_schedule_worker import trainer_argv  # noqa: E402
-
-from megatron_app.emulation.sim_replay import simulate_emulation  # noqa: E402
-from megatron_app.emulation.spec import EmulationSpec  # noqa: E402
-from megatron_app.schedule import PipelineShape  # noqa: E402
+from megatron_app.bench.schedule.analysis import Row, measure_host_cost
+from megatron_app.bench.schedule.cli import parse_args
+from megatron_app.bench.schedule.plan import build_plan
+from megatron_app.bench.schedule.rows import COMPOSITION_ROWS
+from megatron_app.bench.schedule.scenarios import HOST_PROBE, HOST_PROBE_COMPUTE
+from megatron_app.bench.schedule.targets import TARGETS, check_targets
+from megatron_app.bench.schedule.worker import trainer_argv
+from megatron_app.emulation.sim_replay import simulate_emulation
+from megatron_app.emulation.spec import EmulationSpec
+from megatron_app.schedule import PipelineShape
 
 
 def _plan(tmp_path, *flags):
@@ -32,12 +29,12 @@ def test_copyright_scenarios_run_the_four_compositions_on_two_documents_a_microb
     for run in rows:
         assert run["documents_per_microbatch"] == 2 and run["lengths_file"].endswith(".txt")
         argv = trainer_argv(run, None)
-        assert argv[argv.index("--composition") + 1] == COMPOSITION_ROWS[run["key"]][2]
+        assert argv[argv.index("--composition") + 1] == COMPOSITION_ROWS[run["key"]].composition
         assert argv[argv.index("--documents-per-microbatch") + 1] == "2"
         order = argv[argv.index("--schedule") + 1], argv[argv.index("--policy") + 1]
         assert order == ("app", "planned") if run["key"] == "balanced" else order[0] == "interleaved"
     probes = [run for run in plan["runs"] if run.get("host_probe")]
-    assert len(probes) == 1 and probes[0]["emulate_compute"] == bench_schedule.HOST_PROBE_COMPUTE
+    assert len(probes) == 1 and probes[0]["emulate_compute"] == HOST_PROBE_COMPUTE
     assert not any(run.get("host_probe") for run in _plan(tmp_path, "--scenarios", "copyright-2048",
                                                           "--host-ms", "0.5")["runs"])
     repeated = _plan(tmp_path, "--scenarios", "copyright-2048", "--repeats", "2")["runs"]
@@ -77,9 +74,9 @@ def test_host_cost_is_what_the_simulator_must_add_per_task_to_meet_the_probe():
 
 
 def _row(key, ms, peaks, sim_ms):
-    row = Row("copyright 2048", COMPOSITION_ROWS[key][0], key, "app", "app", 2, ms, [ms], ms, 0.1, [1] * 4,
+    row = Row("copyright 2048", COMPOSITION_ROWS[key].label, key, "app", "app", 2, ms, [ms], ms, 0.1, [1] * 4,
               "interleaved", sim_ms=sim_ms, sim_error=ms / sim_ms - 1.0, peak_tokens=peaks)
-    row.composition = COMPOSITION_ROWS[key][2]
+    row.composition = COMPOSITION_ROWS[key].composition
     return row
 
 
@@ -90,7 +87,8 @@ def test_composition_targets_come_from_the_table():
     rows = [base, _row("loader-packed", 1200.0, [90] * 4, 1200.0), _row("dp-balanced", 1080.0, [90] * 4, 1000.0),
             ours]
     checks = {check.target: check.passed for check in check_targets(rows)}
-    needs = dict(COMPOSITION_TARGETS[("copyright 2048", 4)])
+    needs = {target.baseline: target.min_speedup for target in TARGETS
+             if target.family == "composition" and target.applies("copyright 2048", 4)}
     assert checks[f"{ours.label} >= {needs['loader-padded']}x {base.label}"] is True       # 1.40x
     assert checks[f"{ours.label} >= {needs['loader-packed']}x {rows[1].label}"] is True    # 1.20x
     assert checks[f"{ours.label} >= {needs['dp-balanced']}x {rows[2].label}"] is False     # 1.08x

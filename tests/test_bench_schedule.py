@@ -11,14 +11,14 @@ import pytest
 
 from pipeline_runs import REPO, run_env
 
-sys.path.insert(0, str(REPO / "tools"))
-
-from bench_schedule import DEFAULT_SCHEDULE_KEYS, SCENARIO_KEYS, SCHEDULES, SPLIT_BACKWARD_KEYS  # noqa: E402
-from bench_schedule_analysis import spec_of, torch_span_metrics  # noqa: E402
-
-from megatron_app.schedule import PipelineShape  # noqa: E402
-from megatron_app.emulation.sim_replay import simulate_emulation  # noqa: E402
-from megatron_app.emulation.spec import EmulationSpec  # noqa: E402
+from megatron_app.bench.schedule import cli as bench_schedule
+from megatron_app.bench.schedule.analysis import spec_of, torch_span_metrics
+from megatron_app.bench.schedule.plan import build_plan
+from megatron_app.bench.schedule.rows import DEFAULT_SCHEDULE_KEYS, SCHEDULES, SPLIT_BACKWARD_KEYS
+from megatron_app.bench.schedule.scenarios import SCENARIO_KEYS
+from megatron_app.schedule import PipelineShape
+from megatron_app.emulation.sim_replay import simulate_emulation
+from megatron_app.emulation.spec import EmulationSpec
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*not installed")
 TOOL = REPO / "tools" / "bench_schedule.py"
@@ -107,7 +107,7 @@ def test_traced_task_durations_are_the_emulated_ones(quick):
             assert sorted(excess)[len(excess) // 2] < 5_000.0, run["label"]   # typical overhead well under 5 ms
             checked += 1
     runtime_schedules = sum(1 for key in DEFAULT_SCHEDULE_KEYS
-                            if SCHEDULES[key][1] == "app" and key not in SPLIT_BACKWARD_KEYS)
+                            if SCHEDULES[key].system == "app" and key not in SPLIT_BACKWARD_KEYS)
     assert checked == len(SCENARIO_KEYS) * runtime_schedules * 3    # x (1 warm-up + 2 measured) iterations
 
 
@@ -171,7 +171,6 @@ def test_bad_flags_give_one_line_and_exit_2(flags, message):
 
 def test_replay_of_a_traced_run_compares_every_iteration(quick, tmp_path, capsys):
     """--replay-trace: the simulator fed with a run's measured task durations, next to its measured makespans."""
-    import bench_schedule
 
     _, run_dir, _ = quick
     run = next(r for r in _plan(run_dir)["runs"] if r["scenario"] == "homogeneous" and r["key"] == "interleaved")
@@ -194,12 +193,11 @@ def test_replay_of_a_missing_directory_is_one_line(tmp_path):
 
 
 def test_repeats_are_planned_round_robin_and_pooled_per_row(quick, tmp_path):
-    import bench_schedule
-    from bench_schedule_analysis import analyse_plan
+    from megatron_app.bench.schedule.analysis import analyse_plan
 
     args = bench_schedule.parse_args(["--quick", "--repeats", "2", "--scenarios", "homogeneous,jitter",
                                       "--schedules", "dfc,torch-zb"])
-    plan = bench_schedule.build_plan(args, tmp_path)
+    plan = build_plan(args, tmp_path)
     assert [(r["repeat"], r["scenario"], r["key"]) for r in plan["runs"]] == [
         (repeat, scenario, key) for repeat in (0, 1) for scenario in ("homogeneous", "jitter +-30%")
         for key in ("dfc", "torch-zb")]
@@ -219,14 +217,13 @@ def test_repeats_are_planned_round_robin_and_pooled_per_row(quick, tmp_path):
 def test_torchs_zero_bubble_order_row_runs_our_trainer_on_torchs_lists(tmp_path):
     """The row is planned with torch's lists written beside the runs and handed to the trainer (--schedule-file);
     the lists are checked to complete on the pipeline the row runs."""
-    import bench_schedule
-    from bench_schedule_worker import trainer_argv
+    from megatron_app.bench.schedule.worker import trainer_argv
 
     from megatron_app.runtime.settings import read_action_lists
     from megatron_app.schedule.action_lists import orders_from_action_lists
 
     args = bench_schedule.parse_args(["--quick", "--scenarios", "homogeneous", "--schedules", "torch-zb-order"])
-    (run,) = bench_schedule.build_plan(args, tmp_path)["runs"]
+    (run,) = build_plan(args, tmp_path)["runs"]
     assert run["split_backward"] and run["sim_policy"] is None
     argv = trainer_argv(run, None)
     assert argv[argv.index("--schedule-file") + 1] == run["schedule_file"] and "--split-backward" in argv

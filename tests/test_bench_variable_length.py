@@ -11,17 +11,14 @@ import pytest
 
 from pipeline_runs import REPO, run_env
 
-sys.path.insert(0, str(REPO / "tools"))
-
-from bench_schedule import FIXED_SHAPE_NOTE, VARIABLE_LENGTH  # noqa: E402
-from bench_schedule_analysis import spec_of  # noqa: E402
-
-from megatron_app.emulation.sim_replay import simulate_emulation  # noqa: E402
-from megatron_app.emulation.spec import EmulationSpec  # noqa: E402
-from megatron_app.schedule import PipelineShape  # noqa: E402
-from megatron_app.sim import SimConfig, simulate  # noqa: E402
-from megatron_app.sim.costs import ComputeCosts  # noqa: E402
-from megatron_app.sim.lengths import MicrobatchLengths  # noqa: E402
+from megatron_app.bench.schedule.analysis import spec_of
+from megatron_app.bench.schedule.scenarios import FIXED_SHAPE_NOTE, VARIABLE_LENGTH
+from megatron_app.emulation.sim_replay import simulate_emulation
+from megatron_app.emulation.spec import EmulationSpec
+from megatron_app.schedule import PipelineShape
+from megatron_app.sim import SimConfig, simulate
+from megatron_app.sim.costs import ComputeCosts
+from megatron_app.sim.lengths import MicrobatchLengths
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*not installed")
 TOOL = REPO / "tools" / "bench_schedule.py"

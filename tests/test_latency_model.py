@@ -1,15 +1,10 @@
-"""tools/latency_model.py: the fixed + per-byte fit quoted in BENCHMARKS.md."""
+"""megatron_app.bench.transport.latency_model: the fixed + per-byte fit quoted in BENCHMARKS.md."""
 
 import math
-import sys
 
 import pytest
 
-from pipeline_runs import REPO
-
-sys.path.insert(0, str(REPO / "tools"))
-
-from latency_model import fit_latency_model  # noqa: E402
+from megatron_app.bench.transport.latency_model import fit_latency_model
 
 SIZES = [4096, 16384, 65536, 262144, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 

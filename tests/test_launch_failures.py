@@ -9,18 +9,16 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from megatron_app.train import run_ranks
 from megatron_app.train.__main__ import environment_failure
 from megatron_app.train.shm_budget import estimate, local_ring_counts, segment_bytes
 from pipeline_runs import REPO, run_env
 
-sys.path.insert(0, str(REPO / "tools"))
-import run_ranks  # noqa: E402
 
 MiB = 2**20
 ROOT_CAUSE = """\

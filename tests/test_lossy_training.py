@@ -2,7 +2,6 @@
 loss layer; tools/loss_sweep.py's bookkeeping, and its quick sweep, whose real runs show per-link loss statistics in
 logs and traces and --loss-tp-sites narrowing tensor-parallel loss."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -123,10 +122,9 @@ def _loss_events(trace_root):
 
 
 def _load_sweep():
-    spec = importlib.util.spec_from_file_location("loss_sweep", REPO / "tools" / "loss_sweep.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from megatron_app.bench import loss_sweep
+
+    return loss_sweep
 
 
 def test_loss_sweep_grid_and_baseline():

@@ -13,8 +13,6 @@ schedule, P, V or T changes them.
 """
 
 import json
-from pathlib import Path
-import sys
 
 import pytest
 import torch
@@ -210,9 +208,8 @@ def test_split_backward_every_schedule_matches_unpipelined_training(tmp_path, re
     tensor-parallel all-reduce of a deferring linear layer's input gradient."""
     traces = tmp_path / "traces"
     # and torch's interleaved zero-bubble order, run by our runtime from its action lists (--schedule-file)
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    from megatron_app.bench.torch_action_lists import action_lists
     from megatron_app.train.args import parse_args
-    from torch_schedule_csv import action_lists
 
     zero_bubble = tmp_path / "torch_zb.csv"
     microbatches = parse_args(["--pipeline_parallel", "2", "--model_chunks", "2", "--tensor_parallel", "2"],

@@ -40,8 +40,6 @@ def test_every_registered_policy_builds_and_unknown_names_say_which_exist():
 
 
 def test_flags_settings_and_benchmark_read_the_registry():
-    import sys
-
     from megatron_app.runtime.settings import ADAPTIVE_POLICIES, SCHEDULES, AppConfigError, AppSettings
     from megatron_app.train.args import POLICIES as TRAIN_POLICIES
     from megatron_app.train.args import SCHEDULES as TRAIN_SCHEDULES
@@ -60,12 +58,9 @@ def test_flags_settings_and_benchmark_read_the_registry():
                 AppSettings(schedule=name).validate()
     with pytest.raises(AppConfigError):
         AppSettings(policy="nope").validate()
-    sys.path.insert(0, str(RUNNING.parent.parent / "tools"))
-    try:
-        import bench_schedule
-    finally:
-        sys.path.pop(0)
-    assert set(POLICY_NAMES) <= set(bench_schedule.SCHEDULES)
+    from megatron_app.bench.schedule.rows import SCHEDULES as BENCH_ROWS
+
+    assert set(POLICY_NAMES) <= set(BENCH_ROWS)
 
 
 def test_every_entry_point_defaults_to_the_registry_default():

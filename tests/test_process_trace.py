@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import re
 import subprocess
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_app.trace import process_trace
 from test_trace_synthetic import plan_greedy, write_plan
 
 REPO = Path(__file__).resolve().parent.parent
@@ -19,14 +19,6 @@ SCRIPT = REPO / "tools" / "process_trace.py"
 STEM = "trace_pipeline_{P}_model_chunks_{V}"
 
 
-def load_tool(path: Path):
-    spec = importlib.util.spec_from_file_location(f"tool_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-process_trace = load_tool(SCRIPT)
 
 
 def run_tool(capsys, *argv):

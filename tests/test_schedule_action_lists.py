@@ -3,17 +3,13 @@ Interleaved1F1B lists are Megatron's order; its InterleavedZeroBubble lists comp
 hold 8 activations per rank; malformed, misplaced, incomplete or hanging lists are refused in one line, by the
 trainer too (--schedule-file)."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
+from megatron_app.bench.torch_action_lists import action_lists, main as write_csv
 from megatron_app.schedule import PipelineShape, ScheduleConfigError, drive, make_policy
 from megatron_app.schedule.action_lists import make_action_list_policy, orders_from_action_lists
 from megatron_app.schedule.megatron_order import megatron_order
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-from torch_schedule_csv import action_lists, main as write_csv  # noqa: E402
 
 WHOLE, SPLIT = PipelineShape(4, 2, 8), PipelineShape(4, 2, 8, split_backward=True)
 

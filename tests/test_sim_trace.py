@@ -1,7 +1,7 @@
 """Simulated runs write the trace format: the reader accepts them, and tools/process_trace.py and
 tools/visualize_trace.py analyse them like real runs (metrics agree with the simulator's own numbers)."""
 
-import importlib.util
+import importlib
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -20,10 +20,7 @@ LINKS = LinkCosts(latency_us=50.0, gbps=10.0, tensor_bytes=4 * 2**20)     # 3355
 
 
 def load_tool(name):
-    spec = importlib.util.spec_from_file_location(f"sim_test_{name}", REPO / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"megatron_app.trace.{name}")
 
 
 @pytest.fixture(scope="module")

@@ -15,15 +15,14 @@ from megatron_app.trace.cli import run_cli
 from megatron_app.trace.column_layout import layout_columns
 from megatron_app.trace.dependencies import InputSources
 from megatron_app.trace.palette import task_rgb
+from megatron_app.trace import visualize_trace
 from megatron_app.trace.schema import BACKWARD, COMPUTE_KINDS, FORWARD
 
 WHOLE_BACKWARD_KINDS = (FORWARD, BACKWARD)    # the task kinds of a trace without a split backward
-from test_process_trace import load_tool
 from test_trace_synthetic import plan_greedy, producer, write_plan
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tools" / "visualize_trace.py"
-visualize_trace = load_tool(SCRIPT)
 
 
 def run_tool(capsys, *argv):

@@ -28,16 +28,11 @@ import os
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script from a checkout: make megatron_app importable
-    _root = Path(__file__).resolve().parent.parent
-    if (_root / "megatron_app").is_dir() and str(_root) not in sys.path:
-        sys.path.insert(0, str(_root))
-
-from megatron_app.data.corpus import (  # noqa: E402
+from megatron_app.data.corpus import (
     DEFAULT_VOCAB_SIZE, SHUFFLE_SEED, SOURCES, CorpusError, LengthStats, collect_documents,
     indexed_document_lengths, train_bpe, write_jsonl)
 
-from megatron_app.trace.cli import OneLineArgumentParser  # noqa: E402
+from megatron_app.trace.cli import OneLineArgumentParser
 
 PROG = "make_corpus.py"
 DEFAULT_SOURCES = ("licenses", "pydoc")      # the paragraph corpus; copyright is asked for by name

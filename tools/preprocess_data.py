@@ -20,14 +20,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script from a checkout: make megatron_app importable
-    _root = Path(__file__).resolve().parent.parent
-    if (_root / "megatron_app").is_dir() and str(_root) not in sys.path:
-        sys.path.insert(0, str(_root))
-
-from megatron_app.data.text_tokenizers import (  # noqa: E402
+from megatron_app.data.text_tokenizers import (
     DEFAULT_EOD_TOKEN, GPT2_BPE, HUGGING_FACE, TOKENIZER_TYPES, TokenizerError)
 
 PROG = "preprocess_data.py"

@@ -9,101 +9,10 @@ Writes trace_pipeline_<P>_model_chunks_<V>.json (open in ui.perfetto.dev), ..._m
 beside the traces (or in O) and prints a summary. Exit codes: 0 ok, 1 causality violations with --strict, 2 bad input.
 """
 
-from __future__ import annotations
-
-import csv
-import json
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script from a checkout: make megatron_app importable
-    _root = Path(__file__).resolve().parent.parent
-    if (_root / "megatron_app").is_dir() and str(_root) not in sys.path:
-        sys.path.insert(0, str(_root))
-
-from megatron_app.trace.causality import check_causality  # noqa: E402
-from megatron_app.trace.chrome import chrome_trace  # noqa: E402
-from megatron_app.trace.cli import (OutputSet, base_parser, iteration_choice, output_stem,  # noqa: E402
-                                    read_chosen_run, run_cli)
-from megatron_app.trace.metrics import CSV_COLUMNS, IterationMetrics, csv_rows, iteration_metrics  # noqa: E402
-
-PROG = "process_trace.py"
-EXIT_VIOLATIONS = 1
-MAX_VIOLATIONS_SHOWN = 20
-
-
-def parse_args(argv):
-    parser = base_parser(PROG, __doc__.split("\n\n")[0])
-    parser.add_argument("--iteration", type=iteration_choice, default="last",
-                        help="iteration to analyse: a number, 'last' (last complete, default) or 'all'")
-    parser.add_argument("--strict", action="store_true", help="exit 1 when the causality check finds violations")
-    parser.add_argument("--tolerance-us", "--tolerance_us", dest="tolerance_us", type=float, default=0.0,
-                        help="clock-alignment slack for the causality check, in microseconds (default 0)")
-    return parser.parse_args(argv)
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    run, out_dir = read_chosen_run(args)
-    iterations = run.select_iterations(args.iteration)
-    metrics = [iteration_metrics(run, k) for k in iterations]
-    violations = check_causality(run, iterations, tolerance_us=args.tolerance_us)
-    stem = output_stem(args.pipeline_parallel, args.model_chunks)
-    summary = {
-        "trace_dir": str(run.trace_dir), "pipeline_parallel": run.pipeline_parallel,
-        "model_chunks": run.model_chunks, "microbatches": run.microbatches, "policy": run.policy,
-        "source": run.source, "ranks": len(run.ranks), "iterations": [m.to_dict() for m in metrics],
-        "causality_violations": [v.to_dict() for v in violations],
-    }
-    with OutputSet(out_dir) as outputs:
-        _write_json(outputs.temp_path(f"{stem}.json"), chrome_trace(run, iterations))
-        _write_json(outputs.temp_path(f"{stem}_metrics.json"), summary)
-        with open(outputs.temp_path(f"{stem}_metrics.csv"), "w", newline="", encoding="utf-8") as handle:
-            writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS)
-            writer.writeheader()
-            writer.writerows(csv_rows(metrics))
-        written = outputs.commit()
-
-    print(format_summary(run, metrics))
-    if violations:
-        print(f"causality: {len(violations)} violation(s)")
-        for violation in violations[:MAX_VIOLATIONS_SHOWN]:
-            print(f"  {violation.describe()}")
-        if len(violations) > MAX_VIOLATIONS_SHOWN:
-            print(f"  ... {len(violations) - MAX_VIOLATIONS_SHOWN} more in {stem}_metrics.json")
-    else:
-        print("causality: ok (no task started before its input was produced)")
-    print("wrote " + ", ".join(str(p) for p in written))
-    return EXIT_VIOLATIONS if (violations and args.strict) else 0
-
-
-def format_summary(run, metrics: list[IterationMetrics]) -> str:
-    lines = [f"pipeline_parallel={run.pipeline_parallel} model_chunks={run.model_chunks} "
-             f"microbatches={run.microbatches} policy={run.policy or '-'} source={run.source} "
-             f"ranks={len(run.ranks)}"]
-    header = (f"{'rank':>5} {'pp':>3} {'tasks':>5} {'compute ms':>11} {'idle ms':>9} {'bubble':>7} "
-              f"{'wait ms':>9} {'sends':>5} {'peak act':>8}")
-    for it in metrics:
-        extra = f", iteration time {it.iteration_time_us / 1e3:.3f} ms" if it.iteration_time_us is not None else ""
-        lines.append(f"iteration {it.iteration}: makespan {it.makespan_us / 1e3:.3f} ms, ideal "
-                     f"{it.ideal_us / 1e3:.3f} ms, makespan/ideal {_ratio(it.makespan_over_ideal)}, mean bubble "
-                     f"{it.mean_bubble_ratio:.1%}{extra}")
-        lines.append(header)
-        for r in it.ranks:
-            lines.append(f"{r.global_rank:>5} {r.pp_rank:>3} {r.tasks:>5} {r.compute_us / 1e3:>11.3f} "
-                         f"{r.idle_us / 1e3:>9.3f} {r.bubble_ratio:>7.1%} {r.comm_wait_us / 1e3:>9.3f} "
-                         f"{r.max_sends_in_flight:>5} {r.peak_activations:>8}")
-    return "\n".join(lines)
-
-
-def _ratio(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.3f}"
-
-
-def _write_json(path: Path, obj) -> None:
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(obj, handle, separators=(",", ":"), allow_nan=False)
-
+from megatron_app.trace.process_trace import PROG, main
+from megatron_app.trace.cli import run_cli
 
 if __name__ == "__main__":
     sys.exit(run_cli(PROG, main))

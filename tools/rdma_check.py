@@ -14,12 +14,6 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script from a checkout: make megatron_app importable
-    _root = Path(__file__).resolve().parent.parent
-    if (_root / "megatron_app").is_dir() and str(_root) not in sys.path:
-        sys.path.insert(0, str(_root))
 
 # Debian's python3-pyverbs installs here, outside any virtual environment's path; it is built for the system
 # Python's ABI, which a venv made from that Python shares.

@@ -9,61 +9,10 @@ Writes trace_pipeline_<P>_model_chunks_<V>.xlsx and .png beside the traces (or i
 Exit codes: 0 ok, 2 bad input.
 """
 
-from __future__ import annotations
-
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script from a checkout: make megatron_app importable
-    _root = Path(__file__).resolve().parent.parent
-    if (_root / "megatron_app").is_dir() and str(_root) not in sys.path:
-        sys.path.insert(0, str(_root))
-
-from megatron_app.trace import TraceError  # noqa: E402
-from megatron_app.trace.cli import (OutputSet, base_parser, iteration_choice, output_stem,  # noqa: E402
-                                    read_chosen_run, run_cli)
-from megatron_app.trace.column_layout import layout_columns  # noqa: E402
-from megatron_app.trace.dependencies import InputSources  # noqa: E402
-from megatron_app.trace.metrics import iteration_metrics  # noqa: E402
-from megatron_app.trace.schema import COMPUTE_KINDS  # noqa: E402
-from megatron_app.trace.timeline_plot import write_timeline_png  # noqa: E402
-from megatron_app.trace.xlsx_sheet import write_pipeline_xlsx  # noqa: E402
-
-PROG = "visualize_trace.py"
-
-
-def parse_args(argv):
-    parser = base_parser(PROG, __doc__.split("\n\n")[0])
-    parser.add_argument("--iteration", type=iteration_choice, default="last",
-                        help="iteration to draw: a number or 'last' (last complete, default)")
-    return parser.parse_args(argv)
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.iteration == "all":
-        raise TraceError("--iteration all is not supported here: the pictures show one iteration "
-                         "(give a number or 'last')")
-    run, out_dir = read_chosen_run(args)
-    (iteration,) = run.select_iterations(args.iteration)
-    stages = run.pipeline_view()
-    metrics = iteration_metrics(run, iteration)
-    info = {"pipeline_parallel": run.pipeline_parallel, "model_chunks": run.model_chunks,
-            "microbatches": run.microbatches, "policy": run.policy or "-", "iteration": iteration,
-            "source": run.source}
-    sources = InputSources(run.pipeline_parallel, run.model_chunks, run.microbatches)
-    rows = layout_columns([stage.events_of(iteration, COMPUTE_KINDS) for stage in stages], sources)
-
-    stem = output_stem(args.pipeline_parallel, args.model_chunks)
-    with OutputSet(out_dir) as outputs:
-        write_pipeline_xlsx(outputs.temp_path(f"{stem}.xlsx"), rows, info, metrics)
-        write_timeline_png(outputs.temp_path(f"{stem}.png"), stages, iteration, info, metrics)
-        written = outputs.commit()
-    print(f"iteration {iteration}: makespan {metrics.makespan_us / 1e3:.3f} ms, mean bubble "
-          f"{metrics.mean_bubble_ratio:.1%}")
-    print("wrote " + ", ".join(str(p) for p in written))
-    return 0
-
+from megatron_app.trace.visualize_trace import PROG, main
+from megatron_app.trace.cli import run_cli
 
 if __name__ == "__main__":
     sys.exit(run_cli(PROG, main))

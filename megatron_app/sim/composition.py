@@ -45,7 +45,7 @@ LOADER_ROW, PACKED_ROW, DP_BALANCED_ROW, BALANCED_ROW = LOADER, PACKED, DP_BALAN
 COMPOSITION_ROWS = (LOADER_ROW, PACKED_ROW, DP_BALANCED_ROW, BALANCED_ROW)
 # The runtime's own time per task: issue 23's figure (about 0.4 ms with near-zero compute on a 2-core machine), not
 # measured here. tools/bench_schedule.py measures it in every run with composition rows (its host-cost probe,
-# bench_schedule_analysis.measure_host_cost) and feeds that to its predictions; set it from such a measurement.
+# bench/schedule/analysis.py's measure_host_cost) and feeds that to its predictions; set it from such a measurement.
 DEFAULT_HOST_US = 400.0
 
 

@@ -1,10 +1,10 @@
 """One rank of tools/bench_schedule.py, launched by it under torchrun: runs every run of a plan in turn.
 
-    python -m torch.distributed.run --nproc_per_node P tools/bench_schedule_worker.py PLAN.json
+    python -m torch.distributed.run --nproc_per_node P --module megatron_app.bench.schedule.worker PLAN.json
 
 One process group for the whole plan, so the ~5 s of imports per rank are paid once. A megatron_app run goes through
 the trainer itself (megatron_app.train: parse_args + train with --emulate-compute; traces and the JSON log land in
-the run's directory); a torch.distributed.pipelining run goes through bench_schedule_torch.py and writes its
+the run's directory); a torch.distributed.pipelining run goes through torch_peer.py and writes its
 per-rank step times and compute spans as JSON (monotonic clock, shared by the processes of one host).
 """
 
@@ -16,11 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-_root = Path(__file__).resolve().parent.parent
-if str(_root) not in sys.path:
-    sys.path.insert(0, str(_root))
-
-import torch.distributed as dist  # noqa: E402
+import torch.distributed as dist
 
 
 def trainer_argv(run: dict, run_dir: Path) -> list:
@@ -68,7 +64,7 @@ def run_app(run: dict, run_dir: Path, job_id: str) -> None:
 
 
 def run_torch(run: dict, run_dir: Path) -> None:
-    from bench_schedule_torch import SPLIT_BACKWARD, SpanRecorder, run_torch_schedule
+    from megatron_app.bench.schedule.torch_peer import SPLIT_BACKWARD, SpanRecorder, run_torch_schedule
 
     from megatron_app.schedule import PipelineShape
     from megatron_app.emulation.spec import EmulationSpec, TaskDurations

@@ -1,5 +1,5 @@
 """Turns bench_schedule.py's raw results into rows: iteration time, bubble ratio, peak activations, the simulator's
-prediction and lower bound; and checks the issue's targets on them.
+prediction and lower bound (targets.py checks the issue's targets on them).
 
 Iteration time: from the first rank entering forward_backward (torch: schedule.step) to the last rank leaving it,
 so a rank that starts late (the machine is shared) counts, and logging between iterations does not.
@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from megatron_app.schedule import ADAPTIVE_POLICY_NAMES, PipelineShape
+from megatron_app.schedule import PipelineShape
 from megatron_app.trace import read_trace_dir
 from megatron_app.trace.intervals import max_concurrency, union_length
 from megatron_app.trace.metrics import iteration_metrics
@@ -31,22 +31,7 @@ from megatron_app.sim.composition import CompositionSimConfig, simulate_composit
 from megatron_app.sim.network import SlowLink
 from megatron_app.trace.schema import BACKWARD, FORWARD, WEIGHT
 
-APP_POLICIES = ADAPTIVE_POLICY_NAMES
-SPLIT_BACKWARD_KEYS = ("torch-zb",)
-# Our runtime's split-backward rows (issue 14): checked against their own targets, kept out of the others'.
-APP_SPLIT_KEYS = ("app-adaptive-split", "app-planned-split")
-OUR_SPLIT_KEYS = (*APP_SPLIT_KEYS, "zb-h1", "torch-zb-order")
-SIM_TOLERANCE = 0.15
-# Issue 23's composition targets, one run at <= 1.0x the baseline's peak activation tokens on every rank:
-# (scenario, P) -> ((reference row key, ours at least this many times faster), ...)
-COMPOSITION_OURS, COMPOSITION_BASELINE = "balanced", "loader-padded"
-COMPOSITION_TARGETS = {
-    ("copyright 2048", 4): (("loader-padded", 1.35), ("loader-packed", 1.15), ("dp-balanced", 1.1)),
-    ("copyright 8192", 4): (("loader-padded", 2.0), ("loader-packed", 1.3)),
-    ("copyright 8192", 8): (("loader-packed", 1.4),),
-    ("variable length", 4): (("loader-padded", 1.09),),     # better than `planned` alone measured (issue 23)
-}
-COMPOSITION_SIM_TOLERANCE = 0.10
+COMPOSITION_BASELINE = "loader-padded"   # the composition row the others' peak tokens are compared with
 MS_PER_PROBE_STEP = 1.0    # the host-cost probe's sensitivity step: every task 1 ms longer
 
 
@@ -268,7 +253,7 @@ def _composition_columns(row: Row, run: dict, pooled: Dict[str, list], host_us: 
 
 def measure_host_cost(probe: Row, run: dict) -> dict:
     """The runtime's own time per task (Python loop, Megatron's step functions, transport calls), from the probe:
-    Megatron's interleaved order on near-zero emulated compute (bench_schedule.HOST_PROBE_COMPUTE).
+    Megatron's interleaved order on near-zero emulated compute (scenarios.HOST_PROBE_COMPUTE).
 
         host_us = (measured iteration - simulated iteration at zero host cost) / critical-path tasks
         critical-path tasks = (simulated iteration with every task 1 ms longer - simulated iteration) / 1 ms
@@ -316,170 +301,6 @@ def analyse_plan(plan: dict) -> List[Row]:
         if row.composition and base is not None and row.peak_tokens:
             row.peak_tokens_over_base = max(a / b for a, b in zip(row.peak_tokens, base.peak_tokens))
     return rows + ([probe] if probe is not None else [])
-
-
-# ---- targets --------------------------------------------------------------------------------------------------
-@dataclass
-class TargetCheck:
-    scenario: str
-    target: str
-    measured: str
-    passed: Optional[bool]      # None: could not be evaluated (a row is missing)
-
-
-def _by_key(rows: List[Row]) -> Dict[str, Row]:
-    return {row.key: row for row in rows}
-
-
-def _split_backward_checks(scenario: str, group: List[Row]) -> List[TargetCheck]:
-    """Issue 14: the best APP policy with a split backward against torch's interleaved zero-bubble schedule and
-    against the best whole-backward APP policy (>= 1.0x homogeneous, >= 1.1x under perturbations)."""
-    by = _by_key(group)
-    splits = [by[key] for key in APP_SPLIT_KEYS if key in by]
-    if not splits:
-        return []
-    split = min(splits, key=lambda r: r.iteration_ms)
-    need = 1.0 if scenario.startswith("homogeneous") else 1.1
-    checks = []
-    whole = [row for row in group if row.key in APP_POLICIES]
-    references = [("torch-zb", by.get("torch-zb"))]
-    if whole:
-        best = min(whole, key=lambda r: r.iteration_ms)
-        references.append((f"best whole-backward APP ({best.label})", best))
-    for name, other in references:
-        if other is None:
-            continue
-        speedup = other.iteration_ms / split.iteration_ms
-        checks.append(TargetCheck(scenario, f"{split.label} >= {need:.1f}x {name}",
-                                  f"{split.iteration_ms:.1f} ms vs {other.iteration_ms:.1f} ms ({speedup:.3f}x)",
-                                  speedup >= need))
-    return checks
-
-
-def check_targets(rows: List[Row]) -> List[TargetCheck]:
-    checks: List[TargetCheck] = []
-    for scenario in dict.fromkeys(row.scenario for row in rows):
-        checks += _split_backward_checks(scenario, [row for row in rows if row.scenario == scenario])
-        checks += _composition_checks(scenario, [row for row in rows if row.scenario == scenario and row.composition])
-        group = [row for row in rows if row.scenario == scenario and row.key not in OUR_SPLIT_KEYS
-                 and not row.composition]
-        if not group:
-            continue
-        by = _by_key(group)
-        app = [row for row in group if row.key in APP_POLICIES]
-        static = [row for row in group if row not in app]
-        if not app or not static:
-            continue
-        best_app = min(app, key=lambda r: r.iteration_ms)
-        best_static = min(static, key=lambda r: r.iteration_ms)
-        ratio = best_app.iteration_ms / best_static.iteration_ms
-        if group[0].peak_tokens:
-            checks += _variable_length_checks(scenario, group)
-            continue
-        if scenario.startswith("homogeneous"):
-            checks.append(TargetCheck(scenario, "best APP policy within 3% of the best static schedule",
-                                      f"{best_app.label} {best_app.iteration_ms:.1f} ms vs {best_static.label} "
-                                      f"{best_static.iteration_ms:.1f} ms ({ratio:.3f}x)", ratio <= 1.03))
-            atomic = [row for row in static if row.key not in SPLIT_BACKWARD_KEYS]
-            if best_static.key in SPLIT_BACKWARD_KEYS and atomic:
-                # ZeroBubble splits each backward in two and fills bubbles with the halves; Megatron's backward_step
-                # (what our runtime runs) cannot, so also compare with the schedules that run backwards whole.
-                best_atomic = min(atomic, key=lambda r: r.iteration_ms)
-                ratio = best_app.iteration_ms / best_atomic.iteration_ms
-                checks.append(TargetCheck(scenario, "best APP policy within 3% of the best static schedule with "
-                                          "whole backwards", f"{best_app.iteration_ms:.1f} ms vs {best_atomic.label} "
-                                          f"{best_atomic.iteration_ms:.1f} ms ({ratio:.3f}x)", ratio <= 1.03))
-        elif scenario.startswith("slow rank"):
-            bound = best_app.bound_ms
-            checks.append(TargetCheck(scenario, "best APP policy within 5% of the lower bound",
-                                      f"{best_app.label} {best_app.iteration_ms:.1f} ms vs bound {bound:.1f} ms "
-                                      f"({best_app.iteration_ms / bound:.3f}x)", best_app.iteration_ms <= 1.05 * bound))
-            checks.append(TargetCheck(scenario, "best APP policy never slower than the static orders",
-                                      f"{best_app.iteration_ms:.1f} ms vs fastest static {best_static.label} "
-                                      f"{best_static.iteration_ms:.1f} ms",
-                                      best_app.iteration_ms <= best_static.iteration_ms))
-        else:
-            adaptive = by.get("adaptive")
-            for reference in ("interleaved", "torch-interleaved"):
-                other = by.get(reference)
-                if adaptive is None or other is None:
-                    continue
-                speedup = other.iteration_ms / adaptive.iteration_ms
-                checks.append(TargetCheck(scenario, f"adaptive >= 1.15x faster than {other.label}",
-                                          f"{other.iteration_ms:.1f} / {adaptive.iteration_ms:.1f} ms = {speedup:.3f}x",
-                                          speedup >= 1.15))
-        interleaved = by.get("interleaved")
-        if interleaved is not None:
-            worse = [f"{row.label} {row.peak_activations}" for row in app
-                     if any(a > b for a, b in zip(row.peak_activations, interleaved.peak_activations))]
-            checks.append(TargetCheck(scenario, "peak activations of every APP policy <= Megatron interleaved's",
-                                      "; ".join(worse) if worse else
-                                      f"all <= {interleaved.peak_activations}", not worse))
-    for row in rows:
-        if row.system == "app" and row.sim_error is not None and not row.peak_tokens:
-            checks.append(TargetCheck(row.scenario, f"simulator predicts {row.label} within 15%",
-                                      f"measured {row.iteration_ms:.1f} ms vs sim {row.sim_ms:.1f} ms "
-                                      f"({row.sim_error:+.1%})", abs(row.sim_error) <= SIM_TOLERANCE))
-    return checks
-
-
-def _variable_length_checks(scenario: str, group: List[Row]) -> List[TargetCheck]:
-    """Issue 13's targets: planned faster than Megatron's interleaved order (data order) within its memory factor
-    of interleaved's peak activation tokens on every rank; the simulator within 10% for every row."""
-    by = _by_key(group)
-    interleaved = by.get("interleaved")
-    checks = []
-    if interleaved is not None:
-        P = len(interleaved.peak_tokens)
-        wanted = 1.25 if P <= 4 else 1.4
-        for row in group:
-            if row.system != "app" or row.key == "interleaved":
-                continue
-            speedup = interleaved.iteration_ms / row.iteration_ms
-            allowed = row.memory_factor or 1.0
-            over = max(a / b for a, b in zip(row.peak_tokens, interleaved.peak_tokens))
-            if row.key.startswith("planned") and allowed == 1.0:
-                checks.append(TargetCheck(scenario, f"{row.label} >= {wanted}x faster than Megatron interleaved "
-                                          "(data order)", f"{interleaved.iteration_ms:.1f} / {row.iteration_ms:.1f} ms "
-                                          f"= {speedup:.3f}x", speedup >= wanted))
-            checks.append(TargetCheck(scenario, f"{row.label} peak activation tokens <= {allowed:g}x interleaved's "
-                                      "on every rank", f"{speedup:.3f}x speed-up, tokens {row.peak_tokens} vs "
-                                      f"{interleaved.peak_tokens} (max {over:.3f}x)", over <= allowed + 1e-9))
-    for row in group:
-        if row.sim_error is not None:
-            checks.append(TargetCheck(scenario, f"simulator predicts {row.label} within 10%",
-                                      f"measured {row.iteration_ms:.1f} ms vs sim {row.sim_ms:.1f} ms "
-                                      f"({row.sim_error:+.1%})", abs(row.sim_error) <= 0.10))
-    return checks
-
-
-def _composition_checks(scenario: str, group: List[Row]) -> List[TargetCheck]:
-    """Issue 23: ours (balanced + planned) faster than each reference composition by COMPOSITION_TARGETS, at <= 1.0x
-    the baseline's peak activation tokens on every rank; the simulator within 10% of every composition row."""
-    if not group:
-        return []
-    by = _by_key(group)
-    ours, checks = by.get(COMPOSITION_OURS), []
-    targets = COMPOSITION_TARGETS.get((scenario, len(group[0].peak_tokens)), ())
-    for reference, need in targets if ours is not None else ():
-        other = by.get(reference)
-        if other is None:
-            checks.append(TargetCheck(scenario, f"{ours.label} >= {need}x {reference}", "row not run", None))
-            continue
-        speedup = other.iteration_ms / ours.iteration_ms
-        checks.append(TargetCheck(scenario, f"{ours.label} >= {need}x {other.label}",
-                                  f"{other.iteration_ms:.1f} / {ours.iteration_ms:.1f} ms = {speedup:.3f}x",
-                                  speedup >= need))
-    if ours is not None and ours.peak_tokens_over_base is not None:
-        checks.append(TargetCheck(scenario, f"{ours.label} peak activation tokens <= 1.0x the baseline's on every "
-                                  "rank", f"max {ours.peak_tokens_over_base:.3f}x ({ours.peak_tokens} vs "
-                                  f"{by[COMPOSITION_BASELINE].peak_tokens})", ours.peak_tokens_over_base <= 1.0 + 1e-9))
-    for row in group:
-        if row.sim_error is not None:
-            checks.append(TargetCheck(scenario, f"simulator predicts {row.label} within 10%",
-                                      f"measured {row.iteration_ms:.1f} ms vs sim {row.sim_ms:.1f} ms "
-                                      f"({row.sim_error:+.1%})", abs(row.sim_error) <= COMPOSITION_SIM_TOLERANCE))
-    return checks
 
 
 def rows_to_json(rows: List[Row]) -> List[dict]:

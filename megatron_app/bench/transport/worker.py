@@ -1,5 +1,5 @@
 """One rank of a bench_transport section (started twice by tools/bench_transport.py, possibly inside a network
-namespace):  python tools/bench_transport_worker.py PLAN.json RANK
+namespace):  python -m megatron_app.bench.transport.worker PLAN.json RANK
 
 Sections:
   shm           our shared-memory transport vs gloo, and a single-thread memcpy on rank 0
@@ -16,19 +16,14 @@ import statistics
 import sys
 from pathlib import Path
 
-_root = Path(__file__).resolve().parent.parent
-for _path in (_root, Path(__file__).resolve().parent):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from bench_transport_links import (GlooLink, LossLayerView, OursLink, RawSocketLink, Stream,  # noqa: E402
-                                   interleaved_bursts_gbs, latency_us, memcpy_gbs, percentile)
-
-from megatron_app.lossy import make_loss_config  # noqa: E402
-from megatron_app.lossy.pipeline import PipelineLoss  # noqa: E402
-from megatron_app.transport import Transport, open_transport  # noqa: E402
+from megatron_app.bench.transport.links import (GlooLink, LossLayerView, OursLink, RawSocketLink, Stream,
+                                                interleaved_bursts_gbs, latency_us, memcpy_gbs, percentile)
+from megatron_app.lossy import make_loss_config
+from megatron_app.lossy.pipeline import PipelineLoss
+from megatron_app.transport import Transport, open_transport
 
 
 def latency_fields(name, samples):

@@ -8,7 +8,7 @@ weight-gradient part of half the backward time each, as two autograd nodes torch
 run separately (the first stage, whose input needs no gradient, does its whole backward in the weight step, as torch
 does).
 
-Runs on CPU/gloo in the processes of bench_schedule_worker.py. Records every compute span for bubble and memory
+Runs on CPU/gloo in the processes of worker.py. Records every compute span for bubble and memory
 metrics; microbatch ids are counted per stage in forward order (every torch schedule runs a stage's forwards in
 microbatch order) and carried to the backward by autograd. The first step includes torch's metadata inference and
 must be a warm-up.
