@@ -10,6 +10,7 @@ Writes losses.json on the rank that has the loss.
 import argparse
 import json
 import os
+import time
 from functools import partial
 
 import torch
@@ -119,7 +120,8 @@ def main():
         source = [batches() for _ in range(V)]
         data_iterator = source if V > 1 else source[0]
         losses = []
-        for _ in range(ITERS):
+        started = time.monotonic()
+        for iteration in range(ITERS):
             for m in model:
                 m.zero_grad_buffer()
             optimizer.zero_grad()
@@ -133,6 +135,10 @@ def main():
             optimizer.step()
             if losses_reduced:
                 losses.append(sum(d["lm loss"].item() for d in losses_reduced) / len(losses_reduced))
+            if iteration == 0:  # includes opening the transport and connecting to the peers: the start-up
+                first_iteration_s = time.monotonic() - started
+    with open(os.path.join(opts.out, f"first_iteration_s_rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(first_iteration_s, f)
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         with open(os.path.join(opts.out, "losses.json"), "w") as f:
             json.dump(losses, f)
