@@ -61,9 +61,6 @@ def main() -> int:
     # process took it in between once (EADDRINUSE under two pytest workers).
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world))
-    if os.environ.get("FORK_RANKS_PORT_FILE"):  # a test that talks to the job's store finds it here
-        with open(os.environ["FORK_RANKS_PORT_FILE"], "w") as port_file:
-            port_file.write(os.environ["MASTER_PORT"])
     sys.stdout.flush()
     sys.stderr.flush()
     ranks = {}
