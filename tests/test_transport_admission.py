@@ -167,3 +167,46 @@ def test_silent_connections_garbage_and_a_connect_storm_cost_peers_nothing():
             sock.close()
         a.close()
         b.close()
+
+
+OUT_OF_DESCRIPTORS_CHILD = r"""
+import os, resource, sys, time
+from megatron_app.transport import Transport
+transport = Transport(0, 2, sys.argv[1], backends={1: "tcp"}, timeout_s=30, admission_secret=bytes(32))
+print(transport.local_address("tcp"), flush=True)
+# The lowest free descriptor becomes the limit: the listener's next accept4 fails with EMFILE.
+open_fds = {int(name) for name in os.listdir("/proc/self/fd")}
+lowest_free = min(set(range(len(open_fds) + 1)) - open_fds)
+resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+sys.stdin.readline()  # the parent has connected
+before = resource.getrusage(resource.RUSAGE_SELF)
+time.sleep(1.0)
+after = resource.getrusage(resource.RUSAGE_SELF)
+print(f"{after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime:.3f}", flush=True)
+transport.close()
+"""
+
+
+def test_running_out_of_descriptors_pauses_accepting_and_is_reported_once():
+    """With no descriptor left, waiting connections keep the listening socket ready: accepting again at once would
+    spin a core. The listener must back off (the process's CPU time over a second stays low) and say so once."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", OUT_OF_DESCRIPTORS_CHILD, job()], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        address = child.stdout.readline().strip()
+        sockets = [connect(address) for _ in range(5)]
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        cpu_s = float(child.stdout.readline())
+        child.wait(timeout=30)
+    finally:
+        child.kill()
+    stderr = child.stderr.read()
+    for sock in sockets:
+        sock.close()
+    assert stderr.count("out of file descriptors") == 1, stderr
+    assert "EMFILE" in stderr
+    assert cpu_s < 0.25, f"the listener spun: {cpu_s} s of CPU in 1 s"

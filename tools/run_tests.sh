@@ -21,7 +21,7 @@ LATEST_FILTER="not equality or (every_schedule and P2-V2-T1) or (dropout and P2-
 # process it happens in, so the run fails.
 SANITIZED_TESTS=(tests/test_transport_roundtrip.py tests/test_transport_tcp.py tests/test_transport_lifecycle.py
                  tests/test_transport_processes.py tests/test_rdma_protocol.py tests/test_lossy_transport.py
-                 tests/test_transport_admission.py)
+                 tests/test_transport_admission.py tests/test_wire_fuzz.py)
 want_sanitized=${MEGATRON_APP_TEST_SANITIZE:-$([ "$#" -eq 0 ] && echo 1 || echo 0)}
 want_latest=${MEGATRON_APP_TEST_LATEST:-$([ "$#" -eq 0 ] && echo 1 || echo 0)}
 
@@ -46,7 +46,22 @@ if [ "$rc" -eq 5 ]; then
         exit 1
     fi
 fi
-if [ "$want_sanitized" = 1 ]; then
+# A targeted run sanitizes only the transport files it names (all of them after the whole suite).
+sanitized_selection=("${SANITIZED_TESTS[@]}")
+if [ "$#" -gt 0 ]; then
+    sanitized_selection=()
+    for candidate in "${SANITIZED_TESTS[@]}"; do
+        for argument in "$@"; do
+            case "$argument" in "$candidate"|"$candidate"::*|"./$candidate"|"./$candidate"::*)
+                sanitized_selection+=("$argument") ;;
+            esac
+        done
+    done
+fi
+if [ "$want_sanitized" = 1 ] && [ "${#sanitized_selection[@]}" -eq 0 ]; then
+    echo "run_tests.sh: none of the files named is a transport test file; nothing to run under the sanitizers" >&2
+fi
+if [ "$want_sanitized" = 1 ] && [ "${#sanitized_selection[@]}" -gt 0 ]; then
     sanitized_module=$(MAPP_SANITIZE=address,undefined VENV_PY="$VENV_PY" bash tools/build_sanitized.sh) \
         || { echo "run_tests.sh: the sanitizer build failed" >&2; exit 1; }
     echo "run_tests.sh: again with the transport built under -fsanitize=address,undefined" >&2
@@ -56,7 +71,7 @@ if [ "$want_sanitized" = 1 ]; then
     # own allocations.
     MEGATRON_APP_CORE="$sanitized_module" LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libstdc++.so)" \
         ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-        "$VENV_PY" -m pytest -q "${SANITIZED_TESTS[@]}"
+        "$VENV_PY" -m pytest -q "${sanitized_selection[@]}"
     sanitized_rc=$?
     set -e
     [ "$rc" -ne 0 ] || rc=$sanitized_rc

@@ -2,7 +2,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <optional>
 #include <string>
@@ -13,7 +16,9 @@
 #include "loss_bindings.h"
 #include "rdma_backend.h"
 #include "rdma_protocol_bindings.h"
+#include "shm_layout.h"
 #include "tag.h"
+#include "tcp_frame.h"
 #include "transport.h"
 
 namespace py = pybind11;
@@ -49,6 +54,68 @@ py::tuple message_tuple(Message message) {
   const MessageHeader header = message.header;
   return py::make_tuple(header.dtype_code, py::tuple(py::cast(shape_of(header))), header.nbytes,
                         ReceivedBuffer(std::move(message.payload)));
+}
+
+// Test-only: the parsers every backend runs on bytes from another process, fed from Python (tests/test_wire_fuzz.py).
+void bind_wire_parsers(py::module_& parent) {
+  py::module_ m = parent.def_submodule("_wire", "Test-only entry points to the transport's wire parsers.");
+  m.attr("TCP_HELLO_BYTES") = sizeof(TcpHello);
+  m.attr("TCP_FRAME_BYTES") = sizeof(TcpFrameHeader);
+  const auto fixed_size = [](const py::bytes& data, size_t size, const char* what) {
+    std::string text = data;
+    if (text.size() != size) {
+      throw std::invalid_argument(std::string(what) + " of " + std::to_string(text.size()) + " bytes, expected " +
+                                  std::to_string(size));
+    }
+    return text;
+  };
+  m.def("tcp_hello_problem", [fixed_size](const py::bytes& data, const std::string& job_id,
+                                          const std::vector<int>& peers) {
+    const std::string text = fixed_size(data, sizeof(TcpHello), "hello");
+    TcpHello hello;
+    std::memcpy(&hello, text.data(), sizeof(hello));
+    return check_tcp_hello(hello, job_id, peers);
+  });
+  m.def("tcp_frame_problem", [fixed_size](const py::bytes& data, uint64_t max_message_bytes) {
+    const std::string text = fixed_size(data, sizeof(TcpFrameHeader), "frame header");
+    TcpFrameHeader frame;
+    std::memcpy(&frame, text.data(), sizeof(frame));
+    return check_tcp_frame(frame, max_message_bytes);
+  });
+  // The geometry SegmentView::validate accepts for a segment of `size` bytes whose header is `data`, or None.
+  m.def("validate_segment_header", [](const py::bytes& data, uint64_t size) -> py::object {
+    std::string text = data;
+    std::vector<uint64_t> aligned((std::max<size_t>(text.size(), sizeof(SegmentHeader)) + 7) / 8 + 8, 0);
+    std::memcpy(aligned.data(), text.data(), text.size());
+    // validate() reads only the header, so the header stands for a segment of `size` bytes.
+    auto view = SegmentView::validate(reinterpret_cast<uint8_t*>(aligned.data()), size);
+    if (!view) return py::none();
+    return py::make_tuple(view->num_rings(), view->slots_per_ring(), view->slot_bytes());
+  });
+  py::dict layout;
+  layout["header_bytes"] = sizeof(SegmentHeader);
+  layout["magic"] = offsetof(SegmentHeader, magic);
+  layout["num_rings"] = offsetof(SegmentHeader, num_rings);
+  layout["slots_per_ring"] = offsetof(SegmentHeader, slots_per_ring);
+  layout["slot_bytes"] = offsetof(SegmentHeader, slot_bytes);
+  layout["rings_offset"] = offsetof(SegmentHeader, rings_offset);
+  layout["chunks_offset"] = offsetof(SegmentHeader, chunks_offset);
+  layout["data_offset"] = offsetof(SegmentHeader, data_offset);
+  layout["total_bytes"] = offsetof(SegmentHeader, total_bytes);
+  layout["ring_bytes"] = sizeof(RingControl);
+  layout["ring_producer_rank"] = offsetof(RingControl, producer_rank);
+  layout["ring_head"] = offsetof(RingControl, head);
+  layout["ring_tail"] = offsetof(RingControl, tail);
+  layout["ring_space"] = offsetof(RingControl, space);
+  layout["chunk_bytes"] = sizeof(ChunkHeader);
+  layout["chunk_offset"] = offsetof(ChunkHeader, offset);
+  layout["chunk_length"] = offsetof(ChunkHeader, length);
+  layout["message_tag"] = offsetof(MessageHeader, tag);
+  layout["message_nbytes"] = offsetof(MessageHeader, nbytes);
+  layout["message_dtype"] = offsetof(MessageHeader, dtype_code);
+  layout["message_ndim"] = offsetof(MessageHeader, ndim);
+  layout["message_shape"] = offsetof(MessageHeader, shape);
+  m.attr("SHM_LAYOUT") = layout;
 }
 
 }  // namespace
@@ -199,4 +266,5 @@ PYBIND11_MODULE(_shm_tensor_rdma, m) {
 
   bind_loss(m);
   bind_rdma_protocol(m);
+  bind_wire_parsers(m);
 }

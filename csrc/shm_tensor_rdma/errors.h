@@ -27,5 +27,8 @@ class ClosedError : public std::runtime_error {
 std::string system_error_text(const std::string& what, int errnum);
 // "2.5 s"
 std::string format_seconds(double seconds);
+// Bytes another process sent, fit to quote in an error: anything but printable ASCII becomes \xNN (error texts
+// become Python str, which must be valid UTF-8, and must not carry a peer's control characters into a log).
+std::string printable_text(const std::string& untrusted);
 
 }  // namespace mapp

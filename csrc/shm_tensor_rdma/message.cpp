@@ -29,4 +29,16 @@ std::vector<int64_t> shape_of(const MessageHeader& header) {
   return std::vector<int64_t>(header.shape, header.shape + header.ndim);
 }
 
+std::string message_header_problem(const MessageHeader& header, uint64_t max_message_bytes) {
+  if (header.ndim > kMaxDims) return "a tensor with " + std::to_string(header.ndim) + " dimensions";
+  for (uint32_t i = 0; i < header.ndim; ++i) {
+    if (header.shape[i] < 0) return "negative extent " + std::to_string(header.shape[i]) + " in its shape";
+  }
+  if (header.nbytes > max_message_bytes) {
+    return "a message of " + std::to_string(header.nbytes) + " bytes, over max_message_bytes=" +
+           std::to_string(max_message_bytes);
+  }
+  return "";
+}
+
 }  // namespace mapp

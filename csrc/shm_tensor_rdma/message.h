@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -31,6 +32,9 @@ struct ChunkHeader {
 MessageHeader make_message_header(uint64_t tag, uint32_t dtype_code, const std::vector<int64_t>& shape,
                                   uint64_t nbytes);
 std::vector<int64_t> shape_of(const MessageHeader& header);
+// "" if a received header is one a sender could have made (dimensions, extents) and fits max_message_bytes, else
+// why not. Every backend checks what another process wrote before it allocates or copies by it.
+std::string message_header_problem(const MessageHeader& header, uint64_t max_message_bytes);
 
 // (peer rank, tag): how callers name a message.
 using MessageKey = std::pair<int, uint64_t>;

@@ -61,14 +61,8 @@ RdmaChunkHeader read_rdma_chunk(const uint8_t* slot, size_t byte_len, uint64_t s
     throw std::invalid_argument(which + " carries sequence " + std::to_string(header.sequence) +
                                 " (a chunk was lost or repeated)");
   }
-  if (header.message.ndim > kMaxDims) {
-    throw std::invalid_argument(which + " describes a tensor with " + std::to_string(header.message.ndim) +
-                                " dimensions");
-  }
-  if (header.message.nbytes > max_message_bytes) {
-    throw std::invalid_argument(which + " belongs to a message of " + std::to_string(header.message.nbytes) +
-                                " bytes, over max_message_bytes=" + std::to_string(max_message_bytes));
-  }
+  const std::string problem = message_header_problem(header.message, max_message_bytes);
+  if (!problem.empty()) throw std::invalid_argument(which + " describes " + problem);
   if (header.length > rdma_slot_payload_bytes(slot_bytes) || header.offset > header.message.nbytes ||
       header.length > header.message.nbytes - header.offset) {
     throw std::invalid_argument(which + " claims bytes [" + std::to_string(header.offset) + ", +" +

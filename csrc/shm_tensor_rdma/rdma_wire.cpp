@@ -4,6 +4,8 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "errors.h"
+
 namespace mapp {
 namespace {
 
@@ -152,6 +154,9 @@ RdmaEndpointInfo decode_endpoint_info(const std::vector<uint8_t>& bytes) {
   in.raw(reinterpret_cast<uint8_t*>(job), sizeof(job));
   info.job_id.assign(job, strnlen(job, sizeof(job)));
   if (info.job_id.size() == sizeof(job)) throw std::invalid_argument("job id is not NUL-terminated");
+  if (printable_text(info.job_id) != info.job_id) {
+    throw std::invalid_argument("job id '" + printable_text(info.job_id) + "' is not printable ASCII");
+  }
   info.qp_num = in.u32();
   info.psn = in.u32();
   info.lid = in.u16();

@@ -22,7 +22,7 @@ ShmBackend::ShmBackend(const BackendContext& context)
     : rank_(context.rank),
       receiver_(std::make_unique<ShmReceiver>(
           ReceiverConfig{context.job_id, context.rank, context.world_size, context.peers, context.slot_bytes,
-                         context.num_slots},
+                         context.num_slots, context.max_message_bytes},
           context.inbox, context.pool)),
       connector_(std::make_unique<PeerConnector>(context.job_id, context.rank, context.world_size, context.peers)) {}
 
@@ -52,6 +52,7 @@ std::unique_ptr<Backend::ForegroundWait> ShmBackend::foreground_wait() {
 }
 
 std::optional<PeerFailure> ShmBackend::failure(int peer) {
+  if (std::optional<std::string> corruption = receiver_->corruption(peer)) return PeerFailure{true, *corruption};
   std::optional<ProcessIdentity> identity = connector_->owner_of(peer);
   if (!identity) identity = receiver_->producer(peer);
   const bool closed = receiver_->producer_closed(peer) || connector_->peer_closed(peer);

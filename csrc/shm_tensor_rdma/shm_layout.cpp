@@ -49,7 +49,7 @@ SegmentView SegmentView::initialize(uint8_t* base, const SegmentGeometry& geomet
   header->data_offset = geometry.data_offset;
   header->total_bytes = geometry.total_bytes;
   header->expected_attach = static_cast<uint32_t>(producer_ranks.size());
-  SegmentView view(base);
+  SegmentView view(base, geometry);
   for (uint32_t i = 0; i < geometry.num_rings; ++i) {
     auto* ring = new (base + geometry.rings_offset + i * sizeof(RingControl)) RingControl();
     ring->producer_rank = producer_ranks[i];
@@ -62,29 +62,37 @@ std::optional<SegmentView> SegmentView::validate(uint8_t* base, size_t size) {
   if (size < sizeof(SegmentHeader)) return std::nullopt;
   const auto& header = *reinterpret_cast<const SegmentHeader*>(base);
   if (header.magic != kSegmentMagic || header.layout_version != kLayoutVersion) return std::nullopt;
-  if (header.num_rings == 0 || header.slots_per_ring == 0 || header.slot_bytes == 0) return std::nullopt;
-  const SegmentGeometry expected =
-      SegmentGeometry::compute(header.num_rings, header.slots_per_ring, header.slot_bytes);
-  if (expected.rings_offset != header.rings_offset || expected.chunks_offset != header.chunks_offset ||
-      expected.data_offset != header.data_offset || expected.total_bytes != header.total_bytes ||
-      header.total_bytes > size) {
+  // Each field is read once: the segment's other users may be rewriting it while we look.
+  const uint32_t num_rings = header.num_rings;
+  const uint32_t slots_per_ring = header.slots_per_ring;
+  const uint64_t slot_bytes = header.slot_bytes;
+  // Far beyond any real job, and small enough that the geometry below cannot overflow 64 bits.
+  // (transport_options.cpp allows 2**20 slots in all, at least 2 per ring, of at most 2**30 bytes.)
+  if (num_rings == 0 || slots_per_ring == 0 || uint64_t{num_rings} * slots_per_ring > (uint64_t{1} << 21) ||
+      slot_bytes == 0 || slot_bytes > (uint64_t{1} << 31)) {
     return std::nullopt;
   }
-  return SegmentView(base);
+  const SegmentGeometry expected = SegmentGeometry::compute(num_rings, slots_per_ring, slot_bytes);
+  if (expected.rings_offset != header.rings_offset || expected.chunks_offset != header.chunks_offset ||
+      expected.data_offset != header.data_offset || expected.total_bytes != header.total_bytes ||
+      expected.total_bytes > size) {
+    return std::nullopt;
+  }
+  return SegmentView(base, expected);
 }
 
 RingControl& SegmentView::ring(uint32_t ring_index) const {
-  return *reinterpret_cast<RingControl*>(base_ + header().rings_offset + ring_index * sizeof(RingControl));
+  return *reinterpret_cast<RingControl*>(base_ + geometry_.rings_offset + ring_index * sizeof(RingControl));
 }
 
 ChunkHeader& SegmentView::chunk(uint32_t ring_index, uint64_t slot) const {
-  const uint64_t index = uint64_t{ring_index} * header().slots_per_ring + slot;
-  return *reinterpret_cast<ChunkHeader*>(base_ + header().chunks_offset + index * sizeof(ChunkHeader));
+  const uint64_t index = uint64_t{ring_index} * geometry_.slots_per_ring + slot;
+  return *reinterpret_cast<ChunkHeader*>(base_ + geometry_.chunks_offset + index * sizeof(ChunkHeader));
 }
 
 uint8_t* SegmentView::slot_data(uint32_t ring_index, uint64_t slot) const {
-  const uint64_t index = uint64_t{ring_index} * header().slots_per_ring + slot;
-  return base_ + header().data_offset + index * round_up(header().slot_bytes, kPageBytes);
+  const uint64_t index = uint64_t{ring_index} * geometry_.slots_per_ring + slot;
+  return base_ + geometry_.data_offset + index * round_up(geometry_.slot_bytes, kPageBytes);
 }
 
 int SegmentView::ring_of(int producer_rank) const {

@@ -73,7 +73,8 @@ struct SegmentGeometry {
   static SegmentGeometry compute(uint32_t num_rings, uint32_t slots_per_ring, uint64_t slot_bytes);
 };
 
-// Typed access to a mapped segment. Does not own the memory.
+// Typed access to a mapped segment. Does not own the memory. The geometry is copied out when the view is made:
+// whatever another process writes into the header later cannot move a ring, a chunk header or a slot.
 class SegmentView {
  public:
   // Builds a fresh segment in zeroed memory of geometry.total_bytes.
@@ -83,9 +84,9 @@ class SegmentView {
   static std::optional<SegmentView> validate(uint8_t* base, size_t size);
 
   SegmentHeader& header() const { return *reinterpret_cast<SegmentHeader*>(base_); }
-  uint32_t num_rings() const { return header().num_rings; }
-  uint32_t slots_per_ring() const { return header().slots_per_ring; }
-  uint64_t slot_bytes() const { return header().slot_bytes; }
+  uint32_t num_rings() const { return geometry_.num_rings; }
+  uint32_t slots_per_ring() const { return geometry_.slots_per_ring; }
+  uint64_t slot_bytes() const { return geometry_.slot_bytes; }
   RingControl& ring(uint32_t ring_index) const;
   ChunkHeader& chunk(uint32_t ring_index, uint64_t slot) const;
   uint8_t* slot_data(uint32_t ring_index, uint64_t slot) const;
@@ -94,8 +95,9 @@ class SegmentView {
   ProcessIdentity owner() const;
 
  private:
-  explicit SegmentView(uint8_t* base) : base_(base) {}
+  SegmentView(uint8_t* base, const SegmentGeometry& geometry) : base_(base), geometry_(geometry) {}
   uint8_t* base_;
+  SegmentGeometry geometry_;
 };
 
 }  // namespace mapp

@@ -5,7 +5,9 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "peer_name.h"
 #include "shm_names.h"
+#include "tag.h"
 #include "stream_copy.h"
 
 namespace mapp {
@@ -30,7 +32,10 @@ ShmReceiver::ShmReceiver(const ReceiverConfig& config, Inbox* inbox, std::shared
       view_(create_segment(config, &segment_)),
       foreground_(&view_.header().foreground),
       background_(&view_.header().background),
+      rank_(config.rank),
+      max_message_bytes_(config.max_message_bytes),
       partial_(view_.num_rings()) {
+  for (int peer : config.peers) rings_.push_back(RingState{peer});
   segment_->publish();
   drain_thread_ = std::thread([this] { drain_loop(); });
 }
@@ -71,41 +76,93 @@ void ShmReceiver::drain_available(bool wait_for_lock) {
   for (uint32_t i = 0; i < view_.num_rings(); ++i) drain_ring(i);
 }
 
+std::string ShmReceiver::chunk_problem(const ChunkHeader& chunk, const PartialMessage& partial) const {
+  const std::string header_problem = message_header_problem(chunk.message, max_message_bytes_);
+  if (!header_problem.empty()) return "a chunk describing " + header_problem;
+  const uint64_t expected_offset = partial.active ? partial.received : 0;
+  if (chunk.offset != expected_offset) {
+    return "a chunk at byte " + std::to_string(chunk.offset) + " where byte " + std::to_string(expected_offset) +
+           " comes next";
+  }
+  if (partial.active && std::memcmp(&chunk.message, &partial.header, sizeof(MessageHeader)) != 0) {
+    return "a chunk of another message inside " + describe_tag(partial.header.tag);
+  }
+  // A sender fills every chunk it publishes; only an empty message has an empty chunk.
+  if (chunk.length > view_.slot_bytes() || chunk.length > chunk.message.nbytes - chunk.offset ||
+      (chunk.length == 0 && chunk.message.nbytes != 0)) {
+    return "a chunk of " + std::to_string(chunk.length) + " bytes at byte " + std::to_string(chunk.offset) +
+           " of a " + std::to_string(chunk.message.nbytes) + "-byte message in a " +
+           std::to_string(view_.slot_bytes()) + "-byte slot";
+  }
+  return "";
+}
+
 void ShmReceiver::drain_ring(uint32_t ring_index) {
   RingControl& ring = view_.ring(ring_index);
+  RingState& state = rings_[ring_index];
+  if (!state.corruption.empty()) return;
   Doorbell space(&ring.space);
   PartialMessage& partial = partial_[ring_index];
   const uint64_t slots = view_.slots_per_ring();
-  uint64_t tail = ring.tail.load(std::memory_order_relaxed);
   const uint64_t head = ring.head.load(std::memory_order_acquire);
-  for (; tail < head; ++tail) {
-    const uint64_t slot = tail % slots;
-    const ChunkHeader chunk = view_.chunk(ring_index, slot);
-    // A malformed chunk can only come from a corrupted segment; drop it rather than write out of bounds.
-    const bool valid = chunk.length <= view_.slot_bytes() && chunk.offset <= chunk.message.nbytes &&
-                       chunk.length <= chunk.message.nbytes - chunk.offset && chunk.message.ndim <= kMaxDims;
-    if (valid) {
-      if (chunk.offset == 0) {
-        partial.active = true;
-        partial.header = chunk.message;
-        partial.payload = pool_->acquire(chunk.message.nbytes);
-      }
-      if (partial.active && chunk.length > 0) {
-        copy_bypassing_cache(partial.payload.data() + chunk.offset, view_.slot_data(ring_index, slot), chunk.length);
-      }
+  const auto fail_ring = [&](const std::string& what) {
+    state.corruption = peer_name(state.producer_rank) + " wrote " + what + " into the shared memory of rank " +
+                       std::to_string(rank_) + " (a corrupted segment or a stranger); its link is closed";
+    partial = PartialMessage{};
+    foreground_.ring();  // a receiver blocked on this peer reports it now
+  };
+  // A producer is never more than a ring ahead of us, and never behind: anything else is not a sender's head.
+  if (head - state.consumed > slots) {
+    fail_ring("ring head " + std::to_string(head) + " with " + std::to_string(state.consumed) + " of " +
+              std::to_string(slots) + " slots consumed");
+    return;
+  }
+  for (; state.consumed < head; ++state.consumed) {
+    const uint64_t slot = state.consumed % slots;
+    const ChunkHeader chunk = view_.chunk(ring_index, slot);  // one copy: the producer may rewrite the original
+    const std::string problem = chunk_problem(chunk, partial);
+    if (!problem.empty()) {
+      fail_ring(problem);
+      return;
     }
-    ring.tail.store(tail + 1, std::memory_order_release);
+    if (chunk.offset == 0) {
+      partial.active = true;
+      partial.header = chunk.message;
+      partial.payload = pool_->acquire(chunk.message.nbytes);
+      partial.received = 0;
+    }
+    if (chunk.length > 0) {
+      copy_bypassing_cache(partial.payload.data() + chunk.offset, view_.slot_data(ring_index, slot), chunk.length);
+    }
+    partial.received += chunk.length;
+    ring.tail.store(state.consumed + 1, std::memory_order_release);
     space.ring();
-    if (valid && partial.active && chunk.offset + chunk.length == chunk.message.nbytes) {
+    if (partial.received == partial.header.nbytes) {
       partial.active = false;
-      inbox_->put(ring.producer_rank, Message{partial.header, std::move(partial.payload)});
+      inbox_->put(state.producer_rank, Message{partial.header, std::move(partial.payload)});
       foreground_.ring();  // cheap when nobody waits
     }
   }
 }
 
+std::optional<std::string> ShmReceiver::corruption(int peer) {
+  const int ring_index = ring_index_of(peer);
+  if (ring_index < 0) return std::nullopt;
+  std::lock_guard<std::mutex> lock(drain_mutex_);
+  const std::string& text = rings_[static_cast<size_t>(ring_index)].corruption;
+  if (text.empty()) return std::nullopt;
+  return text;
+}
+
+int ShmReceiver::ring_index_of(int peer) const {
+  for (size_t i = 0; i < rings_.size(); ++i) {
+    if (rings_[i].producer_rank == peer) return static_cast<int>(i);
+  }
+  return -1;
+}
+
 bool ShmReceiver::producer_closed(int peer) const {
-  const int ring_index = view_.ring_of(peer);
+  const int ring_index = ring_index_of(peer);
   return ring_index >= 0 && view_.ring(static_cast<uint32_t>(ring_index)).producer_closed.load() != 0;
 }
 
@@ -128,7 +185,7 @@ ShmReceiver::ForegroundWait::~ForegroundWait() {
 }
 
 std::optional<ProcessIdentity> ShmReceiver::producer(int peer) const {
-  const int ring_index = view_.ring_of(peer);
+  const int ring_index = ring_index_of(peer);
   if (ring_index < 0) return std::nullopt;
   const RingControl& ring = view_.ring(static_cast<uint32_t>(ring_index));
   ProcessIdentity identity;

@@ -29,6 +29,7 @@ struct ReceiverConfig {
   std::vector<int> peers;  // ranks that send to us, one ring each
   uint64_t slot_bytes;
   uint32_t num_slots;  // shared out evenly between the rings
+  uint64_t max_message_bytes;
 };
 
 class ShmReceiver {
@@ -60,6 +61,8 @@ class ShmReceiver {
   std::optional<ProcessIdentity> producer(int peer) const;
   // True once `peer` closed its transport (if it had attached to us).
   bool producer_closed(int peer) const;
+  // Why the ring of `peer` is no longer drained (its producer wrote something no sender writes), or nullopt.
+  std::optional<std::string> corruption(int peer);
   // Stops draining, tells producers we are closed, removes our name. The mapping stays until destruction so that
   // threads still inside a call never touch unmapped memory.
   void close();
@@ -69,11 +72,22 @@ class ShmReceiver {
     bool active = false;
     MessageHeader header;
     PooledBuffer payload;
+    uint64_t received = 0;
+  };
+  // What the owner knows of a ring without trusting the segment: the producer's rank, how far it consumed, and
+  // why it stopped if the producer wrote garbage.
+  struct RingState {
+    int producer_rank;
+    uint64_t consumed = 0;
+    std::string corruption;
   };
 
   void drain_loop();
   void drain_ring(uint32_t ring_index);
   bool has_undrained_chunks() const;
+  // "" if `chunk` can come next on a ring whose message in progress is `partial`, else what is wrong with it.
+  std::string chunk_problem(const ChunkHeader& chunk, const PartialMessage& partial) const;
+  int ring_index_of(int peer) const;
 
   Inbox* inbox_;
   std::shared_ptr<BufferPool> pool_;
@@ -81,7 +95,10 @@ class ShmReceiver {
   SegmentView view_;
   Doorbell foreground_;
   Doorbell background_;
+  int rank_;
+  uint64_t max_message_bytes_;
   std::vector<PartialMessage> partial_;  // per ring; guarded by drain_mutex_
+  std::vector<RingState> rings_;         // per ring; guarded by drain_mutex_
   std::mutex drain_mutex_;
   std::atomic<bool> stopping_{false};
   std::thread drain_thread_;

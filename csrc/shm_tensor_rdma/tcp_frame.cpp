@@ -4,6 +4,8 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "errors.h"
+
 namespace mapp {
 
 TcpHello make_tcp_hello(int rank, const std::string& job_id) {
@@ -26,7 +28,7 @@ std::string check_tcp_hello(const TcpHello& hello, const std::string& job_id, co
     return "protocol version " + std::to_string(hello.version) + " != ours (" + std::to_string(kTcpVersion) + ")";
   }
   const std::string their_job(hello.job_id, strnlen(hello.job_id, kTcpJobIdBytes));
-  if (their_job != job_id) return "rank " + std::to_string(hello.rank) + " belongs to job '" + their_job + "'";
+  if (their_job != job_id) return "rank " + std::to_string(hello.rank) + " belongs to job '" + printable_text(their_job) + "'";
   if (std::find(expected_peers.begin(), expected_peers.end(), hello.rank) == expected_peers.end()) {
     return "rank " + std::to_string(hello.rank) + " is not a tcp peer of this rank";
   }
@@ -56,11 +58,8 @@ std::string check_tcp_frame(const TcpFrameHeader& frame, uint64_t max_message_by
   if (frame.kind != static_cast<uint32_t>(TcpFrameKind::kData)) {
     return "unknown frame kind " + std::to_string(frame.kind);
   }
-  if (frame.message.ndim > kMaxDims) return "frame with " + std::to_string(frame.message.ndim) + " dimensions";
-  if (frame.message.nbytes > max_message_bytes) {
-    return "frame of " + std::to_string(frame.message.nbytes) + " bytes exceeds max_message_bytes=" +
-           std::to_string(max_message_bytes);
-  }
+  const std::string problem = message_header_problem(frame.message, max_message_bytes);
+  if (!problem.empty()) return "frame describing " + problem;
   return "";
 }
 

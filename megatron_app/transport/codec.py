@@ -1,5 +1,7 @@
 """Tensor <-> (dtype code, shape, bytes) for the core: one copy in on send, zero copies out on receive."""
 
+import math
+
 import torch
 
 from .dtypes import CODE_TO_DTYPE, dtype_code, dtype_from_code
@@ -39,6 +41,10 @@ def _stage_on_host(tensor: torch.Tensor) -> torch.Tensor:
 def decode(code: int, shape: tuple, nbytes: int, payload, device=None) -> torch.Tensor:
     """Rebuild a received tensor on top of the core's buffer (no copy), then move it to `device` if given."""
     dtype = CODE_TO_DTYPE.get(code) or dtype_from_code(code)
+    # The shape comes from another process: check it against the bytes that arrived before anything is allocated.
+    if any(extent < 0 for extent in shape) or math.prod(shape) * dtype.itemsize != nbytes:
+        raise ValueError(f"received a malformed message: shape {tuple(shape)} of {dtype} does not describe its "
+                         f"{nbytes} bytes")
     if nbytes == 0:
         tensor = torch.empty(shape, dtype=dtype)
     else:

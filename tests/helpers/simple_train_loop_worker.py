@@ -10,6 +10,7 @@ Writes losses.json on the rank that has the loss.
 import argparse
 import json
 import os
+import time
 from functools import partial
 
 import torch
@@ -69,9 +70,9 @@ def wrap_with_ddp(config, chunks, overlap_grad_reduce=False):
     return model
 
 
-def batches():
+def batches(iters=ITERS):
     """Deterministic microbatches: the same sequence for every chunk's iterator and every layout."""
-    for step in range(ITERS * MICROBATCHES):
+    for step in range(iters * MICROBATCHES):
         generator = torch.Generator().manual_seed(SEED + step)
         tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=generator)
         yield {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(MBS, SEQ),
@@ -97,6 +98,7 @@ def main():
     parser.add_argument("--reference", action="store_true", help="Megatron's own schedule, no install()")
     parser.add_argument("--split-backward", action="store_true",
                         help="install(split_backward=True), with DDP's overlapped reduction driven by its hooks")
+    parser.add_argument("--iters", type=int, default=ITERS)
     parser.add_argument("--out", required=True)
     opts = parser.parse_args()
     P, V = opts.pipeline_parallel, opts.model_chunks
@@ -116,10 +118,11 @@ def main():
         if not opts.reference:
             megatron_app.install(schedule="app", policy="dfc", timeout_s=120, split_backward=opts.split_backward)
         forward_backward_func = get_forward_backward_func()
-        source = [batches() for _ in range(V)]
+        source = [batches(opts.iters) for _ in range(V)]
         data_iterator = source if V > 1 else source[0]
         losses = []
-        for _ in range(ITERS):
+        started = time.monotonic()
+        for iteration in range(opts.iters):
             for m in model:
                 m.zero_grad_buffer()
             optimizer.zero_grad()
@@ -133,6 +136,10 @@ def main():
             optimizer.step()
             if losses_reduced:
                 losses.append(sum(d["lm loss"].item() for d in losses_reduced) / len(losses_reduced))
+            if iteration == 0:  # includes opening the transport and connecting to the peers: the start-up
+                first_iteration_s = time.monotonic() - started
+    with open(os.path.join(opts.out, f"first_iteration_s_rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(first_iteration_s, f)
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         with open(os.path.join(opts.out, "losses.json"), "w") as f:
             json.dump(losses, f)
