@@ -68,7 +68,7 @@ def megatron_slot_order(shape: PipelineShape, rank: int, extra_warmup: int = 0,
     for k, forward in enumerate(forwards[warmup:]):
         order += (forward, backwards[k])
     order += backwards[len(forwards) - warmup:]
-    if with_weights is not False:
+    if with_weights is not False and shape.fill_kinds:
         order = _with_fill(shape, order, lambda kind, chunk, slot: (kind, chunk, slot))
     return tuple(order)
 

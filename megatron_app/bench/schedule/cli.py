@@ -196,6 +196,7 @@ def main(argv=None) -> int:
     work_dir.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
     load_before = os.getloadavg()[0]   # other work on the machine shows up as noise: say how much there was
+    lengths_described = None
     try:
         if args.analyse_only is not None:
             plan = json.loads((Path(args.analyse_only) / "plan.json").read_text())
@@ -216,6 +217,10 @@ def main(argv=None) -> int:
             return EXIT_WORKER_FAILED
         try:
             rows = analyse_plan(plan)
+            if VARIABLE_LENGTH in args.scenario_names:   # read now: a default lengths file lives in work_dir
+                from megatron_app.sim.lengths import MicrobatchLengths
+
+                lengths_described = MicrobatchLengths.from_file(args.lengths_file).describe()
         except (TraceError, ValueError, OSError) as exc:
             print(f"{PROG}: error: cannot analyse the results: {exc}", file=sys.stderr)
             return EXIT_WORKER_FAILED
@@ -247,10 +252,8 @@ def main(argv=None) -> int:
     if host is not None or args.host_ms is not None:
         print("simulator (sim ms, bound ms): every task plus the runtime's "
               + (f"host cost {args.host_ms:g} ms per task (--host-ms)" if host is None else host.host_note))
-    if VARIABLE_LENGTH in args.scenario_names:
-        from megatron_app.sim.lengths import MicrobatchLengths
-
-        described = MicrobatchLengths.from_file(args.lengths_file).describe()
+    if lengths_described is not None:
+        described = lengths_described
         print(f"{VARIABLE_LENGTH}: lengths from {args.lengths_file} ({described['corpus_lengths']} documents, mean "
               f"{described['corpus_mean_tokens']:.1f} tokens), task cost x {described['cost']}; iter ms and sim ms "
               f"are means over the measured iterations (each draws other lengths, the same for every schedule); "

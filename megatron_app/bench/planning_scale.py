@@ -1,0 +1,80 @@
+"""How long the `balanced` composition planner takes against the iteration it plans, at scale (no ranks run).
+
+    python -m megatron_app.bench.planning_scale --pipeline-parallel 64 --model-chunks 4 --documents 4096 \\
+        --lengths-file docs/results/lengths/copyright_2048.txt --micro-batch-size 2
+
+Draws the global batch's documents from a lengths file (seeded), teaches the cost model the simulator's cost of a
+microbatch (forward 10 ms / backward 20 ms on a mean-length document, 0.7 T + 0.3 S with T tokens and S the squared
+document lengths over the mean, as sim/composition.py), plans once and prints the planner's CPU time next to the
+iteration it predicts for its own plan (the share the runtime's 2% budget is about) and for the loader's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from megatron_app.schedule.composition_plan import CompositionPlanner
+from megatron_app.schedule.length_costs import LengthCostModel
+from megatron_app.schedule.tasks import Kind
+
+FORWARD_S, BACKWARD_S = 0.010, 0.020
+
+
+def taught_costs(num_chunks: int, mean_tokens: float) -> LengthCostModel:
+    """A cost model that has observed the simulator's cost function at a spread of compositions."""
+    costs = LengthCostModel()
+    for tokens in (0.25, 0.5, 1.0, 2.0, 4.0):
+        for squared_share in (0.5, 1.0):
+            t = tokens * mean_tokens
+            s = squared_share * t * t
+            factor = 0.7 * t / mean_tokens + 0.3 * s / (mean_tokens * mean_tokens)
+            for chunk in range(num_chunks):
+                costs.observe(Kind.FORWARD, chunk, t, FORWARD_S * factor, s)
+                costs.observe(Kind.BACKWARD, chunk, t, BACKWARD_S * factor, s)
+    return costs
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pipeline-parallel", type=int, default=64)
+    parser.add_argument("--model-chunks", type=int, default=4)
+    parser.add_argument("--documents", type=int, default=4096)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--lengths-file", required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--planning-share", type=float, default=0.02,
+                        help="the runtime's planning budget, a share of the predicted iteration (default 0.02)")
+    parser.add_argument("--unbounded", action="store_true", help="search without the budget")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    corpus = np.loadtxt(args.lengths_file, dtype=np.int64, ndmin=1)
+    lengths = np.random.default_rng(args.seed).choice(corpus, size=args.documents).tolist()
+    costs = taught_costs(args.model_chunks, float(np.mean(corpus)))
+    planner = CompositionPlanner(args.pipeline_parallel, args.model_chunks)
+    began = time.process_time()
+    # The runtime's budget rule (runtime/composition.py): stop searching at this share of the predicted iteration.
+    stop = None if args.unbounded else (
+        lambda predicted_s: time.process_time() - began > args.planning_share * predicted_s)
+    plan = planner.plan(lengths, args.micro_batch_size, costs, stop=stop)
+    planning_s = time.process_time() - began
+    result = {"budget": None if args.unbounded else args.planning_share, "pipeline_parallel": args.pipeline_parallel, "model_chunks": args.model_chunks,
+              "documents": args.documents, "microbatches": plan.num_microbatches, "planning_cpu_s": planning_s,
+              "predicted_iteration_s": plan.predicted_makespan,
+              "predicted_loader_iteration_s": plan.predicted_loader_makespan,
+              "planning_share": planning_s / plan.predicted_makespan}
+    print(f"P={args.pipeline_parallel} V={args.model_chunks}, {args.documents} documents -> "
+          f"{plan.num_microbatches} microbatches: planning {planning_s:.2f} s CPU, predicted iteration "
+          f"{plan.predicted_makespan:.1f} s (loader's {plan.predicted_loader_makespan:.1f} s), planning "
+          f"{100 * result['planning_share']:.2f}% of it")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result, handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
