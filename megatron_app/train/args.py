@@ -14,7 +14,7 @@ from typing import Mapping, Optional, Sequence
 
 from megatron_app.lossy.config import TP_SITES
 from megatron_app.schedule import ADAPTIVE_POLICY_NAMES, DEFAULT_POLICY, STATIC_POLICY_NAMES
-from megatron_app.schedule.composition import BALANCED, COMPOSITION_NAMES, LOADER
+from megatron_app.schedule.composition import BALANCED, COMPOSITION_NAMES, LOADER, PACKED
 from megatron_app.schedule.policies import policies_taking
 
 from megatron_app.data.text_tokenizers import TOKENIZER_TYPES
@@ -93,8 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "own longest sample; needs --data-path; implies --calculate-per-token-loss")
     _add_flag(train, "--composition", choices=COMPOSITION_NAMES, default=None,
               help="with --variable-seq-lengths (or emulated lengths), which documents of the global batch form each "
-                   "microbatch: loader (default: the loader's microbatches, padded to their longest document), packed "
-                   "(the same documents concatenated in one row, no padding), dp-balanced (the loader's order packed "
+                   "microbatch: loader (the loader's microbatches, padded to their longest document; the default under "
+                   "--schedule megatron), packed (the same documents concatenated in one row, no padding; the "
+                   "default otherwise), dp-balanced (the loader's order packed "
                    "up to a token budget as Megatron-LM's DpBalancedScheduler does; a reference), balanced "
                    "(cost-balanced packing planned together with the order)")
     _add_flag(train, "--documents-per-microbatch", type=int, default=1, metavar="K",
@@ -450,7 +451,9 @@ def _check_variable_lengths(args: argparse.Namespace) -> None:
                              "interleaved or 1f1b, not megatron")
         args.composition = composition or LOADER
         return
-    args.composition = composition or LOADER
+    # The best measured composition on real compute (BENCHMARKS.md, "Microbatch composition"): packed; Megatron's
+    # own schedule keeps Megatron's own layout.
+    args.composition = composition or (LOADER if args.schedule == MEGATRON_SCHEDULE else PACKED)
     if args.composition == BALANCED and args.schedule == MEGATRON_SCHEDULE:
         raise UsageError("--composition balanced needs our schedule (--schedule app|interleaved|1f1b): the plan "
                          "comes from its runtime")
