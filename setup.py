@@ -18,8 +18,11 @@ CORE_DIR = Path("csrc") / "shm_tensor_rdma"
 # a stale object behind. `depends` makes build_ext notice header-only changes at all.
 ParallelCompile("MAPP_BUILD_JOBS").install()
 
-core_sources = sorted(str(path) for path in (ROOT / CORE_DIR).glob("*.cpp"))
-core_headers = sorted(str(path) for path in (ROOT / CORE_DIR).glob("*.h"))
+# One folder per job (core, shm, tcp, rdma, loss, bindings: csrc/shm_tensor_rdma/README.md); every folder is on the
+# include path, so a file includes any header by its name.
+core_sources = sorted(str(path) for path in (ROOT / CORE_DIR).rglob("*.cpp"))
+core_headers = sorted(str(path) for path in (ROOT / CORE_DIR).rglob("*.h"))
+core_folders = sorted(str(path.relative_to(ROOT)) for path in (ROOT / CORE_DIR).iterdir() if path.is_dir())
 
 VERBS_PROBE = """#include <infiniband/verbs.h>
 int main(void) { int count = 0; struct ibv_device **list = ibv_get_device_list(&count); if (list) ibv_free_device_list(list); return 0; }
@@ -67,10 +70,10 @@ sanitize_flags = ([f"-fsanitize={','.join(SANITIZERS)}", "-fno-omit-frame-pointe
                    "-g", "-O1"] if SANITIZERS else [])
 
 shm_tensor_rdma = Pybind11Extension(
-    "megatron_app._shm_tensor_rdma",
+    "megatron_app.transport._shm_tensor_rdma",
     sources=[str(Path(source).relative_to(ROOT)) for source in core_sources],
     depends=[str(Path(header).relative_to(ROOT)) for header in core_headers],
-    include_dirs=[str(CORE_DIR)],
+    include_dirs=core_folders,
     cxx_std=17,
     extra_compile_args=(["-O3", "-pthread", "-Wall", "-Wextra", "-Wno-unused-parameter"] + sanitize_flags),
     extra_link_args=["-pthread"] + sanitize_flags[:1],

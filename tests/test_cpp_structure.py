@@ -9,11 +9,12 @@ import pytest
 
 from transport_helpers.common import job_id_fixture  # noqa: F401  (provides the job_id fixture)
 
-from megatron_app import _shm_tensor_rdma as core
+from megatron_app.transport import _shm_tensor_rdma as core
 from megatron_app.transport import Transport
 
 CORE_DIR = Path(__file__).resolve().parent.parent / "csrc" / "shm_tensor_rdma"
-SOURCES = sorted(CORE_DIR.glob("*.h")) + sorted(CORE_DIR.glob("*.cpp"))
+SOURCES = sorted(CORE_DIR.rglob("*.h")) + sorted(CORE_DIR.rglob("*.cpp"))
+BY_NAME = {path.name: path for path in SOURCES}   # files are named uniquely across the job folders
 
 _COMMENT_OR_STRING = re.compile(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"', re.S)
 
@@ -39,7 +40,7 @@ def _files_where(predicate) -> list[str]:
 
 
 def test_sources_were_found():
-    assert len(SOURCES) > 40 and (CORE_DIR / "backend.h").exists()
+    assert len(SOURCES) > 40 and "backend.h" in BY_NAME
 
 
 def test_only_peer_name_spells_peer_rank():
@@ -51,9 +52,9 @@ def test_only_peer_name_spells_peer_rank():
 def test_transport_names_no_backend_and_includes_none():
     names = set(core.BACKENDS)
     for file in ("transport.h", "transport.cpp"):
-        code, literals = _code_and_literals(CORE_DIR / file)
+        code, literals = _code_and_literals(BY_NAME[file])
         assert not names & set(literals), f"{file} compares backend names"
-        includes = re.findall(r'#include "([^"]+)"', (CORE_DIR / file).read_text())
+        includes = re.findall(r'#include "([^"]+)"', BY_NAME[file].read_text())
         backend_headers = [h for h in includes if h.split("_")[0] in names]
         assert backend_headers == [], f"{file} includes backend internals {backend_headers}"
 

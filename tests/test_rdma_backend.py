@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_app import _shm_tensor_rdma as core
+from megatron_app.transport import _shm_tensor_rdma as core
 from megatron_app.transport import BackendUnavailable, Direction, Transport, TransportClosed, make_tag, open_transport
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""The RDMA backend's device-independent logic (csrc/shm_tensor_rdma/rdma_{wire,chunk,flow,qp_state,settings}),
+"""The RDMA backend's device-independent logic (csrc/shm_tensor_rdma/rdma/rdma_{wire,chunk,flow,qp_state,settings}),
 through the test-only submodule _rdma_protocol, plus how the build and the backend choice behave on this host.
 Tests that need an RDMA device skip with the reason (no kernel RDMA support on these machines)."""
 
@@ -9,7 +9,7 @@ import zlib
 
 import pytest
 
-from megatron_app import _shm_tensor_rdma as core
+from megatron_app.transport import _shm_tensor_rdma as core
 
 proto = core._rdma_protocol
 

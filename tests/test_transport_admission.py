@@ -17,7 +17,7 @@ import torch
 
 from megatron_app.transport import Direction, Transport, TransportClosed, make_tag
 
-# The wire, as csrc/shm_tensor_rdma/admission.h and tcp_frame.h define it.
+# The wire, as csrc/shm_tensor_rdma/core/admission.h and tcp/tcp_frame.h define it.
 ADMISSION_MAGIC, ADMISSION_VERSION = 0x4E44414D, 1
 CHALLENGE = struct.Struct("<II32s")
 DOMAIN = b"megatron_app admission v1\0"

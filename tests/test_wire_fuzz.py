@@ -25,7 +25,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_app import _shm_tensor_rdma as core
+from megatron_app.transport import _shm_tensor_rdma as core
 from megatron_app.transport import PeerDied, Transport, TransportClosed, TransportTimeout
 from megatron_app.transport import codec
 from megatron_app.transport.dtypes import CODE_TO_DTYPE

@@ -96,7 +96,7 @@ def list_devices(device, errors) -> list[dict]:
 
 def backend_status() -> dict:
     try:
-        from megatron_app import _shm_tensor_rdma as core
+        from megatron_app.transport import _shm_tensor_rdma as core
     except ImportError as error:
         return {"built": False, "usable": False, "detail": f"megatron_app is not built ({error})"}
     built, usable, detail = core.rdma_status()

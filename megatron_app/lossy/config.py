@@ -116,7 +116,7 @@ class LossConfig:
         return self.tp_forward or self.tp_backward
 
     def core_spec(self):
-        """The C++ model (megatron_app._shm_tensor_rdma.LossModelSpec); a python model has none (kind NONE)."""
+        """The C++ model (megatron_app.transport._shm_tensor_rdma.LossModelSpec); a python model has none (kind NONE)."""
         from megatron_app.transport import loss_injection   # the compiled core: only once a transport is built
 
         spec = loss_injection.LossModelSpec()

@@ -9,19 +9,19 @@ import sys
 
 _override = os.environ.get("MEGATRON_APP_CORE")
 if _override:
-    _spec = importlib.util.spec_from_file_location("megatron_app._shm_tensor_rdma", _override)
+    _spec = importlib.util.spec_from_file_location("megatron_app.transport._shm_tensor_rdma", _override)
     if _spec is None or not os.path.isfile(_override):
         raise ImportError(f"MEGATRON_APP_CORE={_override} is not a built transport module")
     core = importlib.util.module_from_spec(_spec)
-    sys.modules["megatron_app._shm_tensor_rdma"] = core  # `from megatron_app import _shm_tensor_rdma` finds it
+    sys.modules["megatron_app.transport._shm_tensor_rdma"] = core  # so that `from . import _shm_tensor_rdma` finds it
     _spec.loader.exec_module(core)
-    setattr(sys.modules["megatron_app"], "_shm_tensor_rdma", core)
+    setattr(sys.modules["megatron_app.transport"], "_shm_tensor_rdma", core)
 else:
     try:
-        from megatron_app import _shm_tensor_rdma as core
+        from . import _shm_tensor_rdma as core
     except ImportError as error:  # pragma: no cover - depends on the build state
         raise ImportError(
-            "megatron_app._shm_tensor_rdma is not built; run "
+            "megatron_app.transport._shm_tensor_rdma is not built; run "
             "`pip install -e . --no-build-isolation --no-deps` in the repository root"
         ) from error
 

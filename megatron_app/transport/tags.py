@@ -12,7 +12,7 @@ class Direction(enum.IntEnum):
 
 
 MAX_TAG = (1 << 64) - 1
-# csrc/shm_tensor_rdma/tag.h: | direction (4 bits) | iteration (28 bits) | virtual microbatch (32 bits) |
+# csrc/shm_tensor_rdma/core/tag.h: | direction (4 bits) | iteration (28 bits) | virtual microbatch (32 bits) |
 _DIRECTION_SHIFT = 64 - 4
 
 

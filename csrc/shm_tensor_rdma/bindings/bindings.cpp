@@ -1,4 +1,4 @@
-// Python module megatron_app._shm_tensor_rdma: the torch-free core. megatron_app.transport wraps it with tensors.
+// Python module megatron_app.transport._shm_tensor_rdma: the torch-free core. megatron_app.transport wraps it with tensors.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
