@@ -89,8 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(train, "--data-path", nargs="+", default=None, metavar="PREFIX",
               help="Megatron indexed dataset prefix(es) [weight prefix ...]; default: mock data")
     _add_flag(train, "--variable-seq-lengths", action="store_true",
-              help="one document per sample (no packing), truncated at --seq-length, each microbatch padded to its "
-                   "own longest sample; needs --data-path; implies --calculate-per-token-loss")
+              help="one document per sample (not fixed-length windows), truncated at --seq-length; --composition "
+                   "says how documents form microbatches; needs --data-path; implies --calculate-per-token-loss")
     _add_flag(train, "--composition", choices=COMPOSITION_NAMES, default=None,
               help="with --variable-seq-lengths (or emulated lengths), which documents of the global batch form each "
                    "microbatch: loader (the loader's microbatches, padded to their longest document; the default under "
