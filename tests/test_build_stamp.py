@@ -79,10 +79,13 @@ def test_setup_rebuilds_a_fresh_checkout_once_rdma_core_appears(fresh_checkout, 
     builds = tmp_path / "builds.log"
     venv_bin = fresh_checkout / ".venv" / "bin"
     venv_bin.mkdir(parents=True)
-    # The checkout's python: this interpreter with this tree's built extension; `pip install -e .` only logs.
+    # The checkout's python: this interpreter; `pip install -e .` only logs, and puts this tree's built module
+    # where an in-place build would (the checkout's own megatron_app is the one imported).
     (venv_bin / "python").write_text(
         "#!/usr/bin/env bash\n"
-        f'if [ "$1 $2 $3" = "-m pip install" ]; then echo build >> "{builds}"; exit 0; fi\n'
+        f'if [ "$1 $2 $3" = "-m pip install" ]; then echo build >> "{builds}"; '
+        f'cp "{REPO}"/megatron_app/transport/_shm_tensor_rdma*.so "{fresh_checkout}/megatron_app/transport/"; '
+        'exit 0; fi\n'
         f'PYTHONPATH="{REPO}" exec "{sys.executable}" "$@"\n')
     (venv_bin / "python").chmod(0o755)
     requirements_hash = subprocess.run(f"cat requirements.txt | sha256sum | cut -c1-16", shell=True,
