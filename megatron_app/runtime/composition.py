@@ -67,12 +67,9 @@ def plan_microbatches(document_lengths: Sequence[int], micro_batch_size: int, co
         if pp_rank == 0:
             planner = CompositionPlanner(P, V, split_backward=session.settings.split_backward,
                                          memory_factor=session.settings.memory_factor or 1.0)
-            budget = session.planning_budget_s()
             start = time.perf_counter()
-            stop = None if budget is None else (
-                lambda predicted_s: time.perf_counter() - start > min(budget, session.settings.planning_share
-                                                                      * predicted_s))
-            composed = planner.plan(lengths, micro_batch_size, session.shared_costs(), stop=stop)
+            composed = planner.plan(lengths, micro_batch_size, session.shared_costs(),
+                                    stop=session.planning_stop(start))
             session.last_planning_s = time.perf_counter() - start
             chosen, plan = composed.composition, composed.plan
         if len(ranks) > 1:
@@ -81,7 +78,7 @@ def plan_microbatches(document_lengths: Sequence[int], micro_batch_size: int, co
             chosen, plan = shared[0]
     tokens = chosen.microbatch_tokens(lengths)
     # Handed to the job's next forward_backward call (next_call.py), which takes both.
-    job.next_call.composition = PendingComposition(chosen.num_microbatches, tokens,
+    job.next_call.composition = PendingComposition(chosen.num_microbatches,
                                                    chosen.microbatch_squared_tokens(lengths), plan)
     set_microbatch_lengths(tokens)
     return chosen

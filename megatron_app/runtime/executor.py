@@ -117,7 +117,6 @@ class PipelineStep:
     def __init__(self, job: AppJob, request: CallRequest, chunks: ModelChunks, placement: RankPlacement):
         session, settings = job.session, job.settings
         self.session, self.settings = session, settings
-        self.next_call = job.next_call
         # Copied once per call, so the loop below reads attributes of its own.
         self.forward_step_func, self.num_microbatches = request.forward_step_func, request.num_microbatches
         self.forward_only, self.collect_non_loss_data = request.forward_only, request.collect_non_loss_data
@@ -135,6 +134,8 @@ class PipelineStep:
 
         # Tokens per microbatch, told by the loop (set_microbatch_lengths); sizes activations, feeds planning.
         self.lengths = job.next_call.take_lengths(self.num_microbatches)
+        # Taken with the lengths, whatever the policy: a composition planned for this call never outlives it.
+        self.composed = job.next_call.take_composition(self.num_microbatches)
         self.policy, self.transport, self.tracer = session.serve_call(placement, self.forward_only,
                                                                       self.num_microbatches)
         self.state = RankState(self.shape, self.pp_rank, self.lengths)
@@ -170,7 +171,7 @@ class PipelineStep:
         if self.lengths is None:   # every rank knows no lengths were told: data order, no collective needed
             self.policy.use_plan(None, None)
             return
-        composed = self.next_call.take_composition(self.num_microbatches)
+        composed = self.composed
         squared = None if composed is None else composed.squared_tokens
         if composed is not None and composed.plan is not None:   # planned with the composition: adopt, no search
             self.policy.use_plan(self.lengths, composed.plan, squared_tokens=squared)
@@ -178,13 +179,7 @@ class PipelineStep:
         plan = None
         if self.pp_rank == 0:
             start = time.perf_counter()
-            budget = self.session.planning_budget_s()
-            share = self.session.settings.planning_share
-            # A share of the last call, and of this call's predicted time: lengths change from call to call, so a
-            # short iteration after a long one would otherwise spend far more than its share.
-            stop = None if budget is None else (
-                lambda predicted_s: time.perf_counter() - start > min(budget, share * predicted_s))
-            plan = self.policy.plan_iteration(self.lengths, stop=stop)
+            plan = self.policy.plan_iteration(self.lengths, stop=self.session.planning_stop(start))
             self.session.last_planning_s = time.perf_counter() - start
         if len(pp_global) > 1:
             shared = [plan]

@@ -13,10 +13,9 @@ from typing import Optional, Sequence, Tuple
 
 @dataclass(frozen=True)
 class PendingComposition:
-    """What plan_microbatches decided for the next call: per microbatch tokens and squared document tokens, and the
-    plan chosen with the composition (None: the policy plans the call itself)."""
+    """What plan_microbatches decided for the next call beyond its tokens (told as its lengths): per microbatch the
+    squared document tokens, and the plan chosen with the composition (None: the policy plans the call itself)."""
     num_microbatches: int
-    tokens: Tuple[int, ...]
     squared_tokens: Tuple[int, ...]
     plan: object = None
 

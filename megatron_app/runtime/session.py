@@ -10,6 +10,7 @@ import os
 import re
 import socket
 import sys
+import time
 import uuid
 from typing import Callable, List, Optional, Sequence
 
@@ -73,6 +74,16 @@ class RuntimeSession:
         if self.last_iteration_s is None:
             return None
         return self.settings.planning_share * self.last_iteration_s
+
+    def planning_stop(self, started: float):
+        """stop(predicted_s) for a search that began at perf_counter() `started`: past a share of the last call or of
+        the call being planned, whichever is smaller (lengths change from call to call, so a short iteration after a
+        long one would otherwise spend far more than its share). None before a call ran: the whole search."""
+        budget = self.planning_budget_s()
+        if budget is None:
+            return None
+        share = self.settings.planning_share
+        return lambda predicted_s: time.perf_counter() - started > min(budget, share * predicted_s)
 
     def policy_for(self, shape, rank: int, memory_cap):
         from megatron_app.schedule import make_policy
