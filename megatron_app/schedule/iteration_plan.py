@@ -54,6 +54,7 @@ class PipelineSpec:
     split_backward: bool = False
     microbatch_group_size: Optional[int] = None
     memory_factor: float = 1.0
+    planner_evaluations: Optional[int] = None   # the final search's evaluations (default: the planner's)
 
     def valid_counts(self, most: int) -> Tuple[int, ...]:
         return valid_microbatch_counts(self.num_stages, self.num_chunks, most, self.microbatch_group_size,
@@ -61,7 +62,9 @@ class PipelineSpec:
 
     def planner(self) -> CompositionPlanner:
         return CompositionPlanner(self.num_stages, self.num_chunks, split_backward=self.split_backward,
-                                  microbatch_group_size=self.microbatch_group_size, memory_factor=self.memory_factor)
+                                  microbatch_group_size=self.microbatch_group_size, memory_factor=self.memory_factor,
+                                  **({} if self.planner_evaluations is None
+                                     else {"final_evaluations": self.planner_evaluations}))
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,7 @@ class PlanRequest:
     document_ids: Optional[Tuple[int, ...]] = None    # what dropout keys each document on (default: its position)
     token_budget: Optional[int] = None       # dp-balanced's tokens per pack (default: micro batch size x longest)
     replica_speeds: Optional[Tuple[float, ...]] = None   # relative throughput per replica (default: all 1.0)
+    cross_replica: bool = True               # balanced: documents may move between replicas (False: each its share)
 
     def check(self) -> None:
         check_composition_name(self.composition)
@@ -167,6 +171,20 @@ class IterationPlan:
                     segments.append(DocumentSegment(self.document_ids[position], row, 0, length))
             layout.append(tuple(segments))
         return tuple(layout)
+
+    def report(self, dp_rank: int) -> dict:
+        """What this plan chose for a log line: replica dp_rank's microbatches and the prediction (milliseconds)."""
+        replica = self.replica(dp_rank)
+        lengths = self.replica_lengths(dp_rank)
+        predicted = self.predicted_s
+        return {"composition": self.composition_name, "num_microbatches": replica.num_microbatches,
+                "microbatch_tokens": list(self.microbatch_tokens(dp_rank)),
+                "padding_tokens": replica.composition.padding_tokens(lengths),
+                "replica_microbatches": [r.num_microbatches for r in self.replicas],
+                "cross_replica": self.cross_replica,
+                "predicted_ms": None if predicted is None else predicted * 1e3,
+                "predicted_loader_ms": None if self.predicted_loader_s is None else self.predicted_loader_s * 1e3,
+                "planning_ms": self.planning_s * 1e3}
 
     def check(self) -> None:
         """Raise ScheduleConfigError unless every document of the batch is computed exactly once."""
@@ -268,7 +286,7 @@ def _plan_balanced(request: PlanRequest, costs: LengthCostModel, stop) -> Iterat
     loader_s = max(planner.loader_makespan(lengths, b, costs, caps) / speed
                    for lengths, speed in zip(share_lengths, speeds))
     local = _plan_replicas(request, shares, costs, caps, loader_s, stop)
-    if request.num_replicas == 1:
+    if request.num_replicas == 1 or not request.cross_replica:
         return _iteration(request, local, loader_s)
     weights = document_costs(costs, pipeline.num_chunks, request.lengths)
     moved_shares = assign_by_cost(weights, speeds, min(pipeline.valid_counts(len(request.lengths))))

@@ -27,9 +27,9 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from megatron_app.schedule import Kind, PipelineShape, ScheduleConfigError, make_policy
-from megatron_app.schedule.composition import (BALANCED, DP_BALANCED, LOADER, PACKED, Composition,  # noqa: F401
-                                               loader_composition, loader_order_packing)
-from megatron_app.schedule.composition_plan import CompositionPlanner, loader_peak_caps, valid_microbatch_counts
+from megatron_app.schedule.composition import BALANCED, DP_BALANCED, LOADER, PACKED, loader_composition
+from megatron_app.schedule.composition_plan import loader_peak_caps
+from megatron_app.schedule.iteration_plan import PipelineSpec, PlanRequest, loader_shares, plan_iteration
 from megatron_app.schedule.length_costs import LengthCostModel
 
 from .bounds import lower_bounds
@@ -42,7 +42,9 @@ US_PER_S = 1e6
 
 # The rows are the compositions of schedule/composition.py, each run by its order (balanced: `planned`).
 LOADER_ROW, PACKED_ROW, DP_BALANCED_ROW, BALANCED_ROW = LOADER, PACKED, DP_BALANCED, BALANCED
+LOCAL_BALANCED_ROW = "balanced-local"   # balanced, each replica only its loader share (before cross-replica planning)
 COMPOSITION_ROWS = (LOADER_ROW, PACKED_ROW, DP_BALANCED_ROW, BALANCED_ROW)
+DATA_PARALLEL_ROWS = (LOADER_ROW, PACKED_ROW, DP_BALANCED_ROW, LOCAL_BALANCED_ROW, BALANCED_ROW)
 # The runtime's own time per task: issue 23's figure (about 0.4 ms with near-zero compute on a 2-core machine), not
 # measured here. tools/bench_schedule.py measures it in every run with composition rows (its host-cost probe,
 # bench/schedule/analysis.py's measure_host_cost) and feeds that to its predictions; set it from such a measurement.
@@ -70,6 +72,14 @@ class CompositionSimConfig:
     seed: int = 0
     memory_factor: float = 1.0
     token_budget: Optional[int] = None   # dp-balanced: tokens per microbatch (default: m. b. size x longest doc)
+    data_parallel: int = 1               # replicas; each computes m x K documents of the loader's global batch
+    replica_speeds: Optional[Tuple[float, ...]] = None   # each replica's speed (a slower device: < 1.0)
+    speed_aware: bool = True             # balanced: the planner knows the speeds (False: it plans as if equal)
+    allreduce_us: float = 0.0            # the gradient all-reduce after the slowest replica (D > 1)
+
+    @property
+    def speeds(self) -> Tuple[float, ...]:
+        return tuple(self.replica_speeds) if self.replica_speeds is not None else (1.0,) * self.data_parallel
 
 
 @dataclass
@@ -81,6 +91,8 @@ class CompositionIteration:
     loader_peak_tokens: List[float]    # per rank: the baseline's (loader, padded, Megatron's order)
     padding_share: float               # padding tokens / computed tokens
     planning_s: float
+    replica_makespans_us: List[float] = field(default_factory=list)
+    replica_work_share: float = 1.0    # max over mean of the replicas' compute
 
 
 @dataclass
@@ -136,53 +148,68 @@ def composed_durations(config: CompositionSimConfig, shape: PipelineShape, token
                           config.host_us)
 
 
+def _replica_durations(config: CompositionSimConfig, shape: PipelineShape, tokens, squared, iteration: int,
+                       speed: float) -> DurationTable:
+    durations = composed_durations(config, shape, tokens, squared, iteration)
+    return durations if speed == 1.0 else (np.asarray(durations, dtype=float) / speed).tolist()
+
+
 def simulate_composition(config: CompositionSimConfig, row: str,
                          planner_evaluations: Optional[int] = None) -> CompositionResult:
-    if row not in COMPOSITION_ROWS:
-        raise ScheduleConfigError(f"unknown composition row {row!r}; choose from {', '.join(COMPOSITION_ROWS)}")
-    P, V, K = config.num_stages, config.num_chunks, config.documents_per_microbatch
-    n = config.loader_microbatches * K
-    planner = CompositionPlanner(P, V, memory_factor=config.memory_factor,
-                                 **({} if planner_evaluations is None else {"final_evaluations": planner_evaluations}))
+    """Each iteration: the global batch (D x m x K documents) planned by schedule/iteration_plan.plan_iteration,
+    every replica's pipeline simulated on its share; the iteration lasts as long as the slowest replica, plus the
+    gradient all-reduce (allreduce_us)."""
+    if row not in DATA_PARALLEL_ROWS:
+        raise ScheduleConfigError(f"unknown composition row {row!r}; choose from {', '.join(DATA_PARALLEL_ROWS)}")
+    P, V, K, D = config.num_stages, config.num_chunks, config.documents_per_microbatch, config.data_parallel
+    speeds = config.speeds
+    pipeline = PipelineSpec(P, V, memory_factor=config.memory_factor, planner_evaluations=planner_evaluations)
     costs = LengthCostModel()
-    valid = valid_microbatch_counts(P, V, n)
     budget = config.token_budget or dp_balanced_token_budget(config.lengths, K)
     result = CompositionResult(row)
     for iteration in range(config.iterations):
-        documents = config.lengths.draw(n, config.seed, iteration)
-        loader = loader_composition(n, K, packed=False)
-        loader_shape = PipelineShape(P, V, loader.num_microbatches)
-        loader_caps = loader_peak_caps(loader_shape, loader.microbatch_tokens(documents))
-        plan, planning_s = None, 0.0
-        if row == BALANCED_ROW:
-            began = time.process_time()
-            composed = planner.plan(documents, K, costs)
-            planning_s = time.process_time() - began
-            composition, plan = composed.composition, composed.plan
-        elif row == DP_BALANCED_ROW:
-            composition = loader_order_packing(documents, budget, valid)
-        else:
-            composition = loader_composition(n, K, packed=row == PACKED_ROW)
-        tokens = composition.microbatch_tokens(documents)
-        squared = composition.microbatch_squared_tokens(documents)
-        shape = PipelineShape(P, V, composition.num_microbatches)
-        durations = composed_durations(config, shape, tokens, squared, iteration)
-        name = "planned" if row == BALANCED_ROW else "interleaved"
-        policies = [make_policy(name, shape, rank) for rank in range(P)]
-        outcome = run_iteration(shape, policies, durations, Network(LinkCosts()), iteration, 0.0, None, TaskTable(shape),
-                                lengths=tokens, plan=plan)
-        for kind in (Kind.FORWARD, Kind.BACKWARD):
-            for chunk in range(V):
-                for mb in range(shape.num_microbatches):
-                    costs.observe(kind, chunk, tokens[mb], durations[0][kind.index][chunk][mb] / US_PER_S,
-                                  squared[mb])
+        documents = config.lengths.draw(config.loader_microbatches * K * D, config.seed, iteration)
+        request = PlanRequest(documents, BALANCED if row == LOCAL_BALANCED_ROW else row, K, pipeline,
+                              num_replicas=D, token_budget=budget, cross_replica=row != LOCAL_BALANCED_ROW,
+                              replica_speeds=speeds if config.speed_aware else None)
+        began = time.process_time()
+        plan = plan_iteration(request, costs)
+        planning_s = time.process_time() - began if row in (BALANCED_ROW, LOCAL_BALANCED_ROW) else 0.0
+        makespans, bounds, peaks, baseline_peaks, works, computed = [], [], [], [], [], 0
+        for r, speed in enumerate(speeds):
+            replica = plan.replica(r)
+            tokens, squared = plan.microbatch_tokens(r), plan.microbatch_squared_tokens(r)
+            shape = PipelineShape(P, V, replica.num_microbatches)
+            durations = _replica_durations(config, shape, tokens, squared, iteration, speed)
+            name = "planned" if row in (BALANCED_ROW, LOCAL_BALANCED_ROW) else "interleaved"
+            policies = [make_policy(name, shape, rank) for rank in range(P)]
+            outcome = run_iteration(shape, policies, durations, Network(LinkCosts()), iteration, 0.0, None,
+                                    TaskTable(shape), lengths=tokens, plan=replica.plan)
+            makespans.append(outcome.makespan_us)
+            bounds.append(lower_bounds(shape, durations, 0.0).best_us * speed)
+            peaks.append(outcome.peak_activation_sizes)
+            works.append(float(np.sum(durations)))
+            computed += sum(tokens)
+            share = loader_shares(len(documents), K, D)[r]
+            loader = loader_composition(len(share), K, packed=False)
+            baseline_peaks.append(loader_peak_caps(PipelineShape(P, V, loader.num_microbatches),
+                                                   loader.microbatch_tokens([documents[p] for p in share])))
+            if r == 0:   # the deciding rank's own tasks teach the planner (replica 0, pipeline rank 0)
+                for kind in (Kind.FORWARD, Kind.BACKWARD):
+                    for chunk in range(V):
+                        for mb in range(shape.num_microbatches):
+                            costs.observe(kind, chunk, tokens[mb], durations[0][kind.index][chunk][mb] / US_PER_S,
+                                          squared[mb])
         if iteration < config.warmup_iterations and config.iterations > config.warmup_iterations:
             continue
+        job_baseline = [max(column) for column in zip(*baseline_peaks)]
         result.iterations.append(CompositionIteration(
-            makespan_us=outcome.makespan_us, lower_bound_us=lower_bounds(shape, durations, 0.0).best_us,
-            num_microbatches=shape.num_microbatches, peak_tokens=list(outcome.peak_activation_sizes),
-            loader_peak_tokens=list(loader_caps),
-            padding_share=composition.padding_tokens(documents) / sum(tokens), planning_s=planning_s))
+            makespan_us=max(makespans) + (config.allreduce_us if D > 1 else 0.0),
+            lower_bound_us=sum(bounds) / sum(speeds) + (config.allreduce_us if D > 1 else 0.0),
+            num_microbatches=float(np.mean([r.num_microbatches for r in plan.replicas])),
+            peak_tokens=[max(column) for column in zip(*peaks)], loader_peak_tokens=job_baseline,
+            padding_share=(computed - sum(documents)) / computed, planning_s=planning_s,
+            replica_makespans_us=makespans, replica_work_share=max(works) / float(np.mean(works))))
     return result
 
 
