@@ -221,9 +221,9 @@ class CompositionPlanner:
         if not valid:
             raise ScheduleConfigError(f"{len(lengths)} documents form no microbatch count this pipeline accepts")
         candidates = []
-        if len(lengths) % micro_batch_size == 0:
-            candidates.append(loader_composition(len(lengths), micro_batch_size, packed=True))
         loader_count = len(lengths) // micro_batch_size
+        if len(lengths) % micro_batch_size == 0 and loader_count in valid:
+            candidates.append(loader_composition(len(lengths), micro_batch_size, packed=True))
         candidates += [Composition(balanced_groups(weights, count), packed=True)
                        for count in candidate_counts(valid, loader_count if loader_count in valid else valid[0],
                                                      LARGE_COUNTS if large else self.max_counts)]

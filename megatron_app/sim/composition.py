@@ -124,6 +124,10 @@ class CompositionResult:
         return self._mean("num_microbatches")
 
     @property
+    def replica_work_share(self) -> float:
+        return self._mean("replica_work_share")
+
+    @property
     def peak_tokens(self) -> List[float]:
         return [max(v) for v in zip(*(it.peak_tokens for it in self.iterations))]
 
@@ -136,7 +140,7 @@ class CompositionResult:
         return {"row": self.row, "makespan_us": self.makespan_us, "lower_bound_us": self.lower_bound_us,
                 "padding_share": self.padding_share, "planning_s": self.planning_s,
                 "num_microbatches": self.num_microbatches, "peak_tokens": self.peak_tokens,
-                "peak_over_loader": self.peak_over_loader,
+                "peak_over_loader": self.peak_over_loader, "replica_work_share": self.replica_work_share,
                 "iteration_makespans_us": [it.makespan_us for it in self.iterations]}
 
 
@@ -151,7 +155,7 @@ def composed_durations(config: CompositionSimConfig, shape: PipelineShape, token
 def _replica_durations(config: CompositionSimConfig, shape: PipelineShape, tokens, squared, iteration: int,
                        speed: float) -> DurationTable:
     durations = composed_durations(config, shape, tokens, squared, iteration)
-    return durations if speed == 1.0 else (np.asarray(durations, dtype=float) / speed).tolist()
+    return durations if speed == 1.0 else DurationTable(np.asarray(durations, dtype=float) / speed)
 
 
 def simulate_composition(config: CompositionSimConfig, row: str,
@@ -215,16 +219,22 @@ def simulate_composition(config: CompositionSimConfig, row: str,
 
 def format_composition_table(config: CompositionSimConfig, results: Sequence[CompositionResult]) -> str:
     base = results[0].makespan_us
+    D = config.data_parallel
+    replicas = "" if D == 1 else (f" D={D} replicas (speeds {','.join(f'{v:g}' for v in config.speeds)}, all-reduce "
+                                  f"{config.allreduce_us / 1e3:g} ms; bound: the replicas' pipeline bounds pooled)")
     lines = [f"P={config.num_stages} V={config.num_chunks} loader m={config.loader_microbatches} "
              f"documents/microbatch={config.documents_per_microbatch} host {config.host_us / 1e3:g} ms/task "
-             f"iterations={config.iterations} (first {config.warmup_iterations} not averaged) seed={config.seed}",
-             f"{'composition':<12} {'m':>5} {'makespan ms':>12} {'x loader':>9} {'bound ms':>10} {'x bound':>8} "
-             f"{'padding':>8} {'peak/base':>10} {'plan ms':>8}  peak activation tokens per rank"]
+             f"iterations={config.iterations} (first {config.warmup_iterations} not averaged) seed={config.seed}"
+             + replicas,
+             f"{'composition':<14} {'m':>5} {'makespan ms':>12} {'x loader':>9} {'bound ms':>10} {'x bound':>8} "
+             f"{'padding':>8} {'peak/base':>10} {'plan ms':>8} " + (f"{'work max/mean':>13} " if D > 1 else "")
+             + " peak activation tokens per rank"]
     for r in results:
         peaks = [int(round(p)) for p in r.peak_tokens]
         text = ",".join(map(str, peaks)) if len(peaks) <= 8 else f"max {max(peaks)}"
-        lines.append(f"{r.row:<12} {r.num_microbatches:>5.0f} {r.makespan_us / 1e3:>12.1f} "
+        balance = f"{r.replica_work_share:>13.3f} " if D > 1 else ""
+        lines.append(f"{r.row:<14} {r.num_microbatches:>5.0f} {r.makespan_us / 1e3:>12.1f} "
                      f"{base / r.makespan_us:>9.3f} {r.lower_bound_us / 1e3:>10.1f} "
                      f"{r.makespan_us / r.lower_bound_us:>8.3f} {r.padding_share:>8.1%} {r.peak_over_loader:>10.3f} "
-                     f"{r.planning_s * 1e3:>8.1f}  {text}")
+                     f"{r.planning_s * 1e3:>8.1f} {balance} {text}")
     return "\n".join(lines)
