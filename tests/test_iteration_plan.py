@@ -3,7 +3,8 @@
 import pytest
 
 from megatron_app.schedule import PipelineShape, ScheduleConfigError
-from megatron_app.schedule.composition import BALANCED, COMPOSITION_NAMES, DP_BALANCED, LOADER, PACKED
+from megatron_app.schedule.composition import (BALANCED, COMPOSITION_NAMES, DP_BALANCED, LOADER, LOCAL_BALANCED,
+                                               PACKED)
 from megatron_app.schedule.iteration_plan import (DocumentSegment, PipelineSpec, PlanRequest, assign_by_cost,
                                                   dp_balanced_packs, loader_shares, plan_iteration)
 from megatron_app.schedule.megatron_order import megatron_peak_sizes
@@ -34,7 +35,7 @@ def test_every_document_is_computed_once_and_counts_are_valid(composition, repli
     assert plan.num_replicas == replicas
     for replica in plan.replicas:
         PipelineShape(4, 2, replica.num_microbatches)   # Megatron's count rule holds per replica
-    if composition in (LOADER, PACKED):
+    if composition in (LOADER, PACKED, LOCAL_BALANCED):
         assert [r.documents for r in plan.replicas] == list(loader_shares(len(lengths), 2, replicas))
         assert not plan.cross_replica
 

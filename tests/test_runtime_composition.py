@@ -5,6 +5,7 @@ import pytest
 from megatron_app.runtime import composition as runtime_composition
 from megatron_app.runtime.job import current_job, shutdown
 from megatron_app.runtime.microbatch_lengths import take_microbatch_lengths
+from megatron_app.schedule.tasks import Kind
 
 LENGTHS = (120, 300, 2048, 90, 410, 150, 1900, 260)
 
@@ -31,14 +32,21 @@ def test_loader_compositions_tell_tokens_and_leave_planning_to_the_policy(name, 
     assert call.composition == name
 
 
-def test_balanced_composition_comes_with_its_plan_and_prediction_before_any_call():
+def test_balanced_composition_comes_with_its_plan_before_any_call_and_predicts_once_costs_are_learnt():
     plan = runtime_composition.agree_iteration_plan(LENGTHS, 2, "balanced", document_ids=range(100, 108))
     plan.check()
     m = plan.replica(0).num_microbatches
     call = _take(m)
     assert call.tokens == plan.microbatch_tokens(0)
     assert call.plan is not None and len(call.plan.start_order) == m
-    assert call.predicted_s == plan.predicted_s > 0
+    assert call.predicted_s is None and plan.report(0)["predicted_ms"] is None   # the prior is no time in seconds
+    costs = current_job().session.shared_costs()
+    for kind in (Kind.FORWARD, Kind.BACKWARD):
+        for tokens in (100, 500, 2000):
+            costs.observe(kind, 0, tokens, 1e-5 * tokens)
+    plan = runtime_composition.agree_iteration_plan(LENGTHS, 2, "balanced", document_ids=range(100, 108))
+    call = _take(plan.replica(0).num_microbatches)
+    assert call.predicted_s == plan.predicted_s > 0 and plan.report(0)["predicted_ms"] == plan.predicted_s * 1e3
     assert {s.document for mb in call.document_segments for s in mb} == set(range(100, 108))
     assert _take(m) is None        # consumed
 

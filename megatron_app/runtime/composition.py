@@ -4,7 +4,9 @@ A collective of the whole job (every rank of every tensor-, data-, context- and 
 same point, before the forward_backward call it plans, with the same global batch). The job's first rank runs
 schedule/iteration_plan.plan_iteration with the costs its `planned` policy has learnt (the prior before any call),
 within the planning budget, and broadcasts the IterationPlan; nothing another rank computes for itself enters it, so
-no clock or learnt cost can make ranks disagree. This rank's replica's share (tokens, squared tokens, the order and
+no clock or learnt cost can make ranks disagree. With data parallelism under `balanced`, every rank's last pipeline
+time (measured before the data-parallel reduction) goes to that rank first, which learns each replica's speed from
+it (iteration_plan.ReplicaSpeeds) and gives a slower replica proportionally less work. This rank's replica's share (tokens, squared tokens, the order and
 warm-ups, the documents' layout for keyed dropout, the prediction) waits on the job for its next call
 (next_call.CallPlan); the next forward_backward must run that replica's microbatch count.
 """
@@ -12,13 +14,14 @@ warm-ups, the documents' layout for keyed dropout, the prediction) waits on the 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch.distributed as dist
 
-from megatron_app.schedule.iteration_plan import (IterationPlan, PipelineSpec, PlanRequest, plan_iteration,
-                                                  with_planning_time)
+from megatron_app.schedule.composition import BALANCED
+from megatron_app.schedule.iteration_plan import (IterationPlan, PipelineSpec, PlanRequest, ReplicaSpeeds,
+                                                  plan_iteration, with_planning_time)
 
 from .job import AppJob, current_job
 from .next_call import CallPlan
@@ -68,6 +71,27 @@ def decide_once(decide, distributed: bool, group=None):
     return result, seconds
 
 
+def _gather_replica_times(session, layout: JobLayout):
+    """On the job's first rank: replica -> (its last plan's nominal prediction, its slowest rank's pipeline time),
+    from every rank's last training call (None elsewhere, and before any call)."""
+    mine = (layout.dp_rank, session.last_pipeline)
+    if not layout.distributed or dist.get_world_size() == 1:
+        gathered = [mine]
+    else:
+        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+    if gathered is None:
+        return None
+    times = {}
+    for replica, last in gathered:
+        if last is None:
+            continue
+        predicted, seconds = last
+        previous = times.get(replica)
+        times[replica] = (predicted, seconds if previous is None else max(previous[1], seconds))
+    return times
+
+
 def agree_iteration_plan(lengths: Sequence[int], micro_batch_size: int, composition: str, *,
                          document_ids: Optional[Sequence[int]] = None, token_budget: Optional[int] = None,
                          pg_collection=None, job: Optional[AppJob] = None) -> IterationPlan:
@@ -83,9 +107,19 @@ def agree_iteration_plan(lengths: Sequence[int], micro_batch_size: int, composit
                           document_ids=None if document_ids is None else tuple(int(i) for i in document_ids),
                           token_budget=token_budget)
     request.check()     # on every rank: a bad request fails where it is made, not in a broadcast
+    measured = _gather_replica_times(session, layout) if composition == BALANCED and layout.num_replicas > 1 \
+        else None
 
     def decide(start: float) -> IterationPlan:
-        return plan_iteration(request, session.shared_costs(), stop=session.planning_stop(start))
+        speeds = None
+        if measured is not None:
+            if session.replica_speeds is None or session.replica_speeds.num_replicas != layout.num_replicas:
+                session.replica_speeds = ReplicaSpeeds(layout.num_replicas)
+            for replica, (predicted, seconds) in measured.items():
+                session.replica_speeds.observe(replica, predicted, seconds)
+            speeds = session.replica_speeds.speeds()
+        return plan_iteration(replace(request, replica_speeds=speeds), session.shared_costs(),
+                              stop=session.planning_stop(start))
 
     plan, seconds = decide_once(decide, layout.distributed)
     if seconds:

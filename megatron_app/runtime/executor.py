@@ -187,6 +187,7 @@ class PipelineStep:
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def run(self) -> List[Any]:
+        started = time.perf_counter()
         if self.policy.plans_iterations:      # inside run(): the trace's iteration time includes planning
             self._adopt_shared_plan(self._pp_group, self._pp_global)
         self.grad_sync.disable()
@@ -200,6 +201,8 @@ class PipelineStep:
             self._reap_sends(block=False)
         self._reap_sends(block=True)
         self.grad_sync.finish()
+        if not self.forward_only:   # before the data-parallel reduction, which waits for the slowest replica
+            self.session.record_pipeline_time(self.call_plan, time.perf_counter() - started)
         if self.config.finalize_model_grads_func is not None and not self.forward_only:
             self.config.finalize_model_grads_func(
                 self.models,

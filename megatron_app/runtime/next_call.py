@@ -24,7 +24,8 @@ class CallPlan:
     plan: object = None
     document_segments: Optional[Tuple[Tuple[DocumentSegment, ...], ...]] = None
     composition: Optional[str] = None
-    predicted_s: Optional[float] = None
+    predicted_s: Optional[float] = None             # this replica's pipeline, its assumed speed applied
+    nominal_predicted_s: Optional[float] = None     # the same at nominal speed (replica speeds learn from it)
     predicted_iteration_s: Optional[float] = None   # the slowest replica's
 
     @property
@@ -41,8 +42,11 @@ class CallPlan:
     @classmethod
     def of_replica(cls, plan: IterationPlan, dp_rank: int) -> "CallPlan":
         replica = plan.replica(dp_rank)
+        calibrated = plan.calibrated     # the prior's predictions are a relative scale, not seconds
         return cls(plan.microbatch_tokens(dp_rank), plan.microbatch_squared_tokens(dp_rank), replica.plan,
-                   plan.document_segments(dp_rank), plan.composition_name, replica.predicted_s, plan.predicted_s)
+                   plan.document_segments(dp_rank), plan.composition_name,
+                   replica.predicted_s if calibrated else None, replica.nominal_predicted_s if calibrated else None,
+                   plan.predicted_s if calibrated else None)
 
 
 class NextCall:

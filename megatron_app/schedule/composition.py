@@ -20,8 +20,11 @@ from .errors import ScheduleConfigError
 LOADER = "loader"          # the loader's own microbatches, each padded to its longest document (Megatron's way)
 PACKED = "packed"          # the loader's own microbatches, each packed into one row without padding
 DP_BALANCED = "dp-balanced"  # loader order packed up to a token budget (Megatron-LM's DpBalancedScheduler's way)
-BALANCED = "balanced"      # cost-balanced packing planned together with the order (see composition_plan.py)
-COMPOSITION_NAMES = (LOADER, PACKED, DP_BALANCED, BALANCED)
+BALANCED = "balanced"      # cost-balanced packing planned together with the order (see composition_plan.py), with
+                           # documents moved between data-parallel replicas by cost (iteration_plan.py)
+LOCAL_BALANCED = "balanced-local"   # balanced within each replica's own loader share (no document moves)
+COMPOSITION_NAMES = (LOADER, PACKED, DP_BALANCED, BALANCED, LOCAL_BALANCED)
+PLANNED_COMPOSITIONS = (BALANCED, LOCAL_BALANCED)   # planned with their order: they need our schedule
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,8 @@ plan). Compositions (schedule/composition.py):
   balanced        documents go to replicas by predicted cost (learnt costs, scaled by each replica's speed), then
                   each replica's microbatches, order and warm-ups are planned (composition_plan.py); the
                   replica-local plan (each replica its loader share) is planned too, and the plan whose slowest
-                  replica is predicted faster is kept, so moving documents never predicts worse than not moving.
+                  replica is predicted faster is kept, so moving documents never predicts worse than not moving;
+  balanced-local  the same planning within each replica's loader share only (no document moves).
 
 Memory: with D > 1 a `balanced` plan caps every pipeline rank at the largest held-token peak Megatron's order
 reaches on that rank over the replicas' loader microbatches (the activation memory the job provisions on that
@@ -38,8 +39,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .composition import (BALANCED, DP_BALANCED, LOADER, PACKED, Composition, check_composition_name,
-                          loader_composition)
+from .composition import (DP_BALANCED, LOADER, LOCAL_BALANCED, PACKED, PLANNED_COMPOSITIONS, Composition,
+                          check_composition_name, loader_composition)
 from .composition_plan import PLANNED_KINDS, CompositionPlanner, document_costs, valid_microbatch_counts
 from .errors import ScheduleConfigError
 from .length_costs import LengthCostModel
@@ -77,7 +78,6 @@ class PlanRequest:
     document_ids: Optional[Tuple[int, ...]] = None    # what dropout keys each document on (default: its position)
     token_budget: Optional[int] = None       # dp-balanced's tokens per pack (default: micro batch size x longest)
     replica_speeds: Optional[Tuple[float, ...]] = None   # relative throughput per replica (default: all 1.0)
-    cross_replica: bool = True               # balanced: documents may move between replicas (False: each its share)
 
     def check(self) -> None:
         check_composition_name(self.composition)
@@ -112,6 +112,12 @@ class ReplicaPlan:
     composition: Composition            # microbatches over 0..len(documents)-1, in entry order
     plan: Optional[Plan] = None         # order and warm-ups to adopt (None: the policy decides)
     predicted_s: Optional[float] = None  # predicted makespan of this replica's pipeline (its speed applied)
+    speed: float = 1.0                  # the speed the plan assumed for this replica
+
+    @property
+    def nominal_predicted_s(self) -> Optional[float]:
+        """The prediction at nominal speed (what replica speeds are learnt against)."""
+        return None if self.predicted_s is None else self.predicted_s * self.speed
 
     @property
     def num_microbatches(self) -> int:
@@ -127,6 +133,7 @@ class IterationPlan:
     predicted_loader_s: Optional[float] = None   # the loader's padded microbatches in Megatron's order, slowest replica
     cross_replica: bool = False         # documents moved between replicas
     planning_s: float = 0.0             # the deciding rank's planning time (set by the driver)
+    calibrated: bool = False            # predictions in seconds (learnt costs), not the prior's relative scale
 
     @property
     def num_replicas(self) -> int:
@@ -176,14 +183,15 @@ class IterationPlan:
         """What this plan chose for a log line: replica dp_rank's microbatches and the prediction (milliseconds)."""
         replica = self.replica(dp_rank)
         lengths = self.replica_lengths(dp_rank)
-        predicted = self.predicted_s
+        predicted = self.predicted_s if self.calibrated else None
+        loader = self.predicted_loader_s if self.calibrated else None
         return {"composition": self.composition_name, "num_microbatches": replica.num_microbatches,
                 "microbatch_tokens": list(self.microbatch_tokens(dp_rank)),
                 "padding_tokens": replica.composition.padding_tokens(lengths),
                 "replica_microbatches": [r.num_microbatches for r in self.replicas],
                 "cross_replica": self.cross_replica,
                 "predicted_ms": None if predicted is None else predicted * 1e3,
-                "predicted_loader_ms": None if self.predicted_loader_s is None else self.predicted_loader_s * 1e3,
+                "predicted_loader_ms": None if loader is None else loader * 1e3,
                 "planning_ms": self.planning_s * 1e3}
 
     def check(self) -> None:
@@ -256,10 +264,11 @@ def _fixed_plan(request: PlanRequest, shares, packed: bool) -> IterationPlan:
     return _iteration(request, replicas)
 
 
-def _iteration(request: PlanRequest, replicas, predicted_loader_s=None, cross_replica=False) -> IterationPlan:
+def _iteration(request: PlanRequest, replicas, predicted_loader_s=None, cross_replica=False,
+               calibrated=False) -> IterationPlan:
     ids = request.document_ids if request.document_ids is not None else tuple(range(len(request.lengths)))
     plan = IterationPlan(request.composition, tuple(request.lengths), tuple(ids), tuple(replicas), predicted_loader_s,
-                         cross_replica)
+                         cross_replica, calibrated=calibrated)
     plan.check()
     return plan
 
@@ -272,7 +281,7 @@ def _plan_replicas(request: PlanRequest, shares, costs: LengthCostModel, caps, b
         composed = planner.plan([request.lengths[p] for p in share], request.micro_batch_size, costs, stop=stop,
                                 caps=caps, loader_makespan=baseline)
         replicas.append(ReplicaPlan(tuple(share), composed.composition, composed.plan,
-                                    composed.predicted_makespan / speed))
+                                    composed.predicted_makespan / speed, speed))
     return tuple(replicas)
 
 
@@ -286,14 +295,15 @@ def _plan_balanced(request: PlanRequest, costs: LengthCostModel, stop) -> Iterat
     loader_s = max(planner.loader_makespan(lengths, b, costs, caps) / speed
                    for lengths, speed in zip(share_lengths, speeds))
     local = _plan_replicas(request, shares, costs, caps, loader_s, stop)
-    if request.num_replicas == 1 or not request.cross_replica:
-        return _iteration(request, local, loader_s)
+    calibrated = costs.calibrated
+    if request.num_replicas == 1 or request.composition == LOCAL_BALANCED:
+        return _iteration(request, local, loader_s, calibrated=calibrated)
     weights = document_costs(costs, pipeline.num_chunks, request.lengths)
     moved_shares = assign_by_cost(weights, speeds, min(pipeline.valid_counts(len(request.lengths))))
     moved = _plan_replicas(request, moved_shares, costs, caps, loader_s, stop)
     if max(r.predicted_s for r in moved) < max(r.predicted_s for r in local):
-        return _iteration(request, moved, loader_s, cross_replica=True)
-    return _iteration(request, local, loader_s)
+        return _iteration(request, moved, loader_s, cross_replica=True, calibrated=calibrated)
+    return _iteration(request, local, loader_s, calibrated=calibrated)
 
 
 def plan_iteration(request: PlanRequest, costs: Optional[LengthCostModel] = None,
@@ -319,8 +329,35 @@ def plan_iteration(request: PlanRequest, costs: Optional[LengthCostModel] = None
                 start += len(pack)
             replicas.append(ReplicaPlan(documents, Composition(tuple(groups), packed=True)))
         return _iteration(request, replicas, cross_replica=D > 1)
-    assert request.composition == BALANCED
+    assert request.composition in PLANNED_COMPOSITIONS
     return _plan_balanced(request, costs or LengthCostModel(), stop)
+
+
+class ReplicaSpeeds:
+    """Each replica's speed relative to the fastest, learnt from its predicted (nominal) against its measured
+    pipeline time: a slower device or a straggling node measures longer than the cost model predicts. Smoothed over
+    iterations; None until every replica has been measured, or while every replica is within `tolerance` of the
+    fastest (timing noise must not move documents)."""
+
+    def __init__(self, num_replicas: int, smoothing: float = 0.5, tolerance: float = 0.03):
+        self.num_replicas = num_replicas
+        self.smoothing = smoothing
+        self.tolerance = tolerance
+        self._rates: List[Optional[float]] = [None] * num_replicas     # predicted over measured
+
+    def observe(self, replica: int, nominal_predicted_s: Optional[float], measured_s: Optional[float]) -> None:
+        if not nominal_predicted_s or not measured_s or nominal_predicted_s <= 0 or measured_s <= 0:
+            return
+        rate = nominal_predicted_s / measured_s
+        old = self._rates[replica]
+        self._rates[replica] = rate if old is None else self.smoothing * old + (1 - self.smoothing) * rate
+
+    def speeds(self) -> Optional[Tuple[float, ...]]:
+        if any(rate is None for rate in self._rates):
+            return None
+        fastest = max(self._rates)
+        speeds = tuple(rate / fastest for rate in self._rates)
+        return None if min(speeds) >= 1.0 - self.tolerance else speeds
 
 
 def with_planning_time(plan: IterationPlan, seconds: float) -> IterationPlan:

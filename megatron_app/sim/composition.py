@@ -27,9 +27,11 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from megatron_app.schedule import Kind, PipelineShape, ScheduleConfigError, make_policy
-from megatron_app.schedule.composition import BALANCED, DP_BALANCED, LOADER, PACKED, loader_composition
+from megatron_app.schedule.composition import (BALANCED, DP_BALANCED, LOADER, LOCAL_BALANCED, PACKED,
+                                               PLANNED_COMPOSITIONS, loader_composition)
 from megatron_app.schedule.composition_plan import loader_peak_caps
-from megatron_app.schedule.iteration_plan import PipelineSpec, PlanRequest, loader_shares, plan_iteration
+from megatron_app.schedule.iteration_plan import (PipelineSpec, PlanRequest, ReplicaSpeeds, loader_shares,
+                                                  plan_iteration)
 from megatron_app.schedule.length_costs import LengthCostModel
 
 from .bounds import lower_bounds
@@ -42,7 +44,7 @@ US_PER_S = 1e6
 
 # The rows are the compositions of schedule/composition.py, each run by its order (balanced: `planned`).
 LOADER_ROW, PACKED_ROW, DP_BALANCED_ROW, BALANCED_ROW = LOADER, PACKED, DP_BALANCED, BALANCED
-LOCAL_BALANCED_ROW = "balanced-local"   # balanced, each replica only its loader share (before cross-replica planning)
+LOCAL_BALANCED_ROW = LOCAL_BALANCED     # balanced, each replica only its loader share (no document moves)
 COMPOSITION_ROWS = (LOADER_ROW, PACKED_ROW, DP_BALANCED_ROW, BALANCED_ROW)
 DATA_PARALLEL_ROWS = (LOADER_ROW, PACKED_ROW, DP_BALANCED_ROW, LOCAL_BALANCED_ROW, BALANCED_ROW)
 # The runtime's own time per task: issue 23's figure (about 0.4 ms with near-zero compute on a 2-core machine), not
@@ -74,7 +76,7 @@ class CompositionSimConfig:
     token_budget: Optional[int] = None   # dp-balanced: tokens per microbatch (default: m. b. size x longest doc)
     data_parallel: int = 1               # replicas; each computes m x K documents of the loader's global batch
     replica_speeds: Optional[Tuple[float, ...]] = None   # each replica's speed (a slower device: < 1.0)
-    speed_aware: bool = True             # balanced: the planner knows the speeds (False: it plans as if equal)
+    speed_aware: bool = True             # balanced: the planner learns the replicas' speeds (False: plans them equal)
     allreduce_us: float = 0.0            # the gradient all-reduce after the slowest replica (D > 1)
 
     @property
@@ -171,25 +173,26 @@ def simulate_composition(config: CompositionSimConfig, row: str,
     costs = LengthCostModel()
     budget = config.token_budget or dp_balanced_token_budget(config.lengths, K)
     result = CompositionResult(row)
+    learnt_speeds = ReplicaSpeeds(D)     # speed-aware rows learn the speeds as the runtime does
     for iteration in range(config.iterations):
         documents = config.lengths.draw(config.loader_microbatches * K * D, config.seed, iteration)
-        request = PlanRequest(documents, BALANCED if row == LOCAL_BALANCED_ROW else row, K, pipeline,
-                              num_replicas=D, token_budget=budget, cross_replica=row != LOCAL_BALANCED_ROW,
-                              replica_speeds=speeds if config.speed_aware else None)
+        request = PlanRequest(documents, row, K, pipeline, num_replicas=D, token_budget=budget,
+                              replica_speeds=learnt_speeds.speeds() if config.speed_aware else None)
         began = time.process_time()
         plan = plan_iteration(request, costs)
-        planning_s = time.process_time() - began if row in (BALANCED_ROW, LOCAL_BALANCED_ROW) else 0.0
+        planning_s = time.process_time() - began if row in PLANNED_COMPOSITIONS else 0.0
         makespans, bounds, peaks, baseline_peaks, works, computed = [], [], [], [], [], 0
         for r, speed in enumerate(speeds):
             replica = plan.replica(r)
             tokens, squared = plan.microbatch_tokens(r), plan.microbatch_squared_tokens(r)
             shape = PipelineShape(P, V, replica.num_microbatches)
             durations = _replica_durations(config, shape, tokens, squared, iteration, speed)
-            name = "planned" if row in (BALANCED_ROW, LOCAL_BALANCED_ROW) else "interleaved"
+            name = "planned" if row in PLANNED_COMPOSITIONS else "interleaved"
             policies = [make_policy(name, shape, rank) for rank in range(P)]
             outcome = run_iteration(shape, policies, durations, Network(LinkCosts()), iteration, 0.0, None,
                                     TaskTable(shape), lengths=tokens, plan=replica.plan)
             makespans.append(outcome.makespan_us)
+            learnt_speeds.observe(r, replica.nominal_predicted_s, outcome.makespan_us / US_PER_S)
             bounds.append(lower_bounds(shape, durations, 0.0).best_us * speed)
             peaks.append(outcome.peak_activation_sizes)
             works.append(float(np.sum(durations)))

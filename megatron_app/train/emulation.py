@@ -39,7 +39,8 @@ class ComputeEmulation:
         self.spec = spec
         self.shape = PipelineShape(args.pipeline_parallel, args.model_chunks, args.num_microbatches,
                                    split_backward=bool(getattr(args, "split_backward", False)))
-        self.durations = TaskDurations(spec, self.shape)
+        slow = getattr(args, "slow_replica", None) == parallel_state.get_data_parallel_rank()
+        self.durations = TaskDurations(spec, self.shape, factor=args.slow_factor if slow else 1.0)
         self.link_delay = None if slow_link is None else LinkDelay(slow_link)
         self.forward_step = self.trainer_forward_step
         self.documents_per_microbatch = int(getattr(args, "documents_per_microbatch", 1) or 1)
