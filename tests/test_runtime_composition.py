@@ -57,3 +57,20 @@ def test_a_call_with_another_count_is_refused():
         take_microbatch_lengths(plan.replica(0).num_microbatches + 1)
     with pytest.raises(Exception, match="unknown composition"):
         runtime_composition.agree_iteration_plan(LENGTHS, 2, "shuffled")
+
+
+def test_a_batch_planned_ahead_is_adopted_when_ready_and_planned_in_line_when_not():
+    nxt = tuple(reversed(LENGTHS))
+    first = runtime_composition.agree_iteration_plan(LENGTHS, 2, "balanced", next_lengths=nxt)
+    assert not first.planned_ahead
+    _take(first.replica(0).num_microbatches)
+    session = current_job().session
+    session.plan_ahead._pending[1].result(timeout=120)          # the worker's plan is ready
+    second = runtime_composition.agree_iteration_plan(nxt, 2, "balanced", next_lengths=LENGTHS + LENGTHS)
+    assert second.planned_ahead and second.planner_s > 0 and session.plan_ahead.adopted == 1
+    assert second.lengths == nxt
+    second.check()
+    _take(second.replica(0).num_microbatches)
+    # another batch than the one planned ahead: planned in line
+    third = runtime_composition.agree_iteration_plan(LENGTHS, 2, "balanced")
+    assert not third.planned_ahead

@@ -19,12 +19,13 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
-from megatron_app.schedule.composition import BALANCED
+from megatron_app.schedule.composition import BALANCED, PLANNED_COMPOSITIONS
 from megatron_app.schedule.iteration_plan import (IterationPlan, PipelineSpec, PlanRequest, ReplicaSpeeds,
-                                                  plan_iteration, with_planning_time)
+                                                  plan_iteration)
 
 from .job import AppJob, current_job
 from .next_call import CallPlan
+from .plan_ahead import PlanAhead
 
 
 @dataclass(frozen=True)
@@ -94,9 +95,15 @@ def _gather_replica_times(session, layout: JobLayout):
 
 def agree_iteration_plan(lengths: Sequence[int], micro_batch_size: int, composition: str, *,
                          document_ids: Optional[Sequence[int]] = None, token_budget: Optional[int] = None,
-                         pg_collection=None, job: Optional[AppJob] = None) -> IterationPlan:
+                         pg_collection=None, job: Optional[AppJob] = None,
+                         next_lengths: Optional[Sequence[int]] = None,
+                         next_document_ids: Optional[Sequence[int]] = None) -> IterationPlan:
     """The next call's IterationPlan for the whole global batch (``lengths``: every document, loader order), the
-    same on every rank; this rank's replica's share is handed to the job's next forward_backward call."""
+    same on every rank; this rank's replica's share is handed to the job's next forward_backward call.
+
+    next_lengths (and next_document_ids): the global batch of the call after, known early (an index): `balanced`
+    then plans it in a worker process while this call trains (plan_ahead.py) and the next call adopts that plan
+    when it is ready, planning in line when it is late. Planning time on the critical path is then about nil."""
     job = job or current_job()
     session = job.session
     layout = job_layout(pg_collection)
@@ -110,6 +117,8 @@ def agree_iteration_plan(lengths: Sequence[int], micro_batch_size: int, composit
     measured = _gather_replica_times(session, layout) if composition == BALANCED and layout.num_replicas > 1 \
         else None
 
+    ahead = composition in PLANNED_COMPOSITIONS and next_lengths is not None
+
     def decide(start: float) -> IterationPlan:
         speeds = None
         if measured is not None:
@@ -118,12 +127,24 @@ def agree_iteration_plan(lengths: Sequence[int], micro_batch_size: int, composit
             for replica, (predicted, seconds) in measured.items():
                 session.replica_speeds.observe(replica, predicted, seconds)
             speeds = session.replica_speeds.speeds()
-        return plan_iteration(replace(request, replica_speeds=speeds), session.shared_costs(),
-                              stop=session.planning_stop(start))
+        planned = None if session.plan_ahead is None else session.plan_ahead.take(request)
+        if planned is not None:
+            plan = replace(planned[0], planned_ahead=True, planner_s=planned[1])
+        else:
+            plan = plan_iteration(replace(request, replica_speeds=speeds), session.shared_costs(),
+                                  stop=session.planning_stop(start))
+            plan = replace(plan, planner_s=time.perf_counter() - start)
+        if ahead:
+            if session.plan_ahead is None:
+                session.plan_ahead = PlanAhead()
+            upcoming = replace(request, lengths=tuple(int(v) for v in next_lengths), replica_speeds=speeds,
+                               document_ids=None if next_document_ids is None
+                               else tuple(int(i) for i in next_document_ids))
+            session.plan_ahead.submit(upcoming, session.shared_costs())
+        return replace(plan, planning_s=time.perf_counter() - start)   # what the call waited for, every rank told
 
     plan, seconds = decide_once(decide, layout.distributed)
     if seconds:
         session.last_planning_s = seconds
-        plan = with_planning_time(plan, seconds)
     job.next_call.expect(CallPlan.of_replica(plan, layout.dp_rank))
     return plan

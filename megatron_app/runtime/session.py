@@ -57,6 +57,7 @@ class RuntimeSession:
         # for this replica at nominal speed: (nominal predicted s or None, measured s).
         self.last_pipeline: Optional[tuple] = None
         self.replica_speeds = None  # iteration_plan.ReplicaSpeeds on the rank that plans, once replicas are seen
+        self.plan_ahead = None      # plan_ahead.PlanAhead on the rank that plans, once a loop plans ahead
 
     def shared_costs(self):
         """The learnt task costs (length_costs.LengthCostModel) every planning policy of this process shares: a
@@ -179,6 +180,8 @@ class RuntimeSession:
         if self._closed:
             return
         self._closed = True
+        if self.plan_ahead is not None:
+            self.plan_ahead.close()
         if self.tracer is not None:
             self.tracer.close()
         if self.transport is not None:

@@ -34,14 +34,12 @@ Pure: no torch, no I/O, no clocks (a caller's stop() is its time budget).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
-
-import numpy as np
 
 from .composition import (DP_BALANCED, LOADER, LOCAL_BALANCED, PACKED, PLANNED_COMPOSITIONS, Composition,
                           check_composition_name, loader_composition)
-from .composition_plan import PLANNED_KINDS, CompositionPlanner, document_costs, valid_microbatch_counts
+from .composition_plan import CompositionPlanner, document_costs, valid_microbatch_counts
 from .errors import ScheduleConfigError
 from .length_costs import LengthCostModel
 from .plan_search import Plan
@@ -132,8 +130,10 @@ class IterationPlan:
     replicas: Tuple[ReplicaPlan, ...]
     predicted_loader_s: Optional[float] = None   # the loader's padded microbatches in Megatron's order, slowest replica
     cross_replica: bool = False         # documents moved between replicas
-    planning_s: float = 0.0             # the deciding rank's planning time (set by the driver)
+    planning_s: float = 0.0             # planning time on the critical path, on the deciding rank (set by the driver)
     calibrated: bool = False            # predictions in seconds (learnt costs), not the prior's relative scale
+    planned_ahead: bool = False         # made a call early, off the critical path (runtime/plan_ahead.py)
+    planner_s: Optional[float] = None   # the planner's own time (planned ahead: the worker's CPU time)
 
     @property
     def num_replicas(self) -> int:
@@ -192,7 +192,8 @@ class IterationPlan:
                 "cross_replica": self.cross_replica,
                 "predicted_ms": None if predicted is None else predicted * 1e3,
                 "predicted_loader_ms": None if loader is None else loader * 1e3,
-                "planning_ms": self.planning_s * 1e3}
+                "planning_ms": self.planning_s * 1e3, "planned_ahead": self.planned_ahead,
+                "planner_ms": None if self.planner_s is None else self.planner_s * 1e3}
 
     def check(self) -> None:
         """Raise ScheduleConfigError unless every document of the batch is computed exactly once."""
@@ -358,18 +359,3 @@ class ReplicaSpeeds:
         fastest = max(self._rates)
         speeds = tuple(rate / fastest for rate in self._rates)
         return None if min(speeds) >= 1.0 - self.tolerance else speeds
-
-
-def with_planning_time(plan: IterationPlan, seconds: float) -> IterationPlan:
-    return replace(plan, planning_s=float(seconds))
-
-
-def replica_work(plan: IterationPlan, costs: LengthCostModel, num_chunks: int) -> Tuple[float, ...]:
-    """Each replica's predicted compute (its microbatches' forward and backward on every chunk, one stage), for
-    max/mean balance reports."""
-    work = []
-    for r in range(plan.num_replicas):
-        table = costs.duration_table(PLANNED_KINDS, num_chunks, plan.microbatch_tokens(r),
-                                     plan.microbatch_squared_tokens(r))
-        work.append(float(np.sum(table)))
-    return tuple(work)

@@ -96,8 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "microbatch: loader (the loader's microbatches, padded to their longest document; the default under "
                    "--schedule megatron), packed (the same documents concatenated in one row, no padding; the "
                    "default otherwise), dp-balanced (the loader's order packed "
-                   "up to a token budget as Megatron-LM's DpBalancedScheduler does; a reference), balanced "
-                   "(cost-balanced packing planned together with the order)")
+                   "up to a token budget as Megatron-LM's DpBalancedScheduler does, its packs dealt across "
+                   "data-parallel replicas; a reference), balanced (cost-balanced packing planned together with the "
+                   "order, documents moved between data-parallel replicas by predicted cost and learnt speed), "
+                   "balanced-local (the same within each replica's own share)")
+    _add_flag(train, "--plan-ahead", action="store_true",
+              help="balanced: plan each iteration's global batch in a worker process while the previous one trains "
+                   "(the rank that plans starts one more process); a late plan falls back to planning in line")
     _add_flag(train, "--documents-per-microbatch", type=int, default=1, metavar="K",
               help="with --emulate-lengths-file: each loader microbatch holds K documents (the iteration draws "
                    "microbatches x K documents, composed by --composition); default 1")

@@ -53,16 +53,19 @@ def global_batch_samples(args, first_sample: int) -> List[int]:
     return list(range(first_sample, first_sample + args.global_batch_size))
 
 
-def plan_global_batch(args, lengths: Sequence[int], samples: Sequence[int]) -> IterationPlan:
+def plan_global_batch(args, lengths: Sequence[int], samples: Sequence[int], upcoming=None) -> IterationPlan:
     """The plan of the next forward_backward call; our runtime agrees it over the job (and is handed this rank's
-    share), Megatron's own schedule takes the loader's groups. Tests replace this function to regroup."""
+    share), Megatron's own schedule takes the loader's groups. upcoming: (lengths, samples) of the batch after, to
+    plan ahead. Tests replace this function to regroup."""
     if args.schedule == MEGATRON_SCHEDULE:
         return plan_iteration(PlanRequest(tuple(lengths), PACKED if composition_name(args) == PACKED else LOADER,
                                           args.micro_batch_size, num_replicas=args.data_parallel,
                                           document_ids=tuple(samples)))
     from megatron_app.runtime.composition import agree_iteration_plan
 
-    return agree_iteration_plan(lengths, args.micro_batch_size, composition_name(args), document_ids=samples)
+    return agree_iteration_plan(lengths, args.micro_batch_size, composition_name(args), document_ids=samples,
+                                next_lengths=None if upcoming is None else upcoming[0],
+                                next_document_ids=None if upcoming is None else upcoming[1])
 
 
 def _collate(dataset, samples, composition: Composition, group) -> dict:
@@ -85,11 +88,17 @@ class _LazyBatches:
             yield self._read[index]
 
 
-def compose_global_batch(args, dataset, dp_rank: int, first_sample: int, num_chunks: int) -> ComposedBatch:
+def compose_global_batch(args, dataset, dp_rank: int, first_sample: int, num_chunks: int,
+                         last: bool = True) -> ComposedBatch:
     """Plan the global batch (a collective of the job under our runtime) and read this replica's microbatches of
-    it; every chunk gets its own iterator over the same batches."""
+    it; every chunk gets its own iterator over the same batches. last=False with --plan-ahead: the next global
+    batch is planned while this one trains."""
     samples = global_batch_samples(args, first_sample)
-    plan = plan_global_batch(args, [sample_length(dataset, index) for index in samples], samples)
+    upcoming = None
+    if not last and getattr(args, "plan_ahead", False):
+        following = global_batch_samples(args, first_sample + args.global_batch_size)
+        upcoming = ([sample_length(dataset, index) for index in following], following)
+    plan = plan_global_batch(args, [sample_length(dataset, index) for index in samples], samples, upcoming)
     replica = plan.replica(dp_rank)
     mine = [samples[position] for position in replica.documents]
     if args.schedule == MEGATRON_SCHEDULE:   # our runtime takes the layout with its call plan

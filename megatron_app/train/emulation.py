@@ -111,10 +111,13 @@ class ComputeEmulation:
         K, lengths = self.documents_per_microbatch, self.spec.lengths
         replicas = parallel_state.get_data_parallel_world_size()
         batch = lengths.draw(self.args.num_microbatches * K * replicas, self.spec.seed, iteration)
+        upcoming = None
+        if getattr(self.args, "plan_ahead", False) and iteration + 1 < self.args.iters:
+            upcoming = lengths.draw(self.args.num_microbatches * K * replicas, self.spec.seed, iteration + 1)
         began = time.perf_counter()
         plan = agree_iteration_plan(batch, K, self.composition_name,
-                                    token_budget=dp_balanced_token_budget(lengths, K))
-        self.planning_s[iteration] = time.perf_counter() - began   # rank 0's planning + broadcast, as seen here
+                                    token_budget=dp_balanced_token_budget(lengths, K), next_lengths=upcoming)
+        self.planning_s[iteration] = time.perf_counter() - began   # planning + broadcast, as this rank waits for it
         dp_rank = parallel_state.get_data_parallel_rank()
         self.plans = {iteration: plan}
         self.durations.compose(iteration, plan.microbatch_tokens(dp_rank), plan.microbatch_squared_tokens(dp_rank))
@@ -126,7 +129,7 @@ class ComputeEmulation:
         if iteration not in self.plans:
             return None
         return {**self.plans[iteration].report(parallel_state.get_data_parallel_rank()),
-                "planning_ms": self.planning_s.pop(iteration, 0.0) * 1e3}
+                "wait_for_plan_ms": self.planning_s.pop(iteration, 0.0) * 1e3}
 
     def begin_iteration(self, iteration: int) -> int:
         """Before forward_backward of `iteration` (0-based): tell the schedule the microbatch lengths (every rank

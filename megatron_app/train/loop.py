@@ -134,7 +134,8 @@ def train_step(trainer: Trainer, iteration: int) -> Optional[float]:
     if trainer.emulation is not None:
         num_microbatches = trainer.emulation.begin_iteration(iteration - 1)
     elif composes(args):   # the composition's microbatches; planning told the schedule their tokens
-        composed = compose_global_batch(args, trainer.train_dataset, trainer.dp_rank, first_sample, args.model_chunks)
+        composed = compose_global_batch(args, trainer.train_dataset, trainer.dp_rank, first_sample, args.model_chunks,
+                                        last=iteration >= args.iters)
         data_iterator, num_microbatches = composed.data_iterator, composed.num_microbatches
         forward_step_func = composed.forward_step_func
         trainer.last_plan = composed.plan
