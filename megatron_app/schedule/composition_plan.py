@@ -201,11 +201,13 @@ class CompositionPlanner:
 
     def plan(self, document_lengths: Sequence[int], micro_batch_size: int, costs: LengthCostModel,
              stop: Optional[Callable[[float], bool]] = None, caps: Optional[Sequence[float]] = None,
-             loader_makespan: Optional[float] = None) -> ComposedPlan:
+             loader_makespan: Optional[float] = None, large: Optional[bool] = None) -> ComposedPlan:
         """stop(predicted_loader_makespan): asked between candidates and search rounds (a driver's time budget).
         caps: per rank activation tokens (default: this batch's loader caps); loader_makespan: the baseline the
         budget is a share of (default: these documents' loader microbatches). Given both, the documents need not
-        split into loader microbatches (a replica of a cross-replica plan); then no loader candidate is screened."""
+        split into loader microbatches (a replica of a cross-replica plan); then no loader candidate is screened.
+        large: plan as at scale (default: when this batch alone has more than LARGE_TASKS tasks; a job of many
+        replicas says so for each of them)."""
         lengths = tuple(int(v) for v in document_lengths)
         if not lengths or min(lengths) < 1:
             raise ScheduleConfigError(f"document lengths must be positive integers, got {list(document_lengths)!r}")
@@ -213,7 +215,8 @@ class CompositionPlanner:
         caps = self.loader_caps(lengths, micro_batch_size) if caps is None else tuple(caps)
         loader_value = (self.loader_makespan(lengths, micro_batch_size, costs, caps) if loader_makespan is None
                         else loader_makespan)
-        large = 2 * V * self.num_stages * len(lengths) > LARGE_TASKS
+        if large is None:
+            large = 2 * V * self.num_stages * len(lengths) > LARGE_TASKS
         screen_warmup = 0 if large else 3
         weights = document_costs(costs, V, lengths)
         valid = valid_microbatch_counts(self.num_stages, V, len(lengths), self.microbatch_group_size,

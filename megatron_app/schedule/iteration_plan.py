@@ -19,7 +19,9 @@ plan). Compositions (schedule/composition.py):
   balanced        documents go to replicas by predicted cost (learnt costs, scaled by each replica's speed), then
                   each replica's microbatches, order and warm-ups are planned (composition_plan.py); the
                   replica-local plan (each replica its loader share) is planned too, and the plan whose slowest
-                  replica is predicted faster is kept, so moving documents never predicts worse than not moving;
+                  replica is predicted faster is kept, so moving documents never predicts worse than not moving
+                  (a job beyond the planner's large-batch threshold plans only the moved one, each replica as at
+                  scale);
   balanced-local  the same planning within each replica's loader share only (no document moves).
 
 Memory: with D > 1 a `balanced` plan caps every pipeline rank at the largest held-token peak Megatron's order
@@ -39,7 +41,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 from .composition import (DP_BALANCED, LOADER, LOCAL_BALANCED, PACKED, PLANNED_COMPOSITIONS, Composition,
                           check_composition_name, loader_composition)
-from .composition_plan import CompositionPlanner, document_costs, valid_microbatch_counts
+from .composition_plan import LARGE_TASKS, CompositionPlanner, document_costs, valid_microbatch_counts
 from .errors import ScheduleConfigError
 from .length_costs import LengthCostModel
 from .plan_search import Plan
@@ -274,13 +276,21 @@ def _iteration(request: PlanRequest, replicas, predicted_loader_s=None, cross_re
     return plan
 
 
+def _at_scale(request: PlanRequest) -> bool:
+    """The whole job's tasks (every replica's) beyond the planner's large-batch threshold: each replica is planned
+    as at scale (screened by estimate, a short final search) and the replica-local alternative is not planned."""
+    pipeline = request.pipeline
+    return 2 * pipeline.num_chunks * pipeline.num_stages * len(request.lengths) > LARGE_TASKS
+
+
 def _plan_replicas(request: PlanRequest, shares, costs: LengthCostModel, caps, baseline: float,
                    stop) -> Tuple[ReplicaPlan, ...]:
     planner = request.pipeline.planner()
+    large = _at_scale(request)
     replicas = []
     for share, speed in zip(shares, request.speeds):
         composed = planner.plan([request.lengths[p] for p in share], request.micro_batch_size, costs, stop=stop,
-                                caps=caps, loader_makespan=baseline)
+                                caps=caps, loader_makespan=baseline, large=large)
         replicas.append(ReplicaPlan(tuple(share), composed.composition, composed.plan,
                                     composed.predicted_makespan / speed, speed))
     return tuple(replicas)
@@ -295,14 +305,16 @@ def _plan_balanced(request: PlanRequest, costs: LengthCostModel, stop) -> Iterat
     caps = tuple(max(column) for column in zip(*share_caps))
     loader_s = max(planner.loader_makespan(lengths, b, costs, caps) / speed
                    for lengths, speed in zip(share_lengths, speeds))
-    local = _plan_replicas(request, shares, costs, caps, loader_s, stop)
     calibrated = costs.calibrated
+    local = None
+    if request.num_replicas == 1 or request.composition == LOCAL_BALANCED or not _at_scale(request):
+        local = _plan_replicas(request, shares, costs, caps, loader_s, stop)
     if request.num_replicas == 1 or request.composition == LOCAL_BALANCED:
         return _iteration(request, local, loader_s, calibrated=calibrated)
     weights = document_costs(costs, pipeline.num_chunks, request.lengths)
     moved_shares = assign_by_cost(weights, speeds, min(pipeline.valid_counts(len(request.lengths))))
     moved = _plan_replicas(request, moved_shares, costs, caps, loader_s, stop)
-    if max(r.predicted_s for r in moved) < max(r.predicted_s for r in local):
+    if local is None or max(r.predicted_s for r in moved) < max(r.predicted_s for r in local):
         return _iteration(request, moved, loader_s, cross_replica=True, calibrated=calibrated)
     return _iteration(request, local, loader_s, calibrated=calibrated)
 
