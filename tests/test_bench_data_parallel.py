@@ -10,7 +10,7 @@ SHAPE = dict(pipeline_parallel=2, model_chunks=2, data_parallel=2, microbatches=
 
 
 def test_the_launcher_flags_are_the_trainers():
-    args = parse_args(launcher_flags(**SHAPE, extra=["--composition", "balanced"]), environ={"WORLD_SIZE": "4"})
+    args = parse_args(launcher_flags(**SHAPE, extra=["--composition", "balanced"]), environ={"WORLD_SIZE": "4", "MASTER_ADDR": "localhost"})
     assert args.data_parallel == 2 and args.slow_replica == 1 and args.num_microbatches == 4
 
 
