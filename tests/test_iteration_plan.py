@@ -140,3 +140,29 @@ def test_simulated_replicas_cross_replica_beats_replica_local_and_speed_blind():
     aware = simulate_composition(slow, BALANCED_ROW, planner_evaluations=32)
     blind = simulate_composition(replace(slow, speed_aware=False), BALANCED_ROW, planner_evaluations=32)
     assert aware.makespan_us < 0.98 * blind.makespan_us   # 1.14x at 32 documents a replica (BENCHMARKS.md)
+
+
+def test_within_the_models_error_balanced_keeps_the_loaders_microbatches_packed_in_the_planned_order():
+    costs = _learnt_costs()
+    lengths = LONG_TAIL
+    regrouped = plan_iteration(PlanRequest(lengths, BALANCED, 2, P4V2), costs)
+    assert regrouped.replica(0).composition.groups != tuple((2 * k, 2 * k + 1) for k in range(16))
+    assert not regrouped.replica(0).packed_fallback
+    kept = plan_iteration(PlanRequest(lengths, BALANCED, 2, P4V2, min_gain=0.99), costs)
+    replica = kept.replica(0)
+    assert replica.packed_fallback and replica.composition.packed
+    assert sorted(replica.composition.groups) == [(2 * k, 2 * k + 1) for k in range(16)]   # the loader's groups
+    assert replica.plan is not None                                                      # ... in a planned order
+
+
+def test_prediction_error_ignores_a_common_scale_and_measures_the_rest():
+    from megatron_app.schedule.iteration_plan import PredictionError
+
+    steady = PredictionError()
+    for predicted in (1.0, 2.0, 1.5, 3.0):
+        steady.observe(predicted, 1.3 * predicted)       # a constant overhead share: no error
+    assert steady.relative == pytest.approx(0.0, abs=1e-12)
+    noisy = PredictionError()
+    for k, predicted in enumerate((1.0, 2.0, 1.5, 3.0, 2.5, 1.0)):
+        noisy.observe(predicted, predicted * (1.1 if k % 2 else 0.9))
+    assert 0.1 < noisy.relative < 0.3

@@ -20,8 +20,8 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from megatron_app.schedule.composition import BALANCED, PLANNED_COMPOSITIONS
-from megatron_app.schedule.iteration_plan import (IterationPlan, PipelineSpec, PlanRequest, ReplicaSpeeds,
-                                                  plan_iteration)
+from megatron_app.schedule.iteration_plan import (IterationPlan, PipelineSpec, PlanRequest, PredictionError,
+                                                  ReplicaSpeeds, plan_iteration)
 
 from .job import AppJob, current_job
 from .next_call import CallPlan
@@ -114,30 +114,36 @@ def agree_iteration_plan(lengths: Sequence[int], micro_batch_size: int, composit
                           document_ids=None if document_ids is None else tuple(int(i) for i in document_ids),
                           token_budget=token_budget)
     request.check()     # on every rank: a bad request fails where it is made, not in a broadcast
-    measured = _gather_replica_times(session, layout) if composition == BALANCED and layout.num_replicas > 1 \
-        else None
+    measured = _gather_replica_times(session, layout) if composition in PLANNED_COMPOSITIONS else None
 
     ahead = composition in PLANNED_COMPOSITIONS and next_lengths is not None
 
     def decide(start: float) -> IterationPlan:
-        speeds = None
-        if measured is not None:
+        speeds, min_gain = None, 0.0
+        if measured:
             if session.replica_speeds is None or session.replica_speeds.num_replicas != layout.num_replicas:
                 session.replica_speeds = ReplicaSpeeds(layout.num_replicas)
-            for replica, (predicted, seconds) in measured.items():
+                session.prediction_error = PredictionError()
+            for replica, (predicted, seconds) in sorted(measured.items()):
                 session.replica_speeds.observe(replica, predicted, seconds)
-            speeds = session.replica_speeds.speeds()
+            # the slowest replica's time is the iteration's: that is what the plan's prediction must get right
+            predicted = max((p for p, _ in measured.values() if p is not None), default=None)
+            session.prediction_error.observe(predicted, max(s for _, s in measured.values()))
+            if composition == BALANCED:
+                speeds = session.replica_speeds.speeds()
+            min_gain = session.prediction_error.relative
         planned = None if session.plan_ahead is None else session.plan_ahead.take(request)
         if planned is not None:
             plan = replace(planned[0], planned_ahead=True, planner_s=planned[1])
         else:
-            plan = plan_iteration(replace(request, replica_speeds=speeds), session.shared_costs(),
+            plan = plan_iteration(replace(request, replica_speeds=speeds, min_gain=min_gain), session.shared_costs(),
                                   stop=session.planning_stop(start))
             plan = replace(plan, planner_s=time.perf_counter() - start)
         if ahead:
             if session.plan_ahead is None:
                 session.plan_ahead = PlanAhead()
             upcoming = replace(request, lengths=tuple(int(v) for v in next_lengths), replica_speeds=speeds,
+                               min_gain=min_gain,
                                document_ids=None if next_document_ids is None
                                else tuple(int(i) for i in next_document_ids))
             session.plan_ahead.submit(upcoming, session.shared_costs())

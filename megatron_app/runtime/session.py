@@ -57,6 +57,7 @@ class RuntimeSession:
         # for this replica at nominal speed: (nominal predicted s or None, measured s).
         self.last_pipeline: Optional[tuple] = None
         self.replica_speeds = None  # iteration_plan.ReplicaSpeeds on the rank that plans, once replicas are seen
+        self.prediction_error = None   # iteration_plan.PredictionError, with it
         self.plan_ahead = None      # plan_ahead.PlanAhead on the rank that plans, once a loop plans ahead
 
     def shared_costs(self):

@@ -64,6 +64,7 @@ class ComposedPlan:
     caps: Tuple[float, ...]           # per rank, activation tokens a plan may hold
     peaks: Tuple[float, ...]          # per rank, the plan's own peak
     evaluations: int
+    packed_fallback: bool = False     # the loader's microbatches packed, kept: the gain was within the model's error
 
     @property
     def num_microbatches(self) -> int:
@@ -201,13 +202,16 @@ class CompositionPlanner:
 
     def plan(self, document_lengths: Sequence[int], micro_batch_size: int, costs: LengthCostModel,
              stop: Optional[Callable[[float], bool]] = None, caps: Optional[Sequence[float]] = None,
-             loader_makespan: Optional[float] = None, large: Optional[bool] = None) -> ComposedPlan:
+             loader_makespan: Optional[float] = None, large: Optional[bool] = None,
+             min_gain: float = 0.0) -> ComposedPlan:
         """stop(predicted_loader_makespan): asked between candidates and search rounds (a driver's time budget).
         caps: per rank activation tokens (default: this batch's loader caps); loader_makespan: the baseline the
         budget is a share of (default: these documents' loader microbatches). Given both, the documents need not
         split into loader microbatches (a replica of a cross-replica plan); then no loader candidate is screened.
         large: plan as at scale (default: when this batch alone has more than LARGE_TASKS tasks; a job of many
-        replicas says so for each of them)."""
+        replicas says so for each of them). min_gain: the share by which another grouping must be predicted
+        faster than the loader's microbatches packed to be chosen over them (the cost model's measured error: a
+        smaller predicted gain may be the model's mistake); they are then run with the planned order."""
         lengths = tuple(int(v) for v in document_lengths)
         if not lengths or min(lengths) < 1:
             raise ScheduleConfigError(f"document lengths must be positive integers, got {list(document_lengths)!r}")
@@ -225,7 +229,8 @@ class CompositionPlanner:
             raise ScheduleConfigError(f"{len(lengths)} documents form no microbatch count this pipeline accepts")
         candidates = []
         loader_count = len(lengths) // micro_batch_size
-        if len(lengths) % micro_batch_size == 0 and loader_count in valid:
+        has_loader_candidate = len(lengths) % micro_batch_size == 0 and loader_count in valid
+        if has_loader_candidate:     # always index 0
             candidates.append(loader_composition(len(lengths), micro_batch_size, packed=True))
         candidates += [Composition(balanced_groups(weights, count), packed=True)
                        for count in candidate_counts(valid, loader_count if loader_count in valid else valid[0],
@@ -240,7 +245,10 @@ class CompositionPlanner:
             value = (interleaved_estimate(self.num_stages, V, table) if large
                      else self._screen(shape, tokens, caps, table, screen_warmup).predicted_makespan)
             screened.append((value, index, composition))
-        _, _, best = min(screened, key=lambda entry: entry[:2])
+        best_value, best_index, best = min(screened, key=lambda entry: entry[:2])
+        packed_fallback = False
+        if has_loader_candidate and best_index != 0 and screened[0][0] - best_value < min_gain * screened[0][0]:
+            best, packed_fallback = screened[0][2], True
         shape = self._shape(best.num_microbatches)
         tokens = best.microbatch_tokens(lengths)
         squared = best.microbatch_squared_tokens(lengths)
@@ -253,7 +261,7 @@ class CompositionPlanner:
         plan = Plan(tuple(range(len(order))), choice.plan.extra_warmup)
         return ComposedPlan(composition, plan, choice.predicted_makespan, loader_value,
                             tuple(tokens[k] for k in order), tuple(squared[k] for k in order), tuple(caps),
-                            choice.admission_needs, choice.evaluations)
+                            choice.admission_needs, choice.evaluations, packed_fallback)
 
     def _screen(self, shape: PipelineShape, tokens, caps, table, max_extra_warmup: int = 3):
         """The seeded orders x warm-ups only (no annealing): a cheap score for one candidate composition."""

@@ -78,6 +78,7 @@ class PlanRequest:
     document_ids: Optional[Tuple[int, ...]] = None    # what dropout keys each document on (default: its position)
     token_budget: Optional[int] = None       # dp-balanced's tokens per pack (default: micro batch size x longest)
     replica_speeds: Optional[Tuple[float, ...]] = None   # relative throughput per replica (default: all 1.0)
+    min_gain: float = 0.0                    # balanced: predicted gain over packing needed to regroup (model error)
 
     def check(self) -> None:
         check_composition_name(self.composition)
@@ -113,6 +114,7 @@ class ReplicaPlan:
     plan: Optional[Plan] = None         # order and warm-ups to adopt (None: the policy decides)
     predicted_s: Optional[float] = None  # predicted makespan of this replica's pipeline (its speed applied)
     speed: float = 1.0                  # the speed the plan assumed for this replica
+    packed_fallback: bool = False       # balanced kept the loader's microbatches packed (gain within the error)
 
     @property
     def nominal_predicted_s(self) -> Optional[float]:
@@ -192,6 +194,7 @@ class IterationPlan:
                 "padding_tokens": replica.composition.padding_tokens(lengths),
                 "replica_microbatches": [r.num_microbatches for r in self.replicas],
                 "cross_replica": self.cross_replica,
+                "packed_fallback": [r.packed_fallback for r in self.replicas],
                 "predicted_ms": None if predicted is None else predicted * 1e3,
                 "predicted_loader_ms": None if loader is None else loader * 1e3,
                 "planning_ms": self.planning_s * 1e3, "planned_ahead": self.planned_ahead,
@@ -290,9 +293,9 @@ def _plan_replicas(request: PlanRequest, shares, costs: LengthCostModel, caps, b
     replicas = []
     for share, speed in zip(shares, request.speeds):
         composed = planner.plan([request.lengths[p] for p in share], request.micro_batch_size, costs, stop=stop,
-                                caps=caps, loader_makespan=baseline, large=large)
+                                caps=caps, loader_makespan=baseline, large=large, min_gain=request.min_gain)
         replicas.append(ReplicaPlan(tuple(share), composed.composition, composed.plan,
-                                    composed.predicted_makespan / speed, speed))
+                                    composed.predicted_makespan / speed, speed, composed.packed_fallback))
     return tuple(replicas)
 
 
@@ -344,6 +347,32 @@ def plan_iteration(request: PlanRequest, costs: Optional[LengthCostModel] = None
         return _iteration(request, replicas, cross_replica=D > 1)
     assert request.composition in PLANNED_COMPOSITIONS
     return _plan_balanced(request, costs or LengthCostModel(), stop)
+
+
+class PredictionError:
+    """How far the cost model's pipeline predictions miss the measured times, beyond a common scale (a constant
+    overhead the model does not see scales every plan alike and cannot change which is faster): an average of
+    |measured / (scale x predicted) - 1| over recent measurements. 0.0 until two were seen."""
+
+    def __init__(self, smoothing: float = 0.7):
+        self.smoothing = smoothing
+        self._scale: Optional[float] = None
+        self._error: Optional[float] = None
+
+    def observe(self, predicted_s: Optional[float], measured_s: Optional[float]) -> None:
+        if not predicted_s or not measured_s or predicted_s <= 0 or measured_s <= 0:
+            return
+        ratio = measured_s / predicted_s
+        if self._scale is not None:
+            miss = abs(ratio / self._scale - 1.0)
+            self._error = miss if self._error is None else self.smoothing * self._error + (1 - self.smoothing) * miss
+            self._scale = self.smoothing * self._scale + (1 - self.smoothing) * ratio
+        else:
+            self._scale = ratio
+
+    @property
+    def relative(self) -> float:
+        return 0.0 if self._error is None else self._error
 
 
 class ReplicaSpeeds:
