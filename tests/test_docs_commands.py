@@ -339,7 +339,7 @@ def smoke(command: Command, workspace: Workspace) -> None:
 def simulated_run_in_traces(directory: Path, made: "Made") -> None:
     """traces.md's tools read `traces/`: a small P=4 V=2 run there (simulated: training one takes a minute)."""
     done = subprocess.run([PYTHON, "-m", "megatron_app.sim", "--pipeline_parallel", "4", "--model_chunks", "2",
-                           "--microbatches", "8", "--policy", "planned", "--link-latency-us", "100",
+                           "--microbatches", "8", "--policy", "planned", "--link-latency-us", "100", "--iterations", "3",
                            "--trace-dir", str(directory / "traces")], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
 
@@ -369,7 +369,7 @@ class Made:
 
 
 # (doc, a text its block contains) -> what that block presupposes.
-SETUP = {("docs/traces.md", "tools/process_trace.py"): simulated_run_in_traces,
+SETUP = {("docs/traces.md", "_trace.py"): simulated_run_in_traces,
          ("docs/running.md", "corpus.jsonl"): corpus_sources}
 
 BLOCKS = shell_blocks()
