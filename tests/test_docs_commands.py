@@ -50,9 +50,10 @@ CHECK_ONLY = {
                             "model: minutes to an hour"),
 }
 WHY_NOT_RUN = {
-    "launcher": "trains (the launchers themselves run in tests/test_run_single.py, test_multinode_*.py, test_slurm.py)",
-    "tests": "the test command itself, or a part of it that builds sanitizer modules (minutes)",
-    "pip": "installs into the environment",
+    "launcher": "it trains (the launchers themselves run in tests/test_run_single.py and test_multinode_*.py)",
+    "sbatch": "it needs a SLURM cluster (tests/test_slurm.py runs one where it can)",
+    "tests": "it is the test command, or a part of it that builds sanitizer modules (minutes)",
+    "pip": "it installs into the environment",
 }
 
 
@@ -195,23 +196,24 @@ def repository_path(token: str) -> str:
     return str(REPO / token) if (REPO / token).is_file() else token
 
 
-def smoke_python(command: Parsed, workspace: Workspace) -> subprocess.CompletedProcess | None:
+def smoke_python(command: Parsed, workspace: Workspace) -> tuple[subprocess.CompletedProcess | None, str]:
     """`python tools/X.py ...` or `python -m module ...`: run it, or parse its flags when it is CHECK_ONLY."""
     argv = command.argv[1:]
     program = argv[0] if argv[0] != "-m" else argv[1]
     if argv[0] == "-m" and argv[1] == "pytest":
-        return smoke_tests(argv[2:])
+        smoke_tests(argv[2:])
+        return None, "checked, not run: " + WHY_NOT_RUN["tests"]
     full = [PYTHON, *([repository_path(argv[0])] + argv[1:] if argv[0] != "-m" else argv)]
     if command.optional_flags:
         known = help_flags(full[:3] if argv[0] == "-m" else full[:2])
         unknown = [flag for flag in command.optional_flags if flag not in known]
         assert not unknown, f"{program} has no {', '.join(unknown)}"
     if program in CHECK_ONLY:
-        module, function, _ = CHECK_ONLY[program]
+        module, function, why = CHECK_ONLY[program]
         getattr(importlib.import_module(module), function)(argv[1:])    # argparse exits 2 on a bad flag
-        return None
+        return None, f"flags parsed by {module}.{function}, not run: {why}"
     assert PLACEHOLDER not in full, f"{program}: a command that runs cannot hold a <placeholder>"
-    return workspace.run(full, command.environment)
+    return workspace.run(full, command.environment), "ran"
 
 
 def smoke_launcher(command: Parsed, workspace: Workspace) -> None:
@@ -304,7 +306,8 @@ def smoke_pip(command: Parsed) -> None:
             assert re.search(rf'"{extra.group(1)}"\s*:', setup), f"setup.py declares no extra [{extra.group(1)}]"
 
 
-def smoke(command: Command, workspace: Workspace) -> None:
+def smoke(command: Command, workspace: Workspace) -> str:
+    """Run or check one documented command; what was done, in words."""
     parsed = parse_command(command.text)
     check_environment(parsed.environment, workspace.sources)
     argv = parsed.argv
@@ -312,17 +315,23 @@ def smoke(command: Command, workspace: Workspace) -> None:
     program = argv[1] if argv[0] in ("bash", "sbatch") and len(argv) > 1 else argv[0]
     if argv[0] == "sbatch" or program in LAUNCHERS:
         smoke_launcher(parsed, workspace)
+        how = ("launcher flags and the trainer's --check-config, not run: "
+               + WHY_NOT_RUN["sbatch" if argv[0] == "sbatch" else "launcher"])
     elif program == "tools/run_tests.sh":
         smoke_tests(argv[2:])
+        how = "test files and markers checked, not run: " + WHY_NOT_RUN["tests"]
     elif program == "tools/build_sanitized.sh":
         assert (REPO / program).is_file()
         assert parsed.environment.get("MAPP_SANITIZE") in (None, "thread", "address,undefined")
+        how = "checked, not run: " + WHY_NOT_RUN["tests"]
     elif argv[0] in ("python", "python3", ".venv/bin/python"):
-        result = smoke_python(parsed, workspace)
+        result, how = smoke_python(parsed, workspace)
     elif argv[:2] == ["mkdir", "-p"]:
         workspace.run(argv, parsed.environment)
+        how = "ran"
     elif argv[:2] == ["pip", "install"]:
         smoke_pip(parsed)
+        how = "extras checked, not run: " + WHY_NOT_RUN["pip"]
     else:
         pytest.fail(f"no smoke form for `{command.text}`: add one to tests/test_docs_commands.py")
     if command.expected_output is not None:
@@ -331,6 +340,8 @@ def smoke(command: Command, workspace: Workspace) -> None:
         assert shown == command.expected_output, (
             f"`{command.text}` printed\n" + "\n".join(shown) + "\nbut the doc shows\n"
             + "\n".join(command.expected_output))
+        how += ", output as shown"
+    return how
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -402,7 +413,7 @@ def test_documented_commands_work(block, tmp_path, monkeypatch, sources, made):
     before = set(os.listdir(tmp_path))
     workspace = Workspace(tmp_path, monkeypatch, sources)
     for command in commands:
-        smoke(command, workspace)
+        print(f"{command.text}\n    -> {smoke(command, workspace)}")     # shown with the test's output (-rA, -s)
     # Run from a checkout, as the docs say, what these commands write must not show up as untracked files.
     written = [name + "/" if (tmp_path / name).is_dir() else name for name in set(os.listdir(tmp_path)) - before]
     for name in written:
