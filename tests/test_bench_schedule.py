@@ -180,6 +180,7 @@ def test_replay_of_a_traced_run_compares_every_iteration(quick, tmp_path, capsys
     payload = json.loads((tmp_path / "replay.json").read_text())
     assert payload["policy"] == "interleaved"
     assert [row["iteration"] for row in payload["iterations"]] == list(range(run["iterations"]))
+    assert {row["microbatches"] for row in payload["iterations"]} == {run["microbatches"]}   # each iteration's own
     for row in payload["iterations"]:
         # the replayed makespan can only miss what the durations do not hold: message latency and overheads
         assert 0 < row["sim_ms"] <= row["measured_ms"] * 1.02

@@ -88,7 +88,22 @@ def test_process_trace_reads_a_simulated_run(simulated, tmp_path, capsys):
     assert last["makespan_us"] == pytest.approx(outcome.makespan_us, abs=0.01)
     assert last["mean_bubble_ratio"] == pytest.approx(outcome.bubble_ratio, abs=1e-6)
     assert [r["peak_activations"] for r in last["ranks"]] == outcome.peak_activations
+    # The same lower bound as the simulator's (its link latency from the trace header, once per hop).
+    assert last["lower_bound_us"] == pytest.approx(result.bounds[-1].best_us, abs=0.1)
+    assert f"lower bound {last['lower_bound_us'] / 1e3:.3f} ms" in out
     assert (tmp_path / "trace_pipeline_4_model_chunks_2.json").stat().st_size > 0
+
+
+def test_the_trace_tools_bound_is_the_simulators_for_every_iteration(simulated):
+    from megatron_app.trace.metrics import iteration_metrics
+
+    trace_dir, result = simulated
+    run = read_trace_dir(trace_dir, 4, 2)
+    for k, bounds in enumerate(result.bounds):
+        metrics = iteration_metrics(run, k)
+        assert metrics.lower_bound_us == pytest.approx(bounds.best_us, abs=0.1)
+        assert bounds.path_us > bounds.work_us            # the path bound counts, so latency per hop counts
+        assert metrics.lower_bound_us > metrics.ideal_us
 
 
 def test_visualize_trace_draws_a_simulated_run(simulated, tmp_path, capsys):

@@ -205,3 +205,62 @@ def test_script_runs_as_a_command(tmp_path):
     assert trace_dir == tmp_path / "traces"
     assert (trace_dir / "trace_pipeline_2_model_chunks_1.xlsx").exists()  # beside the traces, not in the cwd
     assert (trace_dir / "trace_pipeline_2_model_chunks_1.png").exists()
+
+
+def drawn_figure(tmp_path, monkeypatch, plan, P, V):
+    """Draw `plan`'s last iteration and return the matplotlib figure the timeline was saved from."""
+    import matplotlib.figure
+
+    figures = []
+    save = matplotlib.figure.Figure.savefig
+
+    def keep(self, *args, **kwargs):
+        figures.append(self)
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+    trace_dir = write_plan(tmp_path / "traces", plan)
+    code = run_cli(visualize_trace.PROG, visualize_trace.main,
+                   ["--pipeline_parallel", str(P), "--model_chunks", str(V), "--trace-dir", str(trace_dir),
+                    "--out-dir", str(tmp_path / "out")])
+    assert code == 0 and len(figures) == 1
+    return figures[0]
+
+
+def panel_titles(figure):
+    return [ax.get_title(loc="left") for ax in figure.axes if ax.get_title(loc="left")]
+
+
+def test_timeline_leaves_out_the_sending_window_when_sends_take_no_time(tmp_path, monkeypatch):
+    """A simulated run over free links has sends of zero duration: an empty panel says nothing."""
+    free = drawn_figure(tmp_path / "free", monkeypatch, plan_greedy(2, 2, 4, latency_us=0.0), 2, 2)
+    assert [t.split(" ")[0] for t in panel_titles(free)] == ["computing"]
+    timed = drawn_figure(tmp_path / "timed", monkeypatch, plan_greedy(2, 2, 4, latency_us=3.0), 2, 2)
+    assert [t.split(" ")[0] for t in panel_titles(timed)] == ["computing", "sending"]
+
+
+def test_timeline_colour_bars_sit_beside_their_panels_and_labels_fit_their_blocks(tmp_path, monkeypatch):
+    plan = plan_greedy(4, 2, 8, duration=lambda r, k, c, i: 40.0 if (r, k, i) == (1, "backward", 3) else 3.0,
+                       latency_us=1.0)
+    figure = drawn_figure(tmp_path, monkeypatch, plan, 4, 2)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(figure).get_renderer()      # the closed figure's canvas no longer draws
+    figure.draw(renderer)
+    gantt, *_ = figure.axes
+    panels = [ax for ax in figure.axes if ax.get_title(loc="left")]
+    colour_bars = [ax for ax in figure.axes if ax is not gantt and ax not in panels]
+    assert len(panels) == len(colour_bars) == 2
+    for panel, bar in zip(panels, colour_bars):
+        gap_px = bar.get_window_extent().x0 - panel.get_window_extent().x1
+        assert 0 <= gap_px < 30, f"colour bar {gap_px:.0f} px from its panel"
+    assert gantt.get_legend().get_window_extent().y0 >= gantt.get_window_extent().y1 - 1   # above, not beside
+    blocks = [p.get_window_extent() for p in gantt.patches if p.get_height() > 0.5]      # tasks, not waits
+    labels = [t for t in gantt.texts if t.get_text()]
+    assert labels, "the wide block carries a label"
+    for text in labels:
+        box = text.get_window_extent(renderer)
+        centre = ((box.x0 + box.x1) / 2, (box.y0 + box.y1) / 2)
+        (block,) = [b for b in blocks if b.contains(*centre)]
+        assert box.width <= block.width, f"label {text.get_text()!r} overflows its block"
+    assert "1-3" in [t.get_text() for t in labels]       # the one wide backward: chunk-microbatch

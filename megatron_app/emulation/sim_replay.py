@@ -12,11 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from megatron_app.schedule import KIND_OF_TRACE_NAME, KINDS_BY_INDEX, Kind, PipelineShape
+from megatron_app.schedule import PipelineShape
 from megatron_app.sim import lower_bounds, run_iteration
 from megatron_app.sim.costs import DurationTable, with_host_cost
 from megatron_app.sim.engine import TaskTable, make_policies
 from megatron_app.sim.network import SlowLink
+from megatron_app.trace.bounds import pipeline_durations, pipeline_shape
 
 from .spec import EmulationSpec
 
@@ -85,37 +86,15 @@ def simulate_emulation(spec: EmulationSpec, shape: PipelineShape, policy: str, i
 
 
 def traced_shape(run, iteration: int) -> PipelineShape:
-    """The pipeline a traced iteration ran: split backward when it has W ('weight') events."""
-    split = any(True for rank in run.ranks for _ in rank.events_of(iteration, {Kind.WEIGHT.trace_name}))
-    return PipelineShape(run.pipeline_parallel, run.model_chunks, run.microbatches_of(iteration),
-                         split_backward=split)
+    """The pipeline a traced iteration ran (its first data/tensor-parallel replica): split backward when it has W
+    ('weight') events."""
+    return pipeline_shape(run.pipelines()[0], iteration, run.model_chunks)
 
 
 def measured_durations(run, iteration: int) -> DurationTable:
     """The task durations (us) of one traced iteration, from the first TP/DP rank of each stage; ValueError when a
     task has no forward/backward event or more than one."""
-    shape = traced_shape(run, iteration)
-    V, m = shape.num_chunks, shape.num_microbatches
-    table = [[[[None] * m for _ in range(V)] for _ in KINDS_BY_INDEX] for _ in range(shape.num_stages)]
-    for rank in run.ranks:
-        if rank.meta.tp_rank or rank.meta.dp_rank:
-            continue
-        for event in rank.events_of(iteration, KIND_OF_TRACE_NAME):
-            cell = table[rank.meta.pp_rank][KIND_OF_TRACE_NAME[event.kind].index][event.chunk]
-            if cell[event.microbatch] is not None:
-                raise ValueError(f"iteration {iteration}: two {event.kind} events for chunk {event.chunk} microbatch "
-                                 f"{event.microbatch} on pipeline rank {rank.meta.pp_rank}")
-            cell[event.microbatch] = event.duration
-    for r, per_kind in enumerate(table):
-        for kind, per_chunk in zip(KINDS_BY_INDEX, per_kind):
-            if kind is Kind.WEIGHT and all(cell is None for row in per_chunk for cell in row):
-                per_kind[kind.index] = [[0.0] * m for _ in range(V)]     # a whole-backward run has no W events
-                continue
-            for c, row in enumerate(per_chunk):
-                if None in row:
-                    raise ValueError(f"iteration {iteration}: pipeline rank {r} has no {kind.trace_name} event for "
-                                     f"chunk {c} microbatch {row.index(None)}")
-    return DurationTable(table)
+    return DurationTable(pipeline_durations(run.pipelines()[0], iteration, run.model_chunks))
 
 
 def replay_trace_iteration(run, iteration: int, policy: str, slow_link: Optional[SlowLink] = None,

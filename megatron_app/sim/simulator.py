@@ -11,6 +11,7 @@ from typing import List, Optional, Sequence, Union
 from megatron_app.schedule import PipelineShape, Policy, ScheduleConfigError
 from megatron_app.schedule.admission import check_memory_cap
 from megatron_app.schedule.planned import check_memory_factor, megatron_peak_sizes
+from megatron_app.trace.bounds import MIN_TRANSFER_KEY
 
 from .bounds import LowerBounds, lower_bounds
 from .costs import ComputeCosts, ComputePerturbations, draw_durations
@@ -145,7 +146,8 @@ def simulate(config: SimConfig, policy: Union[str, Sequence[Policy]],
     trace = None
     if trace_dir is not None:
         trace = SimTrace(trace_dir, shape, name, config.links.tensor_bytes,
-                         run_id=f"sim-{name}-seed{config.seed}", extra=config.describe())
+                         run_id=f"sim-{name}-seed{config.seed}",
+                         extra=config.describe() | {MIN_TRANSFER_KEY: config.links.min_transfer_us})
     began = time.perf_counter()
     outcomes, bounds, megatron_peaks = [], [], []
     start_us = 0.0

@@ -60,7 +60,8 @@ def chrome_trace(run: TraceRun, iterations: list[int]) -> dict:
         "traceEvents": out,
         "displayTimeUnit": "ms",
         "otherData": {"pipeline_parallel": run.pipeline_parallel, "model_chunks": run.model_chunks,
-                      "microbatches": run.microbatches, "policy": run.policy, "source": run.source,
+                      "microbatches": {str(k): run.microbatches_of(k) for k in sorted(selected)},
+                      "policy": run.policy, "source": run.source,
                       "iterations": sorted(selected), "time_origin_us": origin},
     }
 

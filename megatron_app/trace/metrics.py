@@ -2,12 +2,16 @@
 
 Window: from the first forward/backward start to the last forward/backward end over all ranks (the makespan).
 Per rank, idle (bubble) time is the part of that window not covered by its own forward/backward work.
+Two references for the makespan: `ideal_us`, the busiest rank's compute (no schedule beats it, but it ignores the
+pipeline's fill and drain), and `lower_bound_us`, the tighter bound the simulator prints (trace/bounds.py: the
+busiest rank's work plus the fill and drain no schedule avoids, on the measured task durations).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from .bounds import iteration_lower_bound
 from .intervals import interval_deltas, max_concurrency, union_length
 from .reader import RankTrace, TraceRun
 from .schema import BACKWARD, COMPUTE_KINDS, FORWARD, ITERATION, OPTIMIZER, SEND, WAIT, WEIGHT
@@ -36,11 +40,14 @@ class RankMetrics:
 @dataclass(frozen=True)
 class IterationMetrics:
     iteration: int
+    microbatches: int                # the microbatches this iteration ran (a composed batch may differ per call)
     start_us: float
     end_us: float
     makespan_us: float
-    ideal_us: float
+    ideal_us: float                  # the busiest rank's compute
     makespan_over_ideal: float | None  # None when no rank did measurable work
+    lower_bound_us: float | None     # the simulator's lower bound on these durations; None when it cannot be told
+    makespan_over_lower_bound: float | None
     mean_bubble_ratio: float
     iteration_time_us: float | None  # span of the ranks' 'iteration' events, when they were recorded
     ranks: list[RankMetrics] = field(default_factory=list)
@@ -61,13 +68,17 @@ def iteration_metrics(run: TraceRun, iteration: int) -> IterationMetrics:
     ideal = max(r.compute_us for r in ranks)
     spans = [e for events in per_rank.values() for e in events if e.kind == ITERATION]
     iteration_time = (max(e.end for e in spans) - min(e.start for e in spans)) if spans else None
+    bound = iteration_lower_bound(run, iteration)
     return IterationMetrics(
         iteration=iteration,
+        microbatches=run.microbatches_of(iteration),
         start_us=start,
         end_us=end,
         makespan_us=makespan,
         ideal_us=ideal,
         makespan_over_ideal=makespan / ideal if ideal > 0 else None,
+        lower_bound_us=bound,
+        makespan_over_lower_bound=makespan / bound if bound else None,
         mean_bubble_ratio=sum(r.bubble_ratio for r in ranks) / len(ranks),
         iteration_time_us=iteration_time,
         ranks=ranks,
@@ -107,8 +118,10 @@ def _rank_metrics(rank: RankTrace, events: list, makespan: float) -> RankMetrics
     )
 
 
+_ITERATION_COLUMNS = ["iteration", "microbatches", "makespan_us", "ideal_us", "makespan_over_ideal", "lower_bound_us",
+                      "makespan_over_lower_bound", "iteration_time_us"]
 CSV_COLUMNS = (
-    ["iteration", "makespan_us", "ideal_us", "makespan_over_ideal", "iteration_time_us"]
+    _ITERATION_COLUMNS
     + [f for f in RankMetrics.__dataclass_fields__]
 )
 
@@ -118,8 +131,7 @@ def csv_rows(all_metrics: list[IterationMetrics]) -> list[dict]:
     rows = []
     for it in all_metrics:
         for rank in it.ranks:
-            row = {"iteration": it.iteration, "makespan_us": it.makespan_us, "ideal_us": it.ideal_us,
-                   "makespan_over_ideal": it.makespan_over_ideal, "iteration_time_us": it.iteration_time_us}
+            row = {name: getattr(it, name) for name in _ITERATION_COLUMNS}
             row.update(asdict(rank))
             rows.append({k: row[k] for k in CSV_COLUMNS})
     return rows

@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     stem = output_stem(args.pipeline_parallel, args.model_chunks)
     summary = {
         "trace_dir": str(run.trace_dir), "pipeline_parallel": run.pipeline_parallel,
-        "model_chunks": run.model_chunks, "microbatches": run.microbatches, "policy": run.policy,
+        "model_chunks": run.model_chunks, "policy": run.policy,
         "source": run.source, "ranks": len(run.ranks), "iterations": [m.to_dict() for m in metrics],
         "causality_violations": [v.to_dict() for v in violations],
     }
@@ -71,15 +71,15 @@ def main(argv=None) -> int:
 
 def format_summary(run, metrics: list[IterationMetrics]) -> str:
     lines = [f"pipeline_parallel={run.pipeline_parallel} model_chunks={run.model_chunks} "
-             f"microbatches={run.microbatches} policy={run.policy or '-'} source={run.source} "
-             f"ranks={len(run.ranks)}"]
+             f"policy={run.policy or '-'} source={run.source} ranks={len(run.ranks)}"]
     header = (f"{'rank':>5} {'pp':>3} {'tasks':>5} {'compute ms':>11} {'idle ms':>9} {'bubble':>7} "
               f"{'wait ms':>9} {'sends':>5} {'peak act':>8}")
     for it in metrics:
         extra = f", iteration time {it.iteration_time_us / 1e3:.3f} ms" if it.iteration_time_us is not None else ""
-        lines.append(f"iteration {it.iteration}: makespan {it.makespan_us / 1e3:.3f} ms, ideal "
-                     f"{it.ideal_us / 1e3:.3f} ms, makespan/ideal {_ratio(it.makespan_over_ideal)}, mean bubble "
-                     f"{it.mean_bubble_ratio:.1%}{extra}")
+        bound = "n/a" if it.lower_bound_us is None else f"{it.lower_bound_us / 1e3:.3f} ms"
+        lines.append(f"iteration {it.iteration}: {it.microbatches} microbatches, makespan {it.makespan_us / 1e3:.3f} "
+                     f"ms, lower bound {bound} (x bound {_ratio(it.makespan_over_lower_bound)}; busiest rank's "
+                     f"compute {it.ideal_us / 1e3:.3f} ms), mean bubble {it.mean_bubble_ratio:.1%}{extra}")
         lines.append(header)
         for r in it.ranks:
             lines.append(f"{r.global_rank:>5} {r.pp_rank:>3} {r.tasks:>5} {r.compute_us / 1e3:>11.3f} "

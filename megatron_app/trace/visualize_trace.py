@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     stages = run.pipeline_view()
     metrics = iteration_metrics(run, iteration)
     info = {"pipeline_parallel": run.pipeline_parallel, "model_chunks": run.model_chunks,
-            "microbatches": run.microbatches, "policy": run.policy or "-", "iteration": iteration,
+            "microbatches": run.microbatches_of(iteration), "policy": run.policy or "-", "iteration": iteration,
             "source": run.source}
     sources = InputSources(run.pipeline_parallel, run.model_chunks, run.microbatches)
     rows = layout_columns([stage.events_of(iteration, COMPUTE_KINDS) for stage in stages], sources)
@@ -50,8 +50,9 @@ def main(argv=None) -> int:
         write_pipeline_xlsx(outputs.temp_path(f"{stem}.xlsx"), rows, info, metrics)
         write_timeline_png(outputs.temp_path(f"{stem}.png"), stages, iteration, info, metrics)
         written = outputs.commit()
-    print(f"iteration {iteration}: makespan {metrics.makespan_us / 1e3:.3f} ms, mean bubble "
-          f"{metrics.mean_bubble_ratio:.1%}")
+    bound = "n/a" if metrics.lower_bound_us is None else f"{metrics.lower_bound_us / 1e3:.3f} ms"
+    print(f"iteration {iteration}: {metrics.microbatches} microbatches, makespan {metrics.makespan_us / 1e3:.3f} ms, "
+          f"lower bound {bound}, mean bubble {metrics.mean_bubble_ratio:.1%}")
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
 

@@ -88,7 +88,9 @@ def write_pipeline_xlsx(path, rows: list[list[PlacedTask]], info: dict, metrics:
 
 
 def _write_metrics_sheet(sheet, metrics: IterationMetrics) -> None:
-    summary = [("iteration", metrics.iteration), ("makespan_us", metrics.makespan_us),
+    summary = [("iteration", metrics.iteration), ("microbatches", metrics.microbatches),
+               ("makespan_us", metrics.makespan_us), ("lower_bound_us", metrics.lower_bound_us),
+               ("makespan_over_lower_bound", metrics.makespan_over_lower_bound),
                ("ideal_us", metrics.ideal_us), ("makespan_over_ideal", metrics.makespan_over_ideal),
                ("mean_bubble_ratio", metrics.mean_bubble_ratio), ("iteration_time_us", metrics.iteration_time_us)]
     for row, (name, value) in enumerate(summary, start=1):
