@@ -190,6 +190,7 @@ class PipelineStep:
         started = time.perf_counter()
         if self.policy.plans_iterations:      # inside run(): the trace's iteration time includes planning
             self._adopt_shared_plan(self._pp_group, self._pp_global)
+        self._call_start_us = self._now()     # a plan's predicted starts count from here
         self.grad_sync.disable()
         while not self.state.finished:
             self._take_arrivals()
@@ -384,6 +385,10 @@ class PipelineStep:
         if self.tracer is not None:
             if task is not None:
                 fields["chunk"], fields["microbatch"] = task.chunk, task.microbatch
+                predicted = getattr(self.policy, "predicted", {}).get(task)
+                if predicted is not None:   # what the plan expected: start after the call's start, and duration
+                    fields["predicted_start_us"] = self._call_start_us + predicted[0] * 1e6
+                    fields["predicted_us"] = predicted[1] * 1e6
             self.tracer.record(kind, start, end, iteration=self.iteration, **fields)
 
 

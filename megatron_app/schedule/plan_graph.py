@@ -100,16 +100,34 @@ class PlanGraph:
             peaks[:, rank] = np.cumsum(held[:, begin:end], axis=1).max(axis=1)
         if not self.acyclic:
             return np.full(K, np.inf), peaks
+        makespans = self._finish(microbatch, durations, transfer)[:self.count].max(axis=0)
+        over = (peaks > np.asarray(caps, dtype=float)[None, :] * (1 + 1e-9)).any(axis=1)
+        return np.where(over, np.inf, makespans), peaks
+
+    def _finish(self, microbatch: np.ndarray, durations: np.ndarray, transfer: float) -> np.ndarray:
+        """(count + 2) x K finish times; microbatch: K x count, each task's microbatch under each candidate."""
         # Tasks along the first axis: each level gathers whole rows (contiguous), the candidates ride along.
         work = durations[self.duration_row[:, None], microbatch.T]
-        finish = np.zeros((self.count + 2, K))
+        finish = np.zeros((self.count + 2, microbatch.shape[0]))
         finish[self.count + 1] = -transfer
         for members, previous, producer in self.levels:
             ready = finish[producer] + transfer if transfer else finish[producer]
             finish[members] = np.maximum(finish[previous], ready) + work[members]
-        makespans = finish[:self.count].max(axis=0)
-        over = (peaks > np.asarray(caps, dtype=float)[None, :] * (1 + 1e-9)).any(axis=1)
-        return np.where(over, np.inf, makespans), peaks
+        return finish
+
+    def timeline(self, rank: int, start_order: Sequence[int], durations: np.ndarray, transfer: float = 0.0):
+        """Rank `rank`'s tasks under one start order: [(duration row = kind index * V + chunk, microbatch, start,
+        duration)] in the rank's order, times from the iteration's start in the durations' unit (what a plan
+        predicts)."""
+        if not self.acyclic:
+            raise ValueError("the orders wait on each other: no timeline")
+        microbatch = np.asarray(start_order, dtype=np.int64)[self.slot][None, :]
+        finish = self._finish(microbatch, durations, transfer)[:, 0]
+        begin, end = self.rank_spans[rank]
+        rows = self.duration_row[begin:end]
+        work = durations[rows, microbatch[0, begin:end]]
+        return [(int(row), int(mb), float(f - w), float(w))
+                for row, mb, f, w in zip(rows, microbatch[0, begin:end], finish[begin:end], work)]
 
 
 def _levels(count: int, sources: np.ndarray):

@@ -180,6 +180,11 @@ def _graph(shape: PipelineShape, extras: Tuple[int, ...]) -> PlanGraph:
     return PlanGraph(shape, extras, [_slot_order(shape, rank, extra) for rank, extra in enumerate(extras)])
 
 
+def plan_graph_for(shape: PipelineShape, extras: Tuple[int, ...]) -> PlanGraph:
+    """The (cached) evaluator graph of plans with these per-rank warm-ups: the search's, for a plan's timeline."""
+    return _graph(shape, tuple(extras))
+
+
 def _move(orders: np.ndarray, rng: np.random.Generator) -> None:
     """One random neighbour per row, in place: swap two microbatches, move one, or reverse the run between two."""
     rows, m = orders.shape

@@ -16,18 +16,19 @@ while it is on time, let a critical backward go first when a plan input is late)
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 from .adaptive import DEFAULT_PATIENCE, AdaptivePolicy, plan_peak
 from .admission import check_memory_cap
 from .errors import ScheduleConfigError
 from .length_costs import LengthCostModel
 from .megatron_order import megatron_interleaved_cap, megatron_order, megatron_peak_sizes, without_fill  # noqa: F401 (megatron_peak_sizes re-exported)
-from .plan_search import DEFAULT_EVALUATIONS, Plan, PlanChoice, PlanSearch, order_peak_size, plan_order
+from .plan_search import (DEFAULT_EVALUATIONS, Plan, PlanChoice, PlanSearch, order_peak_size, plan_graph_for,
+                          plan_order)
 from .greedy import make_dfc
 from .shape import PipelineShape
 from .state import RankState
-from .tasks import Kind, Task
+from .tasks import KINDS_BY_INDEX, Kind, Task
 
 DEFAULT_MEMORY_FACTOR = 1.0
 
@@ -60,6 +61,7 @@ class PlannedPolicy(AdaptivePolicy):
         self.squared_tokens: Optional[Tuple[float, ...]] = None
         self.current_plan = Plan(tuple(range(shape.num_microbatches)))
         self.last_choice: Optional[PlanChoice] = None
+        self.predicted: Dict[Task, Tuple[float, float]] = {}   # this iteration's tasks as the plan predicts them
 
     # ---- planning (one rank) and adoption (every rank) ----------------------------------------------------------
     def plan_iteration(self, lengths: Optional[Sequence[int]], stop: Optional[Callable[[float], bool]] = None
@@ -95,6 +97,24 @@ class PlannedPolicy(AdaptivePolicy):
             self._position = {task: index for index, task in enumerate(order)}
             self.follows_plan = self.reorders or self.memory_cap >= plan_peak(self.shape, order)
             self._state = None     # re-synchronise the cursor on the next state
+        self.predicted = self._predicted_timeline(plan)
+
+    def _predicted_timeline(self, plan: Plan) -> Dict[Task, Tuple[float, float]]:
+        """This rank's tasks under `plan` as the learnt costs predict them: task -> (start, duration) in seconds
+        from the iteration's start, every rank assumed to cost what this one learnt (empty before any cost was
+        learnt or without lengths)."""
+        shape = self.shape
+        if self.lengths is None or not self.costs.calibrated or shape.forward_only:
+            return {}
+        V, m = shape.num_chunks, shape.num_microbatches
+        squared = self.squared_tokens or [length * length for length in self.lengths]
+        table = self.costs.duration_table((Kind.FORWARD, Kind.BACKWARD), V, self.lengths, squared)
+        extras = tuple(plan.extra_for(rank) for rank in range(shape.num_stages))
+        graph = plan_graph_for(shape, extras)
+        if not graph.acyclic:
+            return {}
+        return {Task(KINDS_BY_INDEX[row // V], row % V, microbatch): (start, duration)
+                for row, microbatch, start, duration in graph.timeline(self.rank, plan.start_order, table)}
 
     # ---- learning -----------------------------------------------------------------------------------------------
     def observe(self, task: Task, duration_s: float) -> None:

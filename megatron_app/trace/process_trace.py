@@ -18,6 +18,7 @@ from megatron_app.trace.causality import check_causality
 from megatron_app.trace.chrome import chrome_trace
 from megatron_app.trace.cli import OutputSet, base_parser, iteration_choice, output_stem, read_chosen_run
 from megatron_app.trace.metrics import CSV_COLUMNS, IterationMetrics, csv_rows, iteration_metrics
+from megatron_app.trace.prediction import format_report as format_prediction, prediction_report
 
 PROG = "process_trace.py"
 EXIT_VIOLATIONS = 1
@@ -39,6 +40,8 @@ def main(argv=None) -> int:
     run, out_dir = read_chosen_run(args)
     iterations = run.select_iterations(args.iteration)
     metrics = [iteration_metrics(run, k) for k in iterations]
+    predictions = [report for k in iterations
+                   if (report := prediction_report(k, [e for rank in run.ranks for e in rank.events_of(k)]))]
     violations = check_causality(run, iterations, tolerance_us=args.tolerance_us)
     stem = output_stem(args.pipeline_parallel, args.model_chunks)
     summary = {
@@ -46,6 +49,7 @@ def main(argv=None) -> int:
         "model_chunks": run.model_chunks, "policy": run.policy,
         "source": run.source, "ranks": len(run.ranks), "iterations": [m.to_dict() for m in metrics],
         "causality_violations": [v.to_dict() for v in violations],
+        "predicted_vs_measured": [report.to_dict() for report in predictions],
     }
     with OutputSet(out_dir) as outputs:
         _write_json(outputs.temp_path(f"{stem}.json"), chrome_trace(run, iterations))
@@ -57,6 +61,8 @@ def main(argv=None) -> int:
         written = outputs.commit()
 
     print(format_summary(run, metrics))
+    for report in predictions:
+        print(format_prediction(report))
     if violations:
         print(f"causality: {len(violations)} violation(s)")
         for violation in violations[:MAX_VIOLATIONS_SHOWN]:
