@@ -60,7 +60,8 @@ def test_install_keeps_megatron_originals_in_the_jobs_record_and_uninstall_puts_
     try:
         assert runtime.is_installed() and job.installation.schedule_functions[
             "forward_backward_pipelining_without_interleaving"] is before
-        assert schedules.forward_backward_pipelining_without_interleaving is runtime.forward_backward_app
+        for name, entry_point in runtime.MEGATRON_ENTRY_POINTS.items():   # each with its function's refusals
+            assert getattr(schedules, name) is entry_point and entry_point.__name__ == name
         linear_wgrad.install(job.installation)
         assert job.installation.linear_backward is linear_before and linear.backward is not linear_before
     finally:
