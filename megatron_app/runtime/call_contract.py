@@ -21,7 +21,8 @@ from megatron.core.utils import get_model_config
 
 from megatron_app.megatron_compat import (is_multimodule, one_chunk_schedule_refuses_type_of,
                                           pg_collection_asserted_groups)
-from megatron_app.schedule import LastMicrobatchGroupError, PipelineShape, check_microbatch_groups
+from megatron_app.schedule import (LastMicrobatchGroupError, MicrobatchGroupError, PipelineShape,
+                                   check_microbatch_groups)
 from megatron_app.schedule.megatron_order import megatron_forward_sequence, megatron_warmup_microbatches
 
 from .settings import AppConfigError
@@ -155,8 +156,10 @@ def refusals_with_interleaving(*, model, data_iterator, num_microbatches, adjust
         raise AppConfigError("Can not use both overlap_p2p_comm and batch_p2p_comm")
     pp = _pipeline_group(p2p_communicator)
     P = dist.get_world_size(pp)
-    try:   # MicrobatchGroupError is a ValueError, as Megatron's; the last group's rule is a RuntimeError there
+    try:   # Megatron: a ValueError for the group size, a RuntimeError for the last group
         check_microbatch_groups(P, num_microbatches, getattr(config, "microbatch_group_size_per_vp_stage", None) or P)
+    except MicrobatchGroupError as error:
+        raise AppConfigError(str(error)) from None
     except LastMicrobatchGroupError as error:
         raise ContractRuntimeError(str(error)) from None
     _no_multimodule(p2p_communicator, pg_collection)
