@@ -9,6 +9,10 @@ What differs, and since when:
 - the null tokenizer: library ``"null"`` with ``vocab_size`` = ids without end-of-document up to 0.16;
   ``"null-text"`` from 0.17, whose ``vocab_size`` counts the end-of-document id from 0.18.
 - ``MultiModuleProcessGroupCollection`` (pipelines spanning several modules' grids) exists from 0.17.
+- what the schedule functions refuse of an explicit ``pg_collection`` (read from 0.16.1, 0.17.0, 0.18.0, 0.19.2):
+  up to 0.16 each asserts it has tp, cp, embd, pos_embd, pp and dp_cp; from 0.17 only tp and cp, and
+  ``forward_backward_pipelining_without_interleaving`` raises TypeError for one that is neither a
+  ProcessGroupCollection nor a MultiModuleProcessGroupCollection.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-from typing import Optional
+from typing import Optional, Tuple
 
 from packaging.version import Version
 
@@ -101,3 +105,31 @@ def is_multimodule(pg_collection, p2p_communicator) -> bool:
         return False
     return isinstance(pg_collection, MultiModuleProcessGroupCollection) or isinstance(
         p2p_communicator, MultiModulePipelineCommunicator)
+
+
+# ---- what the schedule functions refuse of an explicit pg_collection -------------------------------------------
+_GROUPS_ASSERTED_UP_TO_0_16 = ("tp", "cp", "embd", "pos_embd", "pp", "dp_cp")
+_GROUPS_ASSERTED_FROM_0_17 = ("tp", "cp")
+
+
+@functools.lru_cache(maxsize=None)
+def _before_0_17() -> bool:
+    return Version(megatron_core_version().base_version) < Version("0.17.0")
+
+
+def pg_collection_asserted_groups() -> Tuple[str, ...]:
+    """The attributes megatron-core's schedule functions assert (``hasattr``) an explicit pg_collection has, in
+    their order. 0.17 made ProcessGroupCollection answer None for a group it was not given, and asserts only the
+    two it reads."""
+    return _GROUPS_ASSERTED_UP_TO_0_16 if _before_0_17() else _GROUPS_ASSERTED_FROM_0_17
+
+
+def one_chunk_schedule_refuses_type_of(pg_collection) -> bool:
+    """Whether forward_backward_pipelining_without_interleaving refuses this pg_collection for its type
+    (TypeError): from 0.17 anything but a ProcessGroupCollection or MultiModuleProcessGroupCollection; up to 0.16
+    any object with the asserted groups serves."""
+    if _before_0_17():
+        return False
+    from megatron.core.process_groups_config import MultiModuleProcessGroupCollection, ProcessGroupCollection
+
+    return not isinstance(pg_collection, (ProcessGroupCollection, MultiModuleProcessGroupCollection))

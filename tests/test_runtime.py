@@ -24,7 +24,7 @@ def test_install_reaches_megatrons_call_site_and_uninstall_restores_it(tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
         report = _read(tmp_path, "train", rank)
-        assert report["ours_after_install"], "get_forward_backward_func() did not return forward_backward_app"
+        assert report["ours_after_install"], "get_forward_backward_func() did not return our 1F1B entry point"
         assert report["restored"] and report["megatron_after_uninstall"]
         assert not report["grads_after_eval"], "a forward-only (evaluation) step produced gradients"
     last = _read(tmp_path, "train", 1)

@@ -1,6 +1,7 @@
 """The Megatron-compatible runtime that executes a schedule policy."""
 
-from .executor import PipelineStallError, forward_backward_app
+from .call_contract import ContractAssertionError, ContractRuntimeError, ContractTypeError
+from .executor import MEGATRON_ENTRY_POINTS, PipelineStallError, forward_backward_app
 from .microbatch_lengths import set_microbatch_lengths, take_microbatch_lengths
 from .keyed_randomness import disable_keyed_randomness, enable_keyed_randomness, set_iteration
 from .install import add_arguments, install, install_from_args, is_installed, uninstall
@@ -8,7 +9,8 @@ from .job import AppJob, add_transport_wrapper, current_job, current_tracer, rem
 from .settings import AppConfigError, AppSettings
 
 __all__ = [
-    "AppConfigError", "AppJob", "AppSettings", "PipelineStallError", "add_arguments", "add_transport_wrapper",
+    "AppConfigError", "AppJob", "AppSettings", "ContractAssertionError", "ContractRuntimeError", "ContractTypeError",
+    "MEGATRON_ENTRY_POINTS", "PipelineStallError", "add_arguments", "add_transport_wrapper",
     "current_job", "current_tracer", "disable_keyed_randomness", "enable_keyed_randomness", "forward_backward_app",
     "install", "install_from_args", "is_installed", "remove_transport_wrapper", "set_iteration",
     "set_microbatch_lengths", "shutdown", "take_microbatch_lengths", "uninstall",

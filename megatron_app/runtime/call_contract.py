@@ -1,8 +1,12 @@
-"""The parts of Megatron's forward_backward contract beyond "run the tasks": which process groups to use, the
-tensor-shape hook, and which microbatches checkpoint all their layers' activations.
+"""The parts of Megatron's forward_backward contract beyond "run the tasks": what each of Megatron-Core's three
+schedule functions refuses, which process groups to use, the tensor-shape hook, and which microbatches checkpoint
+all their layers' activations.
 
-Each rule is Megatron-Core's own (schedules.py, 0.16 - 0.19), answered per (chunk, microbatch) so that it does not
-depend on the order a policy happens to run the tasks in.
+Each rule is Megatron-Core's own (schedules.py, 0.16 - 0.19). A refusal is checked where Megatron checks it and
+raised as the exception type Megatron raises (AssertionError, ValueError, RuntimeError, TypeError), with our
+one-line message; every one is also an AppConfigError, a ValueError. What differs between megatron-core versions
+comes from megatron_compat. Our own refusals (what our schedule cannot run) come after Megatron's. The checkpoint
+rule is answered per (chunk, microbatch) so that it does not depend on the order a policy runs the tasks in.
 """
 
 from __future__ import annotations
@@ -10,19 +14,36 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Dict, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.utils import get_model_config
 
-from megatron_app.megatron_compat import is_multimodule
-from megatron_app.schedule import PipelineShape
+from megatron_app.megatron_compat import (is_multimodule, one_chunk_schedule_refuses_type_of,
+                                          pg_collection_asserted_groups)
+from megatron_app.schedule import (LastMicrobatchGroupError, MicrobatchGroupError, PipelineShape,
+                                   check_microbatch_groups)
 from megatron_app.schedule.megatron_order import megatron_forward_sequence, megatron_warmup_microbatches
 
 from .settings import AppConfigError
 
 
+class ContractAssertionError(AppConfigError, AssertionError):
+    """A call Megatron-Core's schedule refuses with ``assert``: an AssertionError like Megatron's, and a ValueError
+    like every AppConfigError."""
+
+
+class ContractRuntimeError(AppConfigError, RuntimeError):
+    """A call Megatron-Core's schedule refuses with RuntimeError (the last interleaved microbatch group)."""
+
+
+class ContractTypeError(AppConfigError, TypeError):
+    """A call Megatron-Core's schedule refuses with TypeError (a pg_collection of another type, 0.17+)."""
+
+
 @dataclasses.dataclass
 class ScheduleGroups:
-    pp: object               # the pipeline group messages travel in
+    pp: object               # the pipeline group messages travel in; None: this rank alone (no pipelining)
     tp: object
     cp: object
     pg_collection: object    # handed on to finalize_model_grads_func as given (None: Megatron's defaults)
@@ -32,45 +53,158 @@ class ScheduleGroups:
         return self.cp.size()
 
 
-def resolve_groups(p2p_communicator, pg_collection) -> ScheduleGroups:
-    """Megatron's rule: with pipelining, both p2p_communicator and pg_collection or neither; the pipeline group is
-    the communicator's (pg_collection's .pp, or parallel_state's, otherwise), tp/cp come from pg_collection."""
+def _require_groups(pg_collection) -> None:
+    """Megatron's asserts on an explicit pg_collection (which groups depends on the version), then ours: the tp and
+    cp groups it is read for are set."""
+    for name in pg_collection_asserted_groups():
+        if not hasattr(pg_collection, name):
+            raise ContractAssertionError(f"pg_collection must have {name}")
+    missing = [name for name in ("tp", "cp") if getattr(pg_collection, name, None) is None]
+    if missing:
+        raise ContractAssertionError(f"pg_collection must have {' and '.join(missing)}")
+
+
+def _one_of_two_groups(p2p_communicator, pg_collection) -> None:
+    if (p2p_communicator is None) != (pg_collection is None):
+        raise AppConfigError("Provide both p2p_communicator and pg_collection, or neither")
+
+
+def _require_communicator_config(p2p_communicator) -> None:
+    if not hasattr(p2p_communicator, "config"):
+        raise ContractAssertionError(f"p2p_communicator {type(p2p_communicator).__name__} must have a config")
+
+
+def _no_multimodule(p2p_communicator, pg_collection) -> None:
+    """Ours: a pipeline across several modules' grids (0.17+) is not scheduled here."""
     if is_multimodule(pg_collection, p2p_communicator):
         raise AppConfigError("megatron_app does not schedule multi-module pipelines (MultiModuleProcessGroupCollection"
                              "); call megatron_app.uninstall() to use Megatron's own schedule for this model")
-    if p2p_communicator is not None:
-        pp = getattr(p2p_communicator, "pp_group", None)
-        if pp is None:
-            raise AppConfigError(f"p2p_communicator {type(p2p_communicator).__name__} has no pp_group")
-    else:
-        pp = getattr(pg_collection, "pp", None)
-        if pp is None:
-            pp = parallel_state.get_pipeline_model_parallel_group()
-    if dist.get_world_size(pp) > 1 and (p2p_communicator is None) != (pg_collection is None):
-        raise AppConfigError("Provide both p2p_communicator and pg_collection, or neither")
+
+
+def _one_chunk_each(what: str, model, data_iterator) -> None:
+    for name, value in (("model chunks", model), ("data iterators", data_iterator)):
+        if isinstance(value, list) and len(value) != 1:
+            raise ContractAssertionError(f"{what} runs one model chunk, got {len(value)} {name}")
+
+
+def _groups(pp, pg_collection) -> ScheduleGroups:
+    """The pipeline group `pp` with tp/cp from pg_collection, or parallel_state's without one."""
     if pg_collection is None:
         return ScheduleGroups(pp, parallel_state.get_tensor_model_parallel_group(),
                               parallel_state.get_context_parallel_group(), None)
-    missing = [name for name in ("tp", "cp") if getattr(pg_collection, name, None) is None]
-    if missing:
-        raise AppConfigError(f"pg_collection must have {' and '.join(missing)}")
     return ScheduleGroups(pp, pg_collection.tp, pg_collection.cp, pg_collection)
 
 
-def apply_tensor_shape_hook(adjust_tensor_shapes_fn: Optional[Callable], *, num_stages: int, num_chunks: int,
-                            seq_length: int, micro_batch_size: int, decoder_seq_length: Optional[int], config,
-                            tp_group, cp_group):
-    """Call adjust_tensor_shapes_fn where Megatron does (1F1B without interleaving) and refuse it where Megatron
-    does (no pipelining, interleaving). Returns the adjusted (recv, send) shapes, or None without a hook.
+def _pipeline_group(p2p_communicator):
+    """The communicator's pipeline group (the one Megatron's pipelined schedules send in), else parallel_state's."""
+    if p2p_communicator is None:
+        return parallel_state.get_pipeline_model_parallel_group()
+    pp = getattr(p2p_communicator, "pp_group", None)
+    if pp is None:
+        raise AppConfigError(f"p2p_communicator {type(p2p_communicator).__name__} has no pp_group")
+    return pp
+
+
+def refusals_without_pipelining(*, model, data_iterator, num_microbatches, adjust_tensor_shapes_fn,
+                                p2p_communicator, pg_collection) -> ScheduleGroups:
+    """forward_backward_no_pipelining: p2p_communicator is not used, and this rank runs alone."""
+    if pg_collection is not None:
+        _require_groups(pg_collection)
+    _one_chunk_each("the schedule without pipeline parallelism", model, data_iterator)
+    if adjust_tensor_shapes_fn is not None:
+        raise ContractAssertionError("adjust_tensor_shapes_fn is not supported for non-pipeline-parallel schedule")
+    return _groups(None, pg_collection)
+
+
+def refusals_without_interleaving(*, model, data_iterator, num_microbatches, adjust_tensor_shapes_fn,
+                                  p2p_communicator, pg_collection) -> ScheduleGroups:
+    """forward_backward_pipelining_without_interleaving (1F1B, one model chunk); it calls adjust_tensor_shapes_fn."""
+    _one_chunk_each("1F1B without interleaving", model, data_iterator)
+    config = get_model_config(model[0] if isinstance(model, (list, tuple)) else model)
+    if getattr(config, "overlap_p2p_comm", False):
+        raise AppConfigError("Non-interleaved pipeline parallelism does not support overlapping p2p communication")
+    _one_of_two_groups(p2p_communicator, pg_collection)
+    if p2p_communicator is not None:
+        _require_communicator_config(p2p_communicator)
+        _no_multimodule(p2p_communicator, pg_collection)
+        if one_chunk_schedule_refuses_type_of(pg_collection):
+            raise ContractTypeError(f"pg_collection must be a ProcessGroupCollection, got "
+                                    f"{type(pg_collection).__name__}")
+        _require_groups(pg_collection)
+    return _groups(_pipeline_group(p2p_communicator), pg_collection)
+
+
+def refusals_with_interleaving(*, model, data_iterator, num_microbatches, adjust_tensor_shapes_fn,
+                               p2p_communicator, pg_collection) -> ScheduleGroups:
+    """forward_backward_pipelining_with_interleaving: the groups, the chunk lists, then the microbatch counts."""
+    _one_of_two_groups(p2p_communicator, pg_collection)
+    if p2p_communicator is not None:
+        _require_communicator_config(p2p_communicator)
+        _require_groups(pg_collection)
+    if not isinstance(model, list):
+        raise ContractAssertionError(f"interleaved pipeline parallelism takes the model as a list of chunks, got "
+                                     f"{type(model).__name__}")
+    if not all(isinstance(chunk, torch.nn.Module) for chunk in model):
+        raise ContractAssertionError("interleaved pipeline parallelism takes model chunks that are torch.nn.Modules")
+    if not isinstance(data_iterator, list):
+        raise ContractAssertionError(f"interleaved pipeline parallelism takes one data iterator per model chunk, "
+                                     f"as a list; got {type(data_iterator).__name__}")
+    if adjust_tensor_shapes_fn is not None:
+        raise ContractAssertionError("adjust_tensor_shapes_fn is not supported for interleaved pipeline parallelism")
+    config = get_model_config(model[0])
+    if getattr(config, "overlap_p2p_comm", False) and getattr(config, "batch_p2p_comm", False):
+        raise AppConfigError("Can not use both overlap_p2p_comm and batch_p2p_comm")
+    pp = _pipeline_group(p2p_communicator)
+    P = dist.get_world_size(pp)
+    try:   # Megatron: a ValueError for the group size, a RuntimeError for the last group
+        check_microbatch_groups(P, num_microbatches, getattr(config, "microbatch_group_size_per_vp_stage", None) or P)
+    except MicrobatchGroupError as error:
+        raise AppConfigError(str(error)) from None
+    except LastMicrobatchGroupError as error:
+        raise ContractRuntimeError(str(error)) from None
+    _no_multimodule(p2p_communicator, pg_collection)
+    return _groups(pp, pg_collection)
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronSchedule:
+    """One of Megatron-Core's schedule functions that install() replaces: its name in
+    megatron.core.pipeline_parallel.schedules, its refusals in its order (returning the call's groups), and whether
+    it calls adjust_tensor_shapes_fn."""
+    name: str
+    refusals: Callable[..., ScheduleGroups]
+    calls_shape_hook: bool = False
+
+
+WITHOUT_PIPELINING = MegatronSchedule("forward_backward_no_pipelining", refusals_without_pipelining)
+WITHOUT_INTERLEAVING = MegatronSchedule("forward_backward_pipelining_without_interleaving",
+                                        refusals_without_interleaving, calls_shape_hook=True)
+WITH_INTERLEAVING = MegatronSchedule("forward_backward_pipelining_with_interleaving", refusals_with_interleaving)
+MEGATRON_SCHEDULES: Tuple[MegatronSchedule, ...] = (WITHOUT_PIPELINING, WITHOUT_INTERLEAVING, WITH_INTERLEAVING)
+
+
+def schedule_for_call(model, p2p_communicator, pg_collection) -> MegatronSchedule:
+    """The schedule get_forward_backward_func picks for a call of this shape, for a caller of forward_backward_app
+    itself: none for a pipeline of one rank, interleaving for several model chunks, 1F1B otherwise."""
+    pp = getattr(p2p_communicator, "pp_group", None)
+    if pp is None:
+        pp = getattr(pg_collection, "pp", None)
+    if pp is None:
+        pp = parallel_state.get_pipeline_model_parallel_group()
+    if dist.get_world_size(pp) == 1:
+        return WITHOUT_PIPELINING
+    return WITH_INTERLEAVING if isinstance(model, (list, tuple)) and len(model) > 1 else WITHOUT_INTERLEAVING
+
+
+def apply_tensor_shape_hook(adjust_tensor_shapes_fn: Optional[Callable], *, seq_length: int, micro_batch_size: int,
+                            decoder_seq_length: Optional[int], config, tp_group, cp_group):
+    """Call adjust_tensor_shapes_fn as Megatron's 1F1B does (the schedules that refuse it did so in their
+    refusals). Returns the adjusted (recv, send) shapes, or None without a hook.
 
     Our messages carry their own shapes, so the result only documents what the user expects to flow.
     """
     if adjust_tensor_shapes_fn is None:
         return None
-    if num_stages == 1:
-        raise AppConfigError("adjust_tensor_shapes_fn is not supported for non-pipeline-parallel schedule")
-    if num_chunks > 1:
-        raise AppConfigError("adjust_tensor_shapes_fn is not supported for interleaved pipeline parallelism")
     from megatron.core.pipeline_parallel.schedules import get_tensor_shapes
 
     def default_shapes():

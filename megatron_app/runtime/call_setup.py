@@ -58,11 +58,14 @@ class RankPlacement:
     def __init__(self, groups: ScheduleGroups, chunks: ModelChunks, request: CallRequest, split_backward: bool):
         self.pp_group, self.tp_group, self.cp_size = groups.pp, groups.tp, groups.cp_size
         self.pg_collection = groups.pg_collection
-        self.pp_rank = dist.get_rank(self.pp_group)
-        self.pp_global = dist.get_process_group_ranks(self.pp_group)
+        if self.pp_group is None:     # no pipelining: this rank alone, whatever parallel_state's pipeline is
+            self.pp_rank, self.pp_global = 0, [dist.get_rank()]
+        else:
+            self.pp_rank = dist.get_rank(self.pp_group)
+            self.pp_global = dist.get_process_group_ranks(self.pp_group)
         V, config = len(chunks.models), chunks.config
         self.split_backward = split_backward and not request.forward_only
-        self.shape = PipelineShape(num_stages=dist.get_world_size(self.pp_group), num_chunks=V,
+        self.shape = PipelineShape(num_stages=len(self.pp_global), num_chunks=V,
                                    num_microbatches=request.num_microbatches, forward_only=request.forward_only,
                                    split_backward=self.split_backward,
                                    microbatch_group_size=getattr(config, "microbatch_group_size_per_vp_stage",

@@ -8,6 +8,7 @@ run, block on the transport until one of this rank's awaited inputs arrives.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -19,12 +20,10 @@ from megatron.core.pipeline_parallel.schedules import (
     deallocate_output_tensor,
     forward_step,
 )
-from megatron.core.utils import get_model_config
-
 from megatron_app.megatron_compat import backward_step
 from megatron_app.schedule import Kind, RankState, Task
 
-from .call_contract import apply_tensor_shape_hook, resolve_groups
+from .call_contract import MEGATRON_SCHEDULES, MegatronSchedule, apply_tensor_shape_hook, schedule_for_call
 from .call_setup import CallRequest, ModelChunks, RankPlacement
 from .composition import decide_once
 from .job import AppJob, current_job
@@ -411,21 +410,39 @@ def forward_backward_app(
 ):
     """Drop-in for megatron-core's three forward_backward functions (0.16 - 0.19), same keywords and rules.
 
-    Message shapes come with the messages, so seq_length / micro_batch_size / decoder_seq_length only feed
-    adjust_tensor_shapes_fn, which is called where Megatron calls it (1F1B without interleaving) and refused where
-    Megatron refuses it. p2p_communicator's pipeline group is the one our transport connects; its own send/recv is
-    not used. Returns the forward data store (loss dicts on the last stage, in microbatch order), like Megatron.
+    Called directly, it refuses what the schedule function get_forward_backward_func would pick for this call
+    refuses (call_contract.schedule_for_call); install() puts MEGATRON_ENTRY_POINTS in Megatron's place, each with
+    the refusals of the function it replaces. Message shapes come with the messages, so seq_length /
+    micro_batch_size / decoder_seq_length only feed adjust_tensor_shapes_fn, which is called where Megatron calls
+    it (1F1B without interleaving). p2p_communicator's pipeline group is the one our transport connects (one
+    transport per pipeline group, session.py); its own send/recv is not used. Returns the forward data store (loss
+    dicts on the last stage, in microbatch order), like Megatron.
     """
-    groups = resolve_groups(p2p_communicator, pg_collection)
-    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-    apply_tensor_shape_hook(adjust_tensor_shapes_fn, num_stages=dist.get_world_size(groups.pp),
-                            num_chunks=len(chunks), seq_length=seq_length, micro_batch_size=micro_batch_size,
-                            decoder_seq_length=decoder_seq_length, config=get_model_config(chunks[0]),
-                            tp_group=groups.tp, cp_group=groups.cp)
+    return _forward_backward(
+        schedule_for_call(model, p2p_communicator, pg_collection), forward_step_func=forward_step_func,
+        data_iterator=data_iterator, model=model, num_microbatches=num_microbatches, seq_length=seq_length,
+        micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length, forward_only=forward_only,
+        collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
+        adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, p2p_communicator=p2p_communicator,
+        pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+
+
+def _forward_backward(schedule: MegatronSchedule, *, forward_step_func, data_iterator, model, num_microbatches,
+                      seq_length, micro_batch_size, decoder_seq_length=None, forward_only=False,
+                      collect_non_loss_data=False, first_val_step=None, adjust_tensor_shapes_fn=None,
+                      p2p_communicator=None, pg_collection=None, force_all_reduce=False):
+    """One call: `schedule`'s refusals in Megatron's order, then ours, then the run."""
+    groups = schedule.refusals(model=model, data_iterator=data_iterator, num_microbatches=num_microbatches,
+                               adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, p2p_communicator=p2p_communicator,
+                               pg_collection=pg_collection)
+    chunks = ModelChunks(model, data_iterator)     # ours: one data iterator per chunk, ...
+    if schedule.calls_shape_hook:
+        apply_tensor_shape_hook(adjust_tensor_shapes_fn, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                                decoder_seq_length=decoder_seq_length, config=chunks.config, tp_group=groups.tp,
+                                cp_group=groups.cp)
     job = current_job()      # the one current job, handed down from here (job.py)
     request = CallRequest(forward_step_func, num_microbatches, forward_only, collect_non_loss_data, first_val_step,
                           bool(force_all_reduce))
-    chunks = ModelChunks(model, data_iterator)
     step = PipelineStep(job, request, chunks, RankPlacement(groups, chunks, request, job.settings.split_backward))
     session = step.session
     session.calls += 1
@@ -440,3 +457,20 @@ def forward_backward_app(
         step.training_call_done()
         return result
     return step.run()
+
+
+def _megatron_entry_point(schedule: MegatronSchedule):
+    """Megatron's `schedule.name`, served by our runtime: its refusals, then our schedule (keywords only, as
+    Megatron's; the signature shown is forward_backward_app's)."""
+
+    @functools.wraps(forward_backward_app)
+    def entry_point(**kwargs):
+        return _forward_backward(schedule, **kwargs)
+
+    entry_point.__name__ = entry_point.__qualname__ = schedule.name
+    entry_point.__doc__ = f"megatron-core's {schedule.name}, run by megatron_app's schedule with its refusals."
+    return entry_point
+
+
+# What install() puts in place of each of Megatron's schedule functions, by name.
+MEGATRON_ENTRY_POINTS = {schedule.name: _megatron_entry_point(schedule) for schedule in MEGATRON_SCHEDULES}

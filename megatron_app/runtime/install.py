@@ -1,8 +1,9 @@
-"""Make Megatron-Core's get_forward_backward_func() return forward_backward_app, and undo it.
+"""Make Megatron-Core's get_forward_backward_func() return our schedule, and undo it.
 
 get_forward_backward_func looks its three schedule functions up in its module's globals at call time, so replacing
 those globals reaches every call site — also scripts that did `from ... import get_forward_backward_func` before
-install() ran.
+install() ran. Each is replaced by its own entry point (executor.MEGATRON_ENTRY_POINTS), which refuses what the
+function it replaces refuses, in its order, and then runs our schedule.
 """
 
 from __future__ import annotations
@@ -15,13 +16,6 @@ from megatron_app.schedule import DEFAULT_POLICY
 from .settings import AppSettings, SCHEDULES, ADAPTIVE_POLICIES
 from . import linear_wgrad
 from .job import current_job
-
-_REPLACED = (
-    "forward_backward_no_pipelining",
-    "forward_backward_pipelining_without_interleaving",
-    "forward_backward_pipelining_with_interleaving",
-)
-
 
 def install(schedule: str = "app", policy: str = DEFAULT_POLICY, trace_dir: Optional[str] = None, *,
             memory_cap: Optional[int] = None, timeout_s: float = 300.0, job_id: Optional[str] = None,
@@ -44,7 +38,7 @@ def install(schedule: str = "app", policy: str = DEFAULT_POLICY, trace_dir: Opti
 
     check_megatron_version(allow_untested_megatron)
 
-    from .executor import forward_backward_app
+    from .executor import MEGATRON_ENTRY_POINTS
 
     settings = AppSettings(schedule="file" if schedule_file is not None else schedule, policy=policy,
                            memory_cap=memory_cap, memory_factor=memory_factor,
@@ -53,9 +47,9 @@ def install(schedule: str = "app", policy: str = DEFAULT_POLICY, trace_dir: Opti
     job = current_job()
     job.use_settings(settings)
     if job.installation.schedule_functions is None:
-        job.installation.schedule_functions = {name: getattr(schedules, name) for name in _REPLACED}
-        for name in _REPLACED:
-            setattr(schedules, name, forward_backward_app)
+        job.installation.schedule_functions = {name: getattr(schedules, name) for name in MEGATRON_ENTRY_POINTS}
+        for name, entry_point in MEGATRON_ENTRY_POINTS.items():
+            setattr(schedules, name, entry_point)
     return settings
 
 

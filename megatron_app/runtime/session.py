@@ -1,18 +1,21 @@
-"""A job's open runtime session: the transport, the tracer, the policies, the learnt costs and the call counters.
+"""A job's open runtime session: the transports, the tracer, the policies, the learnt costs and the call counters.
 
 Opened by the job (job.py) on its first forward_backward call (every rank makes that call at the same time, so the
 collectives here — agreeing on a job id, measuring the clock offset — are safe), closed by shutdown() or at exit.
+Each call is served on its own pipeline group: one transport per group, keyed by the group's ranks, opened the
+first time a call uses the group (all its members make that call) and closed with the session.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import socket
 import sys
 import time
 import uuid
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -27,6 +30,8 @@ _JOB_ID_ENV = "MEGATRON_APP_JOB_ID"
 # emulation) put themselves around the transport the session opens, applied in the order they were added.
 TransportWrapperFactory = Callable[["PipelineTransport", List[int]], "PipelineTransport"]
 
+MAX_JOB_ID_CHARS = 63   # what every backend's wire format and shared-memory name take
+
 
 def agree_on_job_id(requested: Optional[str]) -> str:
     """One job id for all ranks: the setting, else $MEGATRON_APP_JOB_ID, else rank 0's random pick."""
@@ -38,12 +43,31 @@ def agree_on_job_id(requested: Optional[str]) -> str:
     return picked[0]
 
 
+def transport_job_id(job_id: str, group_ranks: Tuple[int, ...], default_group: Optional[Tuple[int, ...]]) -> str:
+    """The id a pipeline group's transport names its shared memory and rendezvous keys with: the job's own for
+    parallel_state's pipeline group (`default_group`; names as with one group per job), else the job's with a digest
+    of the group's ranks, so that two groups' transports in one process never share a name, and every member of a
+    group, which sees the same parallel_state, derives the same one."""
+    if group_ranks == default_group:
+        return job_id
+    digest = hashlib.sha256(f"{job_id}|{','.join(map(str, group_ranks))}".encode()).hexdigest()[:8]
+    return f"{job_id[:MAX_JOB_ID_CHARS - 10]}-p{digest}"
+
+
+def _parallel_state_pipeline_ranks() -> Optional[Tuple[int, ...]]:
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    return tuple(sorted(dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())))
+
+
 class RuntimeSession:
     def __init__(self, settings: AppSettings, transport_wrappers: Sequence[TransportWrapperFactory] = ()):
         self.settings = settings
         self.transport_wrappers = transport_wrappers   # the job's list: wrappers added later apply too
         self.job_id: Optional[str] = None
-        self.transport = None
+        self._transports: Dict[Tuple[int, ...], object] = {}   # pipeline group's ranks (sorted) -> its transport
         self.tracer = None
         self._policies = {}         # kept across calls so learning policies (adaptive) remember task durations
         self.training_calls = 0     # forward_backward calls with backward (trace iterations)
@@ -139,21 +163,32 @@ class RuntimeSession:
         return policy, transport, tracer
 
     def ensure_transport(self, pp_global_ranks: List[int]):
-        if self.transport is None and len(pp_global_ranks) > 1:
+        """The transport of the pipeline group with these global ranks (None for a group of one), opened now if this
+        is the group's first call: every member of the group is in that call, so the rendezvous is safe."""
+        key = tuple(sorted(pp_global_ranks))
+        if len(key) < 2:
+            return None
+        if key not in self._transports:
             from megatron_app.transport import open_transport
 
             self.job_id = self.job_id or agree_on_job_id(self.settings.job_id)
             me = dist.get_rank()
-            peers = sorted({r for r in pp_global_ranks if r != me})
             # Per link: shm on this host, rdma or tcp across hosts ($MEGATRON_APP_TRANSPORT forces one); the
             # job's own store carries host identities and listening addresses.
             store = dist.distributed_c10d._get_default_store()
-            self.transport = open_transport(store, me, dist.get_world_size(), self.job_id, peers,
-                                            master_addr=os.environ.get("MASTER_ADDR"),
-                                            timeout_s=self.settings.timeout_s)
+            transport = open_transport(store, me, dist.get_world_size(),
+                                       transport_job_id(self.job_id, key, _parallel_state_pipeline_ranks()),
+                                       [r for r in key if r != me], master_addr=os.environ.get("MASTER_ADDR"),
+                                       timeout_s=self.settings.timeout_s)
             for wrap in self.transport_wrappers:
-                self.transport = wrap(self.transport, list(pp_global_ranks))
-        return self.transport
+                transport = wrap(transport, list(pp_global_ranks))
+            self._transports[key] = transport
+        return self._transports[key]
+
+    @property
+    def transports(self) -> list:
+        """The open transports, one per pipeline group this process has called in."""
+        return list(self._transports.values())
 
     def ensure_tracer(self, pp_rank: int, tp_rank: int, dp_rank: int, P: int, V: int, m: int):
         if self.tracer is None:
@@ -172,10 +207,9 @@ class RuntimeSession:
         return self.tracer
 
     def _link_backends(self):
-        """{peer rank: 'shm'|'tcp'|'rdma'} of this rank's transport, recorded in the trace header."""
-        if self.transport is None:
-            return {}
-        return {str(peer): self.transport.backend_of(peer) for peer in self.transport.peers}
+        """{peer rank: 'shm'|'tcp'|'rdma'} of this rank's transports, recorded in the trace header."""
+        return {str(peer): transport.backend_of(peer) for transport in self._transports.values()
+                for peer in transport.peers}
 
     def close(self):
         if self._closed:
@@ -185,5 +219,6 @@ class RuntimeSession:
             self.plan_ahead.close()
         if self.tracer is not None:
             self.tracer.close()
-        if self.transport is not None:
-            self.transport.close()
+        transports, self._transports = list(self._transports.values()), {}
+        for transport in transports:
+            transport.close()

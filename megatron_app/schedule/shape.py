@@ -11,13 +11,30 @@ import functools
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-from .errors import ScheduleConfigError
+from .errors import LastMicrobatchGroupError, MicrobatchGroupError, ScheduleConfigError
 from .tasks import Kind, Task
 
 
 def _require_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ScheduleConfigError(f"{name} must be an int, got {value!r}")
+
+
+def check_microbatch_groups(num_stages: int, num_microbatches: int, group_size: int) -> None:
+    """Megatron-Core's two rules for interleaved microbatch groups, in its order: the group size lies in
+    [num_stages, num_microbatches] (MicrobatchGroupError), and the last group is empty or >= num_stages
+    (LastMicrobatchGroupError)."""
+    P, m, N = num_stages, num_microbatches, group_size
+    if not P <= N <= m:
+        raise MicrobatchGroupError(
+            f"microbatch_group_size={N} must lie in [num_stages={P}, num_microbatches={m}] "
+            f"when num_chunks > 1 (Megatron-Core's interleaved schedule rule)")
+    last_group = m % N
+    if 0 < last_group < P:
+        raise LastMicrobatchGroupError(
+            f"num_microbatches={m} leaves a last group of {last_group} microbatches "
+            f"(num_microbatches % microbatch_group_size={N}); Megatron-Core's interleaved schedule needs it "
+            f"to be 0 or >= num_stages={P}")
 
 
 @dataclass(frozen=True)
@@ -61,19 +78,10 @@ class PipelineShape:
                 f"num_chunks={self.num_chunks} needs num_stages > 1: Megatron-Core's interleaved schedule "
                 f"requires a pipeline-model-parallel size greater than 1")
         if group_size_defaulted and m < P:
-            raise ScheduleConfigError(
+            raise MicrobatchGroupError(
                 f"num_microbatches={m} must be >= num_stages={P} when num_chunks > 1 "
                 f"(Megatron-Core's interleaved schedule rule)")
-        if not P <= N <= m:
-            raise ScheduleConfigError(
-                f"microbatch_group_size={N} must lie in [num_stages={P}, num_microbatches={m}] "
-                f"when num_chunks > 1 (Megatron-Core's interleaved schedule rule)")
-        last_group = m % N
-        if 0 < last_group < P:
-            raise ScheduleConfigError(
-                f"num_microbatches={m} leaves a last group of {last_group} microbatches "
-                f"(num_microbatches % microbatch_group_size={N}); Megatron-Core's interleaved schedule needs it "
-                f"to be 0 or >= num_stages={P}")
+        check_microbatch_groups(P, m, N)
 
     # ---- geometry --------------------------------------------------------------------------------------------
     @property

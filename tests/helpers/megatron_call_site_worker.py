@@ -42,7 +42,7 @@ def write(name, payload):
 
 def main():
     from megatron.core.pipeline_parallel import schedules
-    from megatron_app.runtime import forward_backward_app
+    from megatron_app.runtime import MEGATRON_ENTRY_POINTS
 
     originals = (schedules.forward_backward_no_pipelining, schedules.forward_backward_pipelining_without_interleaving,
                  schedules.forward_backward_pipelining_with_interleaving)
@@ -50,7 +50,8 @@ def main():
     init_distributed("cpu")
     init_model_parallel(1, 2, 1, "cpu")
     megatron_app.install(schedule="app", policy="dfc", timeout_s=60)
-    report = {"ours_after_install": get_forward_backward_func() is forward_backward_app}
+    report = {"ours_after_install": get_forward_backward_func() is MEGATRON_ENTRY_POINTS[
+        "forward_backward_pipelining_without_interleaving"]}
     trainer = build_trainer(args)
 
     if mode == "train":
