@@ -384,11 +384,22 @@ class PipelineStep:
         if self.tracer is not None:
             if task is not None:
                 fields["chunk"], fields["microbatch"] = task.chunk, task.microbatch
-                predicted = getattr(self.policy, "predicted", {}).get(task)
-                if predicted is not None:   # what the plan expected: start after the call's start, and duration
-                    fields["predicted_start_us"] = self._call_start_us + predicted[0] * 1e6
-                    fields["predicted_us"] = predicted[1] * 1e6
+            if task is not None and kind == task.kind.trace_name:
+                self._task_fields(task, fields)
             self.tracer.record(kind, start, end, iteration=self.iteration, **fields)
+
+    def _task_fields(self, task: Task, fields: dict) -> None:
+        """A compute event's extras: what it computed on (cost curves are fitted from these) and what the plan
+        expected of it (its start after the call's start, and its duration)."""
+        if self.lengths is not None:
+            fields["tokens"] = self.lengths[task.microbatch]
+            squared = None if self.call_plan is None else self.call_plan.squared_tokens
+            if squared is not None:
+                fields["squared_tokens"] = squared[task.microbatch]
+        predicted = getattr(self.policy, "predicted", {}).get(task)
+        if predicted is not None:
+            fields["predicted_start_us"] = self._call_start_us + predicted[0] * 1e6
+            fields["predicted_us"] = predicted[1] * 1e6
 
 
 def forward_backward_app(

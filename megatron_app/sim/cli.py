@@ -122,6 +122,11 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
              "speed-blind balanced row")
     add("--replica-slowdown", "--replica_slowdown", dest="replica_slowdown", type=number(1.0), default=1.3,
         help="slowdown of --slow-replica (>= 1, default 1.3)")
+    add("--cost-curves", "--cost_curves", dest="cost_curves", default=None, metavar="FILE",
+        help="with --documents-per-microbatch: task costs fitted on a real trace (python -m "
+             "megatron_app.sim.cost_curves) instead of --fwd-ms/--bwd-ms and --length-cost")
+    add("--num-layers", "--num_layers", dest="num_layers", type=positive_int, default=8,
+        help="with --cost-curves: the model's transformer layers, spread over P x V chunks (default 8)")
     add("--host-ms", "--host_ms", dest="host_ms", type=number(0.0), default=None,
         help="with --documents-per-microbatch: the runtime's own time per task, ms (default 0.4, measured)")
     add("--iterations", type=positive_int, default=1, help="iterations, separated by a barrier (default 1)")
@@ -204,6 +209,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _run_compositions(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
+    from .cost_curves import CostCurves
     from .composition import (BALANCED_ROW, COMPOSITION_ROWS, DATA_PARALLEL_ROWS, DEFAULT_HOST_US,
                               CompositionSimConfig, format_composition_table, simulate_composition)
 
@@ -215,6 +221,8 @@ def _run_compositions(args: argparse.Namespace) -> int:
         host_us=DEFAULT_HOST_US if args.host_ms is None else args.host_ms * US_PER_MS,
         iterations=max(args.iterations, 2), seed=args.seed, memory_factor=args.memory_factor or 1.0,
         data_parallel=args.data_parallel, allreduce_us=args.allreduce_ms * US_PER_MS,
+        cost_curves=None if args.cost_curves is None else CostCurves.load(args.cost_curves),
+        num_layers=args.num_layers,
         replica_speeds=None if args.slow_replica is None else tuple(
             1.0 / args.replica_slowdown if r == args.slow_replica else 1.0 for r in range(args.data_parallel)))
     results = [simulate_composition(config, row)
@@ -231,7 +239,8 @@ def _run_compositions(args: argparse.Namespace) -> int:
                                   "documents_per_microbatch": config.documents_per_microbatch,
                                   "host_us": config.host_us, "lengths": lengths.describe(), "seed": config.seed,
                                   "iterations": config.iterations, "data_parallel": config.data_parallel,
-                                  "replica_speeds": list(config.speeds), "allreduce_us": config.allreduce_us},
+                                  "replica_speeds": list(config.speeds), "allreduce_us": config.allreduce_us,
+                                  "cost_curves": args.cost_curves, "num_layers": config.num_layers},
                        "results": [r.to_dict() for r in results]}, handle, indent=1)
     return 0
 

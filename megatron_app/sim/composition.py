@@ -35,6 +35,7 @@ from megatron_app.schedule.iteration_plan import (PipelineSpec, PlanRequest, Rep
 from megatron_app.schedule.length_costs import LengthCostModel
 
 from .bounds import lower_bounds
+from .cost_curves import CostCurves
 from .costs import DurationTable, draw_durations, ComputeCosts, ComputePerturbations, with_host_cost
 from .engine import TaskTable, run_iteration
 from .lengths import MicrobatchLengths
@@ -78,6 +79,8 @@ class CompositionSimConfig:
     replica_speeds: Optional[Tuple[float, ...]] = None   # each replica's speed (a slower device: < 1.0)
     speed_aware: bool = True             # balanced: the planner learns the replicas' speeds (False: plans them equal)
     allreduce_us: float = 0.0            # the gradient all-reduce after the slowest replica (D > 1)
+    cost_curves: Optional[CostCurves] = None   # task costs fitted on a real trace (cost_curves.py) instead of the
+    num_layers: int = 8                        # analytic model; the model's layers they are spread over
 
     @property
     def speeds(self) -> Tuple[float, ...]:
@@ -148,6 +151,9 @@ class CompositionResult:
 
 def composed_durations(config: CompositionSimConfig, shape: PipelineShape, tokens: Sequence[float],
                        squared: Sequence[float], iteration: int) -> DurationTable:
+    if config.cost_curves is not None:     # costs measured on a real run, not the planner's analytic model
+        return with_host_cost(shape, config.cost_curves.durations(shape, config.num_layers, tokens, squared),
+                              config.host_us)
     factors = [config.lengths.composed_cost_factor(t, s) for t, s in zip(tokens, squared)]
     costs = ComputeCosts.uniform(shape, config.forward_us, config.backward_us)
     return with_host_cost(shape, draw_durations(shape, costs, ComputePerturbations(), config.seed, iteration, factors),

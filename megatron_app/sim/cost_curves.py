@@ -1,0 +1,177 @@
+"""Task costs measured on a real run, as curves the simulator and the emulation can replay at any pipeline shape.
+
+Emulated compute that waits the planner's own analytic cost (0.7 T + 0.3 S) grades the planner with its own model.
+These curves come from a real trace instead: every forward and backward event of a planned run carries the tokens
+and squared document tokens it computed on (runtime/executor.py), and a least-squares fit of a + b T + c S per
+(kind, role) is taken, where the role of a model chunk is its virtual stage's: `first` (the embedding and its
+layers), `last` (its layers, the output layer and the loss) or `middle` (layers only). A middle chunk's fit over its
+number of transformer layers is one layer's cost; first and last keep what they add beyond their layers. A chunk of
+another shape then costs (layers it holds) x layer + (its role's extra): so a P=2 V=2 trace of an 8-layer model
+predicts a P=4 V=2 or P=8 V=2 layout of the same model (more chunks, fewer layers each).
+
+    python -m megatron_app.sim.cost_curves --trace-dir traces/latest --pipeline_parallel 2 --model_chunks 2 \\
+        --num-layers 8 --out docs/results/cost_curves/gpt_cpu_p2v2.json
+
+The simulator takes them with --cost-curves FILE --num-layers L (sim/composition.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from megatron_app.schedule import PipelineShape, ScheduleConfigError
+from megatron_app.schedule.tasks import KINDS_BY_INDEX, Kind
+
+from .costs import DurationTable
+
+ROLES = ("first", "middle", "last")
+FITTED_KINDS = ("forward", "backward")
+MIN_SAMPLES = 3
+
+
+def role_of(virtual_stage: int, num_virtual_stages: int) -> str:
+    if virtual_stage == 0:
+        return "first"
+    return "last" if virtual_stage == num_virtual_stages - 1 else "middle"
+
+
+def _fit(samples: Sequence[Tuple[float, float, float]]) -> Tuple[float, float, float]:
+    """(a, b, c) of microseconds = a + b T + c S, least squares; non-negative b and c (a smaller model if the
+    data cannot tell them apart)."""
+    data = np.asarray(samples, dtype=float)
+    tokens, squared, micros = data[:, 0], data[:, 1], data[:, 2]
+    for columns in ((0, 1, 2), (0, 1), (1,)):
+        design = np.stack([np.ones_like(tokens), tokens, squared], axis=1)[:, columns]
+        coefficients, *_ = np.linalg.lstsq(design, micros, rcond=None)
+        full = [0.0, 0.0, 0.0]
+        for column, value in zip(columns, coefficients):
+            full[column] = float(value)
+        if full[1] >= 0 and full[2] >= 0:
+            return full[0], full[1], full[2]
+    return 0.0, float(micros.sum() / tokens.sum()), 0.0
+
+
+@dataclass
+class CostCurves:
+    """Per kind: one layer's (a, b, c) and what the first and last chunk add beyond their layers, in microseconds."""
+    layer: Dict[str, Tuple[float, float, float]]
+    first_extra: Dict[str, Tuple[float, float, float]]
+    last_extra: Dict[str, Tuple[float, float, float]]
+    source: dict                          # where they were measured (trace, shape, layers, samples)
+
+    def chunk_us(self, kind: str, role: str, layers: int, tokens: np.ndarray, squared: np.ndarray) -> np.ndarray:
+        a, b, c = self.layer[kind]
+        value = layers * (a + b * tokens + c * squared)
+        if role in ("first", "last"):
+            ea, eb, ec = (self.first_extra if role == "first" else self.last_extra)[kind]
+            value = value + ea + eb * tokens + ec * squared
+        return np.maximum(value, 0.0)
+
+    def durations(self, shape: PipelineShape, num_layers: int, tokens: Sequence[float],
+                  squared: Sequence[float]) -> DurationTable:
+        """Every task's microseconds for microbatches of these tokens and squared tokens, on `shape` holding a
+        model of num_layers layers split evenly over its P x V chunks."""
+        P, V = shape.num_stages, shape.num_chunks
+        if num_layers % (P * V):
+            raise ScheduleConfigError(f"{num_layers} layers do not split into {P} x {V} chunks")
+        layers = num_layers // (P * V)
+        t, s = np.asarray(tokens, dtype=float), np.asarray(squared, dtype=float)
+        table = np.zeros((P, len(KINDS_BY_INDEX), V, len(t)))
+        for rank in range(P):
+            for chunk in range(V):
+                role = role_of(shape.virtual_stage(rank, chunk), P * V)
+                table[rank, Kind.FORWARD.index, chunk] = self.chunk_us("forward", role, layers, t, s)
+                table[rank, Kind.BACKWARD.index, chunk] = self.chunk_us("backward", role, layers, t, s)
+        return DurationTable(table)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "CostCurves":
+        try:
+            return cls({k: tuple(v) for k, v in data["layer"].items()},
+                       {k: tuple(v) for k, v in data["first_extra"].items()},
+                       {k: tuple(v) for k, v in data["last_extra"].items()}, dict(data.get("source", {})))
+        except (KeyError, TypeError, AttributeError) as error:
+            raise ScheduleConfigError(f"not a cost-curves file ({error})") from None
+
+    @classmethod
+    def load(cls, path: str) -> "CostCurves":
+        try:
+            with open(path, encoding="utf-8") as handle:
+                return cls.from_json(json.load(handle))
+        except (OSError, ValueError) as error:
+            raise ScheduleConfigError(f"cannot read cost curves {path}: {error}") from None
+
+
+def fit_curves(run, num_layers: int, skip_iterations: int = 1) -> CostCurves:
+    """From a trace run (trace.reader) whose compute events carry `tokens` (and `squared_tokens`)."""
+    P, V = run.pipeline_parallel, run.model_chunks
+    if P * V < 3:
+        raise ScheduleConfigError("fitting needs a middle chunk: at least 3 virtual stages (P x V >= 3)")
+    if num_layers % (P * V):
+        raise ScheduleConfigError(f"{num_layers} layers do not split into {P} x {V} chunks")
+    layers = num_layers // (P * V)
+    samples: Dict[Tuple[str, str], List[Tuple[float, float, float]]] = {}
+    for rank in run.pipeline_view():
+        for iteration in run.iterations()[skip_iterations:]:
+            for event in rank.events_of(iteration):
+                if event.kind not in FITTED_KINDS or "tokens" not in event.extra:
+                    continue
+                tokens = float(event.extra["tokens"])
+                squared = float(event.extra.get("squared_tokens", tokens * tokens))
+                role = role_of(event.chunk * P + rank.meta.pp_rank, P * V)
+                samples.setdefault((event.kind, role), []).append((tokens, squared, event.duration))
+    missing = [f"{kind} {role}" for kind in FITTED_KINDS for role in ROLES
+               if len(samples.get((kind, role), ())) < MIN_SAMPLES]
+    if missing:
+        raise ScheduleConfigError(f"the trace has too few planned tasks with tokens for: {', '.join(missing)} "
+                                  "(run with --variable-seq-lengths or emulated lengths, tracing on)")
+    fits = {key: _fit(value) for key, value in samples.items()}
+    layer = {kind: tuple(v / layers for v in fits[(kind, "middle")]) for kind in FITTED_KINDS}
+
+    def extra(role):
+        return {kind: tuple(f - layers * m for f, m in zip(fits[(kind, role)], layer[kind])) for kind in FITTED_KINDS}
+
+    return CostCurves(layer, extra("first"), extra("last"),
+                      {"trace_dir": str(run.trace_dir), "pipeline_parallel": P, "model_chunks": V,
+                       "num_layers": num_layers, "samples": {f"{k} {r}": len(v) for (k, r), v in samples.items()}})
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from megatron_app.trace.cli import EXIT_BAD_INPUT, OneLineArgumentParser
+    from megatron_app.trace.reader import read_trace_dir
+    from megatron_app.trace.schema import TraceError
+
+    parser = OneLineArgumentParser(prog="python -m megatron_app.sim.cost_curves", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trace-dir", required=True, help="one run's trace directory")
+    parser.add_argument("--pipeline_parallel", "--pipeline-parallel", dest="pipeline_parallel", type=int, required=True)
+    parser.add_argument("--model_chunks", "--model-chunks", dest="model_chunks", type=int, default=1)
+    parser.add_argument("--num-layers", type=int, required=True, help="the traced model's transformer layers")
+    parser.add_argument("--out", required=True, help="write the curves here (JSON)")
+    args = parser.parse_args(argv)
+    try:
+        run = read_trace_dir(args.trace_dir, args.pipeline_parallel, args.model_chunks)
+        curves = fit_curves(run, args.num_layers)
+    except (ScheduleConfigError, TraceError, ValueError, OSError) as error:
+        print(f"cost_curves: {error}")
+        return EXIT_BAD_INPUT
+    with open(args.out, "w", encoding="utf-8") as handle:
+        json.dump(curves.to_json(), handle, indent=1)
+    for kind in FITTED_KINDS:
+        a, b, c = curves.layer[kind]
+        print(f"{kind}: a layer {a:.1f} us + {b:.4f} us/token + {c:.3e} us/token^2; first chunk adds "
+              f"{curves.first_extra[kind][0]:.1f} us + {curves.first_extra[kind][1]:.4f} us/token, last adds "
+              f"{curves.last_extra[kind][0]:.1f} us + {curves.last_extra[kind][1]:.4f} us/token")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
