@@ -159,7 +159,8 @@ def test_torch_span_metrics_counts_idle_time_and_held_activations():
     (["--scenarios", "sunny"], "unknown scenario sunny"),
     (["-P", "1"], "at least 2"),
     (["-P", "4", "-m", "6"], "num_microbatches=6"),
-    (["--slow-link", "0-9:0-1:1"], "rank 9 is outside"),
+    (["--link-delay", "0-9:0-1:1"], "rank 9 is outside"),
+    (["--slow-link", "0-1:0-1:1"], "--slow-link is the simulator's flag"),
     (["--warmup", "0"], "--warmup must be >= 1"),
     (["--fwd-ms", "-3"], "expected a number > 0"),
 ])

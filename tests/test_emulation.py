@@ -149,21 +149,23 @@ def _parse(*flags, world=4):
 
 def test_trainer_accepts_the_emulation_flags():
     args = _parse("--emulate-compute", "10,20,0.3", "--slow-rank", "1", "--slow-factor", "2",
-                  "--straggler-prob", "0.1", "--slow-link", "1-2:0-300:12")
+                  "--straggler-prob", "0.1", "--link-delay", "1-2:0-300:12", "--link-delay", "0-1:5-9:3")
     from megatron_app.emulation.spec import spec_from_args
 
     spec = spec_from_args(args)
     assert spec.perturbations.slow_rank == 1 and spec.perturbations.slow_factor == 2.0
     assert spec.perturbations.jitter == 0.3 and spec.seed == args.seed
+    assert args.link_delay == ["1-2:0-300:12", "0-1:5-9:3"]   # every --link-delay kept, not the last only
 
 
 @pytest.mark.parametrize("flags, message", [
     (("--slow-rank", "1"), "--slow-rank needs --emulate-compute"),
-    (("--slow-link", "0-1:0-10:5"), "--slow-link needs --emulate-compute"),
+    (("--link-delay", "0-1:0-10:5"), "--link-delay needs --emulate-compute"),
+    (("--emulate-compute", "10,20", "--slow-link", "0-1:0-10:5"), "--slow-link is the simulator's flag"),
     (("--emulate-compute", "10"), "FWD_MS,BWD_MS"),
     (("--emulate-compute", "10,20", "--slow-rank", "4"), "slow_rank 4 is outside"),
-    (("--emulate-compute", "10,20", "--slow-link", "1-7:0-10:5"), "rank 7 is outside"),
-    (("--emulate-compute", "10,20", "--slow-link", "1-2:10-5:5"), "window must end after it starts"),
+    (("--emulate-compute", "10,20", "--link-delay", "1-2:0-1:1", "--link-delay", "1-7:0-10:5"), "rank 7 is outside"),
+    (("--emulate-compute", "10,20", "--link-delay", "1-2:10-5:5"), "window must end after it starts"),
     (("--emulate-compute", "10,20", "--straggler-prob", "2"), "straggler_prob"),
 ])
 def test_trainer_rejects_bad_emulation_flags_in_one_line(flags, message):

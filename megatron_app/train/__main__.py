@@ -17,15 +17,14 @@ def _fail(message: str) -> None:
 
 def check_schedule(args) -> None:
     """The schedule package's own checks (Megatron's interleaving rules, the policy's memory cap) for every rank."""
-    if args.schedule == "megatron":
+    if args.schedule == "megatron" or args.schedule_file is not None:   # a schedule file is checked by args.py
         return
     from megatron_app.schedule import PipelineShape, make_policy
 
     shape = PipelineShape(num_stages=args.pipeline_parallel, num_chunks=args.model_chunks,
                           num_microbatches=args.num_microbatches, split_backward=args.split_backward)
-    policy = args.policy if args.schedule == "app" else args.schedule
     for rank in range(args.pipeline_parallel):
-        make_policy(policy, shape, rank)
+        make_policy(args.policy, shape, rank)   # args.policy: the name of what runs (args.running_policy_name)
 
 
 def check_forced_rdma(args) -> None:
