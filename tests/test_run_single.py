@@ -23,6 +23,13 @@ def _run_single(*flags, timeout=300, cwd=REPO, **env):
     (["--pipeline_parallel", "2", "--no-such-flag"], "no-such-flag"),
     (["--pipeline_parallel", "2", "--variable-seq-lengths"], "--variable-seq-lengths needs --data-path"),
     (["--pipeline_parallel", "2", "--composition", "packed"], "--composition needs --variable-seq-lengths"),
+    # Megatron-LM's names reach the launcher's layout (4 ranks: T=2 is checked against the heads) and the trainer
+    (["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--num-attention-heads", "3",
+      "--hidden-size", "63", "--train-iters", "2"], "--num-attention-heads 3 is not divisible by tensor_parallel(2)"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"],
+     "--num-layers 8 is not divisible by pipeline_parallel(2) x 3"),
+    (["--pipeline_parallel", "2", "--log-json", "/dev/null/x.json"], "/dev/null is not a directory"),
+    (["--pipeline_parallel", "2", "--save", "/dev/null/ckpt"], "/dev/null is not a directory"),
 ])
 def test_bad_config_fails_in_one_line_before_any_rank_starts(flags, message):
     result = _run_single(*flags, timeout=120)
