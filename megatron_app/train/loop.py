@@ -28,6 +28,7 @@ from .optim import build_optimizer, finalize_model_grads
 from .evaluate import evaluate
 from .report import IterationReporter, reduce_lm_loss
 from .step import forward_step
+from .stops import check_finite, interrupted
 from .trace_run import start_trace_run
 
 _RUN_CONFIG_KEYS = (
@@ -59,6 +60,7 @@ class Trainer:
     emulation: object = None        # a ComputeEmulation under --emulate-compute
     train_dataset: object = None    # where each microbatch's length comes from (None under emulation)
     dp_rank: int = 0
+    saved_iteration: Optional[int] = None   # the newest checkpoint's iteration (--load's, or this run's last save)
 
 
 def composes(args) -> bool:
@@ -119,7 +121,8 @@ def build_trainer(args) -> Trainer:
                    start_iteration,
                    forward_step_func=forward_step if emulation is None else emulation.forward_step,
                    emulation=emulation, train_dataset=train_dataset,
-                   dp_rank=parallel_state.get_data_parallel_rank())
+                   dp_rank=parallel_state.get_data_parallel_rank(),
+                   saved_iteration=start_iteration or None)
 
 
 def train_step(trainer: Trainer, iteration: int) -> Optional[float]:
@@ -151,11 +154,14 @@ def train_step(trainer: Trainer, iteration: int) -> Optional[float]:
     )
     if iteration == 1 and args.dump_grads:
         dump_grads(trainer.chunks, args.dump_grads)
+    loss = reduce_lm_loss(losses_reduced)
+    if getattr(args, "check_for_nan_in_loss_and_grad", False):
+        check_finite(iteration, loss, trainer.chunks, args.device)   # all ranks stop here together, or none
     with optimizer_span(args.schedule, iteration):
         trainer.optimizer.step()
     if trainer.emulation is not None:
         trainer.emulation.end_iteration()
-    return reduce_lm_loss(losses_reduced)
+    return loss
 
 
 def _due(iteration: int, interval: Optional[int]) -> bool:
@@ -173,6 +179,7 @@ def after_iteration(trainer: Trainer, iteration: int) -> bool:
     if save_dir and (_due(iteration, args.save_interval) or stop or iteration == args.iters):
         directory = save_checkpoint(save_dir, args, trainer.chunks, trainer.optimizer, iteration,
                                     iteration * args.global_batch_size)
+        trainer.saved_iteration = iteration
         trainer.reporter.note(f"saved checkpoint {directory}")
     if stop and iteration < args.iters:
         trainer.reporter.note(f"stopping after iteration {iteration} (--exit-interval {args.exit_interval})")
@@ -189,6 +196,7 @@ def train(args) -> None:
     init_distributed(args.device, args.distributed_timeout_minutes)
     trainer = None
     loss_layer = None
+    iteration = None
     try:
         init_model_parallel(args.tensor_parallel, args.pipeline_parallel, args.model_chunks, args.device,
                             args.distributed_timeout_minutes)
@@ -212,6 +220,10 @@ def train(args) -> None:
                 break
         if args.dump_weights:
             dump_weights(trainer.chunks, args.dump_weights)
+    except KeyboardInterrupt:
+        report = trainer.reporter.enabled if trainer is not None else dist.get_rank() == 0
+        raise interrupted(iteration, args.iters, getattr(args, "save", None),
+                          trainer.saved_iteration if trainer is not None else None, report) from None
     finally:
         if loss_layer is not None:
             remove_transport_wrapper(loss_layer.wrap_transport)
