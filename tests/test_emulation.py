@@ -174,3 +174,18 @@ def test_trainer_rejects_bad_emulation_flags_in_one_line(flags, message):
     with pytest.raises(UsageError) as info:
         _parse(*flags)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_an_emulated_runs_iteration_line_says_emulated_instead_of_a_loss(monkeypatch, capsys, tmp_path):
+    import json
+
+    from megatron_app.train import report
+
+    monkeypatch.setattr(report, "is_reporting_rank", lambda: True)
+    log = tmp_path / "log.json"
+    report.IterationReporter({}, 5, 1000, str(log), emulated=True).record(1, 6.93, 0.5)
+    line = capsys.readouterr().out.strip()
+    assert line == "iter 1/5 | emulated compute, no real loss | 500.0 ms | 2000 tokens/s"
+    assert json.loads(log.read_text())["emulated"] is True
+    report.IterationReporter({}, 5, 1000, None).record(1, 6.93, 0.5)
+    assert capsys.readouterr().out.startswith("iter 1/5 | loss 6.9300 | ")

@@ -112,7 +112,7 @@ def build_trainer(args) -> Trainer:
                                                     split_backward=args.split_backward,
                                                     schedule_file=args.schedule_file)
     reporter = IterationReporter(run_config(args), args.iters, args.global_batch_size * args.seq_length,
-                                 args.log_json)
+                                 args.log_json, emulated=emulation is not None)
     if resume_note:
         reporter.note(resume_note)
     if trace_dir is not None:
