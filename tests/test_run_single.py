@@ -1,5 +1,6 @@
 """run_single.sh end to end: bad configs fail before any rank starts; a P=2 V=2 run feeds both trace tools."""
 
+import json
 import re
 import subprocess
 import sys
@@ -55,6 +56,14 @@ def test_run_single_p2_v2_traces_through_process_and_visualize(tmp_path):
     assert run_dir.parent == traces.resolve() and sorted(p.name for p in run_dir.iterdir()) == [
         "trace_rank0.jsonl", "trace_rank1.jsonl"]
     assert f"traces: {traces / run_dir.name} ({traces / 'latest'} points there)" in result.stdout
+
+    # One numbering: the log's iter 1/2 and 2/2 are the trace's iterations 1 and 2 (optimizer spans included)
+    events = [json.loads(line) for line in (run_dir / "trace_rank0.jsonl").read_text().splitlines()[1:]]
+    assert sorted({e["iteration"] for e in events if "iteration" in e}) == [1, 2]
+    picked = subprocess.run([sys.executable, str(REPO / "tools" / "process_trace.py"), "--pipeline_parallel", "2",
+                             "--model_chunks", "2", "--trace-dir", str(traces), "--out-dir", str(out),
+                             "--iteration", "2"], capture_output=True, text=True, timeout=120, env=run_env())
+    assert picked.returncode == 0 and "iteration 2" in picked.stdout, picked.stderr
 
     m = 8
     for tool in ("process_trace.py", "visualize_trace.py"):

@@ -73,3 +73,13 @@ def test_install_keeps_megatron_originals_in_the_jobs_record_and_uninstall_puts_
 def _closed_session():
     yield
     runtime.shutdown()
+
+
+def test_trace_iterations_count_from_one_and_follow_the_loops_number():
+    from megatron_app.trace.schema import FIRST_ITERATION
+
+    job = AppJob()
+    assert FIRST_ITERATION == 1
+    assert [job.trace_iteration(calls) for calls in (0, 1, 2)] == [1, 2, 3]   # untold: calls counted from 1
+    job.tell_iteration(4)          # a run resumed after iteration 3: its first call is the log's iteration 4
+    assert [job.trace_iteration(calls) for calls in (0, 1)] == [4, 5]

@@ -129,7 +129,7 @@ def train_step(trainer: Trainer, iteration: int) -> Optional[float]:
     """One iteration (1-based); returns the global-batch loss on the last stage, None elsewhere."""
     args = trainer.args
     trainer.optimizer.zero_grad(set_to_none=True)
-    set_iteration(iteration)   # keys this step's dropout masks (no-op without dropout)
+    set_iteration(iteration)   # this step's dropout keys and its trace iteration: the log's number, from 1
     data_iterator, num_microbatches = trainer.data_iterator, args.num_microbatches
     forward_step_func = trainer.forward_step_func
     first_sample = (iteration - 1) * args.global_batch_size
