@@ -9,7 +9,8 @@ from megatron_app.schedule.composition_plan import (CompositionPlanner, balanced
 from megatron_app.schedule.length_costs import LengthCostModel
 from megatron_app.schedule.tasks import Kind
 from megatron_app.sim.composition import (BALANCED_ROW, DP_BALANCED_ROW, PACKED_ROW, CompositionSimConfig,
-                                          loader_order_packing, simulate_composition)
+                                          simulate_composition)
+from megatron_app.schedule.iteration_plan import dp_balanced_packs
 from megatron_app.sim.lengths import MicrobatchLengths
 
 F, B = Kind.FORWARD, Kind.BACKWARD
@@ -81,7 +82,8 @@ def test_planner_works_from_the_prior_before_any_observation():
 
 
 def test_loader_order_packing_meets_the_budget_and_a_valid_count():
-    composition = loader_order_packing(LONG_TAIL, 2048, valid_microbatch_counts(4, 2, len(LONG_TAIL)))
+    packs = dp_balanced_packs(LONG_TAIL, 2048, 1, valid_microbatch_counts(4, 2, len(LONG_TAIL)))
+    composition = Composition(tuple(tuple(p) for p in packs), packed=True)
     composition.check(len(LONG_TAIL))
     assert composition.num_microbatches % 4 == 0
     assert all(t <= 2048 for t in composition.microbatch_tokens(LONG_TAIL))

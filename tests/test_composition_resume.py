@@ -1,6 +1,7 @@
-"""--composition packed end to end on CPU (P=2 V=2, our runtime, evaluation included): a run that stops with a
-checkpoint and resumes continues exactly like the uninterrupted run. The data position is whole global batches
-(consumed samples), whatever the composition does inside each batch.
+"""--composition packed end to end on CPU (P=2 V=2, our runtime, evaluation included), and balanced across two
+data-parallel replicas (P=1 D=2: documents move between replicas): a run that stops with a checkpoint and resumes
+continues exactly like the uninterrupted run. The data position is whole global batches (consumed samples),
+whatever the composition does inside each batch or across replicas.
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:.*not install
 ITERS = 4
 STOP = 2
 TOLERANCE = 1e-6
-MODEL = ["--pipeline_parallel", "2", "--model_chunks", "2", "--num-layers", "4", "--hidden-size", "32",
+MODEL = ["--num-layers", "4", "--hidden-size", "32",
          "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
          "--lr", "5e-3", "--seed", "7", "--iters", str(ITERS), "--eval-interval", str(STOP), "--eval-iters", "1",
-         "--no-trace", "--variable-seq-lengths", "--composition", "packed"]
+         "--no-trace", "--variable-seq-lengths"]
+LAYOUTS = {"packed": ["--pipeline_parallel", "2", "--model_chunks", "2", "--composition", "packed"],
+           "balanced-D2": ["--pipeline_parallel", "1", "--data_parallel", "2", "--composition", "balanced"]}
 
 
-def _worker(rank, world, port, out_dir, data_prefix):
+def _worker(rank, world, port, out_dir, data_prefix, layout):
     import warnings
     warnings.filterwarnings("ignore")
     import torch
@@ -38,7 +41,7 @@ def _worker(rank, world, port, out_dir, data_prefix):
     environ = {"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1"}
 
     def run(name, *extra):
-        argv = MODEL + ["--data-path", data_prefix, "--log-json", os.path.join(out_dir, f"{name}.json"), *extra]
+        argv = LAYOUTS[layout] + MODEL + ["--data-path", data_prefix, "--log-json", os.path.join(out_dir, f"{name}.json"), *extra]
         train(parse_args([str(a) for a in argv], environ=environ))
 
     try:
@@ -50,8 +53,8 @@ def _worker(rank, world, port, out_dir, data_prefix):
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def runs(request, tmp_path_factory):
     import torch.multiprocessing as mp
 
     from megatron_app.data.preprocess import TokenizerSpec, preprocess
@@ -61,13 +64,18 @@ def runs(tmp_path_factory):
     spec = TokenizerSpec(vocab_file=str(corpus["vocab"]), merge_file=str(corpus["merges"]))
     _, prefixes = preprocess(str(corpus["corpus"]), str(data_dir / "tiny"), spec, append_eod=True, workers=2)
     out_dir = str(tmp_path_factory.mktemp("runs"))
-    mp.start_processes(_worker, args=(2, _free_port(), out_dir, prefixes["text"]), nprocs=2, start_method="spawn")
-    return {name: json.load(open(os.path.join(out_dir, f"{name}.json"))) for name in ("full", "stopped", "resumed")}
+    mp.start_processes(_worker, args=(2, _free_port(), out_dir, prefixes["text"], request.param), nprocs=2,
+                       start_method="spawn")
+    loaded = {name: json.load(open(os.path.join(out_dir, f"{name}.json"))) for name in ("full", "stopped", "resumed")}
+    loaded["layout"] = request.param
+    return loaded
 
 
-def test_a_packed_run_resumes_exactly_where_it_stopped(runs):
+def test_a_composed_run_resumes_exactly_where_it_stopped(runs):
     full, resumed = _losses(runs["full"]), _losses(runs["resumed"])
-    assert runs["full"]["config"]["composition"] == "packed"
+    assert runs["full"]["config"]["composition"] == runs["layout"].split("-")[0]
+    if runs["layout"] == "balanced-D2":   # documents really moved between the replicas
+        assert any(it["composed"]["cross_replica"] for it in runs["full"]["iterations"])
     assert runs["resumed"]["config"]["start_iteration"] == STOP
     assert sorted(resumed) == list(range(STOP + 1, ITERS + 1))
     assert all(abs(resumed[i] - full[i]) <= TOLERANCE for i in resumed), (resumed, full)

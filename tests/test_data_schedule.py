@@ -1,4 +1,4 @@
-"""wrap_data_iterator (train/data_schedule.py): Megatron's packer's call shape over our plan_microbatches."""
+"""wrap_data_iterator (train/data_schedule.py): Megatron's packer's call shape over our agree_iteration_plan."""
 
 import pytest
 import torch

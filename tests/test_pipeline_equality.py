@@ -137,11 +137,17 @@ def test_variable_length_schedules_match_unpipelined_training(tmp_path, real_cor
 # by the worker). Per-token loss: any grouping of the global batch's documents, padded or packed, must give P=1's
 # losses and gradients on the loader's own padded microbatches; with dropout too, whose masks are keyed by document
 # and position (runtime/keyed_randomness.py, train/document_dropout.py), so regrouping moves none.
-# Rows: (P, V, T, schedules, compositions, dropout).
+# With data parallelism `balanced` moves documents between replicas (schedule/iteration_plan.py) and dp-balanced
+# deals Megatron-LM's packs across them: the per-token loss over the global batch is the same sum. With tensor
+# parallelism every rank must run the one plan the job agreed (runtime/composition.agree_iteration_plan).
+# Rows: (P, V, T, D, schedules, compositions, dropout).
 COMPOSITION_ROWS = [
-    (2, 2, 1, ["app:planned"], ["packed", "balanced", "regrouped", "regrouped-padded"], 0.0),
-    (2, 2, 1, ["app:planned"], ["packed", "balanced", "regrouped"], 0.1),
-    (4, 2, 1, ["app:planned"], ["balanced"], 0.1),
+    (2, 2, 1, 1, ["app:planned"], ["packed", "balanced", "regrouped", "regrouped-padded"], 0.0),
+    (2, 2, 1, 1, ["app:planned"], ["packed", "balanced", "regrouped"], 0.1),
+    (4, 2, 1, 1, ["app:planned"], ["balanced"], 0.1),
+    (2, 2, 1, 2, ["app:planned"], ["balanced", "dp-balanced"], 0.1),
+    (2, 2, 2, 1, ["app:planned"], ["balanced"], 0.1),
+    (2, 1, 2, 2, ["app:planned"], ["balanced"], 0.1),
 ]
 
 
@@ -153,17 +159,21 @@ def varlen_dropout_reference(tmp_path_factory, real_corpus):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("P,V,T,schedules,compositions,dropout", COMPOSITION_ROWS,
-                         ids=[f"P{p}-V{v}-T{t}-{'+'.join(c)}-dropout{d}" for p, v, t, _, c, d in COMPOSITION_ROWS])
-def test_composed_microbatches_match_unpipelined_training(request, tmp_path, real_corpus, P, V, T, schedules,
+@pytest.mark.parametrize("P,V,T,D,schedules,compositions,dropout", COMPOSITION_ROWS,
+                         ids=[f"P{p}-V{v}-T{t}-D{dp}-{'+'.join(c)}-dropout{d}"
+                              for p, v, t, dp, _, c, d in COMPOSITION_ROWS])
+def test_composed_microbatches_match_unpipelined_training(request, tmp_path, real_corpus, P, V, T, D, schedules,
                                                           compositions, dropout):
     reference = request.getfixturevalue("varlen_dropout_reference" if dropout else "varlen_reference")
-    out = _run(tmp_path, P, V, T, schedules, "--compositions", ",".join(compositions), "--dropout", dropout,
+    out = _run(tmp_path, P, V, T, schedules, "--compositions", ",".join(compositions), "--dropout", dropout, D=D,
                extra=_varlen_flags(real_corpus))
     for spec in schedules:
         for composition in compositions:
             name = f"{spec.replace(':', '-')}_{composition}"
             _assert_same(f"composition {name} dropout {dropout}", _losses_and_grads(out, name), reference)
+            if D > 1 and composition in ("balanced", "dp-balanced"):   # documents really moved between replicas
+                plans = [json.loads(line) for line in (out / f"plans_{name}.jsonl").read_text().splitlines()]
+                assert any(plan["cross_replica"] for plan in plans), plans
 
 
 @pytest.mark.slow

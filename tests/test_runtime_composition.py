@@ -1,10 +1,11 @@
-"""plan_microbatches in one process (no pipeline group): what it hands the next forward_backward call."""
+"""agree_iteration_plan in one process (no process group): what it hands the next forward_backward call."""
 
 import pytest
 
 from megatron_app.runtime import composition as runtime_composition
+from megatron_app.runtime.job import current_job, shutdown
 from megatron_app.runtime.microbatch_lengths import take_microbatch_lengths
-from megatron_app.runtime.job import shutdown
+from megatron_app.schedule.tasks import Kind
 
 LENGTHS = (120, 300, 2048, 90, 410, 150, 1900, 260)
 
@@ -16,28 +17,60 @@ def fresh_session():
     shutdown()
 
 
+def _take(count):
+    return current_job().next_call.take(count)
+
+
 @pytest.mark.parametrize("name,packed,count", [("loader", False, 4), ("packed", True, 4)])
 def test_loader_compositions_tell_tokens_and_leave_planning_to_the_policy(name, packed, count):
-    chosen = runtime_composition.plan_microbatches(LENGTHS, 2, name)
+    plan = runtime_composition.agree_iteration_plan(LENGTHS, 2, name)
+    chosen = plan.replica(0).composition
     assert chosen.packed is packed and chosen.num_microbatches == count
-    assert take_microbatch_lengths(count) == chosen.microbatch_tokens(LENGTHS)
-    pending = runtime_composition.take_pending_composition(count)
-    assert pending.plan is None and pending.squared_tokens == chosen.microbatch_squared_tokens(LENGTHS)
+    call = _take(count)
+    assert call.tokens == chosen.microbatch_tokens(LENGTHS)
+    assert call.plan is None and call.squared_tokens == chosen.microbatch_squared_tokens(LENGTHS)
+    assert call.composition == name
 
 
-def test_balanced_composition_comes_with_its_plan_before_any_call():
-    chosen = runtime_composition.plan_microbatches(LENGTHS, 2, "balanced")
-    chosen.check(len(LENGTHS))
-    m = chosen.num_microbatches
-    assert take_microbatch_lengths(m) == chosen.microbatch_tokens(LENGTHS)
-    pending = runtime_composition.take_pending_composition(m)
-    assert pending.plan is not None and len(pending.plan.start_order) == m
-    assert runtime_composition.take_pending_composition(m) is None        # consumed
+def test_balanced_composition_comes_with_its_plan_before_any_call_and_predicts_once_costs_are_learnt():
+    plan = runtime_composition.agree_iteration_plan(LENGTHS, 2, "balanced", document_ids=range(100, 108))
+    plan.check()
+    m = plan.replica(0).num_microbatches
+    call = _take(m)
+    assert call.tokens == plan.microbatch_tokens(0)
+    assert call.plan is not None and len(call.plan.start_order) == m
+    assert call.predicted_s is None and plan.report(0)["predicted_ms"] is None   # the prior is no time in seconds
+    costs = current_job().session.shared_costs()
+    for kind in (Kind.FORWARD, Kind.BACKWARD):
+        for tokens in (100, 500, 2000):
+            costs.observe(kind, 0, tokens, 1e-5 * tokens)
+    plan = runtime_composition.agree_iteration_plan(LENGTHS, 2, "balanced", document_ids=range(100, 108))
+    call = _take(plan.replica(0).num_microbatches)
+    assert call.predicted_s == plan.predicted_s > 0 and plan.report(0)["predicted_ms"] == plan.predicted_s * 1e3
+    assert {s.document for mb in call.document_segments for s in mb} == set(range(100, 108))
+    assert _take(m) is None        # consumed
 
 
 def test_a_call_with_another_count_is_refused():
-    chosen = runtime_composition.plan_microbatches(LENGTHS, 2, "packed")
-    with pytest.raises(ValueError):
-        runtime_composition.take_pending_composition(chosen.num_microbatches + 1)
-    with pytest.raises(Exception):
-        runtime_composition.plan_microbatches(LENGTHS, 2, "shuffled")
+    plan = runtime_composition.agree_iteration_plan(LENGTHS, 2, "packed")
+    with pytest.raises(ValueError, match="planned 4 microbatches"):
+        take_microbatch_lengths(plan.replica(0).num_microbatches + 1)
+    with pytest.raises(Exception, match="unknown composition"):
+        runtime_composition.agree_iteration_plan(LENGTHS, 2, "shuffled")
+
+
+def test_a_batch_planned_ahead_is_adopted_when_ready_and_planned_in_line_when_not():
+    nxt = tuple(reversed(LENGTHS))
+    first = runtime_composition.agree_iteration_plan(LENGTHS, 2, "balanced", next_lengths=nxt)
+    assert not first.planned_ahead
+    _take(first.replica(0).num_microbatches)
+    session = current_job().session
+    session.plan_ahead._pending[1].result(timeout=120)          # the worker's plan is ready
+    second = runtime_composition.agree_iteration_plan(nxt, 2, "balanced", next_lengths=LENGTHS + LENGTHS)
+    assert second.planned_ahead and second.planner_s > 0 and session.plan_ahead.adopted == 1
+    assert second.lengths == nxt
+    second.check()
+    _take(second.replica(0).num_microbatches)
+    # another batch than the one planned ahead: planned in line
+    third = runtime_composition.agree_iteration_plan(LENGTHS, 2, "balanced")
+    assert not third.planned_ahead

@@ -148,19 +148,19 @@ def test_train_step_tells_the_schedule_the_tokens_of_the_microbatches_it_then_fe
     longest padded, the documents' sum packed) and the call gets exactly those microbatches."""
     import contextlib
 
-    from megatron_app.runtime import composition as runtime_composition
+    from megatron_app.runtime.job import current_job
     from megatron_app.train import loop
     from megatron_app.train.data import build_datasets, global_batch_tokens
 
     args = _args(real_corpus, schedule="app", dump_grads=None, model_chunks=1, composition=composition)
     dataset = build_datasets(args)[0]
     told, fed = [], []
-    monkeypatch.setattr(runtime_composition, "set_microbatch_lengths", lambda lengths: told.append(list(lengths)))
     monkeypatch.setattr(loop, "tell_microbatch_lengths", lambda schedule, lengths: pytest.fail("told twice"))
     monkeypatch.setattr(loop, "reduce_lm_loss", lambda entries: None)
     monkeypatch.setattr(loop, "optimizer_span", lambda schedule, iteration: contextlib.nullcontext())
 
     def forward_backward(*, data_iterator, num_microbatches, **_):
+        told.append(list(current_job().next_call.take(num_microbatches).tokens))   # what the runtime would take
         batches = [next(data_iterator) for _ in range(num_microbatches)]
         assert next(data_iterator, None) is None
         fed.append(batches)

@@ -1,12 +1,14 @@
 """How long the `balanced` composition planner takes against the iteration it plans, at scale (no ranks run).
 
     python -m megatron_app.bench.planning_scale --pipeline-parallel 64 --model-chunks 4 --documents 4096 \\
-        --lengths-file docs/results/lengths/copyright_2048.txt --micro-batch-size 2
+        --lengths-file docs/results/lengths/copyright_2048.txt --micro-batch-size 2 [--data-parallel D]
 
 Draws the global batch's documents from a lengths file (seeded), teaches the cost model the simulator's cost of a
 microbatch (forward 10 ms / backward 20 ms on a mean-length document, 0.7 T + 0.3 S with T tokens and S the squared
-document lengths over the mean, as sim/composition.py), plans once and prints the planner's CPU time next to the
-iteration it predicts for its own plan (the share the runtime's 2% budget is about) and for the loader's.
+document lengths over the mean, as sim/composition.py), plans the whole job once (plan_iteration: with
+--data-parallel D, --documents is the global batch of all replicas) and prints the planner's CPU time next to the
+iteration it predicts for its own plan (the slowest replica; the share the runtime's 2% budget is about) and for the
+loader's.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import time
 
 import numpy as np
 
-from megatron_app.schedule.composition_plan import CompositionPlanner
+from megatron_app.schedule.composition import BALANCED
+from megatron_app.schedule.iteration_plan import PipelineSpec, PlanRequest, plan_iteration
 from megatron_app.schedule.length_costs import LengthCostModel
 from megatron_app.schedule.tasks import Kind
 
@@ -44,6 +47,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model-chunks", type=int, default=4)
     parser.add_argument("--documents", type=int, default=4096)
     parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--data-parallel", type=int, default=1)
     parser.add_argument("--lengths-file", required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--planning-share", type=float, default=0.02,
@@ -54,21 +58,23 @@ def main(argv=None) -> int:
     corpus = np.loadtxt(args.lengths_file, dtype=np.int64, ndmin=1)
     lengths = np.random.default_rng(args.seed).choice(corpus, size=args.documents).tolist()
     costs = taught_costs(args.model_chunks, float(np.mean(corpus)))
-    planner = CompositionPlanner(args.pipeline_parallel, args.model_chunks)
+    request = PlanRequest(tuple(int(v) for v in lengths), BALANCED, args.micro_batch_size,
+                          PipelineSpec(args.pipeline_parallel, args.model_chunks), num_replicas=args.data_parallel)
     began = time.process_time()
     # The runtime's budget rule (runtime/composition.py): stop searching at this share of the predicted iteration.
     stop = None if args.unbounded else (
         lambda predicted_s: time.process_time() - began > args.planning_share * predicted_s)
-    plan = planner.plan(lengths, args.micro_batch_size, costs, stop=stop)
+    plan = plan_iteration(request, costs, stop=stop)
     planning_s = time.process_time() - began
-    result = {"budget": None if args.unbounded else args.planning_share, "pipeline_parallel": args.pipeline_parallel, "model_chunks": args.model_chunks,
-              "documents": args.documents, "microbatches": plan.num_microbatches, "planning_cpu_s": planning_s,
-              "predicted_iteration_s": plan.predicted_makespan,
-              "predicted_loader_iteration_s": plan.predicted_loader_makespan,
-              "planning_share": planning_s / plan.predicted_makespan}
-    print(f"P={args.pipeline_parallel} V={args.model_chunks}, {args.documents} documents -> "
-          f"{plan.num_microbatches} microbatches: planning {planning_s:.2f} s CPU, predicted iteration "
-          f"{plan.predicted_makespan:.1f} s (loader's {plan.predicted_loader_makespan:.1f} s), planning "
+    counts = [replica.num_microbatches for replica in plan.replicas]
+    result = {"budget": None if args.unbounded else args.planning_share, "pipeline_parallel": args.pipeline_parallel,
+              "model_chunks": args.model_chunks, "data_parallel": args.data_parallel, "documents": args.documents,
+              "microbatches": counts, "cross_replica": plan.cross_replica, "planning_cpu_s": planning_s,
+              "predicted_iteration_s": plan.predicted_s, "predicted_loader_iteration_s": plan.predicted_loader_s,
+              "planning_share": planning_s / plan.predicted_s}
+    print(f"P={args.pipeline_parallel} V={args.model_chunks} D={args.data_parallel}, {args.documents} documents -> "
+          f"{min(counts)}-{max(counts)} microbatches a replica: planning {planning_s:.2f} s CPU, predicted iteration "
+          f"{plan.predicted_s:.1f} s (loader's {plan.predicted_loader_s:.1f} s), planning "
           f"{100 * result['planning_share']:.2f}% of it")
     if args.json:
         with open(args.json, "w") as handle:

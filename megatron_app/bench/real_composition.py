@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,6 +28,7 @@ class CompositionRun:
     seconds: List[float]              # per measured iteration
     tokens_per_s: List[float]
     losses: List[float]
+    predicted_ms: List[Optional[float]] = field(default_factory=list)   # the plan's, per measured iteration
 
 
 @dataclass
@@ -53,7 +54,8 @@ def run_once(composition: str, round_index: int, launcher_flags: Sequence[str], 
             raise RuntimeError(f"composition {composition}: run_single.sh exited {done.returncode}: {tail[0]}")
         iterations = json.loads(Path(log).read_text())["iterations"][warmup:]
     return CompositionRun(composition, round_index, [it["time_ms"] / 1e3 for it in iterations],
-                          [it["tokens_per_s"] for it in iterations], [it["loss"] for it in iterations])
+                          [it["tokens_per_s"] for it in iterations], [it["loss"] for it in iterations],
+                          [it.get("composed", {}).get("predicted_ms") for it in iterations])
 
 
 def summarise(runs: Sequence[CompositionRun], baseline: str) -> List[CompositionSummary]:

@@ -93,9 +93,11 @@ class EmulationSpec:
 class TaskDurations:
     """Seconds of each (iteration, rank, kind, chunk, microbatch) task; one iteration's draws kept at a time."""
 
-    def __init__(self, spec: EmulationSpec, shape: PipelineShape):
+    def __init__(self, spec: EmulationSpec, shape: PipelineShape, factor: float = 1.0):
+        """factor: every task of this rank that many times longer (a slower replica)."""
         spec.check_shape(shape)
         self.spec = spec
+        self.factor = factor
         self.shape = shape
         self._iteration: Optional[int] = None
         self._table = None
@@ -109,11 +111,11 @@ class TaskDurations:
 
     def seconds(self, iteration: int, rank: int, kind: Kind, chunk: int, microbatch: int) -> float:
         if iteration in self._composed:
-            return self._composed[iteration][rank][kind.index][chunk][microbatch] / 1e6
+            return self.factor * self._composed[iteration][rank][kind.index][chunk][microbatch] / 1e6
         if iteration != self._iteration:
             self._table = self.spec.draw(self.shape, iteration)
             self._iteration = iteration
-        return self._table[rank][kind.index][chunk][microbatch] / 1e6
+        return self.factor * self._table[rank][kind.index][chunk][microbatch] / 1e6
 
 
 def spec_from_args(args) -> Optional[EmulationSpec]:

@@ -1,89 +1,150 @@
-"""plan_microbatches: which documents of this replica's global batch form each microbatch of the next call.
+"""agree_iteration_plan: the plan of the next forward_backward call, decided on one rank and the same on every rank.
 
-A collective of the pipeline group: every rank of a pipeline calls it at the same point, before the forward_backward
-call that runs those microbatches, with the same document lengths (loader order 0..n-1). Names
-(schedule/composition.py): 'loader' = the loader's groups padded, 'packed' = the loader's groups packed,
-'dp-balanced' = the documents in loader order packed up to a token budget, as Megatron-LM's DpBalancedScheduler does
-(not cost-aware; the benchmark's reference packer), 'balanced' = schedule/composition_plan.py's choice (microbatch
-count, groups, order, per-rank warm-ups), planned on pipeline rank 0 with the costs its `planned` policy has learnt
-(the prior before any call) within the planning budget, and broadcast over the pipeline group. The next
-forward_backward must be called with num_microbatches = composition.num_microbatches; the runtime is told each
-microbatch's tokens (activation sizes) and squared tokens (cost learning) itself, and the `planned` policy ADOPTS the
-plan chosen with the composition (no second search). With data parallelism each replica plans its own share.
-
-The interleaved schedule's rule on the microbatch count (megatron-core 0.16.1, and our PipelineShape): with
-N = microbatch_group_size_per_vp_stage (default P), P <= N <= m and m % N in {0} or >= P; the balanced planner
-only picks such counts, assuming Megatron's default N = P.
+A collective of the whole job (every rank of every tensor-, data-, context- and pipeline-parallel group calls it at the
+same point, before the forward_backward call it plans, with the same global batch). The job's first rank runs
+schedule/iteration_plan.plan_iteration with the costs its `planned` policy has learnt (the prior before any call),
+within the planning budget, and broadcasts the IterationPlan; nothing another rank computes for itself enters it, so
+no clock or learnt cost can make ranks disagree. With data parallelism under `balanced`, every rank's last pipeline
+time (measured before the data-parallel reduction) goes to that rank first, which learns each replica's speed from
+it (iteration_plan.ReplicaSpeeds) and gives a slower replica proportionally less work. This rank's replica's share (tokens, squared tokens, the order and
+warm-ups, the documents' layout for keyed dropout, the prediction) waits on the job for its next call
+(next_call.CallPlan); the next forward_backward must run that replica's microbatch count.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch.distributed as dist
 
-from megatron_app.schedule.composition import (BALANCED, DP_BALANCED, PACKED, Composition, check_composition_name,
-                                               loader_composition, loader_order_packing)
-from megatron_app.schedule.composition_plan import CompositionPlanner, valid_microbatch_counts
+from megatron_app.schedule.composition import BALANCED, PLANNED_COMPOSITIONS
+from megatron_app.schedule.iteration_plan import (IterationPlan, PipelineSpec, PlanRequest, ReplicaSpeeds,
+                                                  plan_iteration)
 
-from .job import current_job
-from .microbatch_lengths import set_microbatch_lengths
-from .next_call import PendingComposition
+from .job import AppJob, current_job
+from .next_call import CallPlan
+from .plan_ahead import PlanAhead
 
 
-def _pipeline():
-    """(pipeline group or None, its global ranks, pipeline rank, P, V) from Megatron's parallel state."""
+@dataclass(frozen=True)
+class JobLayout:
+    """Where this rank sits, as the plan needs it: its replica, the replica count and its pipeline's shape."""
+    dp_rank: int = 0
+    num_replicas: int = 1
+    num_stages: int = 1
+    num_chunks: int = 1
+    distributed: bool = False
+
+
+def job_layout(pg_collection=None) -> JobLayout:
+    """From pg_collection's dp and pp groups when given, else Megatron's parallel state (one place for both)."""
     from megatron.core import parallel_state
 
-    if not (dist.is_available() and dist.is_initialized()) or not parallel_state.model_parallel_is_initialized():
-        return None, [0], 0, 1, 1
-    group = parallel_state.get_pipeline_model_parallel_group()
-    ranks = dist.get_process_group_ranks(group)
-    V = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
-    return group, ranks, dist.get_rank(group), len(ranks), V
-
-
-def plan_microbatches(document_lengths: Sequence[int], micro_batch_size: int, composition: str,
-                      token_budget: Optional[int] = None) -> Composition:
-    """token_budget: dp-balanced's tokens per microbatch (default micro_batch_size x the longest document)."""
-    check_composition_name(composition)
-    lengths = tuple(int(v) for v in document_lengths)
-    if not lengths or min(lengths) < 1:
-        raise ValueError(f"document lengths must be positive integers, got {list(document_lengths)!r}")
-    job = current_job()
-    session = job.session
-    plan = None
-    if composition == DP_BALANCED:
-        _, _, _, P, V = _pipeline()
-        chosen = loader_order_packing(lengths, token_budget or micro_batch_size * max(lengths),
-                                      valid_microbatch_counts(P, V, len(lengths),
-                                                              split_backward=session.settings.split_backward))
-    elif composition != BALANCED:
-        chosen = loader_composition(len(lengths), micro_batch_size, packed=composition == PACKED)
+    if not (dist.is_available() and dist.is_initialized()):
+        return JobLayout()
+    V = (parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) \
+        if parallel_state.model_parallel_is_initialized() else 1
+    if pg_collection is not None:
+        dp, pp = pg_collection.dp, pg_collection.pp
+    elif parallel_state.model_parallel_is_initialized():
+        dp, pp = parallel_state.get_data_parallel_group(), parallel_state.get_pipeline_model_parallel_group()
     else:
-        group, ranks, pp_rank, P, V = _pipeline()
-        chosen = None
-        if pp_rank == 0:
-            planner = CompositionPlanner(P, V, split_backward=session.settings.split_backward,
-                                         memory_factor=session.settings.memory_factor or 1.0)
-            start = time.perf_counter()
-            composed = planner.plan(lengths, micro_batch_size, session.shared_costs(),
-                                    stop=session.planning_stop(start))
-            session.last_planning_s = time.perf_counter() - start
-            chosen, plan = composed.composition, composed.plan
-        if len(ranks) > 1:
-            shared = [(chosen, plan)]
-            dist.broadcast_object_list(shared, src=ranks[0], group=group)
-            chosen, plan = shared[0]
-    tokens = chosen.microbatch_tokens(lengths)
-    # Handed to the job's next forward_backward call (next_call.py), which takes both.
-    job.next_call.composition = PendingComposition(chosen.num_microbatches,
-                                                   chosen.microbatch_squared_tokens(lengths), plan)
-    set_microbatch_lengths(tokens)
-    return chosen
+        return JobLayout(distributed=True)
+    return JobLayout(dist.get_rank(dp), dist.get_world_size(dp), dist.get_world_size(pp), V, True)
 
 
-def take_pending_composition(num_microbatches: int) -> Optional[PendingComposition]:
-    """The composition planned for the current job's next call (consumed), or None when the loop planned none."""
-    return current_job().next_call.take_composition(num_microbatches)
+def decide_once(decide, distributed: bool, group=None):
+    """decide() on the group's first rank, timed; its result broadcast to every rank of the group (default: the
+    job). Returns (result, seconds the decision took on the deciding rank, 0.0 elsewhere)."""
+    first = 0 if group is None else dist.get_global_rank(group, 0)
+    deciding = not distributed or dist.get_rank() == first
+    result, seconds = None, 0.0
+    if deciding:
+        start = time.perf_counter()
+        result = decide(start)
+        seconds = time.perf_counter() - start
+    if distributed and dist.get_world_size(group) > 1:
+        box = [result]
+        dist.broadcast_object_list(box, src=first, group=group)
+        result = box[0]
+    return result, seconds
+
+
+def _gather_replica_times(session, layout: JobLayout):
+    """On the job's first rank: replica -> (its last plan's nominal prediction, its slowest rank's pipeline time),
+    from every rank's last training call (None elsewhere, and before any call)."""
+    mine = (layout.dp_rank, session.last_pipeline)
+    if not layout.distributed or dist.get_world_size() == 1:
+        gathered = [mine]
+    else:
+        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+    if gathered is None:
+        return None
+    times = {}
+    for replica, last in gathered:
+        if last is None:
+            continue
+        predicted, seconds = last
+        previous = times.get(replica)
+        times[replica] = (predicted, seconds if previous is None else max(previous[1], seconds))
+    return times
+
+
+def agree_iteration_plan(lengths: Sequence[int], micro_batch_size: int, composition: str, *,
+                         document_ids: Optional[Sequence[int]] = None, token_budget: Optional[int] = None,
+                         pg_collection=None, job: Optional[AppJob] = None,
+                         next_lengths: Optional[Sequence[int]] = None,
+                         next_document_ids: Optional[Sequence[int]] = None) -> IterationPlan:
+    """The next call's IterationPlan for the whole global batch (``lengths``: every document, loader order), the
+    same on every rank; this rank's replica's share is handed to the job's next forward_backward call.
+
+    next_lengths (and next_document_ids): the global batch of the call after, known early (an index): `balanced`
+    then plans it in a worker process while this call trains (plan_ahead.py) and the next call adopts that plan
+    when it is ready, planning in line when it is late. Planning time on the critical path is then about nil."""
+    job = job or current_job()
+    session = job.session
+    layout = job_layout(pg_collection)
+    pipeline = PipelineSpec(layout.num_stages, layout.num_chunks, split_backward=session.settings.split_backward,
+                            memory_factor=session.settings.memory_factor or 1.0)
+    request = PlanRequest(tuple(int(v) for v in lengths), composition, micro_batch_size, pipeline,
+                          num_replicas=layout.num_replicas,
+                          document_ids=None if document_ids is None else tuple(int(i) for i in document_ids),
+                          token_budget=token_budget)
+    request.check()     # on every rank: a bad request fails where it is made, not in a broadcast
+    measured = _gather_replica_times(session, layout) if composition == BALANCED and layout.num_replicas > 1 \
+        else None
+
+    ahead = composition in PLANNED_COMPOSITIONS and next_lengths is not None
+
+    def decide(start: float) -> IterationPlan:
+        speeds = None
+        if measured is not None:
+            if session.replica_speeds is None or session.replica_speeds.num_replicas != layout.num_replicas:
+                session.replica_speeds = ReplicaSpeeds(layout.num_replicas)
+            for replica, (predicted, seconds) in measured.items():
+                session.replica_speeds.observe(replica, predicted, seconds)
+            speeds = session.replica_speeds.speeds()
+        planned = None if session.plan_ahead is None else session.plan_ahead.take(request)
+        if planned is not None:
+            plan = replace(planned[0], planned_ahead=True, planner_s=planned[1])
+        else:
+            plan = plan_iteration(replace(request, replica_speeds=speeds), session.shared_costs(),
+                                  stop=session.planning_stop(start))
+            plan = replace(plan, planner_s=time.perf_counter() - start)
+        if ahead:
+            if session.plan_ahead is None:
+                session.plan_ahead = PlanAhead()
+            upcoming = replace(request, lengths=tuple(int(v) for v in next_lengths), replica_speeds=speeds,
+                               document_ids=None if next_document_ids is None
+                               else tuple(int(i) for i in next_document_ids))
+            session.plan_ahead.submit(upcoming, session.shared_costs())
+        return replace(plan, planning_s=time.perf_counter() - start)   # what the call waited for, every rank told
+
+    plan, seconds = decide_once(decide, layout.distributed)
+    if seconds:
+        session.last_planning_s = seconds
+    job.next_call.expect(CallPlan.of_replica(plan, layout.dp_rank))
+    return plan

@@ -26,6 +26,7 @@ from megatron_app.schedule import Kind, RankState, Task
 
 from .call_contract import apply_tensor_shape_hook, resolve_groups
 from .call_setup import CallRequest, ModelChunks, RankPlacement
+from .composition import decide_once
 from .job import AppJob, current_job
 from .links import PipelineLinks, direction_of
 from .split_backward import defers_weights, run_input_backward, run_weight_backward
@@ -132,10 +133,12 @@ class PipelineStep:
         self._microbatch_scope = _unkeyed if keyed is None else keyed.microbatch_scope
         self._keyed = keyed
 
-        # Tokens per microbatch, told by the loop (set_microbatch_lengths); sizes activations, feeds planning.
-        self.lengths = job.next_call.take_lengths(self.num_microbatches)
-        # Taken with the lengths, whatever the policy: a composition planned for this call never outlives it.
-        self.composed = job.next_call.take_composition(self.num_microbatches)
+        # What the loop told or planned for this call (next_call.CallPlan), taken whatever the policy: tokens per
+        # microbatch size activations and feed planning; an agreed plan also brings its order and documents.
+        self.call_plan = job.next_call.take(self.num_microbatches)
+        self.lengths = None if self.call_plan is None else self.call_plan.tokens
+        if keyed is not None and self.call_plan is not None and self.call_plan.document_segments is not None:
+            keyed.set_microbatch_documents(self.call_plan.document_segments)
         self.policy, self.transport, self.tracer = session.serve_call(placement, self.forward_only,
                                                                       self.num_microbatches)
         self.state = RankState(self.shape, self.pp_rank, self.lengths)
@@ -171,24 +174,20 @@ class PipelineStep:
         if self.lengths is None:   # every rank knows no lengths were told: data order, no collective needed
             self.policy.use_plan(None, None)
             return
-        composed = self.composed
-        squared = None if composed is None else composed.squared_tokens
-        if composed is not None and composed.plan is not None:   # planned with the composition: adopt, no search
-            self.policy.use_plan(self.lengths, composed.plan, squared_tokens=squared)
+        squared = self.call_plan.squared_tokens
+        if self.call_plan.plan is not None:   # planned with the iteration: adopt, no search
+            self.policy.use_plan(self.lengths, self.call_plan.plan, squared_tokens=squared)
             return
-        plan = None
-        if self.pp_rank == 0:
-            start = time.perf_counter()
-            plan = self.policy.plan_iteration(self.lengths, stop=self.session.planning_stop(start))
-            self.session.last_planning_s = time.perf_counter() - start
-        if len(pp_global) > 1:
-            shared = [plan]
-            dist.broadcast_object_list(shared, src=pp_global[0], group=pp_group)
-            plan = shared[0]
+        plan, seconds = decide_once(
+            lambda start: self.policy.plan_iteration(self.lengths, stop=self.session.planning_stop(start)),
+            len(pp_global) > 1, pp_group)
+        if seconds:
+            self.session.last_planning_s = seconds
         self.policy.use_plan(self.lengths, plan, squared_tokens=squared)
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def run(self) -> List[Any]:
+        started = time.perf_counter()
         if self.policy.plans_iterations:      # inside run(): the trace's iteration time includes planning
             self._adopt_shared_plan(self._pp_group, self._pp_global)
         self.grad_sync.disable()
@@ -202,6 +201,8 @@ class PipelineStep:
             self._reap_sends(block=False)
         self._reap_sends(block=True)
         self.grad_sync.finish()
+        if not self.forward_only:   # before the data-parallel reduction, which waits for the slowest replica
+            self.session.record_pipeline_time(self.call_plan, time.perf_counter() - started)
         if self.config.finalize_model_grads_func is not None and not self.forward_only:
             self.config.finalize_model_grads_func(
                 self.models,

@@ -27,23 +27,15 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_app.schedule.iteration_plan import DocumentSegment  # noqa: F401 (the layout's one definition)
+
 from .job import current_job
 
 _KEY_BITS = 63
-
-
-@dataclass(frozen=True)
-class DocumentSegment:
-    """Where one whole document lies in a microbatch: batch row, first position in that row, length."""
-    document: int      # the sample's global index in the run
-    row: int
-    start: int
-    length: int
 
 
 class KeyedRandomness:

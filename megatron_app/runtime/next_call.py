@@ -2,7 +2,8 @@
 
 Megatron's forward_backward contract passes data iterators, which cannot be peeked without consuming them, so a
 loop that trains on variable-length microbatches says their (padded) lengths before the call (set_microbatch_lengths),
-or plans their composition (plan_microbatches). The call takes both, once.
+or agrees an iteration plan (composition.agree_iteration_plan), whose replica share becomes the call's CallPlan. The
+call takes it, once: one slot, one lifetime.
 """
 
 from __future__ import annotations
@@ -10,39 +11,68 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
+from megatron_app.schedule.iteration_plan import DocumentSegment, IterationPlan
+
 
 @dataclass(frozen=True)
-class PendingComposition:
-    """What plan_microbatches decided for the next call beyond its tokens (told as its lengths): per microbatch the
-    squared document tokens, and the plan chosen with the composition (None: the policy plans the call itself)."""
-    num_microbatches: int
-    squared_tokens: Tuple[int, ...]
+class CallPlan:
+    """The next call as planned: per microbatch its tokens (activation sizes, planning) and, from an iteration plan,
+    its squared document tokens (cost learning), the order and warm-ups to adopt (None: the policy plans the call
+    itself), where each document lies (keyed dropout) and what the plan predicted for this replica."""
+    tokens: Tuple[int, ...]
+    squared_tokens: Optional[Tuple[int, ...]] = None
     plan: object = None
+    document_segments: Optional[Tuple[Tuple[DocumentSegment, ...], ...]] = None
+    composition: Optional[str] = None
+    predicted_s: Optional[float] = None             # this replica's pipeline, its assumed speed applied
+    nominal_predicted_s: Optional[float] = None     # the same at nominal speed (replica speeds learn from it)
+    predicted_iteration_s: Optional[float] = None   # the slowest replica's
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    def of_lengths(cls, seq_lengths: Sequence[int]) -> "CallPlan":
+        lengths = tuple(int(length) for length in seq_lengths)
+        if not lengths or min(lengths) < 1:
+            raise ValueError(f"microbatch lengths must be positive integers, got {list(seq_lengths)!r}")
+        return cls(lengths)
+
+    @classmethod
+    def of_replica(cls, plan: IterationPlan, dp_rank: int) -> "CallPlan":
+        replica = plan.replica(dp_rank)
+        calibrated = plan.calibrated     # the prior's predictions are a relative scale, not seconds
+        return cls(plan.microbatch_tokens(dp_rank), plan.microbatch_squared_tokens(dp_rank), replica.plan,
+                   plan.document_segments(dp_rank), plan.composition_name,
+                   replica.predicted_s if calibrated else None, replica.nominal_predicted_s if calibrated else None,
+                   plan.predicted_s if calibrated else None)
 
 
 class NextCall:
     def __init__(self):
-        self.lengths: Optional[Tuple[int, ...]] = None
-        self.composition: Optional[PendingComposition] = None
+        self.pending: Optional[CallPlan] = None
+
+    def expect(self, call: CallPlan) -> None:
+        self.pending = call
 
     def set_lengths(self, seq_lengths: Sequence[int]) -> None:
-        lengths = tuple(int(length) for length in seq_lengths)
-        if not lengths or min(lengths) < 1:
-            raise ValueError(f"microbatch lengths must be positive integers, got {list(seq_lengths)!r}")
-        self.lengths = lengths
+        self.expect(CallPlan.of_lengths(seq_lengths))
+
+    @property
+    def lengths(self) -> Optional[Tuple[int, ...]]:
+        return None if self.pending is None else self.pending.tokens
+
+    def take(self, num_microbatches: int) -> Optional[CallPlan]:
+        """What was told or planned for this call (consumed), or None when the loop said nothing."""
+        pending, self.pending = self.pending, None
+        if pending is not None and pending.num_microbatches != num_microbatches:
+            what = "planned" if pending.composition is not None else "set lengths for"
+            raise ValueError(f"the loop {what} {pending.num_microbatches} microbatches, the forward_backward call "
+                             f"runs {num_microbatches}")
+        return pending
 
     def take_lengths(self, num_microbatches: int) -> Optional[Tuple[int, ...]]:
         """The lengths told for this call (consumed), or None when the loop told none."""
-        lengths, self.lengths = self.lengths, None
-        if lengths is not None and len(lengths) != num_microbatches:
-            raise ValueError(f"{len(lengths)} microbatch lengths were set for a call with {num_microbatches} "
-                             "microbatches")
-        return lengths
-
-    def take_composition(self, num_microbatches: int) -> Optional[PendingComposition]:
-        """The composition planned for this call (consumed), or None when the loop planned none."""
-        pending, self.composition = self.composition, None
-        if pending is not None and pending.num_microbatches != num_microbatches:
-            raise ValueError(f"plan_microbatches planned {pending.num_microbatches} microbatches, the "
-                             f"forward_backward call runs {num_microbatches}")
-        return pending
+        pending = self.take(num_microbatches)
+        return None if pending is None else pending.tokens

@@ -53,6 +53,11 @@ class RuntimeSession:
         self._closed = False
         self._announced = False
         self._shared_costs = None   # one learnt cost model per process, across calls of any microbatch count
+        # The last training call's pipeline time (before the data-parallel reduction) and what its plan predicted
+        # for this replica at nominal speed: (nominal predicted s or None, measured s).
+        self.last_pipeline: Optional[tuple] = None
+        self.replica_speeds = None  # iteration_plan.ReplicaSpeeds on the rank that plans, once replicas are seen
+        self.plan_ahead = None      # plan_ahead.PlanAhead on the rank that plans, once a loop plans ahead
 
     def shared_costs(self):
         """The learnt task costs (length_costs.LengthCostModel) every planning policy of this process shares: a
@@ -62,6 +67,9 @@ class RuntimeSession:
 
             self._shared_costs = LengthCostModel()
         return self._shared_costs
+
+    def record_pipeline_time(self, call_plan, seconds: float) -> None:
+        self.last_pipeline = (None if call_plan is None else call_plan.nominal_predicted_s, seconds)
 
     def announce_once(self, what: str) -> None:
         """One line per rank on stderr the first time the schedule runs, so a user sees the plugin is active."""
@@ -172,6 +180,8 @@ class RuntimeSession:
         if self._closed:
             return
         self._closed = True
+        if self.plan_ahead is not None:
+            self.plan_ahead.close()
         if self.tracer is not None:
             self.tracer.close()
         if self.transport is not None:

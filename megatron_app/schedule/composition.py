@@ -13,15 +13,18 @@ Pure: no torch, no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import Sequence, Tuple
 
 from .errors import ScheduleConfigError
 
 LOADER = "loader"          # the loader's own microbatches, each padded to its longest document (Megatron's way)
 PACKED = "packed"          # the loader's own microbatches, each packed into one row without padding
 DP_BALANCED = "dp-balanced"  # loader order packed up to a token budget (Megatron-LM's DpBalancedScheduler's way)
-BALANCED = "balanced"      # cost-balanced packing planned together with the order (see plan_composition)
-COMPOSITION_NAMES = (LOADER, PACKED, DP_BALANCED, BALANCED)
+BALANCED = "balanced"      # cost-balanced packing planned together with the order (see composition_plan.py), with
+                           # documents moved between data-parallel replicas by cost (iteration_plan.py)
+LOCAL_BALANCED = "balanced-local"   # balanced within each replica's own loader share (no document moves)
+COMPOSITION_NAMES = (LOADER, PACKED, DP_BALANCED, BALANCED, LOCAL_BALANCED)
+PLANNED_COMPOSITIONS = (BALANCED, LOCAL_BALANCED)   # planned with their order: they need our schedule
 
 
 @dataclass(frozen=True)
@@ -66,29 +69,6 @@ def loader_groups(num_documents: int, micro_batch_size: int) -> Tuple[Tuple[int,
 
 def loader_composition(num_documents: int, micro_batch_size: int, packed: bool) -> Composition:
     return Composition(loader_groups(num_documents, micro_batch_size), packed)
-
-
-def loader_order_packing(lengths: Sequence[int], token_budget: int, valid_counts: Sequence[int]) -> Composition:
-    """Documents in loader order into packed microbatches of at most token_budget tokens (a longer document alone),
-    then, while the count is not valid for the pipeline, the last document of the last multi-document microbatch
-    becomes a microbatch of its own (the way Megatron-LM's NaiveSequencePackingScheduler in
-    megatron/core/datasets/data_schedule.py packs; not cost-aware)."""
-    groups: List[List[int]] = []
-    current, tokens = [], 0
-    for position, length in enumerate(lengths):
-        if current and tokens + length > token_budget:
-            groups.append(current)
-            current, tokens = [], 0
-        current.append(position)
-        tokens += length
-    groups.append(current)
-    valid = set(valid_counts)
-    while len(groups) not in valid:
-        splittable = [k for k, group in enumerate(groups) if len(group) > 1]
-        if not splittable:
-            raise ScheduleConfigError(f"{len(lengths)} documents cannot form a valid number of microbatches")
-        groups.append([groups[splittable[-1]].pop()])
-    return Composition(tuple(tuple(g) for g in groups), packed=True)
 
 
 def check_composition_name(name: str) -> str:

@@ -36,8 +36,8 @@ import numpy as np
 from .composition import Composition, loader_composition
 from .errors import ScheduleConfigError
 from .length_costs import LengthCostModel
-from .megatron_order import megatron_order
-from .plan_search import Plan, PlanSearch, order_peak_size
+from .megatron_order import megatron_peak_sizes
+from .plan_search import Plan, PlanSearch
 from .shape import PipelineShape
 from .tasks import Kind
 
@@ -88,8 +88,7 @@ def valid_microbatch_counts(num_stages: int, num_chunks: int, most: int,
 def loader_peak_caps(shape: PipelineShape, padded_tokens: Sequence[float], memory_factor: float = 1.0
                      ) -> Tuple[float, ...]:
     """Per rank: memory_factor x the held-token peak of Megatron's interleaved order on the loader's microbatches."""
-    return tuple(memory_factor * order_peak_size(megatron_order(shape, rank), padded_tokens)
-                 for rank in range(shape.num_stages))
+    return tuple(memory_factor * peak for peak in megatron_peak_sizes(shape, padded_tokens))
 
 
 def document_costs(costs: LengthCostModel, num_chunks: int, lengths: Sequence[int]) -> np.ndarray:
@@ -180,31 +179,56 @@ class CompositionPlanner:
         return PipelineShape(self.num_stages, self.num_chunks, count, microbatch_group_size=self.microbatch_group_size,
                              split_backward=self.split_backward)
 
+    def loader_caps(self, document_lengths: Sequence[int], micro_batch_size: int) -> Tuple[float, ...]:
+        """Per rank, memory_factor x the held-token peak of Megatron's order on these documents' loader microbatches
+        (padded): the cap a plan of these documents keeps to unless told another."""
+        loader = loader_composition(len(document_lengths), micro_batch_size, packed=False)
+        return loader_peak_caps(self._shape(loader.num_microbatches), loader.microbatch_tokens(document_lengths),
+                                self.memory_factor)
+
+    def loader_makespan(self, document_lengths: Sequence[int], micro_batch_size: int, costs: LengthCostModel,
+                        caps: Optional[Sequence[float]] = None) -> float:
+        """Predicted makespan of these documents' loader microbatches (padded) in Megatron's order."""
+        lengths = tuple(int(v) for v in document_lengths)
+        loader = loader_composition(len(lengths), micro_batch_size, packed=False)
+        tokens = loader.microbatch_tokens(lengths)
+        table = costs.duration_table(PLANNED_KINDS, self.num_chunks, tokens, loader.microbatch_squared_tokens(lengths))
+        if 2 * self.num_chunks * self.num_stages * len(lengths) > LARGE_TASKS:
+            return interleaved_estimate(self.num_stages, self.num_chunks, table)
+        caps = self.loader_caps(lengths, micro_batch_size) if caps is None else caps
+        return self._screen(self._shape(loader.num_microbatches), tokens, caps, table, max_extra_warmup=0).\
+            predicted_data_order_makespan
+
     def plan(self, document_lengths: Sequence[int], micro_batch_size: int, costs: LengthCostModel,
-             stop: Optional[Callable[[float], bool]] = None) -> ComposedPlan:
-        """stop(predicted_loader_makespan): asked between candidates and search rounds (a driver's time budget)."""
+             stop: Optional[Callable[[float], bool]] = None, caps: Optional[Sequence[float]] = None,
+             loader_makespan: Optional[float] = None, large: Optional[bool] = None) -> ComposedPlan:
+        """stop(predicted_loader_makespan): asked between candidates and search rounds (a driver's time budget).
+        caps: per rank activation tokens (default: this batch's loader caps); loader_makespan: the baseline the
+        budget is a share of (default: these documents' loader microbatches). Given both, the documents need not
+        split into loader microbatches (a replica of a cross-replica plan); then no loader candidate is screened.
+        large: plan as at scale (default: when this batch alone has more than LARGE_TASKS tasks; a job of many
+        replicas says so for each of them)."""
         lengths = tuple(int(v) for v in document_lengths)
         if not lengths or min(lengths) < 1:
             raise ScheduleConfigError(f"document lengths must be positive integers, got {list(document_lengths)!r}")
         V = self.num_chunks
-        loader = loader_composition(len(lengths), micro_batch_size, packed=False)
-        loader_shape = self._shape(loader.num_microbatches)
-        loader_tokens = loader.microbatch_tokens(lengths)
-        caps = loader_peak_caps(loader_shape, loader_tokens, self.memory_factor)
-        loader_table = costs.duration_table(PLANNED_KINDS, V, loader_tokens, loader.microbatch_squared_tokens(lengths))
-        large = 2 * V * self.num_stages * len(lengths) > LARGE_TASKS
-        if large:
-            loader_value = interleaved_estimate(self.num_stages, V, loader_table)
-        else:
-            loader_value = self._screen(loader_shape, loader_tokens, caps, loader_table, max_extra_warmup=0).\
-                predicted_data_order_makespan
+        caps = self.loader_caps(lengths, micro_batch_size) if caps is None else tuple(caps)
+        loader_value = (self.loader_makespan(lengths, micro_batch_size, costs, caps) if loader_makespan is None
+                        else loader_makespan)
+        if large is None:
+            large = 2 * V * self.num_stages * len(lengths) > LARGE_TASKS
         screen_warmup = 0 if large else 3
         weights = document_costs(costs, V, lengths)
         valid = valid_microbatch_counts(self.num_stages, V, len(lengths), self.microbatch_group_size,
                                         self.split_backward)
-        candidates = [loader_composition(len(lengths), micro_batch_size, packed=True)]
+        if not valid:
+            raise ScheduleConfigError(f"{len(lengths)} documents form no microbatch count this pipeline accepts")
+        candidates = []
+        loader_count = len(lengths) // micro_batch_size
+        if len(lengths) % micro_batch_size == 0 and loader_count in valid:
+            candidates.append(loader_composition(len(lengths), micro_batch_size, packed=True))
         candidates += [Composition(balanced_groups(weights, count), packed=True)
-                       for count in candidate_counts(valid, loader.num_microbatches,
+                       for count in candidate_counts(valid, loader_count if loader_count in valid else valid[0],
                                                      LARGE_COUNTS if large else self.max_counts)]
         screened = []          # (predicted makespan, index, composition)
         for index, composition in enumerate(candidates):

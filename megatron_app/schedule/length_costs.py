@@ -111,6 +111,11 @@ class LengthCostModel:
             self._fits[key] = _Fit(scale=float(length))
         self._fits[key].add(float(length), squared, float(seconds))
 
+    @property
+    def calibrated(self) -> bool:
+        """Predictions are in seconds once any duration was observed (before, the prior is a relative scale)."""
+        return bool(self._fits)
+
     def samples(self, kind: Kind, chunk: int) -> int:
         fit = self._fits.get((kind, chunk))
         return 0 if fit is None else fit.samples

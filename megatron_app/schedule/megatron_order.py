@@ -153,3 +153,8 @@ def megatron_interleaved_cap(shape: PipelineShape, rank: int) -> int:
 def megatron_pipeline_cap(shape: PipelineShape) -> int:
     """The largest per-rank peak of Megatron's order: the pipeline's peak activation memory (rank 0's)."""
     return max(megatron_interleaved_cap(shape, rank) for rank in range(shape.num_stages))
+
+
+def megatron_peak_sizes(shape: PipelineShape, sizes: Sequence[float]) -> Tuple[float, ...]:
+    """Per rank, the peak of held activation sizes under Megatron's interleaved order in data order."""
+    return tuple(order_peak_size(megatron_order(shape, rank), sizes) for rank in range(shape.num_stages))

@@ -22,7 +22,7 @@ from .adaptive import DEFAULT_PATIENCE, AdaptivePolicy, plan_peak
 from .admission import check_memory_cap
 from .errors import ScheduleConfigError
 from .length_costs import LengthCostModel
-from .megatron_order import megatron_interleaved_cap, megatron_order, without_fill
+from .megatron_order import megatron_interleaved_cap, megatron_order, megatron_peak_sizes, without_fill  # noqa: F401 (megatron_peak_sizes re-exported)
 from .plan_search import DEFAULT_EVALUATIONS, Plan, PlanChoice, PlanSearch, order_peak_size, plan_order
 from .greedy import make_dfc
 from .shape import PipelineShape
@@ -37,11 +37,6 @@ def check_memory_factor(memory_factor) -> float:
         raise ScheduleConfigError(f"memory factor must be a number >= 1 (x Megatron's peak activation bytes), "
                                   f"got {memory_factor!r}")
     return float(memory_factor)
-
-
-def megatron_peak_sizes(shape: PipelineShape, sizes: Sequence[float]) -> Tuple[float, ...]:
-    """Per rank, the peak of held activation sizes under Megatron's interleaved order in data order."""
-    return tuple(order_peak_size(megatron_order(shape, rank), sizes) for rank in range(shape.num_stages))
 
 
 class PlannedPolicy(AdaptivePolicy):

@@ -112,6 +112,16 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     add("--documents-per-microbatch", "--documents_per_microbatch", dest="documents_per_microbatch",
         type=positive_int, default=None,
         help="compare compositions: lengths are documents, K per loader microbatch (needs --lengths-file)")
+    add("--data-parallel", "--data_parallel", dest="data_parallel", type=positive_int, default=1,
+        help="with --documents-per-microbatch: data-parallel replicas D, each m x K documents of the global batch; "
+             "the iteration is the slowest replica plus --allreduce-ms (default 1)")
+    add("--allreduce-ms", "--allreduce_ms", dest="allreduce_ms", type=number(0.0), default=0.0,
+        help="with --data-parallel: the gradient all-reduce after the slowest replica, ms (default 0)")
+    add("--slow-replica", "--slow_replica", dest="slow_replica", type=non_negative_int, default=None,
+        help="with --data-parallel: this replica's every task is --replica-slowdown times longer; adds a "
+             "speed-blind balanced row")
+    add("--replica-slowdown", "--replica_slowdown", dest="replica_slowdown", type=number(1.0), default=1.3,
+        help="slowdown of --slow-replica (>= 1, default 1.3)")
     add("--host-ms", "--host_ms", dest="host_ms", type=number(0.0), default=None,
         help="with --documents-per-microbatch: the runtime's own time per task, ms (default 0.4, measured)")
     add("--iterations", type=positive_int, default=1, help="iterations, separated by a barrier (default 1)")
@@ -122,6 +132,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.slow_factor is not None and args.slow_rank is None:
         parser.error("--slow-factor needs --slow-rank")
+    if args.data_parallel > 1 and args.documents_per_microbatch is None:
+        parser.error("--data-parallel needs --documents-per-microbatch (it compares compositions across replicas)")
+    if args.slow_replica is not None and args.slow_replica >= args.data_parallel:
+        parser.error(f"--slow-replica {args.slow_replica} is not a replica of --data-parallel {args.data_parallel}")
     if args.straggler_prob > 1:
         parser.error(f"argument --straggler-prob: expected a probability in [0, 1], got {args.straggler_prob:g}")
     return args
@@ -188,8 +202,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _run_compositions(args: argparse.Namespace) -> int:
-    from .composition import COMPOSITION_ROWS, DEFAULT_HOST_US, CompositionSimConfig, format_composition_table, \
-        simulate_composition
+    from dataclasses import replace
+
+    from .composition import (BALANCED_ROW, COMPOSITION_ROWS, DATA_PARALLEL_ROWS, DEFAULT_HOST_US,
+                              CompositionSimConfig, format_composition_table, simulate_composition)
 
     linear, quadratic = args.length_cost
     lengths = MicrobatchLengths.from_file(args.lengths_file, linear=linear, quadratic=quadratic)
@@ -197,8 +213,16 @@ def _run_compositions(args: argparse.Namespace) -> int:
         args.pipeline_parallel, args.model_chunks, args.microbatches, args.documents_per_microbatch, lengths,
         forward_us=args.fwd_ms * US_PER_MS, backward_us=args.bwd_ms * US_PER_MS,
         host_us=DEFAULT_HOST_US if args.host_ms is None else args.host_ms * US_PER_MS,
-        iterations=max(args.iterations, 2), seed=args.seed, memory_factor=args.memory_factor or 1.0)
-    results = [simulate_composition(config, row) for row in COMPOSITION_ROWS]
+        iterations=max(args.iterations, 2), seed=args.seed, memory_factor=args.memory_factor or 1.0,
+        data_parallel=args.data_parallel, allreduce_us=args.allreduce_ms * US_PER_MS,
+        replica_speeds=None if args.slow_replica is None else tuple(
+            1.0 / args.replica_slowdown if r == args.slow_replica else 1.0 for r in range(args.data_parallel)))
+    results = [simulate_composition(config, row)
+               for row in (DATA_PARALLEL_ROWS if args.data_parallel > 1 else COMPOSITION_ROWS)]
+    if args.slow_replica is not None:
+        blind = simulate_composition(replace(config, speed_aware=False), BALANCED_ROW)
+        blind.row = "balanced-blind"
+        results.append(blind)
     print(format_composition_table(config, results))
     if args.json_path is not None:
         with open(args.json_path, "w", encoding="utf-8") as handle:
@@ -206,7 +230,8 @@ def _run_compositions(args: argparse.Namespace) -> int:
                                   "microbatches": config.loader_microbatches,
                                   "documents_per_microbatch": config.documents_per_microbatch,
                                   "host_us": config.host_us, "lengths": lengths.describe(), "seed": config.seed,
-                                  "iterations": config.iterations},
+                                  "iterations": config.iterations, "data_parallel": config.data_parallel,
+                                  "replica_speeds": list(config.speeds), "allreduce_us": config.allreduce_us},
                        "results": [r.to_dict() for r in results]}, handle, indent=1)
     return 0
 

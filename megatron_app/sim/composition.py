@@ -27,9 +27,11 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from megatron_app.schedule import Kind, PipelineShape, ScheduleConfigError, make_policy
-from megatron_app.schedule.composition import (BALANCED, DP_BALANCED, LOADER, PACKED, Composition,  # noqa: F401
-                                               loader_composition, loader_order_packing)
-from megatron_app.schedule.composition_plan import CompositionPlanner, loader_peak_caps, valid_microbatch_counts
+from megatron_app.schedule.composition import (BALANCED, DP_BALANCED, LOADER, LOCAL_BALANCED, PACKED,
+                                               PLANNED_COMPOSITIONS, loader_composition)
+from megatron_app.schedule.composition_plan import loader_peak_caps
+from megatron_app.schedule.iteration_plan import (PipelineSpec, PlanRequest, ReplicaSpeeds, loader_shares,
+                                                  plan_iteration)
 from megatron_app.schedule.length_costs import LengthCostModel
 
 from .bounds import lower_bounds
@@ -42,7 +44,9 @@ US_PER_S = 1e6
 
 # The rows are the compositions of schedule/composition.py, each run by its order (balanced: `planned`).
 LOADER_ROW, PACKED_ROW, DP_BALANCED_ROW, BALANCED_ROW = LOADER, PACKED, DP_BALANCED, BALANCED
+LOCAL_BALANCED_ROW = LOCAL_BALANCED     # balanced, each replica only its loader share (no document moves)
 COMPOSITION_ROWS = (LOADER_ROW, PACKED_ROW, DP_BALANCED_ROW, BALANCED_ROW)
+DATA_PARALLEL_ROWS = (LOADER_ROW, PACKED_ROW, DP_BALANCED_ROW, LOCAL_BALANCED_ROW, BALANCED_ROW)
 # The runtime's own time per task: issue 23's figure (about 0.4 ms with near-zero compute on a 2-core machine), not
 # measured here. tools/bench_schedule.py measures it in every run with composition rows (its host-cost probe,
 # bench/schedule/analysis.py's measure_host_cost) and feeds that to its predictions; set it from such a measurement.
@@ -70,6 +74,14 @@ class CompositionSimConfig:
     seed: int = 0
     memory_factor: float = 1.0
     token_budget: Optional[int] = None   # dp-balanced: tokens per microbatch (default: m. b. size x longest doc)
+    data_parallel: int = 1               # replicas; each computes m x K documents of the loader's global batch
+    replica_speeds: Optional[Tuple[float, ...]] = None   # each replica's speed (a slower device: < 1.0)
+    speed_aware: bool = True             # balanced: the planner learns the replicas' speeds (False: plans them equal)
+    allreduce_us: float = 0.0            # the gradient all-reduce after the slowest replica (D > 1)
+
+    @property
+    def speeds(self) -> Tuple[float, ...]:
+        return tuple(self.replica_speeds) if self.replica_speeds is not None else (1.0,) * self.data_parallel
 
 
 @dataclass
@@ -81,6 +93,8 @@ class CompositionIteration:
     loader_peak_tokens: List[float]    # per rank: the baseline's (loader, padded, Megatron's order)
     padding_share: float               # padding tokens / computed tokens
     planning_s: float
+    replica_makespans_us: List[float] = field(default_factory=list)
+    replica_work_share: float = 1.0    # max over mean of the replicas' compute
 
 
 @dataclass
@@ -112,6 +126,10 @@ class CompositionResult:
         return self._mean("num_microbatches")
 
     @property
+    def replica_work_share(self) -> float:
+        return self._mean("replica_work_share")
+
+    @property
     def peak_tokens(self) -> List[float]:
         return [max(v) for v in zip(*(it.peak_tokens for it in self.iterations))]
 
@@ -124,7 +142,7 @@ class CompositionResult:
         return {"row": self.row, "makespan_us": self.makespan_us, "lower_bound_us": self.lower_bound_us,
                 "padding_share": self.padding_share, "planning_s": self.planning_s,
                 "num_microbatches": self.num_microbatches, "peak_tokens": self.peak_tokens,
-                "peak_over_loader": self.peak_over_loader,
+                "peak_over_loader": self.peak_over_loader, "replica_work_share": self.replica_work_share,
                 "iteration_makespans_us": [it.makespan_us for it in self.iterations]}
 
 
@@ -136,68 +154,90 @@ def composed_durations(config: CompositionSimConfig, shape: PipelineShape, token
                           config.host_us)
 
 
+def _replica_durations(config: CompositionSimConfig, shape: PipelineShape, tokens, squared, iteration: int,
+                       speed: float) -> DurationTable:
+    durations = composed_durations(config, shape, tokens, squared, iteration)
+    return durations if speed == 1.0 else DurationTable(np.asarray(durations, dtype=float) / speed)
+
+
 def simulate_composition(config: CompositionSimConfig, row: str,
                          planner_evaluations: Optional[int] = None) -> CompositionResult:
-    if row not in COMPOSITION_ROWS:
-        raise ScheduleConfigError(f"unknown composition row {row!r}; choose from {', '.join(COMPOSITION_ROWS)}")
-    P, V, K = config.num_stages, config.num_chunks, config.documents_per_microbatch
-    n = config.loader_microbatches * K
-    planner = CompositionPlanner(P, V, memory_factor=config.memory_factor,
-                                 **({} if planner_evaluations is None else {"final_evaluations": planner_evaluations}))
+    """Each iteration: the global batch (D x m x K documents) planned by schedule/iteration_plan.plan_iteration,
+    every replica's pipeline simulated on its share; the iteration lasts as long as the slowest replica, plus the
+    gradient all-reduce (allreduce_us)."""
+    if row not in DATA_PARALLEL_ROWS:
+        raise ScheduleConfigError(f"unknown composition row {row!r}; choose from {', '.join(DATA_PARALLEL_ROWS)}")
+    P, V, K, D = config.num_stages, config.num_chunks, config.documents_per_microbatch, config.data_parallel
+    speeds = config.speeds
+    pipeline = PipelineSpec(P, V, memory_factor=config.memory_factor, planner_evaluations=planner_evaluations)
     costs = LengthCostModel()
-    valid = valid_microbatch_counts(P, V, n)
     budget = config.token_budget or dp_balanced_token_budget(config.lengths, K)
     result = CompositionResult(row)
+    learnt_speeds = ReplicaSpeeds(D)     # speed-aware rows learn the speeds as the runtime does
     for iteration in range(config.iterations):
-        documents = config.lengths.draw(n, config.seed, iteration)
-        loader = loader_composition(n, K, packed=False)
-        loader_shape = PipelineShape(P, V, loader.num_microbatches)
-        loader_caps = loader_peak_caps(loader_shape, loader.microbatch_tokens(documents))
-        plan, planning_s = None, 0.0
-        if row == BALANCED_ROW:
-            began = time.process_time()
-            composed = planner.plan(documents, K, costs)
-            planning_s = time.process_time() - began
-            composition, plan = composed.composition, composed.plan
-        elif row == DP_BALANCED_ROW:
-            composition = loader_order_packing(documents, budget, valid)
-        else:
-            composition = loader_composition(n, K, packed=row == PACKED_ROW)
-        tokens = composition.microbatch_tokens(documents)
-        squared = composition.microbatch_squared_tokens(documents)
-        shape = PipelineShape(P, V, composition.num_microbatches)
-        durations = composed_durations(config, shape, tokens, squared, iteration)
-        name = "planned" if row == BALANCED_ROW else "interleaved"
-        policies = [make_policy(name, shape, rank) for rank in range(P)]
-        outcome = run_iteration(shape, policies, durations, Network(LinkCosts()), iteration, 0.0, None, TaskTable(shape),
-                                lengths=tokens, plan=plan)
-        for kind in (Kind.FORWARD, Kind.BACKWARD):
-            for chunk in range(V):
-                for mb in range(shape.num_microbatches):
-                    costs.observe(kind, chunk, tokens[mb], durations[0][kind.index][chunk][mb] / US_PER_S,
-                                  squared[mb])
+        documents = config.lengths.draw(config.loader_microbatches * K * D, config.seed, iteration)
+        request = PlanRequest(documents, row, K, pipeline, num_replicas=D, token_budget=budget,
+                              replica_speeds=learnt_speeds.speeds() if config.speed_aware else None)
+        began = time.process_time()
+        plan = plan_iteration(request, costs)
+        planning_s = time.process_time() - began if row in PLANNED_COMPOSITIONS else 0.0
+        makespans, bounds, peaks, baseline_peaks, works, computed = [], [], [], [], [], 0
+        for r, speed in enumerate(speeds):
+            replica = plan.replica(r)
+            tokens, squared = plan.microbatch_tokens(r), plan.microbatch_squared_tokens(r)
+            shape = PipelineShape(P, V, replica.num_microbatches)
+            durations = _replica_durations(config, shape, tokens, squared, iteration, speed)
+            name = "planned" if row in PLANNED_COMPOSITIONS else "interleaved"
+            policies = [make_policy(name, shape, rank) for rank in range(P)]
+            outcome = run_iteration(shape, policies, durations, Network(LinkCosts()), iteration, 0.0, None,
+                                    TaskTable(shape), lengths=tokens, plan=replica.plan)
+            makespans.append(outcome.makespan_us)
+            learnt_speeds.observe(r, replica.nominal_predicted_s, outcome.makespan_us / US_PER_S)
+            bounds.append(lower_bounds(shape, durations, 0.0).best_us * speed)
+            peaks.append(outcome.peak_activation_sizes)
+            works.append(float(np.sum(durations)))
+            computed += sum(tokens)
+            share = loader_shares(len(documents), K, D)[r]
+            loader = loader_composition(len(share), K, packed=False)
+            baseline_peaks.append(loader_peak_caps(PipelineShape(P, V, loader.num_microbatches),
+                                                   loader.microbatch_tokens([documents[p] for p in share])))
+            if r == 0:   # the deciding rank's own tasks teach the planner (replica 0, pipeline rank 0)
+                for kind in (Kind.FORWARD, Kind.BACKWARD):
+                    for chunk in range(V):
+                        for mb in range(shape.num_microbatches):
+                            costs.observe(kind, chunk, tokens[mb], durations[0][kind.index][chunk][mb] / US_PER_S,
+                                          squared[mb])
         if iteration < config.warmup_iterations and config.iterations > config.warmup_iterations:
             continue
+        job_baseline = [max(column) for column in zip(*baseline_peaks)]
         result.iterations.append(CompositionIteration(
-            makespan_us=outcome.makespan_us, lower_bound_us=lower_bounds(shape, durations, 0.0).best_us,
-            num_microbatches=shape.num_microbatches, peak_tokens=list(outcome.peak_activation_sizes),
-            loader_peak_tokens=list(loader_caps),
-            padding_share=composition.padding_tokens(documents) / sum(tokens), planning_s=planning_s))
+            makespan_us=max(makespans) + (config.allreduce_us if D > 1 else 0.0),
+            lower_bound_us=sum(bounds) / sum(speeds) + (config.allreduce_us if D > 1 else 0.0),
+            num_microbatches=float(np.mean([r.num_microbatches for r in plan.replicas])),
+            peak_tokens=[max(column) for column in zip(*peaks)], loader_peak_tokens=job_baseline,
+            padding_share=(computed - sum(documents)) / computed, planning_s=planning_s,
+            replica_makespans_us=makespans, replica_work_share=max(works) / float(np.mean(works))))
     return result
 
 
 def format_composition_table(config: CompositionSimConfig, results: Sequence[CompositionResult]) -> str:
     base = results[0].makespan_us
+    D = config.data_parallel
+    replicas = "" if D == 1 else (f" D={D} replicas (speeds {','.join(f'{v:g}' for v in config.speeds)}, all-reduce "
+                                  f"{config.allreduce_us / 1e3:g} ms; bound: the replicas' pipeline bounds pooled)")
     lines = [f"P={config.num_stages} V={config.num_chunks} loader m={config.loader_microbatches} "
              f"documents/microbatch={config.documents_per_microbatch} host {config.host_us / 1e3:g} ms/task "
-             f"iterations={config.iterations} (first {config.warmup_iterations} not averaged) seed={config.seed}",
-             f"{'composition':<12} {'m':>5} {'makespan ms':>12} {'x loader':>9} {'bound ms':>10} {'x bound':>8} "
-             f"{'padding':>8} {'peak/base':>10} {'plan ms':>8}  peak activation tokens per rank"]
+             f"iterations={config.iterations} (first {config.warmup_iterations} not averaged) seed={config.seed}"
+             + replicas,
+             f"{'composition':<14} {'m':>5} {'makespan ms':>12} {'x loader':>9} {'bound ms':>10} {'x bound':>8} "
+             f"{'padding':>8} {'peak/base':>10} {'plan ms':>8} " + (f"{'work max/mean':>13} " if D > 1 else "")
+             + " peak activation tokens per rank"]
     for r in results:
         peaks = [int(round(p)) for p in r.peak_tokens]
         text = ",".join(map(str, peaks)) if len(peaks) <= 8 else f"max {max(peaks)}"
-        lines.append(f"{r.row:<12} {r.num_microbatches:>5.0f} {r.makespan_us / 1e3:>12.1f} "
+        balance = f"{r.replica_work_share:>13.3f} " if D > 1 else ""
+        lines.append(f"{r.row:<14} {r.num_microbatches:>5.0f} {r.makespan_us / 1e3:>12.1f} "
                      f"{base / r.makespan_us:>9.3f} {r.lower_bound_us / 1e3:>10.1f} "
                      f"{r.makespan_us / r.lower_bound_us:>8.3f} {r.padding_share:>8.1%} {r.peak_over_loader:>10.3f} "
-                     f"{r.planning_s * 1e3:>8.1f}  {text}")
+                     f"{r.planning_s * 1e3:>8.1f} {balance} {text}")
     return "\n".join(lines)

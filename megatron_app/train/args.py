@@ -14,7 +14,7 @@ from typing import Mapping, Optional, Sequence
 
 from megatron_app.lossy.config import TP_SITES
 from megatron_app.schedule import ADAPTIVE_POLICY_NAMES, DEFAULT_POLICY, STATIC_POLICY_NAMES
-from megatron_app.schedule.composition import BALANCED, COMPOSITION_NAMES, LOADER, PACKED
+from megatron_app.schedule.composition import COMPOSITION_NAMES, LOADER, PACKED, PLANNED_COMPOSITIONS
 from megatron_app.schedule.policies import policies_taking
 
 from megatron_app.data.text_tokenizers import TOKENIZER_TYPES
@@ -122,8 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "microbatch: loader (the loader's microbatches, padded to their longest document; the default under "
                    "--schedule megatron), packed (the same documents concatenated in one row, no padding; the "
                    "default otherwise), dp-balanced (the loader's order packed "
-                   "up to a token budget as Megatron-LM's DpBalancedScheduler does; a reference), balanced "
-                   "(cost-balanced packing planned together with the order)")
+                   "up to a token budget as Megatron-LM's DpBalancedScheduler does, its packs dealt across "
+                   "data-parallel replicas; a reference), balanced (cost-balanced packing planned together with the "
+                   "order, documents moved between data-parallel replicas by predicted cost and learnt speed), "
+                   "balanced-local (the same within each replica's own share)")
+    _add_flag(train, "--plan-ahead", action="store_true",
+              help="balanced: plan each iteration's global batch in a worker process while the previous one trains "
+                   "(the rank that plans starts one more process); a late plan falls back to planning in line")
     _add_flag(train, "--documents-per-microbatch", type=int, default=1, metavar="K",
               help="with --emulate-lengths-file: each loader microbatch holds K documents (the iteration draws "
                    "microbatches x K documents, composed by --composition); default 1")
@@ -173,8 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "--lengths-file does; tasks take the simulator's cost of that length and activations are sized by "
                    "it; the schedule is told the lengths")
     _add_flag(emulation, "--slow-rank", type=int, default=None, metavar="R", help="pipeline rank R runs slower")
+    _add_flag(emulation, "--slow-replica", type=int, default=None, metavar="R",
+              help="every rank of data-parallel replica R runs slower (a slower device or node)")
     _add_flag(emulation, "--slow-factor", type=float, default=None, metavar="F",
-              help=f"slowdown of --slow-rank (default: {DEFAULT_SLOW_FACTOR})")
+              help=f"slowdown of --slow-rank or --slow-replica (default: {DEFAULT_SLOW_FACTOR})")
     _add_flag(emulation, "--straggler-prob", type=float, default=0.0, metavar="P",
               help="each task independently takes --straggler-factor times longer with probability P")
     _add_flag(emulation, "--straggler-factor", type=float, default=None, metavar="K",
@@ -442,8 +449,9 @@ def _refuse_ignored_options(args: argparse.Namespace) -> None:
     if getattr(args, "slow_link", None) is not None:
         raise UsageError("--slow-link is the simulator's flag (a slowdown FACTOR); the trainer delays a link's "
                          "messages with --link-delay A-B:START_MS-END_MS:DELAY_MS")
-    if getattr(args, "slow_factor", None) is not None and getattr(args, "slow_rank", None) is None:
-        raise UsageError("--slow-factor needs --slow-rank R (the rank it slows)")
+    if getattr(args, "slow_factor", None) is not None and getattr(args, "slow_rank", None) is None \
+            and getattr(args, "slow_replica", None) is None:
+        raise UsageError("--slow-factor needs --slow-rank R or --slow-replica R (what it slows)")
     if getattr(args, "straggler_factor", None) is not None and not getattr(args, "straggler_prob", 0.0):
         raise UsageError("--straggler-factor needs --straggler-prob P > 0 (how often a task straggles)")
     if getattr(args, "eval_iters", None) is not None and getattr(args, "eval_interval", None) is None:
@@ -571,8 +579,8 @@ def _check_variable_lengths(args: argparse.Namespace) -> None:
     # The best measured composition on real compute (BENCHMARKS.md, "Microbatch composition"): packed; Megatron's
     # own schedule keeps Megatron's own layout.
     args.composition = composition or (LOADER if args.schedule == MEGATRON_SCHEDULE else PACKED)
-    if args.composition == BALANCED and args.schedule == MEGATRON_SCHEDULE:
-        raise UsageError("--composition balanced needs our schedule (--schedule app|interleaved|1f1b): the plan "
+    if args.composition in PLANNED_COMPOSITIONS and args.schedule == MEGATRON_SCHEDULE:
+        raise UsageError(f"--composition {args.composition} needs our schedule (--schedule app|interleaved|1f1b): the plan "
                          "comes from its runtime")
     if args.data_path is None:
         raise UsageError("--variable-seq-lengths needs --data-path (one document per sample; mock data has no "
@@ -602,7 +610,8 @@ def _check_emulation(args: argparse.Namespace) -> None:
 
     emulating = getattr(args, "emulate_compute", None) is not None
     if not emulating:
-        for dest, default in (("slow_rank", None), ("straggler_prob", 0.0), ("link_delay", None),
+        for dest, default in (("slow_rank", None), ("slow_replica", None), ("straggler_prob", 0.0),
+                              ("link_delay", None),
                               ("emulate_lengths_file", None)):
             if getattr(args, dest, default) != default:
                 raise UsageError(f"{_flag(dest)} needs --emulate-compute")
@@ -610,6 +619,12 @@ def _check_emulation(args: argparse.Namespace) -> None:
     for dest in ("data_path", "eval_interval"):
         if getattr(args, dest, None) is not None:
             raise UsageError(f"--emulate-compute replaces the model and its data; drop {_flag(dest)}")
+    slow_replica = getattr(args, "slow_replica", None)
+    if slow_replica is not None:
+        if args.slow_rank is not None:
+            raise UsageError("--slow-replica and --slow-rank share --slow-factor: give one of them")
+        if not 0 <= slow_replica < args.data_parallel:
+            raise UsageError(f"--slow-replica {slow_replica} is not a replica of --data_parallel {args.data_parallel}")
     try:
         spec = spec_from_args(args)
         spec.check_shape(PipelineShape(args.pipeline_parallel, args.model_chunks, args.num_microbatches))

@@ -1,10 +1,11 @@
-"""Under --variable-seq-lengths, each global batch's microbatches as a composition makes them (--composition).
+"""Under --variable-seq-lengths, each global batch's microbatches as its iteration plan makes them (--composition).
 
-Per iteration: the lengths of this data-parallel replica's share of the global batch (loader order, from the index
-alone) go to the runtime's plan_microbatches, which says which documents form each microbatch and whether a
-microbatch is packed (one row, no padding) or padded (the loader's layout); the batches are then read and collated
-from that. The global batch is the same set of documents whatever the composition, so the data position of a
-resumed run is the global batch count, as before.
+Per iteration: the lengths of every document of the global batch (loader order, from the index alone) go to the one
+planning function (schedule/iteration_plan.py; under our runtime through agree_iteration_plan, decided on one rank
+and the same on every rank of the job), which says which documents each data-parallel replica computes, which of
+them form each microbatch and whether a microbatch is packed (one row, no padding) or padded (the loader's layout);
+this replica's batches are then read and collated from that. The global batch is the same set of documents whatever
+the composition, so the data position of a resumed run is the global batch count, as before.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Sequence, Union
 
-from megatron_app.runtime.keyed_randomness import DocumentSegment, set_microbatch_documents
-from megatron_app.schedule.composition import LOADER, PACKED, Composition, loader_composition
+from megatron_app.runtime.keyed_randomness import set_microbatch_documents
+from megatron_app.schedule.composition import LOADER, PACKED, Composition
+from megatron_app.schedule.iteration_plan import IterationPlan, PlanRequest, plan_iteration
 
 from .args import MEGATRON_SCHEDULE
-from .data import MicrobatchSampler
 from megatron_app.data.document_data import pack_documents, pad_to_longest, sample_length
 from .step import forward_step, packed_forward_step
 
@@ -24,8 +25,13 @@ from .step import forward_step, packed_forward_step
 @dataclass
 class ComposedBatch:
     data_iterator: Union[Iterator[dict], List[Iterator[dict]]]   # one, or one per model chunk
-    composition: Composition
-    samples: List[int]    # global sample index (the document id) of each position of the replica's share
+    plan: IterationPlan
+    dp_rank: int
+    samples: List[int]    # global sample index (the document id) of each document this replica computes
+
+    @property
+    def composition(self) -> Composition:
+        return self.plan.replica(self.dp_rank).composition
 
     @property
     def num_microbatches(self) -> int:
@@ -42,23 +48,24 @@ def composition_name(args) -> str:
     return getattr(args, "composition", None) or LOADER
 
 
-def replica_samples(args, dp_rank: int, first_sample: int) -> List[int]:
-    """Global sample indices of this replica's share of the global batch that starts at ``first_sample``, in the
-    loader's order (its microbatches one after the other)."""
-    sampler = MicrobatchSampler(first_sample + args.global_batch_size, args.micro_batch_size, dp_rank,
-                                args.data_parallel)
-    return [index for microbatch in sampler.microbatches_from(first_sample, args.num_microbatches)
-            for index in microbatch]
+def global_batch_samples(args, first_sample: int) -> List[int]:
+    """Global sample indices of the global batch that starts at ``first_sample``, in the loader's order."""
+    return list(range(first_sample, first_sample + args.global_batch_size))
 
 
-def plan_composition(args, document_lengths: Sequence[int]) -> Composition:
-    """The composition of the next forward_backward call; our runtime plans it (and is told the microbatches'
-    tokens), Megatron's own schedule takes the loader's groups. Tests replace this function to regroup."""
+def plan_global_batch(args, lengths: Sequence[int], samples: Sequence[int], upcoming=None) -> IterationPlan:
+    """The plan of the next forward_backward call; our runtime agrees it over the job (and is handed this rank's
+    share), Megatron's own schedule takes the loader's groups. upcoming: (lengths, samples) of the batch after, to
+    plan ahead. Tests replace this function to regroup."""
     if args.schedule == MEGATRON_SCHEDULE:
-        return loader_composition(len(document_lengths), args.micro_batch_size, packed=composition_name(args) == PACKED)
-    from megatron_app.runtime.composition import plan_microbatches
+        return plan_iteration(PlanRequest(tuple(lengths), PACKED if composition_name(args) == PACKED else LOADER,
+                                          args.micro_batch_size, num_replicas=args.data_parallel,
+                                          document_ids=tuple(samples)))
+    from megatron_app.runtime.composition import agree_iteration_plan
 
-    return plan_microbatches(document_lengths, args.micro_batch_size, composition_name(args))
+    return agree_iteration_plan(lengths, args.micro_batch_size, composition_name(args), document_ids=samples,
+                                next_lengths=None if upcoming is None else upcoming[0],
+                                next_document_ids=None if upcoming is None else upcoming[1])
 
 
 def _collate(dataset, samples, composition: Composition, group) -> dict:
@@ -81,30 +88,21 @@ class _LazyBatches:
             yield self._read[index]
 
 
-def document_layout(samples: Sequence[int], lengths: Sequence[int], composition: Composition):
-    """Where each document lies in its microbatch (for dropout keyed by document): packed, one after the other in
-    row 0; padded, one per row from position 0."""
-    layout = []
-    for group in composition.groups:
-        segments, start = [], 0
-        for row, position in enumerate(group):
-            if composition.packed:
-                segments.append(DocumentSegment(samples[position], 0, start, lengths[position]))
-                start += lengths[position]
-            else:
-                segments.append(DocumentSegment(samples[position], row, 0, lengths[position]))
-        layout.append(segments)
-    return layout
-
-
-def compose_global_batch(args, dataset, dp_rank: int, first_sample: int, num_chunks: int) -> ComposedBatch:
-    """Plan (a collective of the pipeline under our runtime) and read this replica's microbatches of one global
-    batch; every chunk gets its own iterator over the same batches."""
-    samples = replica_samples(args, dp_rank, first_sample)
-    lengths = [sample_length(dataset, index) for index in samples]
-    composition = plan_composition(args, lengths)
-    composition.check(len(samples))
-    set_microbatch_documents(document_layout(samples, lengths, composition))
-    batches = _LazyBatches(dataset, samples, composition)
+def compose_global_batch(args, dataset, dp_rank: int, first_sample: int, num_chunks: int,
+                         last: bool = True) -> ComposedBatch:
+    """Plan the global batch (a collective of the job under our runtime) and read this replica's microbatches of
+    it; every chunk gets its own iterator over the same batches. last=False with --plan-ahead: the next global
+    batch is planned while this one trains."""
+    samples = global_batch_samples(args, first_sample)
+    upcoming = None
+    if not last and getattr(args, "plan_ahead", False):
+        following = global_batch_samples(args, first_sample + args.global_batch_size)
+        upcoming = ([sample_length(dataset, index) for index in following], following)
+    plan = plan_global_batch(args, [sample_length(dataset, index) for index in samples], samples, upcoming)
+    replica = plan.replica(dp_rank)
+    mine = [samples[position] for position in replica.documents]
+    if args.schedule == MEGATRON_SCHEDULE:   # our runtime takes the layout with its call plan
+        set_microbatch_documents(plan.document_segments(dp_rank))
+    batches = _LazyBatches(dataset, mine, replica.composition)
     iterators = batches.iterator() if num_chunks == 1 else [batches.iterator() for _ in range(num_chunks)]
-    return ComposedBatch(iterators, composition, samples)
+    return ComposedBatch(iterators, plan, dp_rank, mine)

@@ -1,4 +1,4 @@
-"""wrap_data_iterator for a Megatron training loop of your own: read one global batch, yield the planned microbatches.
+"""wrap_data_iterator for a Megatron training loop of your own: one global batch, planned across every replica.
 
 The shape of Megatron-Core's ``megatron.core.datasets.data_schedule.wrap_data_iterator`` (Megatron-LM main), so a
 loop swaps one import:
@@ -6,14 +6,17 @@ loop swaps one import:
     data_iterator, num_microbatches, seqlen_sum, seqlen_squared_sum = wrap_data_iterator(
         data_iterator, config, num_microbatches)
 
-It reads ``num_microbatches`` samples (one whole document each, micro batch size 1, as Megatron's packer expects),
-asks the runtime's ``plan_microbatches`` which documents form each microbatch (a collective of the pipeline: the
-documents' lengths go from the first pipeline stage to the others, whose iterator may be None), and returns an
-iterator over those microbatches and their count, to hand to the forward_backward call. Packed microbatches are one
-row ``[1, tokens]`` (keys tokens, labels, loss_mask, position_ids) with ``cu_seqlens`` (int32 document bounds) and ``max_seqlen``; ranks without data get batches
-holding only those two, which every chunk's attention needs (``packed_seq_params_of`` builds Megatron's
-PackedSeqParams from a batch). The two sums are this call's tokens computed and the sum of squared document lengths
-(attention work), over the data-parallel group like Megatron's.
+As Megatron's DpBalancedScheduler.run does, in numbered steps: (1) each replica reads its ``num_microbatches``
+samples (one whole document each, micro batch size 1, as Megatron's packer expects) on the ranks that have a data
+iterator; (2) the global batch's samples are gathered across the job, in the loader's order; (3) the runtime's
+agree_iteration_plan plans it (one rank decides, every rank receives the same plan: which replica computes which
+document, the microbatches, order and warm-ups); (4) each replica takes the documents the plan routes to it and
+collates its microbatches. Packed microbatches are one row ``[1, tokens]`` (keys tokens, labels, loss_mask,
+position_ids) with ``cu_seqlens`` (int32 document bounds) and ``max_seqlen``; ranks without data get batches holding
+only those two, which every chunk's attention needs (``packed_seq_params_of`` builds Megatron's PackedSeqParams
+from a batch). The two sums are the global batch's tokens computed and its sum of squared document lengths
+(attention work), the same on every rank, like Megatron's. Step (2) moves the documents as Python objects over the
+default group: every rank holds the global batch's tokens for the moment of the call.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 import torch
 
 from megatron_app.schedule.composition import BALANCED, Composition
+from megatron_app.schedule.iteration_plan import loader_shares
 
 from megatron_app.data.document_data import CU_SEQLENS, pack_documents, pad_to_longest
 from .step import packed_seq_params_of  # noqa: F401 (re-exported for users' forward steps)
@@ -36,28 +40,30 @@ def _sample(item: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
             for key, value in item.items()}
 
 
-def _pipeline_group(pg_collection):
-    from megatron.core import parallel_state
-
-    if pg_collection is not None:
-        return pg_collection.pp
-    return parallel_state.get_pipeline_model_parallel_group() if parallel_state.model_parallel_is_initialized() \
-        else None
-
-
-def _share_lengths(lengths: Optional[List[int]], group) -> List[int]:
-    """The first pipeline stage's document lengths, on every rank of the pipeline."""
+def _gather_global_batch(samples: Optional[List[Dict[str, torch.Tensor]]], dp_rank: int, num_replicas: int,
+                         micro_batch_size: int) -> List[Dict[str, torch.Tensor]]:
+    """Every replica's samples, gathered from the ranks that read them, in the loader's order of the global batch."""
     import torch.distributed as dist
 
-    if group is None or dist.get_world_size(group) == 1:
-        if lengths is None:
-            raise ValueError("wrap_data_iterator: no data iterator and no pipeline to take the lengths from")
-        return lengths
-    box = [lengths]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    if box[0] is None:
-        raise ValueError("wrap_data_iterator: the first pipeline stage has no data iterator")
-    return box[0]
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if samples is None:
+            raise ValueError("wrap_data_iterator: no data iterator on this rank and no other rank to read one")
+        return samples
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (dp_rank, samples))
+    by_replica: Dict[int, List] = {}
+    for replica, read in gathered:
+        if read is not None:
+            by_replica.setdefault(replica, read)
+    missing = [r for r in range(num_replicas) if r not in by_replica]
+    if missing:
+        raise ValueError(f"wrap_data_iterator: no rank of data-parallel replica(s) {missing} has a data iterator")
+    shares = loader_shares(num_replicas * len(by_replica[0]), micro_batch_size, num_replicas)
+    batch: List = [None] * sum(len(share) for share in shares)
+    for replica, share in enumerate(shares):
+        for position, sample in zip(share, by_replica[replica]):
+            batch[position] = sample
+    return batch
 
 
 def _bounds_only(lengths: Sequence[int], composition: Composition) -> List[Dict[str, Any]]:
@@ -67,19 +73,6 @@ def _bounds_only(lengths: Sequence[int], composition: Composition) -> List[Dict[
         batches.append({CU_SEQLENS: torch.cat([sizes.new_zeros(1), sizes.cumsum(0, dtype=torch.int32)]),
                         MAX_SEQLEN: int(sizes.max())})
     return batches
-
-
-def _reduce_over_data_parallel(values: List[float], pg_collection) -> List[float]:
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    group = pg_collection.dp if pg_collection is not None else (
-        parallel_state.get_data_parallel_group() if parallel_state.model_parallel_is_initialized() else None)
-    if group is None or dist.get_world_size(group) == 1:
-        return values
-    total = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(total, group=group)
-    return total.tolist()
 
 
 def wrap_data_iterator(data_iterator, config, num_microbatches: int, pg_collection=None, *,
@@ -92,26 +85,30 @@ def wrap_data_iterator(data_iterator, config, num_microbatches: int, pg_collecti
     unused here. ``composition``: 'balanced' (the planner's choice), 'packed' or 'loader' (groups of
     ``micro_batch_size`` documents in reading order, packed or padded).
     """
-    from megatron_app.runtime.composition import plan_microbatches
+    from megatron_app.runtime.composition import agree_iteration_plan, job_layout
 
+    layout = job_layout(pg_collection)
     iterators = data_iterator if isinstance(data_iterator, (list, tuple)) else [data_iterator]
     source = next((it for it in iterators if it is not None), None)
-    samples = None if source is None else [_sample(next(source)) for _ in range(num_microbatches)]
-    lengths = _share_lengths(None if samples is None else [int(s["tokens"].numel()) for s in samples],
-                             _pipeline_group(pg_collection))
-    planned = plan_microbatches(lengths, micro_batch_size, composition)
-    planned.check(len(lengths))
-    if samples is None:
-        batches = _bounds_only(lengths, planned) if planned.packed else [{} for _ in planned.groups]
+    mine = None if source is None else [_sample(next(source)) for _ in range(num_microbatches)]
+    batch = _gather_global_batch(mine, layout.dp_rank, layout.num_replicas, micro_batch_size)
+    lengths = [int(sample["tokens"].numel()) for sample in batch]
+    plan = agree_iteration_plan(lengths, micro_batch_size, composition, pg_collection=pg_collection)
+    replica = plan.replica(layout.dp_rank)
+    planned = replica.composition
+    documents = [batch[position] for position in replica.documents]
+    if source is None:
+        batches = _bounds_only([lengths[p] for p in replica.documents], planned) if planned.packed \
+            else [{} for _ in planned.groups]
     else:
         collate = pack_documents if planned.packed else pad_to_longest
-        batches = [collate([samples[p] for p in group]) for group in planned.groups]
+        batches = [collate([documents[p] for p in group]) for group in planned.groups]
         if planned.packed:
-            for batch in batches:
-                bounds = batch[CU_SEQLENS]
-                batch[MAX_SEQLEN] = int((bounds[1:] - bounds[:-1]).max())
-    tokens, squares = _reduce_over_data_parallel(
-        [float(sum(planned.microbatch_tokens(lengths))), float(sum(n * n for n in lengths))], pg_collection)
+            for collated in batches:
+                bounds = collated[CU_SEQLENS]
+                collated[MAX_SEQLEN] = int((bounds[1:] - bounds[:-1]).max())
+    tokens = float(sum(sum(plan.microbatch_tokens(r)) for r in range(plan.num_replicas)))
+    squares = float(sum(n * n for n in lengths))
     # A chunk that reads no data keeps None, unless packed: every chunk's attention needs the documents' bounds.
     wrapped: List[Optional[Iterator]] = [iter(batches) if it is not None or planned.packed else None
                                          for it in iterators]

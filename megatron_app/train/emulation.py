@@ -2,8 +2,8 @@
 and the link delays put around the runtime's transport (megatron_app.emulation does the emulating).
 
 Composed microbatches (--emulate-lengths-file with --documents-per-microbatch K > 1 or --composition other than
-loader): each iteration draws m x K documents from the lengths file with --seed as megatron_app.sim's composition rows
-do (sim/composition.py), the runtime's plan_microbatches groups them, the iteration runs that many microbatches, and
+loader): each iteration draws D x m x K documents from the lengths file with --seed as megatron_app.sim's composition rows
+do (sim/composition.py), the runtime's agree_iteration_plan groups them (the global batch: D replicas' draws), the iteration runs that many microbatches, and
 each task waits the simulator's cost of its microbatch's composition (sim.lengths.composed_cost_factor), with
 activations of its tokens (one row packed, K rows of the longest document padded).
 """
@@ -24,7 +24,8 @@ from megatron_app.emulation.link_delay import LinkDelay
 from megatron_app.runtime import add_transport_wrapper, remove_transport_wrapper
 from megatron_app.runtime.job import current_session
 from megatron_app.schedule import PipelineShape
-from megatron_app.schedule.composition import LOADER, Composition
+from megatron_app.schedule.composition import LOADER
+from megatron_app.schedule.iteration_plan import IterationPlan
 
 from .forward_backward import tell_microbatch_lengths
 from .step import loss_func
@@ -38,16 +39,16 @@ class ComputeEmulation:
         self.spec = spec
         self.shape = PipelineShape(args.pipeline_parallel, args.model_chunks, args.num_microbatches,
                                    split_backward=bool(getattr(args, "split_backward", False)))
-        self.durations = TaskDurations(spec, self.shape)
+        slow = getattr(args, "slow_replica", None) == parallel_state.get_data_parallel_rank()
+        self.durations = TaskDurations(spec, self.shape, factor=args.slow_factor if slow else 1.0)
         self.link_delay = LinkDelay(link_delays) if link_delays else None
         self.forward_step = self.trainer_forward_step
         self.documents_per_microbatch = int(getattr(args, "documents_per_microbatch", 1) or 1)
         self.composition_name = getattr(args, "composition", LOADER)
         self.composing = spec.lengths is not None and (self.documents_per_microbatch > 1
                                                       or self.composition_name != LOADER)
-        # iteration (0-based) -> (its documents' lengths, their composition); the current one only
-        self.compositions: Dict[int, Tuple[Tuple[int, ...], Composition]] = {}
         self.planning_s: Dict[int, float] = {}
+        self.plans: Dict[int, IterationPlan] = {}     # iteration (0-based) -> its plan; the current one only
 
     @staticmethod
     def trainer_forward_step(data_iterator, model: EmulatedChunk):
@@ -94,38 +95,40 @@ class ComputeEmulation:
     def microbatch_layouts(self, iteration: int) -> List[Tuple[int, int]]:
         """(rows, sequence length) of each composed microbatch of `iteration`: one row of its documents packed, or
         one row per document padded to the longest."""
-        documents, composition = self.compositions[iteration]
+        plan, dp_rank = self.plans[iteration], parallel_state.get_data_parallel_rank()
+        documents, composition = plan.replica_lengths(dp_rank), plan.replica(dp_rank).composition
         if composition.packed:
             return [(1, tokens) for tokens in composition.microbatch_tokens(documents)]
         return [(len(group), max(documents[p] for p in group)) for group in composition.groups]
 
     def compose(self, iteration: int) -> int:
-        """Draw `iteration`'s documents, plan their composition (a collective of the pipeline), and set each task's
+        """Draw `iteration`'s global batch, plan it (a collective of the job), and set each task's
         wait from it; returns its microbatch count."""
-        from megatron_app.runtime.composition import plan_microbatches
+        from megatron_app.runtime.composition import agree_iteration_plan
         from megatron_app.sim.composition import dp_balanced_token_budget
 
         K, lengths = self.documents_per_microbatch, self.spec.lengths
-        documents = lengths.draw(self.args.num_microbatches * K, self.spec.seed, iteration)
+        replicas = parallel_state.get_data_parallel_world_size()
+        batch = lengths.draw(self.args.num_microbatches * K * replicas, self.spec.seed, iteration)
+        upcoming = None
+        if getattr(self.args, "plan_ahead", False) and iteration + 1 < self.args.iters:
+            upcoming = lengths.draw(self.args.num_microbatches * K * replicas, self.spec.seed, iteration + 1)
         began = time.perf_counter()
-        composition = plan_microbatches(documents, K, self.composition_name,
-                                        token_budget=dp_balanced_token_budget(lengths, K))
-        self.planning_s[iteration] = time.perf_counter() - began   # rank 0's planning + broadcast, as seen here
-        self.compositions = {iteration: (documents, composition)}
-        self.durations.compose(iteration, composition.microbatch_tokens(documents),
-                               composition.microbatch_squared_tokens(documents))
-        return composition.num_microbatches
+        plan = agree_iteration_plan(batch, K, self.composition_name,
+                                    token_budget=dp_balanced_token_budget(lengths, K), next_lengths=upcoming)
+        self.planning_s[iteration] = time.perf_counter() - began   # planning + broadcast, as this rank waits for it
+        dp_rank = parallel_state.get_data_parallel_rank()
+        self.plans = {iteration: plan}
+        self.durations.compose(iteration, plan.microbatch_tokens(dp_rank), plan.microbatch_squared_tokens(dp_rank))
+        return plan.replica(dp_rank).num_microbatches
 
     def composition_report(self, iteration: int) -> Optional[dict]:
         """What `iteration` ran, for the log: microbatch count, tokens each, padding tokens, planning time (None when
         not composing)."""
-        if iteration not in self.compositions:
+        if iteration not in self.plans:
             return None
-        documents, composition = self.compositions[iteration]
-        return {"composition": self.composition_name, "num_microbatches": composition.num_microbatches,
-                "microbatch_tokens": list(composition.microbatch_tokens(documents)),
-                "padding_tokens": composition.padding_tokens(documents),
-                "planning_ms": self.planning_s.pop(iteration, 0.0) * 1e3}
+        return {**self.plans[iteration].report(parallel_state.get_data_parallel_rank()),
+                "wait_for_plan_ms": self.planning_s.pop(iteration, 0.0) * 1e3}
 
     def begin_iteration(self, iteration: int) -> int:
         """Before forward_backward of `iteration` (0-based): tell the schedule the microbatch lengths (every rank

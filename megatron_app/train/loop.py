@@ -61,6 +61,7 @@ class Trainer:
     train_dataset: object = None    # where each microbatch's length comes from (None under emulation)
     dp_rank: int = 0
     saved_iteration: Optional[int] = None   # the newest checkpoint's iteration (--load's, or this run's last save)
+    last_plan: object = None        # the last composed iteration's IterationPlan (None when not composing)
 
 
 def composes(args) -> bool:
@@ -136,9 +137,11 @@ def train_step(trainer: Trainer, iteration: int) -> Optional[float]:
     if trainer.emulation is not None:
         num_microbatches = trainer.emulation.begin_iteration(iteration - 1)
     elif composes(args):   # the composition's microbatches; planning told the schedule their tokens
-        composed = compose_global_batch(args, trainer.train_dataset, trainer.dp_rank, first_sample, args.model_chunks)
+        composed = compose_global_batch(args, trainer.train_dataset, trainer.dp_rank, first_sample, args.model_chunks,
+                                        last=iteration >= args.iters)
         data_iterator, num_microbatches = composed.data_iterator, composed.num_microbatches
         forward_step_func = composed.forward_step_func
+        trainer.last_plan = composed.plan
     else:
         tell_microbatch_lengths(args.schedule, microbatch_lengths(args, trainer.train_dataset, trainer.dp_rank,
                                                                   first_sample))
@@ -212,7 +215,8 @@ def train(args) -> None:
             seconds = time.perf_counter() - start
             tokens = None if trainer.emulation is not None or not trainer.reporter.enabled else global_batch_tokens(
                 args, trainer.train_dataset, (iteration - 1) * args.global_batch_size)
-            composed = None if trainer.emulation is None else trainer.emulation.composition_report(iteration - 1)
+            composed = trainer.emulation.composition_report(iteration - 1) if trainer.emulation is not None else \
+                None if trainer.last_plan is None else trainer.last_plan.report(trainer.dp_rank)
             trainer.reporter.record(iteration, loss, seconds, tokens, composed)
             if loss_layer is not None:
                 loss_layer.end_iteration(iteration, current_tracer())

@@ -72,7 +72,9 @@ class IterationReporter:
         if not self.enabled:
             return
         tokens_per_s = (self.tokens_per_iteration if tokens is None else tokens) / seconds
-        planned = "" if composed is None else f" | {composed['num_microbatches']} microbatches"
+        planned = "" if composed is None else f" | {composed['composition']} {composed['num_microbatches']} microbatches"
+        if composed is not None and composed.get("predicted_ms") is not None:
+            planned += f" | predicted {composed['predicted_ms']:.1f} ms"
         shown = "emulated compute, no real loss" if self.emulated else f"loss {loss:.4f}"
         print(f"iter {iteration}/{self.iters} | {shown} | {seconds * 1e3:.1f} ms | "
               f"{tokens_per_s:.0f} tokens/s{planned}", flush=True)

@@ -31,7 +31,7 @@ def main():
     parser.add_argument("--compositions", default="",
                         help="comma list: run every schedule once per composition (--variable-seq-lengths): loader, "
                              "packed, or regrouped / regrouped-padded (this test's own grouping, injected through "
-                             "composed_data.plan_composition); outputs are named SCHEDULE_COMPOSITION")
+                             "composed_data.plan_global_batch); outputs are named SCHEDULE_COMPOSITION")
     opts = parser.parse_args()
 
     from megatron_app.train.args import parse_args
@@ -62,7 +62,7 @@ def main():
         if composition.startswith("regrouped"):
             import megatron_app.train.composed_data as composed_data
 
-            composed_data.plan_composition = regrouped_composition(packed=composition == "regrouped")
+            composed_data.plan_global_batch = regrouped_composition(packed=composition == "regrouped")
         trainer = build_trainer(args)
         losses = []
         if opts.tell_lengths:
@@ -77,6 +77,9 @@ def main():
                 m = args.num_microbatches
                 set_microbatch_lengths([1 + (37 * (i + it) ** 2) % 97 for i in range(m)])
             losses.append(train_step(trainer, it))
+            if trainer.last_plan is not None and dist.get_rank() == 0:
+                with open(os.path.join(opts.out, f"plans_{name}.jsonl"), "a") as f:
+                    f.write(json.dumps(trainer.last_plan.report(0)) + "\n")
             if opts.tell_lengths and schedule == "app":
                 from megatron_app.runtime.job import current_session
 
@@ -97,10 +100,12 @@ def regrouped_composition(packed: bool):
     documents), their count still a multiple of P (Megatron's interleaving rule, schedule/shape.py)."""
     import math
 
-    from megatron_app.runtime import set_microbatch_lengths
+    from megatron_app.runtime.job import current_job
+    from megatron_app.runtime.next_call import CallPlan
     from megatron_app.schedule.composition import Composition
+    from megatron_app.schedule.iteration_plan import IterationPlan, ReplicaPlan
 
-    def plan(args, lengths):
+    def plan(args, lengths, samples, upcoming=None):
         n, P = len(lengths), args.pipeline_parallel
         stride = next(s for s in range(5, n + 5) if math.gcd(s, n) == 1)
         order = [(stride * i + 3) % n for i in range(n)]
@@ -115,9 +120,12 @@ def regrouped_composition(packed: bool):
         composition = Composition(tuple(groups), packed)
         assert composition.groups != tuple(tuple(range(k, k + args.micro_batch_size))
                                            for k in range(0, n, args.micro_batch_size))
+        plan = IterationPlan("regrouped", tuple(lengths), tuple(samples),
+                             (ReplicaPlan(tuple(range(n)), composition),))
+        plan.check()
         if args.schedule != "megatron":
-            set_microbatch_lengths(composition.microbatch_tokens(lengths))
-        return composition
+            current_job().next_call.expect(CallPlan.of_replica(plan, 0))
+        return plan
 
     return plan
 

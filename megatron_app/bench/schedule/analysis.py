@@ -151,7 +151,7 @@ def _app_measurements(run: dict, run_dir: Path) -> dict:
         extra["counts"] = [logged[k]["num_microbatches"] for k in measured_iterations(run)]
         extra["padding_shares"] = [logged[k]["padding_tokens"] / sum(logged[k]["microbatch_tokens"])
                                    for k in measured_iterations(run)]
-        extra["planning_ms"] = [logged[k].get("planning_ms", 0.0) for k in measured_iterations(run)]
+        extra["planning_ms"] = [logged[k].get("wait_for_plan_ms", 0.0) for k in measured_iterations(run)]
     return {**extra, "times": [m.iteration_time_us / 1e3 for m in metrics], "makespans": [m.makespan_us / 1e3 for m in metrics],
             "bubbles": [m.mean_bubble_ratio for m in metrics],
             "peaks": [[r.peak_activations for r in sorted(m.ranks, key=lambda r: r.pp_rank)] for m in metrics],

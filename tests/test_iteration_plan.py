@@ -1,0 +1,142 @@
+"""The iteration contract (schedule/iteration_plan.py): one plan per global batch, every replica's share of it."""
+
+import pytest
+
+from megatron_app.schedule import PipelineShape, ScheduleConfigError
+from megatron_app.schedule.composition import (BALANCED, COMPOSITION_NAMES, DP_BALANCED, LOADER, LOCAL_BALANCED,
+                                               PACKED)
+from megatron_app.schedule.iteration_plan import (DocumentSegment, PipelineSpec, PlanRequest, assign_by_cost,
+                                                  dp_balanced_packs, loader_shares, plan_iteration)
+from megatron_app.schedule.megatron_order import megatron_peak_sizes
+from megatron_app.schedule.plan_search import order_peak_size, plan_order
+from megatron_app.train.data import MicrobatchSampler
+
+from test_composition_plan import LONG_TAIL, _learnt_costs
+
+P4V2 = PipelineSpec(4, 2)
+
+
+@pytest.mark.parametrize("replicas,micro_batch_size", [(1, 2), (2, 2), (4, 1), (2, 4)])
+def test_loader_shares_are_megatrons_sampler(replicas, micro_batch_size):
+    n = 32
+    shares = loader_shares(n, micro_batch_size, replicas)
+    for r, share in enumerate(shares):
+        sampler = MicrobatchSampler(n, micro_batch_size, r, replicas)
+        expected = [i for mb in sampler.microbatches_from(0, n // (micro_batch_size * replicas)) for i in mb]
+        assert list(share) == expected
+
+
+@pytest.mark.parametrize("composition", COMPOSITION_NAMES)
+@pytest.mark.parametrize("replicas", [1, 2, 4])
+def test_every_document_is_computed_once_and_counts_are_valid(composition, replicas):
+    lengths = LONG_TAIL[: 8 * replicas] * 2
+    plan = plan_iteration(PlanRequest(lengths, composition, 2, P4V2, num_replicas=replicas), _learnt_costs())
+    plan.check()
+    assert plan.num_replicas == replicas
+    for replica in plan.replicas:
+        PipelineShape(4, 2, replica.num_microbatches)   # Megatron's count rule holds per replica
+    if composition in (LOADER, PACKED, LOCAL_BALANCED):
+        assert [r.documents for r in plan.replicas] == list(loader_shares(len(lengths), 2, replicas))
+        assert not plan.cross_replica
+
+
+def test_request_refusals():
+    with pytest.raises(ScheduleConfigError, match="does not split"):
+        plan_iteration(PlanRequest((5,) * 30, LOADER, 2, P4V2, num_replicas=4))
+    with pytest.raises(ScheduleConfigError, match="unknown composition"):
+        plan_iteration(PlanRequest((5,) * 8, "shuffled", 2, P4V2))
+    with pytest.raises(ScheduleConfigError, match="speeds"):
+        plan_iteration(PlanRequest((5,) * 16, BALANCED, 2, P4V2, num_replicas=2, replica_speeds=(1.0,)))
+
+
+def test_dp_balanced_packs_in_loader_order_and_deals_packs_round_robin():
+    lengths = (100, 100, 100, 300, 50, 50, 400, 10, 10, 10, 10, 10, 10, 10, 10, 10)
+    packs = dp_balanced_packs(lengths, 400, 2, range(1, 17))
+    assert [p for pack in packs for p in pack] != []
+    assert sorted(p for pack in packs for p in pack) == list(range(len(lengths)))
+    assert packs[0] == [0, 1, 2] and packs[1] == [3, 4, 5]     # loader order up to the budget
+    assert len(packs) % 2 == 0
+    plan = plan_iteration(PlanRequest(lengths, DP_BALANCED, 2, PipelineSpec(1, 1), num_replicas=2,
+                                      token_budget=400))
+    assert plan.replicas[0].documents[:3] == (0, 1, 2) and plan.replicas[1].documents[:3] == (3, 4, 5)
+
+
+def test_cross_replica_balanced_predicts_no_worse_than_replica_local_and_keeps_the_cap():
+    lengths = tuple(sorted(LONG_TAIL * 2))   # sorted: the loader's shares differ widely in work
+    costs = _learnt_costs()
+    crossed = plan_iteration(PlanRequest(lengths, BALANCED, 2, P4V2, num_replicas=2), costs)
+    assert crossed.cross_replica
+    local_makespans = []
+    shares = loader_shares(len(lengths), 2, 2)
+    planner = P4V2.planner()
+    caps = [max(c) for c in zip(*[planner.loader_caps([lengths[p] for p in s], 2) for s in shares])]
+    for share in shares:
+        local_makespans.append(planner.plan([lengths[p] for p in share], 2, costs, caps=caps,
+                                            loader_makespan=1.0).predicted_makespan)
+    assert crossed.predicted_s < max(local_makespans)
+    assert crossed.predicted_s < crossed.predicted_loader_s
+    for r, replica in enumerate(crossed.replicas):
+        shape = PipelineShape(4, 2, replica.num_microbatches)
+        tokens = crossed.microbatch_tokens(r)
+        for rank in range(4):
+            order = plan_order(shape, rank, replica.plan)
+            assert order_peak_size(order, tokens) <= caps[rank] + 1e-9
+
+
+def test_a_slower_replica_gets_proportionally_less_work():
+    weights = [float(w) for w in LONG_TAIL] * 4
+    shares = assign_by_cost(weights, (1.0, 1 / 1.3), 4)
+    work = [sum(weights[p] for p in share) for share in shares]
+    assert work[0] / work[1] == pytest.approx(1.3, rel=0.05)
+    even = assign_by_cost(weights, (1.0, 1.0), 4)
+    assert [sum(weights[p] for p in s) for s in even][0] == pytest.approx(sum(weights) / 2, rel=0.02)
+
+
+def test_every_replica_gets_at_least_the_smallest_valid_count():
+    weights = [1000.0] + [1.0] * 15
+    shares = assign_by_cost(weights, (1.0, 1.0), 4)
+    assert min(len(s) for s in shares) >= 4
+
+
+def test_document_segments_follow_the_layout():
+    lengths = (3, 5, 2, 4)
+    ids = (10, 11, 12, 13)
+    padded = plan_iteration(PlanRequest(lengths, LOADER, 2, PipelineSpec(1, 1), document_ids=ids))
+    assert padded.document_segments(0) == ((DocumentSegment(10, 0, 0, 3), DocumentSegment(11, 1, 0, 5)),
+                                           (DocumentSegment(12, 0, 0, 2), DocumentSegment(13, 1, 0, 4)))
+    packed = plan_iteration(PlanRequest(lengths, PACKED, 2, PipelineSpec(1, 1), document_ids=ids))
+    assert packed.document_segments(0)[1] == (DocumentSegment(12, 0, 0, 2), DocumentSegment(13, 0, 2, 4))
+    assert packed.microbatch_tokens(0) == (8, 6) and padded.microbatch_tokens(0) == (10, 8)
+
+
+def test_the_plan_is_deterministic():
+    request = PlanRequest(LONG_TAIL * 2, BALANCED, 2, P4V2, num_replicas=2)
+    assert plan_iteration(request, _learnt_costs()) == plan_iteration(request, _learnt_costs())
+
+
+def test_megatron_peak_sizes_is_the_one_cap_function():
+    shape = PipelineShape(4, 2, 8)
+    sizes = list(range(1, 9))
+    from megatron_app.schedule.composition_plan import loader_peak_caps
+
+    assert loader_peak_caps(shape, sizes, 1.5) == tuple(1.5 * p for p in megatron_peak_sizes(shape, sizes))
+
+
+def test_simulated_replicas_cross_replica_beats_replica_local_and_speed_blind():
+    from dataclasses import replace
+
+    from megatron_app.sim.composition import (BALANCED_ROW, DP_BALANCED_ROW, LOCAL_BALANCED_ROW, CompositionSimConfig,
+                                              simulate_composition)
+    from megatron_app.sim.lengths import MicrobatchLengths
+
+    config = CompositionSimConfig(4, 2, 8, 2, MicrobatchLengths(corpus=LONG_TAIL * 4), iterations=3, data_parallel=2)
+    local = simulate_composition(config, LOCAL_BALANCED_ROW, planner_evaluations=32)
+    crossed = simulate_composition(config, BALANCED_ROW, planner_evaluations=32)
+    dp_balanced = simulate_composition(config, DP_BALANCED_ROW)
+    assert crossed.makespan_us < local.makespan_us and crossed.makespan_us < dp_balanced.makespan_us
+    assert crossed.peak_over_loader <= 1.0 + 1e-9            # the job's baseline cap holds on every rank
+    assert crossed.replica_work_share < local.replica_work_share
+    slow = replace(config, replica_speeds=(1.0, 1 / 1.3))
+    aware = simulate_composition(slow, BALANCED_ROW, planner_evaluations=32)
+    blind = simulate_composition(replace(slow, speed_aware=False), BALANCED_ROW, planner_evaluations=32)
+    assert aware.makespan_us < 0.98 * blind.makespan_us   # 1.14x at 32 documents a replica (BENCHMARKS.md)
