@@ -19,6 +19,7 @@ from megatron_app.bench.schedule.scenarios import SCENARIO_KEYS
 from megatron_app.schedule import PipelineShape
 from megatron_app.emulation.sim_replay import simulate_emulation
 from megatron_app.emulation.spec import EmulationSpec
+from megatron_app.trace.schema import FIRST_ITERATION
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*not installed")
 TOOL = REPO / "tools" / "bench_schedule.py"
@@ -100,7 +101,7 @@ def test_traced_task_durations_are_the_emulated_ones(quick):
         trace = read_trace_dir(run_dir / run["id"] / "trace", shape.num_stages, shape.num_chunks)
         for iteration in range(run["iterations"]):
             drawn = spec.draw(shape, iteration)
-            measured = measured_durations(trace, iteration)
+            measured = measured_durations(trace, iteration + FIRST_ITERATION)   # the trace counts from 1
             excess = [m - d for rank_m, rank_d in zip(measured, drawn) for kind_m, kind_d in zip(rank_m, rank_d)
                       for chunk_m, chunk_d in zip(kind_m, kind_d) for m, d in zip(chunk_m, chunk_d)]
             assert min(excess) >= -200.0, run["label"]            # a wait never ends early (200 us clock slack)
@@ -120,7 +121,8 @@ def test_slow_link_sends_in_the_window_are_delayed(quick):
     spec = SlowLink.parse_delay(run["slow_link"])
     trace = read_trace_dir(run_dir / run["id"] / "trace", run["pipeline_parallel"], run["model_chunks"])
     delayed = 0
-    for iteration in range(run["warmup"], run["iterations"]):   # the first step also opens the transport
+    # the measured iterations, numbered as the trace does; not the first, which also opens the transport
+    for iteration in range(run["warmup"] + FIRST_ITERATION, run["iterations"] + FIRST_ITERATION):
         # The window opens just before the first task (the step's set-up): 20 ms of margin at its end.
         start = min(e.start for rank in trace.ranks for e in rank.events_of(iteration, ["forward", "backward"]))
         for rank in trace.ranks:
@@ -159,7 +161,8 @@ def test_torch_span_metrics_counts_idle_time_and_held_activations():
     (["--scenarios", "sunny"], "unknown scenario sunny"),
     (["-P", "1"], "at least 2"),
     (["-P", "4", "-m", "6"], "num_microbatches=6"),
-    (["--slow-link", "0-9:0-1:1"], "rank 9 is outside"),
+    (["--link-delay", "0-9:0-1:1"], "rank 9 is outside"),
+    (["--slow-link", "0-1:0-1:1"], "--slow-link is the simulator's flag"),
     (["--warmup", "0"], "--warmup must be >= 1"),
     (["--fwd-ms", "-3"], "expected a number > 0"),
 ])
@@ -179,7 +182,8 @@ def test_replay_of_a_traced_run_compares_every_iteration(quick, tmp_path, capsys
     assert code == 0
     payload = json.loads((tmp_path / "replay.json").read_text())
     assert payload["policy"] == "interleaved"
-    assert [row["iteration"] for row in payload["iterations"]] == list(range(run["iterations"]))
+    assert [row["iteration"] for row in payload["iterations"]] == list(range(FIRST_ITERATION,
+                                                                             run["iterations"] + FIRST_ITERATION))
     assert {row["microbatches"] for row in payload["iterations"]} == {run["microbatches"]}   # each iteration's own
     for row in payload["iterations"]:
         # the replayed makespan can only miss what the durations do not hold: message latency and overheads

@@ -19,6 +19,7 @@ from megatron_app.schedule import PipelineShape
 from megatron_app.sim import SimConfig, simulate
 from megatron_app.sim.costs import ComputeCosts
 from megatron_app.sim.lengths import MicrobatchLengths
+from megatron_app.trace.schema import FIRST_ITERATION
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*not installed")
 TOOL = REPO / "tools" / "bench_schedule.py"
@@ -76,10 +77,11 @@ def test_emulated_tasks_last_their_length_cost_and_carry_their_tokens(tiny):
     trace = read_trace_dir(run_dir / run["id"] / "trace", shape.num_stages, shape.num_chunks)
     for iteration in range(run["iterations"]):
         lengths = spec.microbatch_lengths(shape, iteration)
-        drawn, measured = spec.draw(shape, iteration), measured_durations(trace, iteration)
+        traced = iteration + FIRST_ITERATION   # draws count from 0, the trace (as the log) from 1
+        drawn, measured = spec.draw(shape, iteration), measured_durations(trace, traced)
         forward_0 = [measured[0][0][0][mb] - drawn[0][0][0][mb] for mb in range(shape.num_microbatches)]
         assert min(forward_0) >= -200.0
-        sends = {e.microbatch: e.nbytes for e in trace.ranks[0].events_of(iteration, ["send"]) if e.chunk == 0}
+        sends = {e.microbatch: e.nbytes for e in trace.ranks[0].events_of(traced, ["send"]) if e.chunk == 0}
         per_token = {sends[mb] / lengths[mb] for mb in sends}
         assert len(sends) == shape.num_microbatches and len(per_token) == 1   # bytes proportional to tokens
 

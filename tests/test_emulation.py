@@ -149,21 +149,23 @@ def _parse(*flags, world=4):
 
 def test_trainer_accepts_the_emulation_flags():
     args = _parse("--emulate-compute", "10,20,0.3", "--slow-rank", "1", "--slow-factor", "2",
-                  "--straggler-prob", "0.1", "--slow-link", "1-2:0-300:12")
+                  "--straggler-prob", "0.1", "--link-delay", "1-2:0-300:12", "--link-delay", "0-1:5-9:3")
     from megatron_app.emulation.spec import spec_from_args
 
     spec = spec_from_args(args)
     assert spec.perturbations.slow_rank == 1 and spec.perturbations.slow_factor == 2.0
     assert spec.perturbations.jitter == 0.3 and spec.seed == args.seed
+    assert args.link_delay == ["1-2:0-300:12", "0-1:5-9:3"]   # every --link-delay kept, not the last only
 
 
 @pytest.mark.parametrize("flags, message", [
     (("--slow-rank", "1"), "--slow-rank needs --emulate-compute"),
-    (("--slow-link", "0-1:0-10:5"), "--slow-link needs --emulate-compute"),
+    (("--link-delay", "0-1:0-10:5"), "--link-delay needs --emulate-compute"),
+    (("--emulate-compute", "10,20", "--slow-link", "0-1:0-10:5"), "--slow-link is the simulator's flag"),
     (("--emulate-compute", "10"), "FWD_MS,BWD_MS"),
     (("--emulate-compute", "10,20", "--slow-rank", "4"), "slow_rank 4 is outside"),
-    (("--emulate-compute", "10,20", "--slow-link", "1-7:0-10:5"), "rank 7 is outside"),
-    (("--emulate-compute", "10,20", "--slow-link", "1-2:10-5:5"), "window must end after it starts"),
+    (("--emulate-compute", "10,20", "--link-delay", "1-2:0-1:1", "--link-delay", "1-7:0-10:5"), "rank 7 is outside"),
+    (("--emulate-compute", "10,20", "--link-delay", "1-2:10-5:5"), "window must end after it starts"),
     (("--emulate-compute", "10,20", "--straggler-prob", "2"), "straggler_prob"),
 ])
 def test_trainer_rejects_bad_emulation_flags_in_one_line(flags, message):
@@ -172,3 +174,18 @@ def test_trainer_rejects_bad_emulation_flags_in_one_line(flags, message):
     with pytest.raises(UsageError) as info:
         _parse(*flags)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_an_emulated_runs_iteration_line_says_emulated_instead_of_a_loss(monkeypatch, capsys, tmp_path):
+    import json
+
+    from megatron_app.train import report
+
+    monkeypatch.setattr(report, "is_reporting_rank", lambda: True)
+    log = tmp_path / "log.json"
+    report.IterationReporter({}, 5, 1000, str(log), emulated=True).record(1, 6.93, 0.5)
+    line = capsys.readouterr().out.strip()
+    assert line == "iter 1/5 | emulated compute, no real loss | 500.0 ms | 2000 tokens/s"
+    assert json.loads(log.read_text())["emulated"] is True
+    report.IterationReporter({}, 5, 1000, None).record(1, 6.93, 0.5)
+    assert capsys.readouterr().out.startswith("iter 1/5 | loss 6.9300 | ")

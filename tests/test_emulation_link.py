@@ -7,7 +7,7 @@ import pytest
 
 from megatron_app.schedule import ScheduleConfigError
 from megatron_app.emulation import SlowLink, SlowLinkNetwork
-from megatron_app.emulation.link_delay import DelayedSendTransport
+from megatron_app.emulation.link_delay import DelayedSendTransport, DelayWindows
 
 
 def test_spec_parses_and_applies_only_on_its_link_inside_the_window():
@@ -17,6 +17,15 @@ def test_spec_parses_and_applies_only_on_its_link_inside_the_window():
     assert spec.delay_at_us(1, 2, 300_000.0) == 0 and spec.delay_at_us(0, 1, 10_000.0) == 0
     with pytest.raises(ScheduleConfigError, match="rank 5 is outside"):
         SlowLink.parse_delay("1-5:0-1:1").check_ranks(4)
+
+
+def test_several_link_delays_each_apply_the_longest_where_they_overlap():
+    windows = DelayWindows([SlowLink.parse_delay("1-2:0-300:12"), SlowLink.parse_delay("0-1:0-10:5"),
+                            SlowLink.parse_delay("1-2:100-200:30")])
+    assert windows.delay_at_us(0, 1, 0.0) == 5_000 and windows.delay_at_us(2, 1, 50_000.0) == 12_000
+    assert windows.delay_at_us(1, 2, 150_000.0) == 30_000 and windows.delay_at_us(0, 1, 20_000.0) == 0
+    with pytest.raises(ScheduleConfigError, match="rank 3 is outside"):
+        DelayWindows([SlowLink.parse_delay("0-1:0-1:1"), SlowLink.parse_delay("1-3:0-1:1")]).check_ranks(3)
 
 
 @pytest.mark.parametrize("text", ["1-2", "1-1:0-5:1", "1-2:5-5:1", "a-b:0-1:1", "1-2:0-1:-3"])

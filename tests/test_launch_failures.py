@@ -55,6 +55,68 @@ def test_root_cause_names_rank_signal_iteration_and_log(tmp_path):
         f"x: the job failed (torchrun exit 1) before the first iteration ended; torchrun's report: {tmp_path}/a.log")
 
 
+TWO_FAILURES = """\
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+megatron_app.train FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-23_12:00:00
+  host      : node7
+  rank      : 1 (local_rank: 1)
+  exitcode  : 1 (pid: 4243)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-23_12:00:00
+  host      : node7
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 4242)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""
+TRANSPORT_CLOSED = """\
+Traceback (most recent call last):
+  File "executor.py", line 1, in run
+    self.transport.wait_any(keys)
+megatron_app.transport._core.TransportClosed: rank 1 closed its transport while rank 0 waited
+"""
+
+
+def _rank_logs(tmp_path, stderr_by_rank: dict[int, str]) -> None:
+    for local_rank, text in stderr_by_rank.items():
+        rank_dir = tmp_path / "abc_1" / "attempt_0" / str(local_rank)
+        rank_dir.mkdir(parents=True)
+        (rank_dir / "stderr.log").write_text(text)
+
+
+def test_the_rank_whose_own_error_came_first_is_named_not_torchruns_first_observed(tmp_path):
+    # torchrun saw rank 0 first, but rank 0 only lost its peer: rank 1's own error is the cause
+    _rank_logs(tmp_path, {0: TRANSPORT_CLOSED,
+                          1: "megatron_app.train: rank 1: error: [Errno 17] File exists: '/dev/null'\n"})
+    line = run_ranks.failure_line("run_single.sh", tmp_path, tmp_path / "agent.log", TWO_FAILURES, 1, {0: 9, 1: 4})
+    assert line.startswith("run_single.sh: rank 1 on node7 failed (exit code 1) before the first iteration ended: "
+                           "[Errno 17] File exists: '/dev/null'; its log: "), line
+
+
+def test_among_own_errors_the_earliest_wins_and_a_bug_beats_a_lost_peer(tmp_path):
+    _rank_logs(tmp_path, {0: "megatron_app.train: rank 0: error: iteration 3: the loss is nan\n",
+                          1: "megatron_app.train: rank 1: error: No space left on device\n"})
+    line = run_ranks.failure_line("x", tmp_path, tmp_path / "a.log", TWO_FAILURES, 1, {0: 7, 1: 2})
+    assert "rank 1 on node7" in line and line.endswith(
+        f": No space left on device; its log: {tmp_path}/abc_1/attempt_0/1/stderr.log"), line
+    bug = "Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: bad shape\n"
+    peer = "megatron_app.train: rank 0: rank 1 (pipeline rank 1) died: its process exited\n"
+    for name, text in (("0", peer), ("1", bug)):
+        (tmp_path / "abc_1" / "attempt_0" / name / "stderr.log").write_text(text)
+    line = run_ranks.failure_line("x", tmp_path, tmp_path / "a.log", TWO_FAILURES, 1, {0: 1, 1: 2})
+    assert "rank 1 on node7" in line and ": ValueError: bad shape; its log:" in line, line
+
+
 def _descendants(pid: int) -> list[int]:
     children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout.split()
     return [int(c) for c in children] + [d for c in children for d in _descendants(int(c))]
@@ -155,16 +217,39 @@ def test_a_small_dev_shm_is_refused_with_the_number_before_any_rank_starts(tmp_p
     assert time.monotonic() - start < 120
 
 
-@pytest.mark.slow
-def test_an_environment_failure_inside_the_ranks_is_one_line_per_rank_and_one_summary(tmp_path):
+def test_an_output_path_that_cannot_be_made_is_refused_before_any_rank_starts(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
     done = subprocess.run(
         ["bash", str(REPO / "run_single.sh"), "--pipeline_parallel", "2", "--model_chunks", "1", "--iters", "1",
          "--num-layers", "2", "--trace-dir", str(blocker / "traces")], cwd=REPO,
         env=run_env(LOG_DIR=str(tmp_path / "logs")), capture_output=True, text=True, timeout=300)
-    assert done.returncode != 0
-    assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr, done.stderr[-3000:]
-    last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("run_single.sh: rank 0 on ") and "failed (exit code 1) before the first iteration ended: " \
-        "[Errno 20] Not a directory" in last, last
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (f"megatron_app.train: error: --trace-dir {blocker}/traces: cannot "
+                                                    f"create the directory there: {blocker} is not a directory")
+    assert "ranks:" not in done.stderr and not (tmp_path / "logs").exists()
+
+
+@pytest.mark.slow
+def test_an_environment_failure_inside_the_ranks_is_one_line_per_rank_and_one_summary(tmp_path):
+    # The path is fine when the launcher checks the flags; it turns into a file while the ranks start (they take
+    # seconds to import torch), so the ranks' own check of the flags fails.
+    blocker = tmp_path / "a_file"
+    launcher = subprocess.Popen(
+        ["bash", str(REPO / "run_single.sh"), "--pipeline_parallel", "2", "--model_chunks", "1", "--iters", "1",
+         "--num-layers", "2", "--trace-dir", str(blocker / "traces")], cwd=REPO,
+        env=run_env(LOG_DIR=str(tmp_path / "logs")), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err = ""
+    while "ranks: pipeline" not in err:
+        line = launcher.stderr.readline()
+        assert line, err
+        err += line
+    blocker.write_text("not a directory")
+    out, rest = launcher.communicate(timeout=300)
+    err += rest
+    assert launcher.returncode != 0
+    assert "Traceback" not in err and "ChildFailedError" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    # rank 0 says it (one line per node); its exit code or torchrun's SIGTERM, whichever came first
+    assert last.startswith("run_single.sh: rank 0 on ") and " before the first iteration ended: --trace-dir " \
+        f"{blocker}/traces: cannot create the directory there: {blocker} is not a directory; its log: " in last, last

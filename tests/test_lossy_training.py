@@ -243,3 +243,11 @@ def test_loss_sweep_quick_runs_every_traffic_group(tmp_path):
     assert "tp:mappings.all_reduce@rank0" in narrowed
     lossy_lines = [line for line in (tmp_path / "tp_bernoulli_0.1.log").read_text().splitlines() if "[lossy]" in line]
     assert lossy_lines and not any("cross_entropy" in line for line in lossy_lines)
+
+
+def test_loss_sweep_runs_keep_going_past_a_nan(tmp_path):
+    sweep = _load_sweep()
+    flags = sweep.trainer_flags(sweep.parse_args([]), "tp_all_sites", "bernoulli", 0.1, tmp_path / "log.json",
+                                tmp_path / "trace")
+    layout_world = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    assert parse_args(flags, environ=layout_world).check_for_nan_in_loss_and_grad is False   # it measures divergence

@@ -198,6 +198,9 @@ def test_a_worker_started_twice_after_the_job_began_is_named_at_once(tmp_path):
     (["--nnodes", "3"], "2 ranks (pipeline 2 x tensor 1 x data 1) do not split evenly over 3 nodes"),
     (["--transport", "pigeon"], "--transport must be auto, shm, tcp or rdma"),
     (["--master_port", "70000"], "--master_port must be a port number"),
+    # Megatron-LM's names set the launcher's layout (the later flag wins, as on the trainer's command line)
+    (["--pipeline-model-parallel-size", "3", "--tensor-model-parallel-size", "3", "--nnodes", "2"],
+     "9 ranks (pipeline 3 x tensor 3 x data 1) do not split evenly over 2 nodes"),
 ])
 def test_bad_launcher_flags(args, message):
     result = subprocess.run(["bash", "run_master.sh", *LAYOUT, "--nnodes", "2", *args], cwd=REPO,

@@ -74,7 +74,10 @@ def test_every_entry_point_defaults_to_the_registry_default():
 
     assert DEFAULT_POLICY == "planned" and DEFAULT_POLICY in ADAPTIVE_POLICY_NAMES
     assert AppSettings().policy == DEFAULT_POLICY
-    assert build_parser().get_default("policy") == DEFAULT_POLICY
+    from megatron_app.train.args import parse_args
+
+    assert build_parser().get_default("policy") is None   # unset, so a static schedule can refuse a given one
+    assert parse_args([], environ={"WORLD_SIZE": "1"}).policy == DEFAULT_POLICY
     assert add_arguments(argparse.ArgumentParser()).get_default("app_policy") == DEFAULT_POLICY
     assert inspect.signature(install).parameters["policy"].default == DEFAULT_POLICY
 

@@ -40,3 +40,24 @@ def test_entry_points_print_no_third_party_warnings(argv):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "Warning" not in done.stderr and "warnings.warn" not in done.stderr, done.stderr
+
+
+def test_corpus_tools_print_no_third_party_warnings(tmp_path):
+    corpus = tmp_path / "corpus"
+    runs = [["tools/make_corpus.py", "--output-dir", str(corpus), "--sources", "licenses"],
+            ["tools/preprocess_data.py", "--input", str(corpus / "corpus.jsonl"), "--output-prefix", str(tmp_path / "pp"),
+             "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-json", str(corpus / "tokenizer.json"),
+             "--append-eod", "--workers", "2"]]
+    for argv in runs:
+        done = subprocess.run([sys.executable, "-W", "default", *argv], cwd=REPO, env=run_env(), capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert "Warning" not in done.stderr and "warnings.warn" not in done.stderr, done.stderr
+
+
+def test_the_loss_layers_dtype_table_does_not_warn_about_complex_half():
+    # torch warns once per process when a complex32 tensor is made; the table sizes every wire dtype
+    code = "from megatron_app.lossy.tensors import element_table; print(len(element_table()))"
+    done = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code], cwd=REPO, env=run_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "ComplexHalf" not in done.stderr, done.stderr

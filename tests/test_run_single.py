@@ -1,5 +1,6 @@
 """run_single.sh end to end: bad configs fail before any rank starts; a P=2 V=2 run feeds both trace tools."""
 
+import json
 import re
 import subprocess
 import sys
@@ -23,6 +24,13 @@ def _run_single(*flags, timeout=300, cwd=REPO, **env):
     (["--pipeline_parallel", "2", "--no-such-flag"], "no-such-flag"),
     (["--pipeline_parallel", "2", "--variable-seq-lengths"], "--variable-seq-lengths needs --data-path"),
     (["--pipeline_parallel", "2", "--composition", "packed"], "--composition needs --variable-seq-lengths"),
+    # Megatron-LM's names reach the launcher's layout (4 ranks: T=2 is checked against the heads) and the trainer
+    (["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--num-attention-heads", "3",
+      "--hidden-size", "63", "--train-iters", "2"], "--num-attention-heads 3 is not divisible by tensor_parallel(2)"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"],
+     "--num-layers 8 is not divisible by pipeline_parallel(2) x 3"),
+    (["--pipeline_parallel", "2", "--log-json", "/dev/null/x.json"], "/dev/null is not a directory"),
+    (["--pipeline_parallel", "2", "--save", "/dev/null/ckpt"], "/dev/null is not a directory"),
 ])
 def test_bad_config_fails_in_one_line_before_any_rank_starts(flags, message):
     result = _run_single(*flags, timeout=120)
@@ -48,6 +56,14 @@ def test_run_single_p2_v2_traces_through_process_and_visualize(tmp_path):
     assert run_dir.parent == traces.resolve() and sorted(p.name for p in run_dir.iterdir()) == [
         "trace_rank0.jsonl", "trace_rank1.jsonl"]
     assert f"traces: {traces / run_dir.name} ({traces / 'latest'} points there)" in result.stdout
+
+    # One numbering: the log's iter 1/2 and 2/2 are the trace's iterations 1 and 2 (optimizer spans included)
+    events = [json.loads(line) for line in (run_dir / "trace_rank0.jsonl").read_text().splitlines()[1:]]
+    assert sorted({e["iteration"] for e in events if "iteration" in e}) == [1, 2]
+    picked = subprocess.run([sys.executable, str(REPO / "tools" / "process_trace.py"), "--pipeline_parallel", "2",
+                             "--model_chunks", "2", "--trace-dir", str(traces), "--out-dir", str(out),
+                             "--iteration", "2"], capture_output=True, text=True, timeout=120, env=run_env())
+    assert picked.returncode == 0 and "iteration 2" in picked.stdout, picked.stderr
 
     m = 8
     for tool in ("process_trace.py", "visualize_trace.py"):

@@ -122,3 +122,13 @@ def test_a_groups_transport_id_is_the_same_for_every_member_and_fits_the_wire():
     long_id = "x" * MAX_JOB_ID_CHARS
     assert len(transport_job_id(long_id, (4, 5), None)) <= MAX_JOB_ID_CHARS
     assert transport_job_id(long_id, (4, 5), None) != transport_job_id(long_id + "y", (4, 5), None)
+
+
+def test_trace_iterations_count_from_one_and_follow_the_loops_number():
+    from megatron_app.trace.schema import FIRST_ITERATION
+
+    job = AppJob()
+    assert FIRST_ITERATION == 1
+    assert [job.trace_iteration(calls) for calls in (0, 1, 2)] == [1, 2, 3]   # untold: calls counted from 1
+    job.tell_iteration(4)          # a run resumed after iteration 3: its first call is the log's iteration 4
+    assert [job.trace_iteration(calls) for calls in (0, 1)] == [4, 5]

@@ -12,6 +12,7 @@ from megatron_app.schedule import PipelineShape
 from megatron_app.sim import ComputeCosts, ComputePerturbations, LinkCosts, SimConfig, simulate
 from megatron_app.trace import read_trace_dir
 from megatron_app.trace.cli import run_cli
+from megatron_app.trace.schema import FIRST_ITERATION
 
 REPO = Path(__file__).resolve().parent.parent
 SHAPE = PipelineShape(4, 2, 8)
@@ -35,12 +36,12 @@ def test_trace_files_hold_the_simulated_run(simulated):
     trace_dir, result = simulated
     run = read_trace_dir(trace_dir, 4, 2)
     assert (run.source, run.policy, run.microbatches, len(run.ranks)) == ("sim", "adaptive", 8, 4)
-    assert run.iterations() == [0, 1]
+    assert run.iterations() == [1, 2]   # counted from 1, as the trainer's log and its traces
     for rank in run.ranks:
         r = rank.meta.pp_rank
         assert rank.meta.host == "sim" and rank.meta.clock_offset_us == 0.0 and rank.meta.extra["seed"] == 3
         for outcome in result.iterations:
-            events = rank.events_of(outcome.iteration)
+            events = rank.events_of(outcome.iteration + FIRST_ITERATION)   # the engine counts from 0
             compute = [e for e in events if e.kind in ("forward", "backward")]
             assert [(e.kind[0].upper(), e.chunk, e.microbatch) for e in compute] == [
                 (t.kind.value, t.chunk, t.microbatch) for t in outcome.orders[r]]
@@ -55,7 +56,7 @@ def test_trace_files_hold_the_simulated_run(simulated):
             receives = [e for e in events if e.kind == "recv"]
             assert receives and all(e.start == e.end for e in receives)
         if r > 0:   # waits for its first input
-            first_wait = [e for e in rank.events_of(0) if e.kind == "wait"][0]
+            first_wait = [e for e in rank.events_of(FIRST_ITERATION) if e.kind == "wait"][0]
             assert first_wait.start == 0.0 and first_wait.end >= r * 10_000 * 0.8
 
 
@@ -84,7 +85,7 @@ def test_process_trace_reads_a_simulated_run(simulated, tmp_path, capsys):
     metrics = json.loads((tmp_path / "trace_pipeline_4_model_chunks_2_metrics.json").read_text())
     (last,) = metrics["iterations"]
     outcome = result.iterations[-1]
-    assert last["iteration"] == 1
+    assert last["iteration"] == 2
     assert last["makespan_us"] == pytest.approx(outcome.makespan_us, abs=0.01)
     assert last["mean_bubble_ratio"] == pytest.approx(outcome.bubble_ratio, abs=1e-6)
     assert [r["peak_activations"] for r in last["ranks"]] == outcome.peak_activations
@@ -110,7 +111,7 @@ def test_visualize_trace_draws_a_simulated_run(simulated, tmp_path, capsys):
     trace_dir, result = simulated
     tool = load_tool("visualize_trace")
     code = run_cli(tool.PROG, tool.main, ["--pipeline_parallel", "4", "--model_chunks", "2", "--trace-dir",
-                                          str(trace_dir), "--out-dir", str(tmp_path), "--iteration", "0"])
+                                          str(trace_dir), "--out-dir", str(tmp_path), "--iteration", "1"])
     assert code == 0
     assert f"makespan {result.iterations[0].makespan_us / 1e3:.3f} ms" in capsys.readouterr().out
     for suffix in ("xlsx", "png"):

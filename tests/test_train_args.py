@@ -107,3 +107,110 @@ def test_cli_bad_flag_exits_2_with_one_stderr_line(argv, world):
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("megatron_app.train: error: ")
     assert result.stdout == ""
+
+
+# ---- Megatron-LM's names, --help's defaults, one meaning per flag --------------------------------------------------
+def test_megatron_lm_flag_names_are_aliases():
+    ours = _parse("--pipeline_parallel", "2", "--tensor_parallel", "2", "--model_chunks", "2", "--iters", "3",
+                  world="4")
+    megatron = _parse("--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                      "--num-layers-per-virtual-pipeline-stage", "2", "--train-iters", "3", world="4")
+    for dest in ("pipeline_parallel", "tensor_parallel", "model_chunks", "iters", "data_parallel"):
+        assert getattr(ours, dest) == getattr(megatron, dest), dest
+    assert _parse("--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
+                  world="2").model_chunks == 2
+    assert _parse("--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+                  world="2").model_chunks == 2
+
+
+def test_virtual_stage_flags_that_disagree_are_refused():
+    with pytest.raises(UsageError, match="disagree"):
+        _parse("--pipeline_parallel", "2", "--model_chunks", "4", "--num-layers-per-virtual-pipeline-stage", "2",
+               world="2")
+
+
+def test_help_shows_every_default():
+    from megatron_app.train.args import build_parser
+
+    parser = build_parser()
+    text = parser.format_help()
+    for fragment in ("(default: 5)", "(default: 1234)", "(default: 0.001)", "(default: planned)", "(default: app)",
+                     "(default: 8)", "(default: traces/)"):
+        assert fragment in " ".join(text.split()), fragment
+    for action in parser._actions:
+        if action.nargs == 0 and action.dest not in ("check_for_nan_in_loss_and_grad",):
+            continue   # an on/off switch: off unless given
+        if action.help == "==SUPPRESS==":
+            continue
+        assert action.help, f"{action.option_strings} has no help (argparse would show no default)"
+        assert "default" in parser._get_formatter()._get_help_string(action), action.option_strings
+
+
+@pytest.mark.parametrize("argv, world, fragment", [
+    (["--pipeline_parallel", "2", "--schedule", "interleaved", "--policy", "dfc"], "2",
+     "--policy dfc chooses the task policy of --schedule app; this run follows the fixed order of --schedule "
+     "interleaved: drop --policy"),
+    (["--pipeline_parallel", "2", "--schedule-file", "x.csv", "--policy", "dfc"], "2",
+     "this run follows the action lists of --schedule-file x.csv"),
+    (["--slow-link", "0-1:0-1:2"], "1", "--slow-link is the simulator's flag (a slowdown FACTOR)"),
+    (["--emulate-compute", "1,2", "--slow-factor", "2"], "1", "--slow-factor needs --slow-rank"),
+    (["--emulate-compute", "1,2", "--straggler-factor", "2"], "1", "--straggler-factor needs --straggler-prob"),
+    (["--eval-iters", "3"], "1", "--eval-iters needs --eval-interval"),
+    (["--split", "90,5,5"], "1", "--split needs --data-path"),
+    (["--no-trace", "--trace-dir", "t"], "1", "--no-trace writes no trace: drop --trace-dir"),
+    (["--schedule", "megatron", "--trace-dir", "t"], "1", "writes no trace: drop --trace-dir"),
+])
+def test_an_option_the_mode_ignores_is_refused_in_one_line(argv, world, fragment):
+    with pytest.raises(UsageError) as info:
+        _parse(*argv, world=world)
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_one_policy_name_per_run():
+    from megatron_app.runtime.settings import AppSettings
+    from megatron_app.schedule.action_lists import ACTION_LISTS
+
+    assert _parse().policy == "planned" and _parse("--policy", "dfc").policy == "dfc"
+    assert _parse("--pipeline_parallel", "2", "--schedule", "1f1b", world="2").policy == "1f1b"
+    # what the banner and the trace say (the session's policy_name) is the config line's name
+    assert AppSettings(schedule="1f1b").validate().policy_name == "1f1b"
+    assert AppSettings(schedule="file", schedule_file=__file__).policy_name == ACTION_LISTS
+
+
+# ---- outputs checked before any rank starts ----------------------------------------------------------------------
+@pytest.mark.parametrize("flag, path, fragment", [
+    ("--log-json", "/dev/null/x.json", "--log-json /dev/null/x.json: /dev/null is not a directory"),
+    ("--save", "/dev/null/ckpt", "--save /dev/null/ckpt: cannot create the directory there: /dev/null is not a dir"),
+    ("--trace-dir", "{file}", "exists and is not a directory"),
+    ("--dump-grads", "{file}/sub", "is not a directory"),
+    ("--dump-weights", "{ro}/w", "is not writable"),
+    ("--log-json", "{tmp}", "is a directory, not a file"),
+])
+def test_an_output_that_cannot_be_written_is_refused_before_the_run(tmp_path, flag, path, fragment):
+    (tmp_path / "file").write_text("x")
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    if flag == "--dump-weights" and os.access(ro, os.W_OK) and os.geteuid() == 0:
+        ro = "/proc"   # root writes anywhere on an ordinary file system; /proc refuses even root
+    path = path.format(file=tmp_path / "file", ro=ro, tmp=tmp_path)
+    with pytest.raises(UsageError) as info:
+        _parse(flag, path)
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "ro"]   # the check created nothing
+
+
+def test_save_needs_room_for_a_checkpoint(tmp_path):
+    from megatron_app.train.output_paths import OutputPathError, check_room, checkpoint_bytes
+
+    args = _parse("--num-layers", "2", "--hidden-size", "64")
+    needed = checkpoint_bytes(args)
+    assert needed > 12 * 2 * 12 * 64 * 64   # the layers' weights and Adam's moments at least
+    check_room("--save", str(tmp_path), str(tmp_path), needed, free=needed)
+    with pytest.raises(OutputPathError, match=r"needs about .* MiB, and only 0.0 MiB are free"):
+        check_room("--save", str(tmp_path), str(tmp_path), needed, free=1000)
+
+
+def test_writable_outputs_pass_and_nothing_is_created(tmp_path):
+    args = _parse("--save", str(tmp_path / "a" / "ckpt"), "--log-json", str(tmp_path / "b" / "log.json"),
+                  "--trace-dir", str(tmp_path / "traces"), "--dump-grads", str(tmp_path))
+    assert args.save.endswith("ckpt") and list(tmp_path.iterdir()) == []

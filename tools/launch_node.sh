@@ -20,16 +20,19 @@ usage() {
 }
 fail() { echo "$script: $*" >&2; exit 2; }
 
-P=1; V=1; T=1; D=1; passthrough=()
+P=1; V=; T=1; D=1; passthrough=()   # V unset: the trainer derives it
 nnodes=${NNODES:-}; node_rank=${NODE_RANK:-}
 master_addr=${MASTER_ADDR:-}; master_port=${MASTER_PORT:-29500}
 transport=${MEGATRON_APP_TRANSPORT:-auto}; rdzv_timeout=${MEGATRON_APP_RENDEZVOUS_TIMEOUT:-120}
 while [ $# -gt 0 ]; do
     case "$1" in
         -h|--help) usage; exit 0 ;;
-        --pipeline_parallel|--pipeline-parallel) [ $# -ge 2 ] || fail "$1 needs a value"; P=$2; shift 2 ;;
-        --model_chunks|--model-chunks) [ $# -ge 2 ] || fail "$1 needs a value"; V=$2; shift 2 ;;
-        --tensor_parallel|--tensor-parallel) [ $# -ge 2 ] || fail "$1 needs a value"; T=$2; shift 2 ;;
+        --pipeline_parallel|--pipeline-parallel|--pipeline-model-parallel-size)
+            [ $# -ge 2 ] || fail "$1 needs a value"; P=$2; shift 2 ;;
+        --model_chunks|--model-chunks|--num-virtual-stages-per-pipeline-rank|--virtual-pipeline-model-parallel-size)
+            [ $# -ge 2 ] || fail "$1 needs a value"; V=$2; shift 2 ;;
+        --tensor_parallel|--tensor-parallel|--tensor-model-parallel-size)
+            [ $# -ge 2 ] || fail "$1 needs a value"; T=$2; shift 2 ;;
         --data_parallel|--data-parallel) [ $# -ge 2 ] || fail "$1 needs a value"; D=$2; shift 2 ;;
         --nnodes) [ $# -ge 2 ] || fail "$1 needs a value"; nnodes=$2; shift 2 ;;
         --node_rank|--node-rank) [ $# -ge 2 ] || fail "$1 needs a value"; node_rank=$2; shift 2 ;;
@@ -42,7 +45,7 @@ while [ $# -gt 0 ]; do
 done
 
 positive() { [[ "$2" =~ ^[1-9][0-9]*$ ]] || fail "--$1 must be a positive integer, got '$2'"; }
-for pair in "pipeline_parallel:$P" "model_chunks:$V" "tensor_parallel:$T" "data_parallel:$D"; do
+for pair in "pipeline_parallel:$P" "model_chunks:${V:-1}" "tensor_parallel:$T" "data_parallel:$D"; do
     positive "${pair%%:*}" "${pair#*:}"
 done
 [ -n "$nnodes" ] || fail "--nnodes is required (or set NNODES)"
@@ -67,8 +70,11 @@ world=$((P * T * D))
 nproc=$((world / nnodes))
 
 source tools/setup_env.sh
-layout=(--pipeline_parallel "$P" --model_chunks "$V" --tensor_parallel "$T" --data_parallel "$D")
-WORLD_SIZE=$world LOCAL_WORLD_SIZE=$nproc NODE_RANK=$node_rank "$VENV_PY" -m megatron_app.train "${layout[@]}" "${passthrough[@]}" --check-config || exit 2
+layout=(--pipeline_parallel "$P" ${V:+--model_chunks "$V"} --tensor_parallel "$T" --data_parallel "$D")
+config=$(WORLD_SIZE=$world LOCAL_WORLD_SIZE=$nproc NODE_RANK=$node_rank "$VENV_PY" -m megatron_app.train "${layout[@]}" \
+    ${passthrough[@]+"${passthrough[@]}"} --check-config) || exit 2
+echo "$config"
+[[ "$config" =~ \ V=([0-9]+) ]] && V=${BASH_REMATCH[1]}   # the trainer's V (also from Megatron-LM's flags)
 
 layout_json="{\"pipeline_parallel\": $P, \"model_chunks\": $V, \"tensor_parallel\": $T, \"data_parallel\": $D, \"nnodes\": $nnodes, \"transport\": \"$transport\"}"
 job_id=${MEGATRON_APP_JOB_ID:-multi$$x$(date +%s)}

@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from megatron_app.quiet import silence_third_party_warnings
+
+    silence_third_party_warnings()   # before megatron-core's import: Apex / Transformer Engine are absent on CPU
     args = build_parser().parse_args(argv)
     if args.vocab_size < 300:
         _fail(f"--vocab-size must be at least 300 (256 byte tokens + the end-of-document token), "

@@ -75,6 +75,9 @@ def _progress(stats) -> None:
 
 
 def main(argv=None) -> int:
+    from megatron_app.quiet import silence_third_party_warnings
+
+    silence_third_party_warnings()   # before megatron-core's import: Apex / Transformer Engine are absent on CPU
     args = build_parser().parse_args(argv)
     if args.log_interval < 1:
         _fail(f"--log-interval must be a positive integer, got {args.log_interval}")

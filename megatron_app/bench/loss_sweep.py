@@ -134,18 +134,26 @@ def run_name(traffic: str, model: str, rate: float) -> str:
     return f"{traffic}_{model}_{rate:g}"
 
 
-def train_once(args, out_dir: Path, traffic: str, model: str, rate: float) -> dict:
-    name = run_name(traffic, model, rate)
+def trainer_flags(args, traffic: str, model: str, rate: float, log_json: Path, trace_dir: Path) -> list:
+    """One sweep run's run_single.sh flags. The sweep measures divergence itself (summarize_losses), so a non-finite
+    loss must not stop the run: the trainer's NaN check is off."""
     layout, placement, _ = TRAFFIC[traffic]
-    log_json = out_dir / f"{name}.json"
-    trace_dir = out_dir / f"{name}_trace"
-    flags = layout + model_flags(args.num_layers) + ["--iters", str(args.iters), "--seed", str(args.seed), "--log-json", str(log_json),
-                                    "--trace-dir", str(trace_dir)]
+    flags = layout + model_flags(args.num_layers) + ["--iters", str(args.iters), "--seed", str(args.seed),
+                                                     "--log-json", str(log_json), "--trace-dir", str(trace_dir),
+                                                     "--no-check-for-nan-in-loss-and-grad"]
     if model != "none":
         flags += ["--loss-model", model, "--loss-rate", str(rate), *placement, "--loss-fill", args.fill,
                   "--loss-packet-bytes", str(args.packet_bytes)]
         if model == "gilbert-elliott":
             flags += ["--burst-length", str(args.burst_length)]
+    return flags
+
+
+def train_once(args, out_dir: Path, traffic: str, model: str, rate: float) -> dict:
+    name = run_name(traffic, model, rate)
+    log_json = out_dir / f"{name}.json"
+    trace_dir = out_dir / f"{name}_trace"
+    flags = trainer_flags(args, traffic, model, rate, log_json, trace_dir)
     env = dict(os.environ, LOG_DIR=str(out_dir / f"{name}_logs"), OMP_NUM_THREADS="1")
     start = time.perf_counter()
     with open(out_dir / f"{name}.log", "w", encoding="utf-8") as log:

@@ -4,10 +4,10 @@ with the same durations (or with a traced run's).
     spec.py        EmulationSpec, TaskDurations, spec_from_args       per-task durations (megatron_app.sim's draws)
     compute.py     EmulatedChunk, TimedScale, emulated_forward_step    chunks whose compute is a timed wait (torch)
     wait.py        emulated_wait, set_wait_function                    how emulated compute waits
-    link_delay.py  DelayedSendTransport, LinkDelay                     --slow-link as a transport wrapper (torch)
+    link_delay.py  DelayedSendTransport, LinkDelay                     --link-delay as a transport wrapper (torch)
     sim_replay.py  SlowLinkNetwork, simulate_emulation, replay_trace_iteration, measured_durations
-The slow-link type is megatron_app.sim's SlowLink (parse_delay for --slow-link). This package imports only the
-torch-free parts; import compute and link_delay from their modules.
+The slow-link type is megatron_app.sim's SlowLink (parse_delay for the trainer's --link-delay). This package imports
+only the torch-free parts; import compute and link_delay from their modules.
 """
 
 from megatron_app.sim.network import SlowLink

@@ -1,6 +1,6 @@
-"""Slow-link emulation: messages on one pipeline link, posted inside a window of each iteration, arrive late.
+"""Link-delay emulation: messages on a pipeline link, posted inside a window of each iteration, arrive late.
 
-`--slow-link A-B:START_MS-END_MS:DELAY_MS`: a message between pipeline ranks A and B (either direction) posted
+`--link-delay A-B:START_MS-END_MS:DELAY_MS` (the trainer's; several may be given): a message between pipeline ranks A and B (either direction) posted
 START_MS..END_MS after the iteration began is handed to the transport DELAY_MS later; the link stays FIFO, so a
 later message on it never overtakes a delayed one. The sender is not blocked: the send is deferred and posted by the
 rank's own thread when due (while it waits for input, or inside an emulated compute wait), so no second thread
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Deque, Dict, List, Optional
+from typing import Deque, Dict, List, Optional, Sequence
 
 from megatron_app.sim.network import SlowLink
 from megatron_app.transport import TransportTimeout
@@ -40,10 +40,25 @@ class _Deferred:
         self.inner.wait(timeout)
 
 
-class DelayedSendTransport(TransportWrapper):
-    """Wraps the runtime's Transport; defers sends on the slow link and posts them when due."""
+class DelayWindows:
+    """Several --link-delay windows as one rule: a message takes the longest delay of the windows it falls in."""
 
-    def __init__(self, transport: PipelineTransport, spec: SlowLink, pp_global_ranks: List[int], pp_rank: int,
+    def __init__(self, windows: Sequence[SlowLink]):
+        self.windows = tuple(windows)
+
+    def delay_at_us(self, src: int, dst: int, time_us: float) -> float:
+        return max((window.delay_at_us(src, dst, time_us) for window in self.windows), default=0.0)
+
+    def check_ranks(self, num_stages: int) -> None:
+        for window in self.windows:
+            window.check_ranks(num_stages)
+
+
+class DelayedSendTransport(TransportWrapper):
+    """Wraps the runtime's Transport; defers sends on the delayed links and posts them when due. `spec`: a SlowLink
+    or a DelayWindows (anything with delay_at_us)."""
+
+    def __init__(self, transport: PipelineTransport, spec, pp_global_ranks: List[int], pp_rank: int,
                  iteration_start: Optional[float] = None):
         super().__init__(transport)
         self.spec = spec
@@ -137,11 +152,11 @@ class DelayedSendTransport(TransportWrapper):
 
 
 class LinkDelay:
-    """The --slow-link rule of this process: `wrap` (a runtime transport wrapper) puts a DelayedSendTransport around
-    the runtime's transport and routes emulated compute waits through it; begin_iteration restarts the window."""
+    """The --link-delay rule of this process: `wrap` (a runtime transport wrapper) puts a DelayedSendTransport around
+    the runtime's transport and routes emulated compute waits through it; begin_iteration restarts the windows."""
 
-    def __init__(self, spec: SlowLink):
-        self.spec = spec
+    def __init__(self, windows: Sequence[SlowLink]):
+        self.spec = DelayWindows(windows)
         self.transport: Optional[DelayedSendTransport] = None
         self._iteration_start = time.monotonic()
 

@@ -23,7 +23,7 @@ from .spec import EmulationSpec
 
 
 class SlowLinkNetwork:
-    """megatron_app.sim's Network interface under the --slow-link rule (link_delay.py: a delay for messages posted
+    """megatron_app.sim's Network interface under the --link-delay rule (link_delay.py: a delay for messages posted
     inside each iteration's window, the link kept FIFO) plus a fixed latency on every message."""
 
     def __init__(self, spec: Optional[SlowLink], latency_us: float = 0.0):

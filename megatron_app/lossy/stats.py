@@ -96,7 +96,7 @@ class LossReporter:
         if tracer is not None and tracer.enabled:
             now = tracer.now_us()
             for delta in deltas:
-                tracer.record(LOSS_EVENT, now, now, iteration=iteration - 1, peer=delta.source,
+                tracer.record(LOSS_EVENT, now, now, iteration=iteration, peer=delta.source,
                               traffic=delta.traffic, link=delta.link, direction=delta.direction,
                               packets=delta.packets, lost=delta.lost, rate=round(delta.observed_rate, 6),
                               bursts={str(k): v for k, v in sorted(delta.bursts.items())})

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -25,7 +26,12 @@ _FLOAT_KINDS = {
 @functools.lru_cache(maxsize=None)
 def element_of(dtype: torch.dtype):
     """(element size, ElementKind) of a dtype; only float kinds can be rescaled."""
-    return torch.empty((), dtype=dtype).element_size(), _FLOAT_KINDS.get(dtype, loss_injection.ElementKind.OPAQUE)
+    with warnings.catch_warnings():
+        # Sizing torch.complex32 (in the wire table, never sent by us) makes torch warn "ComplexHalf support is
+        # experimental" on every rank: not the user's concern.
+        warnings.filterwarnings("ignore", message="ComplexHalf support is experimental", category=UserWarning)
+        size = torch.empty((), dtype=dtype).element_size()
+    return size, _FLOAT_KINDS.get(dtype, loss_injection.ElementKind.OPAQUE)
 
 
 def element_table() -> dict:

@@ -143,7 +143,7 @@ class PipelineStep:
         self.state = RankState(self.shape, self.pp_rank, self.lengths)
         self.links = PipelineLinks(self.shape, self.pp_rank, self._pp_global, session.calls)
         self.agreement = TaskAgreement(placement.tp_group)
-        self.iteration = session.training_calls
+        self.iteration = job.trace_iteration(session.training_calls)   # the loop's number (set_iteration), from 1
 
         # This call's bookkeeping.
         V, m = self.shape.num_chunks, self.num_microbatches

@@ -14,6 +14,8 @@ from __future__ import annotations
 import atexit
 from typing import Callable, Dict, List, Optional
 
+from megatron_app.trace.schema import FIRST_ITERATION
+
 from .next_call import NextCall
 from .session import RuntimeSession, TransportWrapperFactory
 from .settings import AppSettings
@@ -36,6 +38,18 @@ class AppJob:
         # wrapper(transport, pipeline global ranks) -> transport, applied in the order added (session.py)
         self.transport_wrappers: List[TransportWrapperFactory] = []
         self._session: Optional[RuntimeSession] = None
+        # A training call's trace iteration = the session's training calls before it + this offset: FIRST_ITERATION
+        # (counted from 1) until the loop tells its own number (set_iteration: a resumed run continues).
+        self._iteration_offset = FIRST_ITERATION
+
+    def tell_iteration(self, iteration: int) -> None:
+        """The next training call is the loop's iteration `iteration`; the calls after it count on from there."""
+        calls = self._session.training_calls if self._session is not None else 0
+        self._iteration_offset = iteration - calls
+
+    def trace_iteration(self, training_calls: int) -> int:
+        """The trace iteration of the training call that follows `training_calls` earlier ones."""
+        return training_calls + self._iteration_offset
 
     def use_settings(self, settings: AppSettings) -> None:
         self.settings = settings

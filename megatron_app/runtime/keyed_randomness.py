@@ -168,7 +168,9 @@ def disable_keyed_randomness() -> None:
 
 
 def set_iteration(iteration: int) -> None:
-    """The iteration of the next training step's keys (a resumed run continues its masks)."""
+    """The loop's number of the next training step: its dropout keys (a resumed run continues its masks) and its
+    trace iteration (counted from 1, as the trainer's log)."""
+    current_job().tell_iteration(iteration)
     state = current_job().keyed_randomness
     if state is not None:
         state.iteration = iteration

@@ -64,7 +64,12 @@ class AppSettings:
 
     @property
     def policy_name(self) -> str:
-        """The schedule-package policy that runs: the adaptive rule, or the static order itself."""
+        """The schedule-package policy that runs: the adaptive rule, the static order itself, or a schedule file's
+        action lists (the name the banner and the trace show)."""
+        if self.schedule == FILE_SCHEDULE:
+            from megatron_app.schedule.action_lists import ACTION_LISTS
+
+            return ACTION_LISTS
         return self.policy if self.schedule == "app" else self.schedule
 
 

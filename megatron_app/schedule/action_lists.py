@@ -20,6 +20,8 @@ from .shape import PipelineShape
 from .static_order import StaticOrderPolicy, make_static
 from .tasks import Kind, Task
 
+# The policy name a schedule file's lists run under: the runtime's banner, the trace and the trainer's config line.
+ACTION_LISTS = "action-lists"
 _ACTION = re.compile(r"^(\d+)([FIWB])(\d+)$")
 
 
@@ -85,7 +87,7 @@ def orders_from_action_lists(shape: PipelineShape, lists: Sequence[Sequence[str]
 def make_action_list_policy(shape: PipelineShape, rank: int, lists: Sequence[Sequence[str]],
                             memory_cap=None) -> StaticOrderPolicy:
     """A static policy running rank `rank`'s list (all lists are checked together)."""
-    return make_static("action-lists", orders_from_action_lists(shape, lists)[rank], shape, rank, memory_cap)
+    return make_static(ACTION_LISTS, orders_from_action_lists(shape, lists)[rank], shape, rank, memory_cap)
 
 
 def _key(task: Task):

@@ -28,7 +28,7 @@ class SlowLink:
     """The one slow-link concept of the package (simulator, compute emulation, benchmarks): both directions between
     rank_a and rank_b are slow during [start_us, end_us): a message starting then takes `factor` times longer and
     arrives `delay_us` later. Times count from a reference the user picks: the simulation's start for the
-    simulator's --slow-link (a factor), each iteration's start for the trainer's --slow-link (a delay)."""
+    simulator's --slow-link (a factor), each iteration's start for the trainer's --link-delay (a delay)."""
 
     rank_a: int
     rank_b: int
@@ -57,8 +57,8 @@ class SlowLink:
 
     @classmethod
     def parse_delay(cls, text: str) -> "SlowLink":
-        """The trainer's --slow-link 'A-B:START_MS-END_MS:DELAY_MS', e.g. '1-2:0-300:12' (ms into each iteration)."""
-        a, b, start_ms, end_ms, delay_ms = _parse_window(text, "--slow-link", "DELAY_MS", "1-2:0-300:12")
+        """The trainer's --link-delay 'A-B:START_MS-END_MS:DELAY_MS', e.g. '1-2:0-300:12' (ms into each iteration)."""
+        a, b, start_ms, end_ms, delay_ms = _parse_window(text, "--link-delay", "DELAY_MS", "1-2:0-300:12")
         return cls(a, b, start_ms * US_PER_MS, end_ms * US_PER_MS, delay_us=delay_ms * US_PER_MS)
 
     def joins(self, src: int, dst: int) -> bool:
@@ -76,7 +76,7 @@ class SlowLink:
     def check_ranks(self, num_stages: int) -> None:
         for rank in (self.rank_a, self.rank_b):
             if rank >= num_stages:
-                raise ScheduleConfigError(f"--slow-link rank {rank} is outside 0..{num_stages - 1}")
+                raise ScheduleConfigError(f"--link-delay rank {rank} is outside 0..{num_stages - 1}")
 
     def __str__(self) -> str:
         effect = self.delay_us / US_PER_MS if self.delay_us and self.factor == 1.0 else self.factor

@@ -4,7 +4,8 @@ tools/visualize_trace.py read it like a real run.
 
 Event mapping: forward/backward = the task's span; recv = an instant when a task takes its remote input; send =
 posted (the producer's finish) to arrival at the consumer; wait = a rank idle while its policy has nothing ready;
-iteration = from the iteration's start to this rank's last task.
+iteration = from the iteration's start to this rank's last task. The engine counts iterations from 0; the trace from
+FIRST_ITERATION (1), as the trainer's log and its traces do.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import List
 
 from megatron_app.schedule import Kind, PipelineShape, Task
 from megatron_app.trace import TraceMeta, Tracer
+from megatron_app.trace.schema import FIRST_ITERATION
 
 _DIRECTION = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward"}   # what a task's output carries downstream
 
@@ -36,6 +38,7 @@ class SimTrace:
             raise
 
     def compute(self, rank: int, iteration: int, task: Task, start_us: float, end_us: float) -> None:
+        iteration += FIRST_ITERATION
         tracer = self.tracers[rank]
         source = self.shape.input_source(rank, task)
         if source is not None:
@@ -45,15 +48,15 @@ class SimTrace:
                       microbatch=task.microbatch)
 
     def send(self, rank: int, iteration: int, task: Task, peer: int, posted_us: float, arrival_us: float) -> None:
-        self.tracers[rank].record("send", posted_us, arrival_us, iteration=iteration, chunk=task.chunk,
-                                  microbatch=task.microbatch, peer=peer, nbytes=self.tensor_bytes,
+        self.tracers[rank].record("send", posted_us, arrival_us, iteration=iteration + FIRST_ITERATION,
+                                  chunk=task.chunk, microbatch=task.microbatch, peer=peer, nbytes=self.tensor_bytes,
                                   direction=_DIRECTION[task.kind])
 
     def wait(self, rank: int, iteration: int, start_us: float, end_us: float) -> None:
-        self.tracers[rank].record("wait", start_us, end_us, iteration=iteration)
+        self.tracers[rank].record("wait", start_us, end_us, iteration=iteration + FIRST_ITERATION)
 
     def iteration(self, rank: int, iteration: int, start_us: float, end_us: float) -> None:
-        self.tracers[rank].record("iteration", start_us, end_us, iteration=iteration)
+        self.tracers[rank].record("iteration", start_us, end_us, iteration=iteration + FIRST_ITERATION)
         self.tracers[rank].flush()
 
     def close(self) -> None:

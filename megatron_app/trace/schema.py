@@ -12,9 +12,13 @@ from typing import Any
 
 from megatron_app.schedule.tasks import Kind, TASK_KINDS
 
-SCHEMA_VERSION = "1.3"
+SCHEMA_VERSION = "1.4"   # 1.4: iterations count from 1 (FIRST_ITERATION)
 FORMAT_NAME = "megatron_app.trace"
 FILE_PATTERN = "trace_rank{rank}.jsonl"
+# Iterations count from 1 in every trace, real or simulated, as in the trainer's log ("iter 1/N"), its --log-json and
+# Megatron-LM; a run resumed from iteration K's checkpoint traces K+1, K+2, ... (the trainer tells the runtime its
+# number with set_iteration). Files of schema 1.3 and older counted from 0.
+FIRST_ITERATION = 1
 
 FORWARD = Kind.FORWARD.trace_name
 BACKWARD = Kind.BACKWARD.trace_name

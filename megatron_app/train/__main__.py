@@ -17,15 +17,14 @@ def _fail(message: str) -> None:
 
 def check_schedule(args) -> None:
     """The schedule package's own checks (Megatron's interleaving rules, the policy's memory cap) for every rank."""
-    if args.schedule == "megatron":
+    if args.schedule == "megatron" or args.schedule_file is not None:   # a schedule file is checked by args.py
         return
     from megatron_app.schedule import PipelineShape, make_policy
 
     shape = PipelineShape(num_stages=args.pipeline_parallel, num_chunks=args.model_chunks,
                           num_microbatches=args.num_microbatches, split_backward=args.split_backward)
-    policy = args.policy if args.schedule == "app" else args.schedule
     for rank in range(args.pipeline_parallel):
-        make_policy(policy, shape, rank)
+        make_policy(args.policy, shape, rank)   # args.policy: the name of what runs (args.running_policy_name)
 
 
 def check_forced_rdma(args) -> None:
@@ -98,25 +97,42 @@ def main(argv=None) -> None:
         print(f"megatron_app.train: config ok: {args.world_size} ranks, P={args.pipeline_parallel} "
               f"V={args.model_chunks} T={args.tensor_parallel} D={args.data_parallel} m={args.num_microbatches}")
         return
+    try:
+        _train(args)
+    except KeyboardInterrupt:   # before training began (imports, start-up): nothing to say beyond the terminal's ^C
+        raise SystemExit(130) from None
+
+
+def _train(args) -> None:
     # Heavy imports only once the flags are known to be good.
     from megatron_app.runtime import PipelineStallError
-    from megatron_app.transport import BackendUnavailable, PeerDied, TransportTimeout
+    from megatron_app.transport import BackendUnavailable, PeerDied, TransportClosed, TransportTimeout
 
     from .loop import train
+    from .stops import NonFiniteError, TrainingInterrupted
 
+    rank = os.environ.get("RANK", "0")
     try:
         train(args)
+    except TrainingInterrupted as exc:   # Ctrl-C: one line from one rank, exit status 130 as for SIGINT
+        if exc.report:
+            print(f"megatron_app.train: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+    except NonFiniteError as exc:   # every rank stops on the same iteration; one of them names it
+        if exc.report:
+            print(f"megatron_app.train: rank {rank}: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     except BackendUnavailable as exc:  # a forced --transport / MEGATRON_APP_TRANSPORT this job cannot honour
         _fail(str(exc))
-    except (PeerDied, TransportTimeout, PipelineStallError) as exc:
+    except (PeerDied, TransportClosed, TransportTimeout, PipelineStallError) as exc:
         # A fault of another rank, not of this one: name it in one line instead of a traceback.
-        print(f"megatron_app.train: rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)
+        print(f"megatron_app.train: rank {rank}: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(1)
     except (OSError, RuntimeError) as exc:
         reason = environment_failure(exc)
         if reason is None:
             raise
-        print(f"megatron_app.train: rank {os.environ.get('RANK', '0')}: error: {reason}", file=sys.stderr, flush=True)
+        print(f"megatron_app.train: rank {rank}: error: {reason}", file=sys.stderr, flush=True)
         raise SystemExit(1)
 
 

@@ -26,6 +26,10 @@ DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_MICROBATCHES = 8
 DEFAULT_VOCAB_SIZE = 1024  # mock data; with --data-path the size comes from the tokenizer or the data
 DEFAULT_SPLIT = "949,50,1"
+DEFAULT_SLOW_FACTOR = 1.5
+DEFAULT_STRAGGLER_FACTOR = 3.0
+DEFAULT_EVAL_ITERS = 10
+DEFAULT_TRACE_DIR = "traces/"
 
 
 class UsageError(ValueError):
@@ -39,53 +43,75 @@ class _OneLineParser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _add_flag(parser, *names: str, **kwargs) -> None:
-    """Accept both ``--a_b`` and ``--a-b`` spellings of every flag."""
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """--help names every flag's default: argparse's "(default: X)" unless the text already says it; "none" for an
+    unset option; nothing for an on/off switch (off unless given)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS or action.nargs == 0:
+            return text
+        shown = "none" if action.default is None else "%(default)s"
+        return f"{text} (default: {shown})" if text else f"default: {shown}"
+
+
+def _add_flag(parser, *names: str, megatron: Sequence[str] = (), **kwargs) -> None:
+    """Accept both ``--a_b`` and ``--a-b`` spellings of every flag, and Megatron-LM's name for it (``megatron``)."""
     spellings = []
     for name in names:
         body = name[2:]
         for variant in (name, "--" + body.replace("_", "-"), "--" + body.replace("-", "_")):
             if variant not in spellings:
                 spellings.append(variant)
-    parser.add_argument(*spellings, **kwargs)
+    parser.add_argument(*spellings, *megatron, **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(
         prog="python -m megatron_app.train",
-        description="Train a small Megatron-Core GPT with a chosen pipeline schedule (one process per rank).",
+        description="Train a small Megatron-Core GPT with a chosen pipeline schedule (one process per rank). "
+                    "Megatron-LM's names of the flags we share are accepted too (--pipeline-model-parallel-size, "
+                    "--train-iters, ...).",
+        formatter_class=_DefaultsFormatter,
     )
     layout = parser.add_argument_group("parallel layout")
-    _add_flag(layout, "--pipeline_parallel", type=int, default=1, metavar="P", help="pipeline stages")
-    _add_flag(layout, "--model_chunks", type=int, default=1, metavar="V",
-              help="model chunks (virtual stages) per pipeline rank")
-    _add_flag(layout, "--tensor_parallel", type=int, default=1, metavar="T", help="tensor-parallel size")
+    _add_flag(layout, "--pipeline_parallel", type=int, default=1, metavar="P", help="pipeline stages",
+              megatron=["--pipeline-model-parallel-size"])
+    _add_flag(layout, "--model_chunks", type=int, default=None, metavar="V",
+              help="model chunks (virtual stages) per pipeline rank (default: 1)",
+              megatron=["--num-virtual-stages-per-pipeline-rank", "--virtual-pipeline-model-parallel-size"])
+    layout.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None, metavar="L",
+                        help="Megatron-LM's other way to give V: L layers per model chunk, so "
+                             "V = num_layers / (P x L)")
+    _add_flag(layout, "--tensor_parallel", type=int, default=1, metavar="T", help="tensor-parallel size",
+              megatron=["--tensor-model-parallel-size"])
     _add_flag(layout, "--data_parallel", type=int, default=None, metavar="D",
               help="data-parallel size (default: WORLD_SIZE / (P*T))")
 
     model = parser.add_argument_group("model")
-    _add_flag(model, "--num-layers", type=int, default=8)
-    _add_flag(model, "--hidden-size", type=int, default=64)
-    _add_flag(model, "--num-attention-heads", type=int, default=4)
-    _add_flag(model, "--seq-length", type=int, default=64)
+    _add_flag(model, "--num-layers", type=int, default=8, help="transformer layers, split over P x V chunks")
+    _add_flag(model, "--hidden-size", type=int, default=64, help="model width")
+    _add_flag(model, "--num-attention-heads", type=int, default=4, help="attention heads")
+    _add_flag(model, "--seq-length", type=int, default=64, help="tokens per sequence")
     _add_flag(model, "--vocab-size", type=int, default=None,
               help=f"total vocabulary, end-of-document token included (default: {DEFAULT_VOCAB_SIZE} on mock data; "
                    "with --data-path the tokenizer's or the data's size, padded like Megatron)")
     _add_flag(model, "--hidden-dropout", type=float, default=0.0, metavar="P",
-              help="dropout after attention and MLP (Megatron-LM's flag; its default is 0.1), keyed by (seed, "
-                   "iteration, microbatch, layer) so every schedule, P and V draws the same masks")
+              help="dropout after attention and MLP, keyed by (seed, iteration, microbatch, layer) so every schedule, P "
+                   "and V draws the same masks (default: %(default)s; Megatron-LM's is 0.1)")
     _add_flag(model, "--attention-dropout", type=float, default=0.0, metavar="P",
-              help="dropout on attention probabilities (Megatron-LM's flag; its default is 0.1), keyed the same way")
+              help="dropout on attention probabilities, keyed the same way (default: %(default)s; Megatron-LM's is 0.1)")
     _add_flag(model, "--make-vocab-size-divisible-by", type=int, default=128, metavar="N",
               help="pad a derived vocabulary size to a multiple of N x tensor_parallel (Megatron's rule)")
 
     train = parser.add_argument_group("training")
-    _add_flag(train, "--micro-batch-size", type=int, default=2)
+    _add_flag(train, "--micro-batch-size", type=int, default=2, help="sequences per microbatch")
     _add_flag(train, "--global-batch-size", type=int, default=None,
               help=f"sequences per iteration (default: {DEFAULT_MICROBATCHES} microbatches per data-parallel rank)")
-    _add_flag(train, "--iters", type=int, default=5)
-    _add_flag(train, "--seed", type=int, default=1234)
-    _add_flag(train, "--lr", type=float, default=1e-3)
+    _add_flag(train, "--iters", type=int, default=5, help="iterations to train, counted from 1 as in the log",
+              megatron=["--train-iters"])
+    _add_flag(train, "--seed", type=int, default=1234, help="seeds the model, data order and dropout")
+    _add_flag(train, "--lr", type=float, default=1e-3, help="Adam's learning rate (constant)")
     _add_flag(train, "--data-path", nargs="+", default=None, metavar="PREFIX",
               help="Megatron indexed dataset prefix(es) [weight prefix ...]; default: mock data")
     _add_flag(train, "--variable-seq-lengths", action="store_true",
@@ -109,23 +135,30 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(train, "--calculate-per-token-loss", action="store_true",
               help="Megatron's per-token loss: gradients are divided by the global batch's token count instead of "
                    "averaging per-microbatch means (the result does not depend on how samples form microbatches)")
-    _add_flag(train, "--split", default=DEFAULT_SPLIT, metavar="TRAIN,VALID,TEST",
+    _add_flag(train, "--split", default=None, metavar="TRAIN,VALID,TEST",
               help=f"document shares of the splits of each --data-path dataset (default: {DEFAULT_SPLIT})")
     _add_flag(train, "--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
               help="with --vocab-file/--merge-file or --tokenizer-json: the vocabulary size comes from it")
     _add_flag(train, "--vocab-file", default=None, help="GPT-2 vocab.json (vocabulary size only)")
     _add_flag(train, "--merge-file", default=None, help="GPT-2 merges.txt")
     _add_flag(train, "--tokenizer-json", default=None, help="a Hugging Face tokenizer.json (vocabulary size only)")
-    _add_flag(train, "--device", choices=DEVICES, default="auto")
+    _add_flag(train, "--device", choices=DEVICES, default="auto",
+              help="auto: one CUDA device per rank when there is one, else the CPU")
+    train.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
+                        help="stop the run, with one line naming the iteration and rank, on the first iteration "
+                             "whose loss or gradients are not finite (NaN or inf); --no-check-for-nan-in-loss-and-grad "
+                             "keeps going (Megatron-LM's flags; default: stop)")
     _add_flag(train, "--distributed-timeout-minutes", type=int, default=10,
               help="how long a collective (e.g. the data-parallel all-reduce) waits for a rank that died on another "
-                   "host before it fails (Megatron-LM's flag and default)")
+                   "host before it fails (default: %(default)s, as Megatron-LM's)")
 
     sched = parser.add_argument_group("schedule")
     _add_flag(sched, "--schedule", choices=SCHEDULES, default="app",
               help=f"app: adaptive runtime; {'/'.join(STATIC_POLICY_NAMES)}: static orders run by the runtime; "
                    f"{MEGATRON_SCHEDULE}: Megatron-Core's own forward_backward function")
-    _add_flag(sched, "--policy", choices=POLICIES, default=DEFAULT_POLICY, help="task policy of the app schedule")
+    _add_flag(sched, "--policy", choices=POLICIES, default=None,
+              help=f"task policy of --schedule app (default: {DEFAULT_POLICY}); the other schedules run their own "
+                   "order and refuse it")
     _add_flag(sched, "--memory-factor", type=float, default=None, metavar="X",
               help="policy planned: activation bytes a rank may hold, x what Megatron's interleaved order holds for "
                    "the same microbatches (default 1.0)")
@@ -147,19 +180,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(emulation, "--slow-rank", type=int, default=None, metavar="R", help="pipeline rank R runs slower")
     _add_flag(emulation, "--slow-replica", type=int, default=None, metavar="R",
               help="every rank of data-parallel replica R runs slower (a slower device or node)")
-    _add_flag(emulation, "--slow-factor", type=float, default=1.5, metavar="F",
-              help="slowdown of --slow-rank or --slow-replica (1.5)")
+    _add_flag(emulation, "--slow-factor", type=float, default=None, metavar="F",
+              help=f"slowdown of --slow-rank or --slow-replica (default: {DEFAULT_SLOW_FACTOR})")
     _add_flag(emulation, "--straggler-prob", type=float, default=0.0, metavar="P",
               help="each task independently takes --straggler-factor times longer with probability P")
-    _add_flag(emulation, "--straggler-factor", type=float, default=3.0, metavar="K")
-    _add_flag(emulation, "--slow-link", default=None, metavar="A-B:START_MS-END_MS:DELAY_MS",
-              help="messages between pipeline ranks A and B sent START..END ms into an iteration arrive DELAY ms late")
+    _add_flag(emulation, "--straggler-factor", type=float, default=None, metavar="K",
+              help=f"how much longer a straggling task takes (default: {DEFAULT_STRAGGLER_FACTOR})")
+    _add_flag(emulation, "--link-delay", action="append", default=None, metavar="A-B:START_MS-END_MS:DELAY_MS",
+              help="messages between pipeline ranks A and B sent START..END ms into each iteration arrive DELAY_MS "
+                   "late; give it several times for several links or windows (the simulator's --slow-link, a "
+                   "slowdown FACTOR, is another thing)")
+    _add_flag(emulation, "--slow-link", default=None, help=argparse.SUPPRESS)   # refused: the simulator's flag
 
     evaluation = parser.add_argument_group("evaluation")
     _add_flag(evaluation, "--eval-interval", type=int, default=None, metavar="N",
               help="every N iterations, report the validation loss (forward only, through the chosen schedule)")
-    _add_flag(evaluation, "--eval-iters", type=int, default=10, metavar="K",
-              help="global batches per evaluation; every evaluation reads the same first K (default: 10)")
+    _add_flag(evaluation, "--eval-iters", type=int, default=None, metavar="K",
+              help=f"with --eval-interval: global batches per evaluation; every evaluation reads the same first K "
+                   f"(default: {DEFAULT_EVAL_ITERS})")
 
     ckpt = parser.add_argument_group("checkpoints")
     _add_flag(ckpt, "--save", default=None, metavar="DIR",
@@ -186,14 +224,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(lossy, "--loss-fill", default="zeros", metavar="FILL",
               help="what a lost packet becomes: zeros | stale (last value there) | rescale (zeros, survivors / (1-p))")
     _add_flag(lossy, "--loss-seed", type=int, default=None, metavar="N", help="seed of the loss models (default --seed)")
-    _add_flag(lossy, "--loss-packet-bytes", type=int, default=4096, metavar="B", help="packet size (4096)")
+    _add_flag(lossy, "--loss-packet-bytes", type=int, default=4096, metavar="B", help="packet size")
     _add_flag(lossy, "--loss-tp-sites", default="all", metavar="SITES",
               help="which megatron-core modules' tensor-parallel collectives lose packets: all, or a comma list of "
                    f"{', '.join(TP_SITES)} (e.g. mappings,layers keeps vocab-parallel cross-entropy exact)")
 
     out = parser.add_argument_group("output")
-    _add_flag(out, "--trace-dir", default="traces/")
-    _add_flag(out, "--no-trace", action="store_true")
+    _add_flag(out, "--trace-dir", default=None, metavar="DIR",
+              help=f"where each run's per-rank traces go, one directory per run (default: {DEFAULT_TRACE_DIR})")
+    _add_flag(out, "--no-trace", action="store_true", help="write no trace files")
     _add_flag(out, "--log-json", default=None, metavar="FILE", help="per-iteration loss/time/throughput")
     _add_flag(out, "--dump-grads", default=None, metavar="DIR",
               help="save each rank's gradients of iteration 1 (before the optimizer step)")
@@ -208,7 +247,7 @@ _POSITIVE_INT_FLAGS = (
     "pipeline_parallel", "model_chunks", "tensor_parallel", "num_layers", "hidden_size",
     "num_attention_heads", "seq_length", "vocab_size", "micro_batch_size", "iters",
     "make_vocab_size_divisible_by", "distributed_timeout_minutes", "eval_interval", "eval_iters", "save_interval",
-    "exit_interval",
+    "exit_interval", "num_layers_per_virtual_pipeline_stage",
 )
 
 
@@ -380,9 +419,76 @@ def _check_checkpointing(args: argparse.Namespace) -> None:
         raise UsageError(str(exc)) from None
 
 
+def _resolve_virtual_stages(args: argparse.Namespace) -> None:
+    """V from --model_chunks (or Megatron-LM's --num-virtual-stages-per-pipeline-rank), or from Megatron-LM's
+    --num-layers-per-virtual-pipeline-stage L as num_layers / (P x L); 1 when neither is given."""
+    layers_per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    if layers_per_stage is None:
+        args.model_chunks = 1 if args.model_chunks is None else args.model_chunks
+        return
+    P = args.pipeline_parallel
+    if args.num_layers % (P * layers_per_stage):
+        raise UsageError(f"--num-layers-per-virtual-pipeline-stage {layers_per_stage}: --num-layers {args.num_layers} "
+                         f"is not divisible by pipeline_parallel({P}) x {layers_per_stage}")
+    chunks = args.num_layers // (P * layers_per_stage)
+    if args.model_chunks is not None and args.model_chunks != chunks:
+        raise UsageError(f"--model_chunks {args.model_chunks} and --num-layers-per-virtual-pipeline-stage "
+                         f"{layers_per_stage} disagree (that is {chunks} chunks per rank): give one of them")
+    args.model_chunks = chunks
+
+
+def _refuse_ignored_options(args: argparse.Namespace) -> None:
+    """An option the chosen mode would not use is refused in one line, not silently dropped; then the defaults of
+    the options that are left unset (None, so that a given one can be told from a default) are filled in."""
+    policy = getattr(args, "policy", None)
+    if policy is not None and (args.schedule != "app" or getattr(args, "schedule_file", None) is not None):
+        runs = (f"the action lists of --schedule-file {args.schedule_file}" if getattr(args, "schedule_file", None)
+                else f"the fixed order of --schedule {args.schedule}")
+        raise UsageError(f"--policy {policy} chooses the task policy of --schedule app; this run follows {runs}: "
+                         "drop --policy")
+    if getattr(args, "slow_link", None) is not None:
+        raise UsageError("--slow-link is the simulator's flag (a slowdown FACTOR); the trainer delays a link's "
+                         "messages with --link-delay A-B:START_MS-END_MS:DELAY_MS")
+    if getattr(args, "slow_factor", None) is not None and getattr(args, "slow_rank", None) is None \
+            and getattr(args, "slow_replica", None) is None:
+        raise UsageError("--slow-factor needs --slow-rank R or --slow-replica R (what it slows)")
+    if getattr(args, "straggler_factor", None) is not None and not getattr(args, "straggler_prob", 0.0):
+        raise UsageError("--straggler-factor needs --straggler-prob P > 0 (how often a task straggles)")
+    if getattr(args, "eval_iters", None) is not None and getattr(args, "eval_interval", None) is None:
+        raise UsageError("--eval-iters needs --eval-interval N (no evaluation runs without it)")
+    if getattr(args, "split", None) is not None and getattr(args, "data_path", None) is None:
+        raise UsageError("--split needs --data-path (mock data has no splits)")
+    if getattr(args, "trace_dir", None) is not None:
+        if getattr(args, "no_trace", False):
+            raise UsageError("--no-trace writes no trace: drop --trace-dir")
+        if args.schedule == MEGATRON_SCHEDULE:
+            raise UsageError("--schedule megatron runs Megatron-Core's own schedule, which writes no trace: drop "
+                             "--trace-dir")
+    for dest, default in (("slow_factor", DEFAULT_SLOW_FACTOR), ("straggler_factor", DEFAULT_STRAGGLER_FACTOR),
+                          ("eval_iters", DEFAULT_EVAL_ITERS), ("split", DEFAULT_SPLIT),
+                          ("trace_dir", DEFAULT_TRACE_DIR)):
+        if getattr(args, dest, None) is None:
+            setattr(args, dest, default)
+    args.policy = running_policy_name(args)
+
+
+def running_policy_name(args: argparse.Namespace) -> str:
+    """The one name of what orders the tasks, for the config line, the banner and the trace alike: the adaptive
+    policy under --schedule app, the static order's name, the action lists of --schedule-file, or megatron."""
+    if getattr(args, "schedule_file", None) is not None:
+        from megatron_app.schedule.action_lists import ACTION_LISTS
+
+        return ACTION_LISTS
+    if args.schedule == "app":
+        return getattr(args, "policy", None) or DEFAULT_POLICY
+    return args.schedule
+
+
 def validate(args: argparse.Namespace, environ: Mapping[str, str]) -> argparse.Namespace:
     """Check flag combinations; derive world_size, data_parallel, vocab_size, num_microbatches and the device."""
     _check_scalars(args)
+    _resolve_virtual_stages(args)
+    _refuse_ignored_options(args)
     _derive_layout(args, environ)
     _resolve_vocab_size(args)
     _check_model_split(args)
@@ -399,7 +505,18 @@ def validate(args: argparse.Namespace, environ: Mapping[str, str]) -> argparse.N
     _check_memory_factor(args)
     _check_split_backward(args)
     _check_schedule_file(args)
+    _check_outputs(args)
     return args
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Every path the run will write, now rather than at its first write (output_paths.py)."""
+    from .output_paths import OutputPathError, check_outputs
+
+    try:
+        check_outputs(args, tracing=not args.no_trace and args.schedule != MEGATRON_SCHEDULE)
+    except OutputPathError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _check_schedule_file(args: argparse.Namespace) -> None:
@@ -493,7 +610,8 @@ def _check_emulation(args: argparse.Namespace) -> None:
 
     emulating = getattr(args, "emulate_compute", None) is not None
     if not emulating:
-        for dest, default in (("slow_rank", None), ("slow_replica", None), ("straggler_prob", 0.0), ("slow_link", None),
+        for dest, default in (("slow_rank", None), ("slow_replica", None), ("straggler_prob", 0.0),
+                              ("link_delay", None),
                               ("emulate_lengths_file", None)):
             if getattr(args, dest, default) != default:
                 raise UsageError(f"{_flag(dest)} needs --emulate-compute")
@@ -510,8 +628,8 @@ def _check_emulation(args: argparse.Namespace) -> None:
     try:
         spec = spec_from_args(args)
         spec.check_shape(PipelineShape(args.pipeline_parallel, args.model_chunks, args.num_microbatches))
-        if args.slow_link is not None:
-            SlowLink.parse_delay(args.slow_link).check_ranks(args.pipeline_parallel)
+        for text in getattr(args, "link_delay", None) or ():
+            SlowLink.parse_delay(text).check_ranks(args.pipeline_parallel)
     except ScheduleConfigError as exc:
         raise UsageError(str(exc)) from None
 

@@ -1,5 +1,5 @@
-"""The trainer's side of --emulate-compute / --slow-link: emulated chunks built from its flags, its loss function,
-and the slow-link delay put around the runtime's transport (megatron_app.emulation does the emulating).
+"""The trainer's side of --emulate-compute / --link-delay: emulated chunks built from its flags, its loss function,
+and the link delays put around the runtime's transport (megatron_app.emulation does the emulating).
 
 Composed microbatches (--emulate-lengths-file with --documents-per-microbatch K > 1 or --composition other than
 loader): each iteration draws D x m x K documents from the lengths file with --seed as megatron_app.sim's composition rows
@@ -11,7 +11,7 @@ activations of its tokens (one row packed, K rows of the longest document padded
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -34,14 +34,14 @@ from .step import loss_func
 class ComputeEmulation:
     """What the trainer swaps in when emulating: chunks, data, forward_step, and the per-iteration hooks."""
 
-    def __init__(self, args, spec: EmulationSpec, slow_link: Optional[SlowLink] = None):
+    def __init__(self, args, spec: EmulationSpec, link_delays: Sequence[SlowLink] = ()):
         self.args = args
         self.spec = spec
         self.shape = PipelineShape(args.pipeline_parallel, args.model_chunks, args.num_microbatches,
                                    split_backward=bool(getattr(args, "split_backward", False)))
         slow = getattr(args, "slow_replica", None) == parallel_state.get_data_parallel_rank()
         self.durations = TaskDurations(spec, self.shape, factor=args.slow_factor if slow else 1.0)
-        self.link_delay = None if slow_link is None else LinkDelay(slow_link)
+        self.link_delay = LinkDelay(link_delays) if link_delays else None
         self.forward_step = self.trainer_forward_step
         self.documents_per_microbatch = int(getattr(args, "documents_per_microbatch", 1) or 1)
         self.composition_name = getattr(args, "composition", LOADER)
@@ -61,8 +61,7 @@ class ComputeEmulation:
         spec = spec_from_args(args)
         if spec is None:
             return None
-        slow_link = getattr(args, "slow_link", None)
-        return cls(args, spec, SlowLink.parse_delay(slow_link) if slow_link else None)
+        return cls(args, spec, [SlowLink.parse_delay(text) for text in getattr(args, "link_delay", None) or ()])
 
     def build_chunks(self) -> List[EmulatedChunk]:
         from .model import build_transformer_config   # the config GPT chunks would get: same Megatron fields
@@ -133,7 +132,7 @@ class ComputeEmulation:
 
     def begin_iteration(self, iteration: int) -> int:
         """Before forward_backward of `iteration` (0-based): tell the schedule the microbatch lengths (every rank
-        draws the same ones; composed: plan them) and restart the slow-link window. Returns the call's microbatch
+        draws the same ones; composed: plan them) and restart the link-delay windows. Returns the call's microbatch
         count."""
         if self.composing:
             num_microbatches = self.compose(iteration)

@@ -40,14 +40,14 @@ def select_forward_backward_func(schedule: str, policy: str, trace_dir, tracing:
 
 
 def optimizer_span(schedule: str, iteration: int):
-    """Trace the optimizer step in the runtime's per-rank trace (trace iterations count from 0)."""
+    """Trace the optimizer step in the runtime's per-rank trace (under the loop's iteration number, as its calls)."""
     if schedule == MEGATRON:
         return contextlib.nullcontext()
     from megatron_app.runtime import current_tracer
     from megatron_app.trace.schema import OPTIMIZER
 
     tracer = current_tracer()
-    return contextlib.nullcontext() if tracer is None else tracer.span(OPTIMIZER, iteration=iteration - 1)
+    return contextlib.nullcontext() if tracer is None else tracer.span(OPTIMIZER, iteration=iteration)
 
 
 def tell_microbatch_lengths(schedule: str, lengths) -> None:

@@ -28,6 +28,7 @@ from .optim import build_optimizer, finalize_model_grads
 from .evaluate import evaluate
 from .report import IterationReporter, reduce_lm_loss
 from .step import forward_step
+from .stops import check_finite, interrupted
 from .trace_run import start_trace_run
 
 _RUN_CONFIG_KEYS = (
@@ -59,6 +60,7 @@ class Trainer:
     emulation: object = None        # a ComputeEmulation under --emulate-compute
     train_dataset: object = None    # where each microbatch's length comes from (None under emulation)
     dp_rank: int = 0
+    saved_iteration: Optional[int] = None   # the newest checkpoint's iteration (--load's, or this run's last save)
     last_plan: object = None        # the last composed iteration's IterationPlan (None when not composing)
 
 
@@ -111,7 +113,7 @@ def build_trainer(args) -> Trainer:
                                                     split_backward=args.split_backward,
                                                     schedule_file=args.schedule_file)
     reporter = IterationReporter(run_config(args), args.iters, args.global_batch_size * args.seq_length,
-                                 args.log_json)
+                                 args.log_json, emulated=emulation is not None)
     if resume_note:
         reporter.note(resume_note)
     if trace_dir is not None:
@@ -120,14 +122,15 @@ def build_trainer(args) -> Trainer:
                    start_iteration,
                    forward_step_func=forward_step if emulation is None else emulation.forward_step,
                    emulation=emulation, train_dataset=train_dataset,
-                   dp_rank=parallel_state.get_data_parallel_rank())
+                   dp_rank=parallel_state.get_data_parallel_rank(),
+                   saved_iteration=start_iteration or None)
 
 
 def train_step(trainer: Trainer, iteration: int) -> Optional[float]:
     """One iteration (1-based); returns the global-batch loss on the last stage, None elsewhere."""
     args = trainer.args
     trainer.optimizer.zero_grad(set_to_none=True)
-    set_iteration(iteration)   # keys this step's dropout masks (no-op without dropout)
+    set_iteration(iteration)   # this step's dropout keys and its trace iteration: the log's number, from 1
     data_iterator, num_microbatches = trainer.data_iterator, args.num_microbatches
     forward_step_func = trainer.forward_step_func
     first_sample = (iteration - 1) * args.global_batch_size
@@ -154,11 +157,14 @@ def train_step(trainer: Trainer, iteration: int) -> Optional[float]:
     )
     if iteration == 1 and args.dump_grads:
         dump_grads(trainer.chunks, args.dump_grads)
+    loss = reduce_lm_loss(losses_reduced)
+    if getattr(args, "check_for_nan_in_loss_and_grad", False):
+        check_finite(iteration, loss, trainer.chunks, args.device)   # all ranks stop here together, or none
     with optimizer_span(args.schedule, iteration):
         trainer.optimizer.step()
     if trainer.emulation is not None:
         trainer.emulation.end_iteration()
-    return reduce_lm_loss(losses_reduced)
+    return loss
 
 
 def _due(iteration: int, interval: Optional[int]) -> bool:
@@ -176,6 +182,7 @@ def after_iteration(trainer: Trainer, iteration: int) -> bool:
     if save_dir and (_due(iteration, args.save_interval) or stop or iteration == args.iters):
         directory = save_checkpoint(save_dir, args, trainer.chunks, trainer.optimizer, iteration,
                                     iteration * args.global_batch_size)
+        trainer.saved_iteration = iteration
         trainer.reporter.note(f"saved checkpoint {directory}")
     if stop and iteration < args.iters:
         trainer.reporter.note(f"stopping after iteration {iteration} (--exit-interval {args.exit_interval})")
@@ -192,6 +199,7 @@ def train(args) -> None:
     init_distributed(args.device, args.distributed_timeout_minutes)
     trainer = None
     loss_layer = None
+    iteration = None
     try:
         init_model_parallel(args.tensor_parallel, args.pipeline_parallel, args.model_chunks, args.device,
                             args.distributed_timeout_minutes)
@@ -216,6 +224,10 @@ def train(args) -> None:
                 break
         if args.dump_weights:
             dump_weights(trainer.chunks, args.dump_weights)
+    except KeyboardInterrupt:
+        report = trainer.reporter.enabled if trainer is not None else dist.get_rank() == 0
+        raise interrupted(iteration, args.iters, getattr(args, "save", None),
+                          trainer.saved_iteration if trainer is not None else None, report) from None
     finally:
         if loss_layer is not None:
             remove_transport_wrapper(loss_layer.wrap_transport)

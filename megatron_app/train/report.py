@@ -52,12 +52,17 @@ class IterationReporter:
     """Prints one line per iteration and keeps the JSON log up to date (reporting rank only)."""
 
     def __init__(self, run_config: dict, iters: int, tokens_per_iteration: int,
-                 log_json: Optional[str]):
+                 log_json: Optional[str], emulated: bool = False):
+        """``emulated``: --emulate-compute replaced the model by timed waits, so the loss means nothing: the line
+        says so instead of printing it (the JSON log keeps the number, marked "emulated")."""
         self.enabled = is_reporting_rank()
         self.iters = iters
         self.tokens_per_iteration = tokens_per_iteration
         self.log_json = log_json
+        self.emulated = emulated
         self.payload = {"schema": LOG_SCHEMA, "config": run_config, "iterations": [], "validation": []}
+        if emulated:
+            self.payload["emulated"] = True
 
     def record(self, iteration: int, loss: Optional[float], seconds: float, tokens: Optional[int] = None,
                composed: Optional[dict] = None) -> None:
@@ -70,7 +75,8 @@ class IterationReporter:
         planned = "" if composed is None else f" | {composed['composition']} {composed['num_microbatches']} microbatches"
         if composed is not None and composed.get("predicted_ms") is not None:
             planned += f" | predicted {composed['predicted_ms']:.1f} ms"
-        print(f"iter {iteration}/{self.iters} | loss {loss:.4f} | {seconds * 1e3:.1f} ms | "
+        shown = "emulated compute, no real loss" if self.emulated else f"loss {loss:.4f}"
+        print(f"iter {iteration}/{self.iters} | {shown} | {seconds * 1e3:.1f} ms | "
               f"{tokens_per_s:.0f} tokens/s{planned}", flush=True)
         self.payload["iterations"].append({
             "iteration": iteration, "loss": loss, "time_ms": seconds * 1e3, "tokens_per_s": tokens_per_s,

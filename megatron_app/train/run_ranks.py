@@ -3,9 +3,15 @@
     python tools/run_ranks.py --name run_single.sh --log-dir LOGS [--job-id ID] -- TORCHRUN COMMAND...
 
 The ranks' own output passes through as it comes. torchrun's agent report (its ChildFailedError traceback and
-warnings) goes to LOGS/torchrun_agent_<ID>.log; on a failure the last line on stderr names the first rank that failed,
-its exit signal or code, the last iteration the job reached, the rank's own last error line when it left one, and
-where its log is. The exit status is torchrun's. Standard library only: it starts before anything heavy.
+warnings) goes to LOGS/torchrun_agent_<ID>.log; on a failure the last line on stderr names the rank whose error came
+first, its exit signal or code, the last iteration the job reached, that error's line, and where its log is.
+
+Which rank: when one rank fails, the others fail soon after because of it (a peer died, a transport closed, a
+collective lost its peer), and torchrun's "first observed failure" may be any of them. So a rank's own error comes
+first: the trainer's one-line error ("megatron_app.train: ... error: ..."), else an exception that is not such a
+consequence, the earliest as the ranks' output arrived here; only when no rank left one, torchrun's root cause (a
+rank killed by a signal). A Ctrl-C (SIGINT) ends with the ranks' own line, not a failure line: the exit status is
+130. Otherwise the exit status is torchrun's. Standard library only: it starts before anything heavy.
 """
 
 from __future__ import annotations
@@ -18,9 +24,17 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-_RANK_LINE = re.compile(r"^\[[A-Za-z0-9_]+\d+\]:")  # "[default3]:..." --tee output of a rank
+_RANK_LINE = re.compile(r"^\[[A-Za-z_][A-Za-z0-9_]*?(\d+)\]:")  # "[default3]:..." --tee output of local rank 3
 _ITERATION = re.compile(r"\biter (\d+)/(\d+) \|")  # the trainer's per-iteration line (train/report.py)
 _OWN_ERROR = re.compile(r"megatron_app\.train: (?:rank \d+: )?(?:error: )?(.*)$")
+_OWN_PRIMARY = re.compile(r"megatron_app\.train: (?:rank \d+: )?error: (.*)$")   # this rank's own fault
+_TRACEBACK = "Traceback (most recent call last):"
+_EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*)(?:: (.*))?$")   # a traceback's last line: "module.Name: message"
+# Exceptions that follow another rank's failure rather than cause one (the transport's, gloo's lost peers).
+_CONSEQUENCES = ("TransportClosed", "PeerDied", "TransportTimeout", "PipelineStallError", "KeyboardInterrupt",
+                 "SignalException")
+_CONSEQUENCE_TEXT = ("Connection closed by peer", "Connection reset by peer", "closed its transport", "Broken pipe")
+_INTERRUPTED = 130
 
 
 @dataclass
@@ -71,6 +85,64 @@ def last_iteration(log_dir: Path) -> tuple[int, int] | None:
     return best
 
 
+def parse_failures(agent_text: str) -> dict[int, RankFailure]:
+    """Every failed rank of torchrun's report (its "Failures" and "Root Cause" blocks), by local rank."""
+    found = {}
+    for block in re.split(r"^\s*\[\d+\]:\s*$", agent_text, flags=re.M)[1:]:
+        rank = re.search(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)", block, re.M)
+        exitcode = re.search(r"^\s*exitcode\s*:\s*(-?\d+)", block, re.M)
+        host = re.search(r"^\s*host\s*:\s*(\S+)", block, re.M)
+        if rank and exitcode:
+            failure = RankFailure(int(rank.group(1)), int(rank.group(2)), host.group(1) if host else "",
+                                  int(exitcode.group(1)))
+            found.setdefault(failure.local_rank, failure)
+    return found
+
+
+@dataclass
+class RankError:
+    """The error line a rank left: its own (the trainer's one line), or the last line of a traceback."""
+
+    local_rank: int
+    line: str
+    own: bool            # the trainer's own "error:" line: this rank's fault
+    consequence: bool    # follows another rank's failure (a peer died, a transport closed)
+
+
+def rank_error(local_rank: int, text: str) -> RankError | None:
+    """What went wrong on one rank, from its stderr: its own error line first, else its last traceback's
+    exception, else its own line about a peer (PeerDied and the like, printed without "error:")."""
+    lines = text.splitlines()
+    own = [m.group(1).strip() for line in lines if (m := _OWN_PRIMARY.search(line))]
+    if own:
+        return RankError(local_rank, own[-1], own=True, consequence=False)
+    if _TRACEBACK in text:
+        last = max(i for i, line in enumerate(lines) if line.startswith(_TRACEBACK))
+        # the exception's line: the first after the last traceback's indented frames
+        line = next((line for line in lines[last + 1:] if line and not line[0].isspace()), "")
+        match = _EXCEPTION.match(line)
+        if match is not None:
+            name = match.group(1).rsplit(".", 1)[-1]
+            line = f"{name}: {match.group(2)}" if match.group(2) else name
+            consequence = name in _CONSEQUENCES or any(marker in line for marker in _CONSEQUENCE_TEXT)
+            return RankError(local_rank, line, own=False, consequence=consequence)
+    peer = [m.group(1).strip() for line in lines if (m := _OWN_ERROR.search(line)) and "config ok" not in line]
+    if peer:
+        return RankError(local_rank, peer[-1], own=False, consequence=True)
+    return None
+
+
+def first_error(errors: list[RankError], arrival: dict[int, int]) -> RankError | None:
+    """The error that came first: own errors before other exceptions before consequences of another rank's
+    failure; within a kind, the earliest to arrive (`arrival`: local rank -> position of its first error line in
+    the output as it came), then the lowest rank."""
+    causes = [e for e in errors if not e.consequence]
+    if not causes:
+        return None
+    never = len(arrival) + 1 + max(arrival.values(), default=0)
+    return min(causes, key=lambda e: (not e.own, arrival.get(e.local_rank, never), e.local_rank))
+
+
 def own_error_line(rank_dir: Path | None) -> str | None:
     """The trainer's own one-line error, when the failed rank wrote one (the last such line of its stderr)."""
     if rank_dir is None or not (rank_dir / "stderr.log").is_file():
@@ -83,16 +155,37 @@ def own_error_line(rank_dir: Path | None) -> str | None:
     return found
 
 
-def failure_line(name: str, log_dir: Path, agent_log: Path, agent_text: str, returncode: int) -> str:
-    failure = parse_root_cause(agent_text)
+def _rank_errors(log_dir: Path, local_ranks) -> list[RankError]:
+    errors = []
+    for local_rank in sorted(local_ranks):
+        rank_dir = rank_log_dir(log_dir, local_rank)
+        if rank_dir is not None and (rank_dir / "stderr.log").is_file():
+            error = rank_error(local_rank, (rank_dir / "stderr.log").read_text(encoding="utf-8", errors="replace"))
+            if error is not None:
+                errors.append(error)
+    return errors
+
+
+def failure_line(name: str, log_dir: Path, agent_log: Path, agent_text: str, returncode: int,
+                 arrival: dict[int, int] | None = None) -> str:
+    """The launcher's last line: the rank whose error came first (see the module's docstring) and that error."""
+    root = parse_root_cause(agent_text)
+    failures = parse_failures(agent_text)
+    if root is not None:
+        failures.setdefault(root.local_rank, root)
     reached = last_iteration(log_dir)
     progress = (f"after iteration {reached[0]} of {reached[1]}" if reached else "before the first iteration ended")
+    local_ranks = set(failures) | {int(d.name) for d in log_dir.glob("*/attempt_*/*") if d.name.isdigit()}
+    first = first_error(_rank_errors(log_dir, local_ranks), arrival or {})
+    failure = failures.get(first.local_rank) if first is not None else root
+    if failure is None and first is not None:      # a rank that erred but is not in torchrun's report
+        failure = RankFailure(first.local_rank, first.local_rank, "", returncode)
     if failure is None:
         return f"{name}: the job failed (torchrun exit {returncode}) {progress}; torchrun's report: {agent_log}"
     rank_dir = rank_log_dir(log_dir, failure.local_rank)
     where = f"{rank_dir}/stderr.log" if rank_dir else str(agent_log)
     host = f" on {failure.host}" if failure.host else ""
-    reason = own_error_line(rank_dir)
+    reason = first.line if first is not None else own_error_line(rank_dir)
     because = f": {reason}" if reason else ""
     return (f"{name}: rank {failure.rank}{host} failed ({failure.how()}) {progress}{because}; its log: {where}")
 
@@ -110,23 +203,33 @@ def main(argv=None) -> int:
     args.log_dir.mkdir(parents=True, exist_ok=True)
     agent_log_path = args.log_dir / f"torchrun_agent_{re.sub(r'[^A-Za-z0-9._-]', '-', args.job_id)}.log"
     agent_lines = []
-    # The terminal's Ctrl-C reaches torchrun directly (same process group); we only wait for it to finish.
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    arrival: dict[int, int] = {}    # local rank -> position of its first error line in the ranks' output
+    interrupted = []
+    # The terminal's Ctrl-C reaches torchrun and the ranks directly (same process group); we only note it and wait
+    # for them to finish (the ranks say where they stopped).
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
     try:
         with open(agent_log_path, "w", encoding="utf-8") as agent_log:
             process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1)
-            for line in process.stderr:
-                if _RANK_LINE.match(line):
+            for position, line in enumerate(process.stderr):
+                match = _RANK_LINE.match(line)
+                if match:
                     sys.stderr.write(line)
                     sys.stderr.flush()
+                    body = line[match.end():]
+                    if _OWN_PRIMARY.search(body) or body.startswith(_TRACEBACK):
+                        arrival.setdefault(int(match.group(1)), position)
                 else:
                     agent_log.write(line)
                     agent_lines.append(line)
             returncode = process.wait()
     finally:
         signal.signal(signal.SIGINT, previous)
+    if returncode != 0 and interrupted:
+        return _INTERRUPTED
     if returncode != 0:
-        print(failure_line(args.name, args.log_dir, agent_log_path, "".join(agent_lines), returncode), file=sys.stderr, flush=True)
+        print(failure_line(args.name, args.log_dir, agent_log_path, "".join(agent_lines), returncode, arrival),
+              file=sys.stderr, flush=True)
         return returncode if returncode > 0 else 128 - returncode
     return 0
 

@@ -50,7 +50,8 @@ def main():
             file_flags, schedule, name = ["--schedule-file", schedule[len("file="):]], "app", "file"
         flags = ["--pipeline_parallel", str(opts.pipeline_parallel), "--model_chunks", str(opts.model_chunks),
                  "--tensor_parallel", str(opts.tensor_parallel), "--iters", str(opts.iters),
-                 "--schedule", schedule, "--policy", policy or "dfc", *file_flags,
+                 "--schedule", schedule, *(["--policy", policy or "dfc"] if schedule == "app" and not file_flags
+                                           else []), *file_flags,
                  "--dump-grads", os.path.join(opts.out, f"grads_{name}")]
         flags += ["--trace-dir", opts.trace_dir] if opts.trace_dir else ["--no-trace"]
         flags += ["--hidden-dropout", str(opts.dropout), "--attention-dropout", str(opts.dropout)]

@@ -22,6 +22,7 @@ from megatron_app.schedule import PipelineShape
 from megatron_app.trace import read_trace_dir
 from megatron_app.trace.intervals import max_concurrency, union_length
 from megatron_app.trace.metrics import iteration_metrics
+from megatron_app.trace.schema import FIRST_ITERATION
 from megatron_app.emulation.sim_replay import (measured_durations, replay_trace_iteration, simulate_emulation,
                                                traced_shape)
 from megatron_app.sim import lower_bounds
@@ -126,22 +127,25 @@ def microbatch_tokens_of(run: dict, run_dir: Path, spec: EmulationSpec, shape: P
 
 
 def _app_measurements(run: dict, run_dir: Path) -> dict:
-    """Per measured iteration: times, makespans, bubble ratios, peaks per rank, and the replay of its durations."""
+    """Per measured iteration: times, makespans, bubble ratios, peaks per rank, and the replay of its durations.
+    k counts from 0 as the emulation's draws do; the trace numbers the same iteration k + FIRST_ITERATION."""
     trace = read_trace_dir(run_dir / "trace", run["pipeline_parallel"], run["model_chunks"])
-    metrics = [iteration_metrics(trace, k) for k in measured_iterations(run)]
+    measured = [(k, k + FIRST_ITERATION) for k in measured_iterations(run)]   # (draw index, trace iteration)
+    metrics = [iteration_metrics(trace, traced) for _, traced in measured]
     slow_link = SlowLink.parse_delay(run["slow_link"]) if run.get("slow_link") else None
     spec, shape = spec_of(run), shape_of(run)
     tokens = microbatch_tokens_of(run, run_dir, spec, shape) if spec.lengths is not None else {}
-    replayed = [replay_trace_iteration(trace, k, run["sim_policy"], slow_link, run["sim_latency_us"],
+    replayed = [replay_trace_iteration(trace, traced, run["sim_policy"], slow_link, run["sim_latency_us"],
                                        lengths=tokens.get(k),
                                        memory_factor=run.get("memory_factor"))
-                for k in measured_iterations(run)] if run["sim_policy"] is not None else []
+                for k, traced in measured] if run["sim_policy"] is not None else []
     replays = [r.makespan_us for r in replayed]
-    own_bounds = [lower_bounds(traced_shape(trace, k), measured_durations(trace, k), run["sim_latency_us"]).best_us
-                  for k in measured_iterations(run)]
+    own_bounds = [lower_bounds(traced_shape(trace, traced), measured_durations(trace, traced),
+                               run["sim_latency_us"]).best_us
+                  for _, traced in measured]
     extra = {}
     if spec.lengths is not None:
-        extra["peak_tokens"] = [peak_tokens_per_rank(trace, k, tokens[k]) for k in measured_iterations(run)]
+        extra["peak_tokens"] = [peak_tokens_per_rank(trace, traced, tokens[k]) for k, traced in measured]
     if is_composed(run):
         logged = composed_iterations(run, run_dir, spec, shape)
         extra["counts"] = [logged[k]["num_microbatches"] for k in measured_iterations(run)]

@@ -91,8 +91,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         help=f"the {VARIABLE_LENGTH_KEY} scenario's token counts, one per line (default: tools/corpus_lengths.py on "
              "Debian's license texts, made in the work directory)")
     add("--seed", type=non_negative_int, default=0, help="seed of the random durations (same for every schedule)")
-    add("--slow-link", "--slow_link", dest="slow_link", default=None, metavar="A-B:START_MS-END_MS:DELAY_MS",
-        help="the slow-link scenario's link (default: the middle ranks, 0..30*fwd ms, delay 1.2*fwd ms)")
+    add("--link-delay", "--link_delay", dest="slow_link", default=None, metavar="A-B:START_MS-END_MS:DELAY_MS",
+        help="the slow-link scenario's delay, the trainer's --link-delay (default: the middle ranks, 0..30*fwd ms, "
+             "delay 1.2*fwd ms)")
+    add("--slow-link", "--slow_link", dest="simulator_slow_link", default=None, help=argparse.SUPPRESS)
     add("--hidden-size", dest="hidden_size", type=positive_int, default=64)
     add("--seq-length", dest="seq_length", type=positive_int, default=64)
     add("--micro-batch-size", dest="micro_batch_size", type=positive_int, default=2)
@@ -160,6 +162,9 @@ def _check(args: argparse.Namespace) -> None:
             raise UsageError(str(exc)) from None
     if P < 2:
         raise UsageError("--pipeline_parallel must be at least 2 (a pipeline)")
+    if args.simulator_slow_link is not None:
+        raise UsageError("--slow-link is the simulator's flag (a slowdown FACTOR); the slow-link scenario's delay "
+                         "is --link-delay A-B:START_MS-END_MS:DELAY_MS, as the trainer's")
     if args.slow_link is None:
         args.slow_link = f"{P // 2 - 1}-{P // 2}:0-{30 * args.fwd_ms:g}:{1.2 * args.fwd_ms:g}"
     if args.warmup < 1 and runs_torch(args.schedule_keys or DEFAULT_SCHEDULE_KEYS):

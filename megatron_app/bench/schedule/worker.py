@@ -26,11 +26,12 @@ def trainer_argv(run: dict, run_dir: Path) -> list:
             "--hidden-size", run["hidden_size"], "--num-attention-heads", 1, "--seq-length", run["seq_length"],
             "--vocab-size", run["vocab_size"], "--micro-batch-size", run["micro_batch_size"],
             "--global-batch-size", run["microbatches"] * run["micro_batch_size"], "--iters", run["iterations"],
-            "--seed", run["seed"], "--schedule", run["schedule"], "--policy", run["policy"],
-            "--emulate-compute", run["emulate_compute"]]
+            "--seed", run["seed"], "--schedule", run["schedule"], "--emulate-compute", run["emulate_compute"]]
+    if run["schedule"] == "app" and not run.get("schedule_file"):   # the other schedules refuse a --policy
+        argv += ["--policy", run["policy"]]
     for flag, key in (("--slow-rank", "slow_rank"), ("--slow-factor", "slow_factor"),
                       ("--straggler-prob", "straggler_prob"), ("--straggler-factor", "straggler_factor"),
-                      ("--slow-link", "slow_link"), ("--emulate-lengths-file", "lengths_file"),
+                      ("--link-delay", "slow_link"), ("--emulate-lengths-file", "lengths_file"),
                       ("--memory-factor", "memory_factor"), ("--composition", "composition"),
                       ("--documents-per-microbatch", "documents_per_microbatch")):
         if run.get(key) is not None:

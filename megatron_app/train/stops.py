@@ -1,0 +1,92 @@
+"""Why a run stops early, said in one line: a loss or gradient that is not finite, or a Ctrl-C.
+
+Non-finite values (Megatron-LM's --check-for-nan-in-loss-and-grad, on by default): after each iteration's backward and
+before its optimizer step, every rank looks at its gradients (and the last stage at the loss), and all ranks agree in
+one small all-reduce, so every rank stops on that same iteration, before the step would spread the NaN into the
+weights. The lowest rank that saw one names it; the others exit quietly.
+
+Ctrl-C: the terminal sends SIGINT to every rank (and torchrun sends it again); the loop turns the first into
+TrainingInterrupted, which says where the run was and what is saved, and ignores the rest while it cleans up.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+
+class NonFiniteError(RuntimeError):
+    """A loss or gradient was not finite. ``report``: this rank is the one that says so (one line per job)."""
+
+    def __init__(self, message: str, report: bool):
+        super().__init__(message)
+        self.report = report
+
+
+class TrainingInterrupted(Exception):
+    """Ctrl-C during training. ``report``: this rank prints the line (the one that prints the iteration lines)."""
+
+    def __init__(self, message: str, report: bool):
+        super().__init__(message)
+        self.report = report
+
+
+LOSS_BIT, GRAD_BIT = 1, 2
+
+
+def _non_finite_gradients(chunks: List[torch.nn.Module]) -> List[str]:
+    """Names of this rank's parameters whose gradient holds a NaN or an inf (one pass, one device sync)."""
+    from .names import named_global_parameters
+
+    named = [(name, param.grad) for chunk in chunks for name, param in named_global_parameters(chunk)
+             if param.grad is not None]
+    if not named:
+        return []
+    finite = torch.stack([grad.isfinite().all() for _, grad in named])
+    if bool(finite.all()):
+        return []
+    return [name for (name, _), ok in zip(named, finite.tolist()) if not ok]
+
+
+def check_finite(iteration: int, loss: Optional[float], chunks: List[torch.nn.Module], device: str) -> None:
+    """Raise NonFiniteError on every rank when any rank's loss or gradients are not finite (a collective)."""
+    bad_grads = _non_finite_gradients(chunks)
+    bits = (LOSS_BIT if loss is not None and not math.isfinite(loss) else 0) | (GRAD_BIT if bad_grads else 0)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    seen = torch.zeros(world, dtype=torch.int32,
+                       device=torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else "cpu")
+    seen[rank] = bits
+    if world > 1:
+        dist.all_reduce(seen)
+    offenders = [r for r, value in enumerate(seen.tolist()) if value]
+    if not offenders:
+        return
+    what = []
+    if bits & LOSS_BIT:
+        what.append(f"the loss is {loss}")
+    if bits & GRAD_BIT:
+        what.append(f"{len(bad_grads)} gradient tensor{'s' if len(bad_grads) > 1 else ''} hold NaN or inf "
+                    f"(first: {bad_grads[0]})")
+    others = "" if len(offenders) == 1 else f" (ranks {', '.join(map(str, offenders))} saw one)"
+    raise NonFiniteError(f"iteration {iteration}: {'; '.join(what) or 'not finite'}{others}; stopped before the "
+                         "optimizer step (--no-check-for-nan-in-loss-and-grad keeps going)",
+                         report=offenders[0] == rank)
+
+
+def interrupted(iteration: Optional[int], iters: int, save_dir: Optional[str], saved: Optional[int],
+                report: bool) -> TrainingInterrupted:
+    """The exception for a Ctrl-C during `iteration` (None: before the first); further Ctrl-Cs are ignored from
+    here on, so the clean-up that follows is not cut short by torchrun's own SIGINT."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    where = "before the first iteration" if iteration is None else f"at iteration {iteration} of {iters}"
+    if saved is not None:
+        kept = f"nothing saved since iteration {saved}"
+    elif save_dir:
+        kept = f"nothing saved yet in {save_dir}"
+    else:
+        kept = "nothing saved (no --save)"
+    return TrainingInterrupted(f"interrupted {where}; {kept}", report)

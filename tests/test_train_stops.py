@@ -1,0 +1,97 @@
+"""A run that stops early says why in one line: a loss or gradient that is not finite, or a Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from megatron_app.train.stops import NonFiniteError, check_finite, interrupted
+from pipeline_runs import REPO, run_env
+
+
+def _chunk(grad_value: float) -> torch.nn.Module:
+    chunk = torch.nn.Linear(2, 2)
+    chunk.weight.grad = torch.full_like(chunk.weight, grad_value)
+    chunk.bias.grad = torch.zeros_like(chunk.bias)
+    return chunk
+
+
+def test_finite_loss_and_gradients_pass():
+    check_finite(3, 6.9, [_chunk(0.5)], "cpu")
+    check_finite(3, None, [_chunk(0.5)], "cpu")    # not the last stage: no loss here
+
+
+@pytest.mark.parametrize("loss, grad, fragments", [
+    (float("nan"), 0.5, ["iteration 4: the loss is nan;", "--no-check-for-nan-in-loss-and-grad keeps going"]),
+    (6.9, float("inf"), ["iteration 4: 1 gradient tensor hold NaN or inf (first: weight)"]),
+])
+def test_a_non_finite_loss_or_gradient_stops_with_one_line_naming_it(loss, grad, fragments):
+    with pytest.raises(NonFiniteError) as info:
+        check_finite(4, loss, [_chunk(grad)], "cpu")
+    assert info.value.report and "\n" not in str(info.value)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_the_interruption_line_says_what_is_saved():
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        assert str(interrupted(7, 10, None, None, True)) == "interrupted at iteration 7 of 10; nothing saved (no --save)"
+        assert str(interrupted(7, 10, "ckpt", 5, True)) == "interrupted at iteration 7 of 10; nothing saved since " \
+                                                           "iteration 5"
+        assert str(interrupted(None, 10, "ckpt", None, False)) == "interrupted before the first iteration; nothing " \
+                                                                  "saved yet in ckpt"
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN   # torchrun's second SIGINT cannot cut the clean-up
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _train(*flags, timeout=240):
+    return subprocess.run([sys.executable, "-m", "megatron_app.train", "--iters", "3", "--num-layers", "2",
+                           "--no-trace", *flags], cwd=REPO, env=run_env(WORLD_SIZE="1"), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_a_diverging_run_stops_on_the_iteration_it_diverges():
+    done = _train("--lr", "1e20")   # Adam's first step at this rate breaks the weights: iteration 2 is NaN
+    assert done.returncode == 1, done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert errors == [line for line in done.stderr.splitlines() if line.startswith("megatron_app.train: rank 0: ")]
+    assert len(errors) == 1 and "iteration 2: the loss is nan" in errors[0], done.stderr
+    assert "iter 1/3" in done.stdout and "iter 2/3" not in done.stdout
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_in_one_line_without_a_traceback_or_a_failure_line(tmp_path):
+    launcher = subprocess.Popen(
+        ["bash", str(REPO / "run_single.sh"), "--pipeline_parallel", "2", "--iters", "400", "--num-layers", "2",
+         "--no-trace", "--save", str(tmp_path / "ckpt"), "--save-interval", "1"], cwd=REPO,
+        env=run_env(LOG_DIR=str(tmp_path / "logs")), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    try:
+        seen = ""
+        deadline = time.monotonic() + 240
+        while "iter 2/400" not in seen and time.monotonic() < deadline:
+            line = launcher.stdout.readline()
+            if not line:
+                break
+            seen += line
+        assert "iter 2/400" in seen, seen[-2000:]
+        os.killpg(launcher.pid, signal.SIGINT)    # what the terminal does on Ctrl-C: the whole process group
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    assert launcher.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err and "failed" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert "megatron_app.train: interrupted at iteration " in last and "of 400; nothing saved since iteration " \
+        in last, last
