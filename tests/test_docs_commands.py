@@ -203,7 +203,8 @@ def smoke_python(command: Parsed, workspace: Workspace) -> tuple[subprocess.Comp
     if argv[0] == "-m" and argv[1] == "pytest":
         smoke_tests(argv[2:])
         return None, "checked, not run: " + WHY_NOT_RUN["tests"]
-    full = [PYTHON, *([repository_path(argv[0])] + argv[1:] if argv[0] != "-m" else argv)]
+    # the repository's own files named in a command (a tool, a committed lengths file) are read from the repository
+    full = [PYTHON, *[repository_path(token) for token in argv]]
     if command.optional_flags:
         known = help_flags(full[:3] if argv[0] == "-m" else full[:2])
         unknown = [flag for flag in command.optional_flags if flag not in known]

@@ -100,7 +100,7 @@ def test_the_trace_tools_bound_is_the_simulators_for_every_iteration(simulated):
 
     trace_dir, result = simulated
     run = read_trace_dir(trace_dir, 4, 2)
-    for k, bounds in enumerate(result.bounds):
+    for k, bounds in enumerate(result.bounds, start=FIRST_ITERATION):
         metrics = iteration_metrics(run, k)
         assert metrics.lower_bound_us == pytest.approx(bounds.best_us, abs=0.1)
         assert bounds.path_us > bounds.work_us            # the path bound counts, so latency per hop counts

@@ -173,11 +173,13 @@ OUT_OF_DESCRIPTORS_CHILD = r"""
 import os, resource, sys, time
 from megatron_app.transport import Transport
 transport = Transport(0, 2, sys.argv[1], backends={1: "tcp"}, timeout_s=30, admission_secret=bytes(32))
-print(transport.local_address("tcp"), flush=True)
-# The lowest free descriptor becomes the limit: the listener's next accept4 fails with EMFILE.
+address = transport.local_address("tcp")
+# The lowest free descriptor becomes the limit: the listener's next accept4 fails with EMFILE. Set before the
+# address is told, so no connection can be accepted first (on a loaded machine one was).
 open_fds = {int(name) for name in os.listdir("/proc/self/fd")}
 lowest_free = min(set(range(len(open_fds) + 1)) - open_fds)
 resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+print(address, flush=True)
 sys.stdin.readline()  # the parent has connected
 before = resource.getrusage(resource.RUSAGE_SELF)
 time.sleep(1.0)

@@ -67,8 +67,10 @@ class NextCall:
         """What was told or planned for this call (consumed), or None when the loop said nothing."""
         pending, self.pending = self.pending, None
         if pending is not None and pending.num_microbatches != num_microbatches:
-            what = "planned" if pending.composition is not None else "set lengths for"
-            raise ValueError(f"the loop {what} {pending.num_microbatches} microbatches, the forward_backward call "
+            if pending.composition is None:
+                raise ValueError(f"{pending.num_microbatches} microbatch lengths were set for a call with "
+                                 f"{num_microbatches} microbatches")
+            raise ValueError(f"the loop planned {pending.num_microbatches} microbatches, the forward_backward call "
                              f"runs {num_microbatches}")
         return pending
 

@@ -28,7 +28,7 @@ from .optim import build_optimizer, finalize_model_grads
 from .evaluate import evaluate
 from .report import IterationReporter, reduce_lm_loss
 from .step import forward_step
-from .stops import check_finite, interrupted
+from .stops import check_finite, interrupt_follows, interrupted
 from .trace_run import start_trace_run
 
 _RUN_CONFIG_KEYS = (
@@ -224,7 +224,9 @@ def train(args) -> None:
                 break
         if args.dump_weights:
             dump_weights(trainer.chunks, args.dump_weights)
-    except KeyboardInterrupt:
+    except (Exception, KeyboardInterrupt) as error:   # Ctrl-C, or a peer gone just before this rank's own Ctrl-C
+        if not isinstance(error, KeyboardInterrupt) and not interrupt_follows(error):
+            raise
         report = trainer.reporter.enabled if trainer is not None else dist.get_rank() == 0
         raise interrupted(iteration, args.iters, getattr(args, "save", None),
                           trainer.saved_iteration if trainer is not None else None, report) from None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import signal
+import time
 from typing import List, Optional
 
 import torch
@@ -75,6 +76,24 @@ def check_finite(iteration: int, loss: Optional[float], chunks: List[torch.nn.Mo
     raise NonFiniteError(f"iteration {iteration}: {'; '.join(what) or 'not finite'}{others}; stopped before the "
                          "optimizer step (--no-check-for-nan-in-loss-and-grad keeps going)",
                          report=offenders[0] == rank)
+
+
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "TransportClosed", "PeerDied")
+INTERRUPT_GRACE_S = 2.0
+
+
+def interrupt_follows(error: BaseException) -> bool:
+    """Whether `error` (a peer that went away) is the shadow of a Ctrl-C that has not reached this rank yet: torchrun
+    passes SIGINT to its ranks one after another, and a rank blocked in a collective may see the first one exit
+    before its own SIGINT arrives. Waits up to INTERRUPT_GRACE_S for that SIGINT; False for any other error."""
+    text = f"{type(error).__name__}: {error}"
+    if not any(sign in text for sign in PEER_GONE):
+        return False
+    try:
+        time.sleep(INTERRUPT_GRACE_S)
+    except KeyboardInterrupt:
+        return True
+    return False
 
 
 def interrupted(iteration: Optional[int], iters: int, save_dir: Optional[str], saved: Optional[int],
