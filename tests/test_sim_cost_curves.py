@@ -74,3 +74,22 @@ def test_a_trace_without_tokens_is_one_clear_line(tmp_path, capsys):
     code = main(["--trace-dir", str(tmp_path), "--pipeline_parallel", "2", "--model_chunks", "2", "--num-layers", "8",
                  "--out", str(tmp_path / "c.json")])
     assert code == 2 and "no trace files" in capsys.readouterr().out
+
+
+def test_the_emulation_waits_the_replayed_costs(tmp_path):
+    from megatron_app.emulation.spec import spec_from_args
+    from megatron_app.train.args import UsageError, parse_args
+
+    path = tmp_path / "curves.json"
+    path.write_text(__import__("json").dumps(CostCurves(LAYER, FIRST, LAST, {}).to_json()))
+    flags = ["--pipeline_parallel", "2", "--model_chunks", "2", "--emulate-compute", "10,20", "--emulate-lengths-file",
+             "docs/results/lengths/copyright_2048.txt", "--documents-per-microbatch", "2", "--num-layers", "8",
+             "--emulate-cost-curves", str(path)]
+    args = parse_args(flags, environ={"WORLD_SIZE": "2", "MASTER_ADDR": "localhost"})
+    spec = spec_from_args(args)
+    shape = PipelineShape(2, 2, 2)
+    table = np.asarray(spec.draw_composed(shape, 0, [1000.0, 500.0], [5e5, 2e5]))
+    assert table[0, Kind.FORWARD.index, 0, 1] == pytest.approx(_cost("forward", "first", 2, 500.0, 2e5))
+    with pytest.raises(UsageError, match="not divisible"):
+        parse_args(flags[:-4] + ["--num-layers", "6", "--emulate-cost-curves", str(path)],
+                   environ={"WORLD_SIZE": "2", "MASTER_ADDR": "localhost"})

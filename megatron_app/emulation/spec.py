@@ -8,11 +8,12 @@ the same durations and the simulator fed with the same spec predicts the same ru
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, Optional, Sequence, Tuple
 
 from megatron_app.schedule import Kind, PipelineShape, ScheduleConfigError
 from megatron_app.sim.costs import ComputeCosts, ComputePerturbations, DurationTable, draw_durations
+from megatron_app.sim.cost_curves import CostCurves
 from megatron_app.sim.lengths import MicrobatchLengths
 
 US_PER_MS = 1000.0
@@ -31,6 +32,10 @@ class EmulationSpec:
     # Variable-length microbatches: lengths drawn per iteration (keyed by seed and iteration, as the simulator draws
     # them), every task of a microbatch scaled by the simulator's cost of its length. None: equal lengths.
     lengths: Optional[MicrobatchLengths] = None
+    # Composed microbatches: task costs fitted on a real trace (sim/cost_curves.py) instead of the analytic model,
+    # spread over this many layers (the --num-layers of the emulated model).
+    cost_curves: Optional[CostCurves] = None
+    num_layers: int = 8
 
     def __post_init__(self):
         for name in ("forward_ms", "backward_ms"):
@@ -86,6 +91,8 @@ class EmulationSpec:
         no host cost added, the runtime pays its own)."""
         if self.lengths is None:
             raise ScheduleConfigError("composed microbatches need document lengths (--emulate-lengths-file)")
+        if self.cost_curves is not None:
+            return self.cost_curves.durations(shape, self.num_layers, tokens, squared_tokens)
         factors = [self.lengths.composed_cost_factor(t, s) for t, s in zip(tokens, squared_tokens)]
         return draw_durations(shape, self.costs(shape), self.perturbations, self.seed, iteration, factors)
 
@@ -123,7 +130,11 @@ def spec_from_args(args) -> Optional[EmulationSpec]:
     if getattr(args, "emulate_compute", None) is None:
         return None
     lengths_file = getattr(args, "emulate_lengths_file", None)
-    return EmulationSpec.parse(args.emulate_compute, slow_rank=args.slow_rank, slow_factor=args.slow_factor,
+    spec = EmulationSpec.parse(args.emulate_compute, slow_rank=args.slow_rank, slow_factor=args.slow_factor,
                                straggler_prob=args.straggler_prob, straggler_factor=args.straggler_factor,
                                seed=args.seed,
                                lengths=None if lengths_file is None else MicrobatchLengths.from_file(lengths_file))
+    curves_file = getattr(args, "emulate_cost_curves", None)
+    if curves_file is None:
+        return spec
+    return replace(spec, cost_curves=CostCurves.load(curves_file), num_layers=args.num_layers)

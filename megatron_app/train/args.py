@@ -178,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "--lengths-file does; tasks take the simulator's cost of that length and activations are sized by "
                    "it; the schedule is told the lengths")
     _add_flag(emulation, "--slow-rank", type=int, default=None, metavar="R", help="pipeline rank R runs slower")
+    _add_flag(emulation, "--emulate-cost-curves", default=None, metavar="FILE",
+              help="with --emulate-lengths-file and composed microbatches: each task waits the cost fitted on a real "
+                   "trace (python -m megatron_app.sim.cost_curves), spread over --num-layers, instead of the "
+                   "simulator's analytic cost")
     _add_flag(emulation, "--slow-replica", type=int, default=None, metavar="R",
               help="every rank of data-parallel replica R runs slower (a slower device or node)")
     _add_flag(emulation, "--slow-factor", type=float, default=None, metavar="F",
@@ -610,7 +614,7 @@ def _check_emulation(args: argparse.Namespace) -> None:
 
     emulating = getattr(args, "emulate_compute", None) is not None
     if not emulating:
-        for dest, default in (("slow_rank", None), ("slow_replica", None), ("straggler_prob", 0.0),
+        for dest, default in (("slow_rank", None), ("slow_replica", None), ("emulate_cost_curves", None), ("straggler_prob", 0.0),
                               ("link_delay", None),
                               ("emulate_lengths_file", None)):
             if getattr(args, dest, default) != default:
