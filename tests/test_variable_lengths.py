@@ -180,11 +180,12 @@ def test_train_step_tells_the_schedule_the_tokens_of_the_microbatches_it_then_fe
                    for batch in batches)
 
 
-def test_composition_flag_needs_variable_lengths_and_defaults_to_packed_except_under_megatrons_schedule(real_corpus):
+def test_composition_flag_needs_variable_lengths_and_defaults_to_balanced_except_under_megatrons_schedule(
+        real_corpus):
     data = ["--data-path", real_corpus["data_path"], "--tokenizer-json", real_corpus["tokenizer_json"]]
     with pytest.raises(UsageError, match="--composition needs --variable-seq-lengths"):
         parse_args(["--composition", "packed"] + data, environ={})
-    assert parse_args(["--variable-seq-lengths"] + data, environ={}).composition == "packed"
+    assert parse_args(["--variable-seq-lengths"] + data, environ={}).composition == "balanced"
     assert parse_args(["--variable-seq-lengths", "--schedule", "megatron"] + data, environ={}).composition == "loader"
     assert parse_args(["--variable-seq-lengths", "--composition", "packed"] + data, environ={}).composition == "packed"
     with pytest.raises(UsageError, match="balanced needs our schedule"):

@@ -14,7 +14,7 @@ from typing import Mapping, Optional, Sequence
 
 from megatron_app.lossy.config import TP_SITES
 from megatron_app.schedule import ADAPTIVE_POLICY_NAMES, DEFAULT_POLICY, STATIC_POLICY_NAMES
-from megatron_app.schedule.composition import COMPOSITION_NAMES, LOADER, PACKED, PLANNED_COMPOSITIONS
+from megatron_app.schedule.composition import BALANCED, COMPOSITION_NAMES, LOADER, PLANNED_COMPOSITIONS
 from megatron_app.schedule.policies import policies_taking
 
 from megatron_app.data.text_tokenizers import TOKENIZER_TYPES
@@ -120,11 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(train, "--composition", choices=COMPOSITION_NAMES, default=None,
               help="with --variable-seq-lengths (or emulated lengths), which documents of the global batch form each "
                    "microbatch: loader (the loader's microbatches, padded to their longest document; the default under "
-                   "--schedule megatron), packed (the same documents concatenated in one row, no padding; the "
-                   "default otherwise), dp-balanced (the loader's order packed "
+                   "--schedule megatron), packed (the same documents concatenated in one row, no padding), "
+                   "dp-balanced (the loader's order packed "
                    "up to a token budget as Megatron-LM's DpBalancedScheduler does, its packs dealt across "
                    "data-parallel replicas; a reference), balanced (cost-balanced packing planned together with the "
-                   "order, documents moved between data-parallel replicas by predicted cost and learnt speed), "
+                   "order, documents moved between data-parallel replicas by predicted cost and learnt speed; the "
+                   "default under our schedule), "
                    "balanced-local (the same within each replica's own share)")
     _add_flag(train, "--plan-ahead", action="store_true",
               help="balanced: plan each iteration's global batch in a worker process while the previous one trains "
@@ -580,9 +581,9 @@ def _check_variable_lengths(args: argparse.Namespace) -> None:
                              "interleaved or 1f1b, not megatron")
         args.composition = composition or LOADER
         return
-    # The best measured composition on real compute (BENCHMARKS.md, "Microbatch composition"): packed; Megatron's
-    # own schedule keeps Megatron's own layout.
-    args.composition = composition or (LOADER if args.schedule == MEGATRON_SCHEDULE else PACKED)
+    # balanced: at or above packed in every real-compute row and well above it emulated (BENCHMARKS.md, "Microbatch
+    # composition"; docs/variable-lengths.md says why); Megatron's own schedule keeps Megatron's own layout.
+    args.composition = composition or (LOADER if args.schedule == MEGATRON_SCHEDULE else BALANCED)
     if args.composition in PLANNED_COMPOSITIONS and args.schedule == MEGATRON_SCHEDULE:
         raise UsageError(f"--composition {args.composition} needs our schedule (--schedule app|interleaved|1f1b): the plan "
                          "comes from its runtime")
