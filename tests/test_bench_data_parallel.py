@@ -22,3 +22,15 @@ def test_the_simulated_rows_and_the_table():
     table = format_rows(runs, "loader", simulated).splitlines()
     assert table[1].split()[:3] == ["loader", "2100.0", "1.000"]
     assert table[2].split()[:4] == ["balanced", "1100.0", "1.909", "950.0"]
+
+
+def test_the_speed_blind_row_is_balanced_without_replica_speeds():
+    from megatron_app.bench.data_parallel import SPEED_BLIND, row_flags
+
+    assert row_flags(SPEED_BLIND) == ["--composition", "balanced", "--no-replica-speeds"]
+    args = parse_args(launcher_flags(**SHAPE, extra=row_flags(SPEED_BLIND)),
+                      environ={"WORLD_SIZE": "4", "MASTER_ADDR": "localhost"})
+    assert args.composition == "balanced" and args.no_replica_speeds
+    blind = simulated_ms(SPEED_BLIND, host_ms=1.0, **{**SHAPE, "iters": 4})
+    aware = simulated_ms("balanced", host_ms=1.0, **{**SHAPE, "iters": 4})
+    assert aware < blind

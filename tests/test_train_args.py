@@ -214,3 +214,10 @@ def test_writable_outputs_pass_and_nothing_is_created(tmp_path):
     args = _parse("--save", str(tmp_path / "a" / "ckpt"), "--log-json", str(tmp_path / "b" / "log.json"),
                   "--trace-dir", str(tmp_path / "traces"), "--dump-grads", str(tmp_path))
     assert args.save.endswith("ckpt") and list(tmp_path.iterdir()) == []
+
+
+def test_planned_composition_options_are_refused_where_nothing_reads_them():
+    with pytest.raises(UsageError, match="--no-replica-speeds applies to --composition balanced only"):
+        parse_args(["--pipeline_parallel", "1", "--no-replica-speeds"], environ={})
+    with pytest.raises(UsageError, match="--plan-ahead applies to --composition balanced or balanced-local only"):
+        parse_args(["--pipeline_parallel", "1", "--plan-ahead"], environ={})

@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 
-from megatron_app.bench.data_parallel import format_rows, launcher_flags, simulated_ms
+from megatron_app.bench.data_parallel import format_rows, launcher_flags, row_flags, simulated_ms
 from megatron_app.bench.real_composition import run_alternated, summarise
 
 
@@ -34,7 +34,8 @@ def main(argv=None) -> int:
     parser.add_argument("--slow-factor", type=float, default=1.3)
     parser.add_argument("--iters", type=int, default=5, help="iterations per run, the first a warm-up")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--compositions", default="loader,dp-balanced,balanced-local,balanced")
+    parser.add_argument("--compositions", default="loader,dp-balanced,balanced-local,balanced",
+                        help="rows: compositions, and balanced-blind (balanced with --no-replica-speeds)")
     parser.add_argument("--json")
     parser.add_argument("extra", nargs="*", help="more trainer flags, after --")
     args = parser.parse_args(argv)
@@ -48,7 +49,8 @@ def main(argv=None) -> int:
     flags = launcher_flags(**shape, extra=["--no-trace", *args.extra])
     compositions = [name.strip() for name in args.compositions.split(",") if name.strip()]
     try:
-        runs = run_alternated(compositions, args.rounds, [f for f in flags if f != "--no-trace"], warmup=1)
+        runs = run_alternated(compositions, args.rounds, [f for f in flags if f != "--no-trace"], warmup=1,
+                              row_flags=row_flags)
     except RuntimeError as error:
         print(f"bench_data_parallel: {error}", file=sys.stderr)
         return 1

@@ -20,6 +20,12 @@ from megatron_app.sim.lengths import MicrobatchLengths
 from .real_composition import CompositionRun
 
 TRAINER_SEED = 1234     # the trainer's default --seed: the emulated draws' seed
+SPEED_BLIND = "balanced-blind"   # a row, not a composition: balanced planning every replica as equally fast
+
+
+def row_flags(row: str) -> List[str]:
+    """The trainer flags of a row: --composition ROW, or balanced without replica speeds for the speed-blind row."""
+    return ["--composition", "balanced", "--no-replica-speeds"] if row == SPEED_BLIND else ["--composition", row]
 
 
 def launcher_flags(pipeline_parallel: int, model_chunks: int, data_parallel: int, microbatches: int,
@@ -45,8 +51,9 @@ def simulated_ms(composition: str, pipeline_parallel: int, model_chunks: int, da
     config = CompositionSimConfig(pipeline_parallel, model_chunks, microbatches, documents_per_microbatch,
                                   MicrobatchLengths.from_file(lengths_file), forward_us=fwd_ms * 1e3,
                                   backward_us=bwd_ms * 1e3, host_us=host_ms * 1e3, iterations=iters,
-                                  seed=TRAINER_SEED, data_parallel=data_parallel, replica_speeds=speeds)
-    return simulate_composition(config, composition).makespan_us / 1e3
+                                  seed=TRAINER_SEED, data_parallel=data_parallel, replica_speeds=speeds,
+                                  speed_aware=composition != SPEED_BLIND)
+    return simulate_composition(config, "balanced" if composition == SPEED_BLIND else composition).makespan_us / 1e3
 
 
 def format_rows(runs: Sequence[CompositionRun], baseline: str, simulated: Dict[str, float]) -> str:

@@ -42,11 +42,16 @@ class CompositionSummary:
     runs: List[CompositionRun] = field(default_factory=list)
 
 
+def composition_flags(row: str) -> List[str]:
+    """A row's trainer flags: --composition ROW."""
+    return ["--composition", row]
+
+
 def run_once(composition: str, round_index: int, launcher_flags: Sequence[str], warmup: int,
-             env: Dict[str, str]) -> CompositionRun:
+             env: Dict[str, str], row_flags=composition_flags) -> CompositionRun:
     with tempfile.TemporaryDirectory() as scratch:
         log = os.path.join(scratch, "log.json")
-        command = ["bash", str(REPO_ROOT / "run_single.sh"), *launcher_flags, "--composition", composition,
+        command = ["bash", str(REPO_ROOT / "run_single.sh"), *launcher_flags, *row_flags(composition),
                    "--log-json", log, "--no-trace"]
         done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
         if done.returncode != 0:
@@ -85,13 +90,13 @@ def format_table(summaries: Sequence[CompositionSummary], baseline: str) -> str:
 
 
 def run_alternated(compositions: Sequence[str], rounds: int, launcher_flags: Sequence[str], warmup: int,
-                   progress=print) -> List[CompositionRun]:
+                   progress=print, row_flags=composition_flags) -> List[CompositionRun]:
     env = dict(os.environ)
     runs = []
     for round_index in range(rounds):
         order = list(compositions) if round_index % 2 == 0 else list(reversed(compositions))
         for composition in order:
-            run = run_once(composition, round_index, launcher_flags, warmup, env)
+            run = run_once(composition, round_index, launcher_flags, warmup, env, row_flags)
             progress(f"round {round_index + 1}/{rounds} {composition}: median "
                      f"{statistics.median(run.tokens_per_s):.0f} tokens/s over {len(run.tokens_per_s)} iterations")
             runs.append(run)

@@ -129,7 +129,7 @@ def agree_iteration_plan(lengths: Sequence[int], micro_batch_size: int, composit
             # the slowest replica's time is the iteration's: that is what the plan's prediction must get right
             predicted = max((p for p, _ in measured.values() if p is not None), default=None)
             session.prediction_error.observe(predicted, max(s for _, s in measured.values()))
-            if composition == BALANCED:
+            if composition == BALANCED and session.settings.replica_speeds:
                 speeds = session.replica_speeds.speeds()
             min_gain = session.prediction_error.relative
         planned = None if session.plan_ahead is None else session.plan_ahead.take(request)

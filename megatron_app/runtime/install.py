@@ -21,11 +21,13 @@ def install(schedule: str = "app", policy: str = DEFAULT_POLICY, trace_dir: Opti
             memory_cap: Optional[int] = None, timeout_s: float = 300.0, job_id: Optional[str] = None,
             tracing: bool = True, memory_factor: Optional[float] = None,
             allow_untested_megatron: Optional[bool] = None, split_backward: bool = False,
-            schedule_file: Optional[str] = None) -> AppSettings:
+            schedule_file: Optional[str] = None, replica_speeds: bool = True) -> AppSettings:
     """Route Megatron's forward_backward functions to ours. Idempotent; a second call updates the settings.
 
     split_backward: run each backward as B (input gradient, sent upstream at once) and a later W (weight gradients)
     that the policy places in idle time (runtime/split_backward.py).
+    replica_speeds: under composition `balanced`, learn each data-parallel replica's speed and give a slower one less
+    work (False: every replica planned as equally fast).
     schedule_file: run these per-rank action lists (torch.distributed.pipelining's compute-only CSV, one row per
     pipeline rank; schedule/action_lists.py) instead of a policy; implies schedule "file".
 
@@ -43,7 +45,8 @@ def install(schedule: str = "app", policy: str = DEFAULT_POLICY, trace_dir: Opti
     settings = AppSettings(schedule="file" if schedule_file is not None else schedule, policy=policy,
                            memory_cap=memory_cap, memory_factor=memory_factor,
                            trace_dir=trace_dir if tracing else None, timeout_s=timeout_s, job_id=job_id,
-                           split_backward=split_backward, schedule_file=schedule_file).validate()
+                           split_backward=split_backward, schedule_file=schedule_file,
+                           replica_speeds=replica_speeds).validate()
     job = current_job()
     job.use_settings(settings)
     if job.installation.schedule_functions is None:

@@ -31,6 +31,7 @@ class AppSettings:
     job_id: Optional[str] = None      # names the shared-memory segments; agreed across ranks when None
     split_backward: bool = False      # each backward as B (input gradient) + a later W (weight gradients)
     schedule_file: Optional[str] = None  # with schedule "file": the CSV of per-rank action lists
+    replica_speeds: bool = True       # balanced: learn each data-parallel replica's speed (False: plan them equal)
     action_lists: Optional[tuple] = dataclasses.field(default=None, repr=False)   # its rows, read by validate()
 
     def validate(self) -> "AppSettings":

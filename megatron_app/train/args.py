@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "order, documents moved between data-parallel replicas by predicted cost and learnt speed; the "
                    "default under our schedule), "
                    "balanced-local (the same within each replica's own share)")
+    _add_flag(train, "--no-replica-speeds", action="store_true",
+              help="balanced: plan every data-parallel replica as equally fast (default: learn each replica's speed "
+                   "from its measured against its predicted time and give a slower one less work)")
     _add_flag(train, "--plan-ahead", action="store_true",
               help="balanced: plan each iteration's global batch in a worker process while the previous one trains "
                    "(the rank that plans starts one more process); a late plan falls back to planning in line")
@@ -505,6 +508,7 @@ def validate(args: argparse.Namespace, environ: Mapping[str, str]) -> argparse.N
             "use --schedule app|interleaved|1f1b on CPU")
     _check_checkpointing(args)
     _check_variable_lengths(args)
+    _check_planned_composition_options(args)
     _check_emulation(args)
     _check_loss(args)
     _check_memory_factor(args)
@@ -561,6 +565,15 @@ def _check_memory_factor(args: argparse.Namespace) -> None:
     takers = policies_taking("memory_factor")
     if args.schedule != "app" or args.policy not in takers:
         raise UsageError(f"--memory-factor applies to --policy {' or '.join(takers)} (under --schedule app) only")
+
+
+def _check_planned_composition_options(args: argparse.Namespace) -> None:
+    """--plan-ahead and --no-replica-speeds act on a planned composition only: refused where nothing reads them."""
+    composition = getattr(args, "composition", None)
+    for dest, allowed in (("plan_ahead", PLANNED_COMPOSITIONS), ("no_replica_speeds", (BALANCED,))):
+        if getattr(args, dest, False) and composition not in allowed:
+            raise UsageError(f"{_flag(dest)} applies to --composition {' or '.join(allowed)} only "
+                             f"(this run composes {composition or 'nothing'})")
 
 
 def _check_variable_lengths(args: argparse.Namespace) -> None:

@@ -28,14 +28,15 @@ def _on_cpu(func: Callable) -> Callable:
 
 def select_forward_backward_func(schedule: str, policy: str, trace_dir, tracing: bool,
                                  device_type: str, memory_factor: Optional[float] = None,
-                                 split_backward: bool = False, schedule_file: Optional[str] = None) -> Callable:
+                                 split_backward: bool = False, schedule_file: Optional[str] = None,
+                                 replica_speeds: bool = True) -> Callable:
     if schedule == MEGATRON:
         func = megatron_pp.get_forward_backward_func()
         return _on_cpu(func) if device_type == "cpu" else func
     from megatron_app.runtime import install
 
     install(schedule=schedule, policy=policy, trace_dir=trace_dir, tracing=tracing, memory_factor=memory_factor,
-            split_backward=split_backward, schedule_file=schedule_file)
+            split_backward=split_backward, schedule_file=schedule_file, replica_speeds=replica_speeds)
     return megatron_pp.get_forward_backward_func()
 
 

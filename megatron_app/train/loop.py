@@ -111,7 +111,8 @@ def build_trainer(args) -> Trainer:
     forward_backward = select_forward_backward_func(args.schedule, args.policy, trace_dir, not args.no_trace,
                                                     args.device, memory_factor=args.memory_factor,
                                                     split_backward=args.split_backward,
-                                                    schedule_file=args.schedule_file)
+                                                    schedule_file=args.schedule_file,
+                                                    replica_speeds=not getattr(args, "no_replica_speeds", False))
     reporter = IterationReporter(run_config(args), args.iters, args.global_batch_size * args.seq_length,
                                  args.log_json, emulated=emulation is not None)
     if resume_note:
