@@ -28,3 +28,18 @@ def forked_ranks(nproc: int, script_and_args, timeout: float = 900, **env):
     (tests/helpers/fork_ranks.py): the same environment per rank, about a third of the CPU on a 2-core machine."""
     cmd = [sys.executable, str(HELPERS / "fork_ranks.py"), str(nproc), *map(str, script_and_args)]
     return subprocess.run(cmd, cwd=REPO, env=run_env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+def read_until(process: subprocess.Popen, marker: str, timeout: float = 240.0) -> str:
+    """A launcher's stdout, line by line, until a line holds `marker` (asserted, with the output's tail)."""
+    import time
+
+    seen = ""
+    deadline = time.monotonic() + timeout
+    while marker not in seen and time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        seen += line
+    assert marker in seen, seen[-2000:]
+    return seen

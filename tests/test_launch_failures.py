@@ -17,7 +17,7 @@ import pytest
 from megatron_app.train import run_ranks
 from megatron_app.train.__main__ import environment_failure
 from megatron_app.train.shm_budget import estimate, local_ring_counts, segment_bytes
-from pipeline_runs import REPO, run_env
+from pipeline_runs import REPO, read_until, run_env
 
 
 MiB = 2**20
@@ -142,14 +142,7 @@ def test_kill_9_of_a_rank_ends_with_one_line_naming_it(tmp_path):
          "--num-layers", "2", "--no-trace"], cwd=REPO, env=run_env(LOG_DIR=str(log_dir)),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        seen = ""
-        deadline = time.monotonic() + 240
-        while "iter 2/400" not in seen and time.monotonic() < deadline:
-            line = launcher.stdout.readline()
-            if not line:
-                break
-            seen += line
-        assert "iter 2/400" in seen, seen[-2000:]
+        read_until(launcher, "iter 2/400")
         victim = _rank_pid(launcher.pid, 1)
         assert victim is not None
         os.kill(victim, signal.SIGKILL)

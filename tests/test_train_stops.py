@@ -6,13 +6,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
 from megatron_app.train.stops import NonFiniteError, check_finite, interrupted
-from pipeline_runs import REPO, run_env
+from pipeline_runs import REPO, read_until, run_env
 
 
 def _chunk(grad_value: float) -> torch.nn.Module:
@@ -76,14 +75,7 @@ def test_ctrl_c_ends_in_one_line_without_a_traceback_or_a_failure_line(tmp_path)
         env=run_env(LOG_DIR=str(tmp_path / "logs")), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True)
     try:
-        seen = ""
-        deadline = time.monotonic() + 240
-        while "iter 2/400" not in seen and time.monotonic() < deadline:
-            line = launcher.stdout.readline()
-            if not line:
-                break
-            seen += line
-        assert "iter 2/400" in seen, seen[-2000:]
+        read_until(launcher, "iter 2/400")
         os.killpg(launcher.pid, signal.SIGINT)    # what the terminal does on Ctrl-C: the whole process group
         _, err = launcher.communicate(timeout=120)
     finally:

@@ -74,8 +74,10 @@ def decide_once(decide, distributed: bool, group=None):
 
 def _gather_replica_times(session, layout: JobLayout):
     """On the job's first rank: replica -> (its last plan's nominal prediction, its slowest rank's pipeline time),
-    from every rank's last training call (None elsewhere, and before any call)."""
+    from every rank's last training call not yet reported (None elsewhere): a measurement is learnt from once, also
+    when an evaluation plans between two training calls."""
     mine = (layout.dp_rank, session.last_pipeline)
+    session.last_pipeline = None
     if not layout.distributed or dist.get_world_size() == 1:
         gathered = [mine]
     else:
