@@ -13,7 +13,6 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from megatron.core.pipeline_parallel.schedules import (
     check_first_val_step,

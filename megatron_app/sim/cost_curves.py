@@ -17,7 +17,6 @@ The simulator takes them with --cost-curves FILE --num-layers L (sim/composition
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
