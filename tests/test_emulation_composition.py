@@ -76,6 +76,11 @@ def test_emulated_p2_v2_runs_every_composition_with_its_planned_microbatch_count
         assert all(c["num_microbatches"] in valid_microbatch_counts(2, 2, 8) and c["wait_for_plan_ms"] >= 0 <= c["planning_ms"]
                    for c in composed)
         counts[name] = composed
+        # every composition is planned and predicted on one rank once costs are learnt (the first call teaches
+        # them; from the third, what an iteration spends outside its call is known and predicted too)
+        assert composed[0]["predicted_ms"] is None
+        assert all(c["predicted_pipeline_ms"] > 0 for c in composed[1:])
+        assert composed[2]["predicted_ms"] > composed[2]["predicted_pipeline_ms"]
     assert "microbatches" in result.stdout        # the iteration line says how many ran
     # the loader's own groups: 4 microbatches of 2 documents
     assert all(c["num_microbatches"] == 4 for name in ("loader", "packed") for c in counts[name])

@@ -1,5 +1,7 @@
 """The iteration contract (schedule/iteration_plan.py): one plan per global batch, every replica's share of it."""
 
+from dataclasses import replace
+
 import pytest
 
 from megatron_app.schedule import PipelineShape, ScheduleConfigError
@@ -81,6 +83,27 @@ def test_cross_replica_balanced_predicts_no_worse_than_replica_local_and_keeps_t
         for rank in range(4):
             order = plan_order(shape, rank, replica.plan)
             assert order_peak_size(order, tokens) <= caps[rank] + 1e-9
+
+
+@pytest.mark.parametrize("composition", [LOADER, PACKED, DP_BALANCED])
+def test_fixed_microbatches_get_the_planned_policys_order_and_a_prediction_when_asked(composition):
+    lengths = tuple(LONG_TAIL[:16])
+    costs = _learnt_costs()
+    left = plan_iteration(PlanRequest(lengths, composition, 2, P4V2, num_replicas=2), costs)
+    ordered = plan_iteration(PlanRequest(lengths, composition, 2, P4V2, num_replicas=2, plan_order=True), costs)
+    assert all(replica.plan is None and replica.predicted_s is None for replica in left.replicas)
+    assert left.report(0)["predicted_ms"] is None
+    for r, (mine, other) in enumerate(zip(ordered.replicas, left.replicas)):
+        assert mine.composition == other.composition and mine.documents == other.documents
+        shape = PipelineShape(4, 2, mine.num_microbatches)
+        tokens = ordered.microbatch_tokens(r)
+        caps = megatron_peak_sizes(shape, tokens)
+        for rank in range(4):       # within Megatron's own peak on these microbatches, as the policy keeps to
+            assert order_peak_size(plan_order(shape, rank, mine.plan), tokens) <= caps[rank] + 1e-9
+        assert mine.predicted_s > 0
+    assert ordered.calibrated and ordered.predicted_s == max(r.predicted_s for r in ordered.replicas)
+    told = replace(ordered, outside_call_s=0.25).report(1)
+    assert told["predicted_ms"] == pytest.approx(told["predicted_pipeline_ms"] + 250.0)
 
 
 def test_a_slower_replica_gets_proportionally_less_work():

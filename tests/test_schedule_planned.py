@@ -124,6 +124,78 @@ def test_length_cost_model_recovers_a_quadratic_and_starts_proportional():
         model.observe(F, 0, 0, 1.0)
 
 
+def test_length_cost_model_learns_each_pipeline_rank_and_falls_back_to_their_mean():
+    model = LengthCostModel()
+    own = lambda length, rank: (1.0 + 0.5 * rank) * (0.001 + 2e-5 * length + 1e-7 * length ** 2)
+    for rank in (0, 1):
+        for length in (100, 400, 900, 1600):
+            model.observe(F, 1, length, own(length, rank), rank=rank)
+    assert model.ranks_seen() == (0, 1)
+    assert model.seconds(F, 1, 700, rank=1) == pytest.approx(own(700, 1), rel=1e-6)
+    assert model.seconds(F, 1, 700, rank=0) == pytest.approx(own(700, 0), rel=1e-6)
+    mean = (own(700, 0) + own(700, 1)) / 2
+    assert model.seconds(F, 1, 700, rank=3) == pytest.approx(mean, rel=1e-6)    # an unseen rank: the ranks' mean
+    assert model.seconds(F, 1, 700) == pytest.approx(mean, rel=1e-6)
+    table = model.duration_table((F, B), 2, [700], [700 ** 2], num_stages=2)
+    assert table.shape == (8, 1)                                   # rows (kind * P + rank) * V + chunk
+    assert table[1 * 2 + 1, 0] == pytest.approx(own(700, 1), rel=1e-6)
+    assert table[3 * 2 + 1, 0] == pytest.approx(2 * mean, rel=1e-6)   # no backward seen: 2 x the forwards' mean
+
+
+def test_length_cost_fit_keeps_non_negative_terms_and_weighs_errors_relatively():
+    # Narrow sizes with noise make an unconstrained fit put a negative term against the square: it then
+    # extrapolates to a much larger microbatch far below the truth. The kept fit never has a negative term.
+    true = lambda tokens: 0.004 + 1e-5 * tokens + 4e-9 * tokens ** 2
+    model = LengthCostModel()
+    sizes = np.array([900.0, 1000, 1100, 1200, 1300, 1400])
+    measured = true(sizes) * np.array([1.08, 1.06, 0.96, 0.92, 0.96, 1.0])
+    for tokens, seconds in zip(sizes, measured):
+        model.observe(F, 0, tokens, seconds)
+    a, b, c = model._fits[(F, 0, 0)].affine()
+    assert min(a, b, c) >= 0.0
+    assert model.seconds(F, 0, 4000) == pytest.approx(true(4000), rel=0.10)
+    features = np.stack([np.ones_like(sizes), sizes, sizes ** 2], axis=1)
+    unconstrained, *_ = np.linalg.lstsq(features / measured[:, None], np.ones(6), rcond=None)
+    assert unconstrained[1] < 0 and unconstrained @ [1, 4000, 4000 ** 2] > 2 * true(4000)   # what it replaced
+    # one task three times too slow (preempted) moves a relative fit by little
+    for tokens in (500, 1000, 2000, 3000):
+        model.observe(B, 0, tokens, 2 * true(tokens))
+    model.observe(B, 0, 1500, 6 * true(1500))
+    assert model.seconds(B, 0, 2500) == pytest.approx(2 * true(2500), rel=0.12)
+
+
+def test_unreported_samples_reach_another_model_once():
+    here, planner = LengthCostModel(), LengthCostModel()
+    for length in (100, 300, 800):
+        here.observe(B, 1, length, 1e-5 * length, length ** 2 / 2, rank=3)
+    samples = here.take_unreported()
+    assert len(samples) == 3 and here.take_unreported() == []
+    planner.observe_reported(samples)
+    assert planner.samples(B, 1, rank=3) == 3 and planner.take_unreported() == []
+    assert planner.seconds(B, 1, 500, 500 ** 2 / 2, rank=3) == pytest.approx(here.seconds(B, 1, 500, 500 ** 2 / 2,
+                                                                                         rank=3))
+
+
+def test_per_rank_durations_evaluate_like_per_chunk_ones_and_show_a_costlier_stage():
+    shape = PipelineShape(4, 2, 8)
+    lengths = _lognormal_lengths(5, 8)
+    per_chunk = np.array([[0.7 * L + 0.3 * L * L / 256 for L in lengths]] * 2 +
+                         [[1.4 * L + 0.6 * L * L / 256 for L in lengths]] * 2)      # (F, B) x V rows
+    per_rank = np.repeat(per_chunk.reshape(2, 1, 2, 8), 4, axis=1).reshape(16, 8)    # (F, B) x P x V rows
+    orders = np.array([list(range(8)), list(reversed(range(8)))])
+    caps = [float("inf")] * 4
+    same, _ = _graph(shape, (0,) * 4).evaluate(orders, per_chunk, np.array(lengths, float), caps)
+    alike, _ = _graph(shape, (0,) * 4).evaluate(orders, per_rank, np.array(lengths, float), caps)
+    assert list(alike) == pytest.approx(list(same))
+    slower = per_rank.reshape(2, 4, 2, 8).copy()
+    slower[:, 3, 1] *= 1.5                    # the last stage (rank 3, chunk 1) holds the loss head
+    costlier, _ = _graph(shape, (0,) * 4).evaluate(orders, slower.reshape(16, 8), np.array(lengths, float), caps)
+    assert (costlier > same + 1e-9).all()
+    timeline = _graph(shape, (0,) * 4).timeline(3, tuple(range(8)), slower.reshape(16, 8))
+    last_forward = [t for t in timeline if t[0] == F.index and t[1] == 1]
+    assert last_forward[0][4] == pytest.approx(slower[0, 3, 1, last_forward[0][2]])
+
+
 # ---- plans -----------------------------------------------------------------------------------------------------
 def _durations(shape, lengths):
     cost = [0.7 * L + 0.3 * L * L / 256 for L in lengths]

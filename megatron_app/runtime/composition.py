@@ -72,11 +72,13 @@ def decide_once(decide, distributed: bool, group=None):
     return result, seconds
 
 
-def _gather_replica_times(session, layout: JobLayout):
+def _gather_measurements(session, layout: JobLayout):
     """On the job's first rank: replica -> (its last plan's nominal prediction, its slowest rank's pipeline time),
     from every rank's last training call not yet reported (None elsewhere): a measurement is learnt from once, also
-    when an evaluation plans between two training calls."""
-    mine = (layout.dp_rank, session.last_pipeline)
+    when an evaluation plans between two training calls. The task durations every other rank measured since its
+    last report join the first rank's cost model (each under its pipeline rank: the stages differ)."""
+    costs = session.shared_costs()
+    mine = (layout.dp_rank, session.last_pipeline, costs.take_unreported())
     session.last_pipeline = None
     if not layout.distributed or dist.get_world_size() == 1:
         gathered = [mine]
@@ -85,8 +87,10 @@ def _gather_replica_times(session, layout: JobLayout):
         dist.gather_object(mine, gathered, dst=0)
     if gathered is None:
         return None
+    for _, _, samples in gathered[1:]:     # the first rank's own are in its model already
+        costs.observe_reported(samples)
     times = {}
-    for replica, last in gathered:
+    for replica, last, _ in gathered:
         if last is None:
             continue
         predicted, seconds = last
@@ -116,7 +120,9 @@ def agree_iteration_plan(lengths: Sequence[int], micro_batch_size: int, composit
                           document_ids=None if document_ids is None else tuple(int(i) for i in document_ids),
                           token_budget=token_budget)
     request.check()     # on every rank: a bad request fails where it is made, not in a broadcast
-    measured = _gather_replica_times(session, layout) if composition in PLANNED_COMPOSITIONS else None
+    plans_order = session.plans_calls
+    measured = (_gather_measurements(session, layout) if composition in PLANNED_COMPOSITIONS or plans_order
+                else None)
 
     ahead = composition in PLANNED_COMPOSITIONS and next_lengths is not None
 
@@ -138,8 +144,8 @@ def agree_iteration_plan(lengths: Sequence[int], micro_batch_size: int, composit
         if planned is not None:
             plan = replace(planned[0], planned_ahead=True, planner_s=planned[1])
         else:
-            plan = plan_iteration(replace(request, replica_speeds=speeds, min_gain=min_gain), session.shared_costs(),
-                                  stop=session.planning_stop(start))
+            plan = plan_iteration(replace(request, replica_speeds=speeds, min_gain=min_gain, plan_order=plans_order),
+                                  session.shared_costs(), stop=session.planning_stop(start))
             plan = replace(plan, planner_s=time.perf_counter() - start)
         if ahead:
             if session.plan_ahead is None:
@@ -149,7 +155,8 @@ def agree_iteration_plan(lengths: Sequence[int], micro_batch_size: int, composit
                                document_ids=None if next_document_ids is None
                                else tuple(int(i) for i in next_document_ids))
             session.plan_ahead.submit(upcoming, session.shared_costs())
-        return replace(plan, planning_s=time.perf_counter() - start)   # what the call waited for, every rank told
+        # what the call waited for, and what an iteration spends outside its call (predicted: the recent median)
+        return replace(plan, planning_s=time.perf_counter() - start, outside_call_s=session.between_calls_s)
 
     plan, seconds = decide_once(decide, layout.distributed)
     if seconds:

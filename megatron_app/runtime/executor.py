@@ -395,6 +395,9 @@ class PipelineStep:
             squared = None if self.call_plan is None else self.call_plan.squared_tokens
             if squared is not None:
                 fields["squared_tokens"] = squared[task.microbatch]
+            segments = None if self.call_plan is None else self.call_plan.document_segments
+            if segments is not None:
+                fields["documents"] = len(segments[task.microbatch])
         predicted = getattr(self.policy, "predicted", {}).get(task)
         if predicted is not None:
             fields["predicted_start_us"] = self._call_start_us + predicted[0] * 1e6
@@ -459,8 +462,10 @@ def _forward_backward(schedule: MegatronSchedule, *, forward_step_func, data_ite
     if step.tracer is not None:
         session.training_calls += 1
         start = step.tracer.now_us()
+        session.training_call_started(start / 1e6)
         result = step.run()
         end = step.tracer.now_us()
+        session.training_call_ended(end / 1e6)
         session.last_iteration_s = (end - start) / 1e6
         step.tracer.record("iteration", start, end, iteration=step.iteration)
         step.tracer.flush()   # a crash loses at most the iteration in flight

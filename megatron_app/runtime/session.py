@@ -8,10 +8,12 @@ first time a call uses the group (all its members make that call) and closed wit
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import os
 import re
 import socket
+import statistics
 import sys
 import time
 import uuid
@@ -73,6 +75,10 @@ class RuntimeSession:
         self.training_calls = 0     # forward_backward calls with backward (trace iterations)
         self.calls = 0              # all calls, evaluation included (message tags)
         self.last_iteration_s: Optional[float] = None   # wall time of the last training call
+        # What an iteration spends outside its training call (optimizer step, loss reduction, the next call's
+        # planning): the gaps between consecutive training calls, the last few (their median is predicted).
+        self._last_call_end: Optional[float] = None
+        self._between_calls = collections.deque(maxlen=5)
         self.last_planning_s: Optional[float] = None    # its planning time (pipeline rank 0, planning policies)
         self._closed = False
         self._announced = False
@@ -92,6 +98,26 @@ class RuntimeSession:
 
             self._shared_costs = LengthCostModel()
         return self._shared_costs
+
+    def training_call_started(self, now_s: float) -> None:
+        if self._last_call_end is not None:
+            self._between_calls.append(now_s - self._last_call_end)
+
+    def training_call_ended(self, now_s: float) -> None:
+        self._last_call_end = now_s
+
+    @property
+    def between_calls_s(self) -> Optional[float]:
+        """The median recent gap between training calls (None before two calls): evaluation calls between two
+        training calls lengthen one gap, which the median leaves out."""
+        return statistics.median(self._between_calls) if self._between_calls else None
+
+    @property
+    def plans_calls(self) -> bool:
+        """This process runs a policy that plans each call (`planned`) with the default cap: the iteration plan
+        may then order fixed microbatches too (iteration_plan.PlanRequest.plan_order). The same on every rank."""
+        return self.settings.memory_cap is None and any(
+            getattr(policy, "plans_iterations", False) for policy in self._policies.values())
 
     def record_pipeline_time(self, call_plan, seconds: float) -> None:
         self.last_pipeline = (None if call_plan is None else call_plan.nominal_predicted_s, seconds)

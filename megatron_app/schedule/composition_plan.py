@@ -37,7 +37,7 @@ from .composition import Composition, loader_composition
 from .errors import ScheduleConfigError
 from .length_costs import LengthCostModel
 from .megatron_order import megatron_peak_sizes
-from .plan_search import Plan, PlanSearch
+from .plan_search import Plan, PlanChoice, PlanSearch
 from .shape import PipelineShape
 from .tasks import Kind
 
@@ -157,10 +157,14 @@ def candidate_counts(valid: Sequence[int], loader_count: int, most: int = MAX_CA
 
 
 def interleaved_estimate(num_stages: int, num_chunks: int, table: np.ndarray) -> float:
-    """Cheap makespan estimate of Megatron's interleaved order (no graph): a rank's work plus the fill and drain,
-    (P - 1) x a chunk's forward + backward of the costliest microbatch (memory not checked: screening only)."""
-    per_microbatch = table.sum(axis=0)
-    return float(per_microbatch.sum() + (num_stages - 1) * per_microbatch.max() / num_chunks)
+    """Cheap makespan estimate of Megatron's interleaved order (no graph): the busiest rank's work plus the fill
+    and drain, (P - 1) x a chunk's forward + backward of the costliest microbatch (memory not checked: screening
+    only). table: per (kind, chunk) rows, or per (kind, rank, chunk) (length_costs.duration_table)."""
+    per_stage = len(table) >= 2 * num_stages * num_chunks and num_stages > 1
+    ranks = num_stages if per_stage else 1
+    rank_work = table.reshape(-1, ranks, num_chunks, table.shape[1]).sum(axis=(0, 2))   # ranks x m
+    chunk_work = rank_work.sum(axis=0) / (ranks * num_chunks)
+    return float(rank_work.sum(axis=1).max() + (num_stages - 1) * chunk_work.max())
 
 
 class CompositionPlanner:
@@ -193,7 +197,7 @@ class CompositionPlanner:
         lengths = tuple(int(v) for v in document_lengths)
         loader = loader_composition(len(lengths), micro_batch_size, packed=False)
         tokens = loader.microbatch_tokens(lengths)
-        table = costs.duration_table(PLANNED_KINDS, self.num_chunks, tokens, loader.microbatch_squared_tokens(lengths))
+        table = self._table(costs, tokens, loader.microbatch_squared_tokens(lengths))
         if 2 * self.num_chunks * self.num_stages * len(lengths) > LARGE_TASKS:
             return interleaved_estimate(self.num_stages, self.num_chunks, table)
         caps = self.loader_caps(lengths, micro_batch_size) if caps is None else caps
@@ -241,7 +245,7 @@ class CompositionPlanner:
                 break
             shape = self._shape(composition.num_microbatches)
             tokens = composition.microbatch_tokens(lengths)
-            table = costs.duration_table(PLANNED_KINDS, V, tokens, composition.microbatch_squared_tokens(lengths))
+            table = self._table(costs, tokens, composition.microbatch_squared_tokens(lengths))
             value = (interleaved_estimate(self.num_stages, V, table) if large
                      else self._screen(shape, tokens, caps, table, screen_warmup).predicted_makespan)
             screened.append((value, index, composition))
@@ -252,10 +256,10 @@ class CompositionPlanner:
         shape = self._shape(best.num_microbatches)
         tokens = best.microbatch_tokens(lengths)
         squared = best.microbatch_squared_tokens(lengths)
-        table = costs.duration_table(PLANNED_KINDS, V, tokens, squared)
+        table = self._table(costs, tokens, squared)
         evaluations = min(self.final_evaluations, LARGE_FINAL_EVALUATIONS) if large else self.final_evaluations
         choice = PlanSearch(shape, evaluations=evaluations, max_extra_warmup=screen_warmup).choose(
-            tokens, caps, [table[:V], table[V:]], stop=None if stop is None else (lambda _: stop(loader_value)))
+            tokens, caps, _by_kind(table), stop=None if stop is None else (lambda _: stop(loader_value)))
         order = choice.plan.start_order
         composition = Composition(tuple(best.groups[k] for k in order), packed=True)
         plan = Plan(tuple(range(len(order))), choice.plan.extra_warmup)
@@ -263,7 +267,28 @@ class CompositionPlanner:
                             tuple(tokens[k] for k in order), tuple(squared[k] for k in order), tuple(caps),
                             choice.admission_needs, choice.evaluations, packed_fallback)
 
+    def plan_order(self, composition: Composition, document_lengths: Sequence[int], costs: LengthCostModel,
+                   stop: Optional[Callable[[float], bool]] = None) -> PlanChoice:
+        """The order and warm-ups of fixed microbatches (the loader's, packed or not; dp-balanced's), as the
+        `planned` policy chooses them: each rank capped at memory_factor x Megatron's peak on these microbatches."""
+        lengths = tuple(int(v) for v in document_lengths)
+        shape = self._shape(composition.num_microbatches)
+        tokens = composition.microbatch_tokens(lengths)
+        caps = loader_peak_caps(shape, tokens, self.memory_factor)
+        table = self._table(costs, tokens, composition.microbatch_squared_tokens(lengths))
+        return PlanSearch(shape, evaluations=self.final_evaluations).choose(tokens, caps, _by_kind(table), stop=stop)
+
     def _screen(self, shape: PipelineShape, tokens, caps, table, max_extra_warmup: int = 3):
         """The seeded orders x warm-ups only (no annealing): a cheap score for one candidate composition."""
         search = PlanSearch(shape, evaluations=0, max_extra_warmup=max_extra_warmup)
-        return search.choose(tokens, caps, [table[:self.num_chunks], table[self.num_chunks:]])
+        return search.choose(tokens, caps, _by_kind(table))
+
+    def _table(self, costs: LengthCostModel, tokens, squared) -> np.ndarray:
+        """Predicted durations per (kind, pipeline rank, chunk) x microbatch (length_costs.duration_table)."""
+        return costs.duration_table(PLANNED_KINDS, self.num_chunks, tokens, squared, num_stages=self.num_stages)
+
+
+def _by_kind(table: np.ndarray):
+    """A kind-major table as the plan search takes it: [forward rows, backward rows]."""
+    half = len(table) // 2
+    return [table[:half], table[half:]]

@@ -23,6 +23,9 @@ plan). Compositions (schedule/composition.py):
                   (a job beyond the planner's large-batch threshold plans only the moved one, each replica as at
                   scale);
   balanced-local  the same planning within each replica's loader share only (no document moves).
+With plan_order (the runtime sets it when the `planned` policy runs the calls), the fixed microbatches of loader,
+packed and dp-balanced get their order and warm-ups here too, as that policy would choose them, with a prediction:
+every composition's iteration is then planned and predicted in one place, with costs learnt per pipeline rank.
 
 Memory: with D > 1 a `balanced` plan caps every pipeline rank at the largest held-token peak Megatron's order
 reaches on that rank over the replicas' loader microbatches (the activation memory the job provisions on that
@@ -36,7 +39,7 @@ Pure: no torch, no I/O, no clocks (a caller's stop() is its time budget).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from .composition import (DP_BALANCED, LOADER, LOCAL_BALANCED, PACKED, PLANNED_COMPOSITIONS, Composition,
@@ -79,6 +82,8 @@ class PlanRequest:
     token_budget: Optional[int] = None       # dp-balanced's tokens per pack (default: micro batch size x longest)
     replica_speeds: Optional[Tuple[float, ...]] = None   # relative throughput per replica (default: all 1.0)
     min_gain: float = 0.0                    # balanced: predicted gain over packing needed to regroup (model error)
+    plan_order: bool = False                 # loader, packed, dp-balanced: plan each replica's order and predict it
+                                             # (the `planned` policy runs the call; balanced always plans)
 
     def check(self) -> None:
         check_composition_name(self.composition)
@@ -138,6 +143,8 @@ class IterationPlan:
     calibrated: bool = False            # predictions in seconds (learnt costs), not the prior's relative scale
     planned_ahead: bool = False         # made a call early, off the critical path (runtime/plan_ahead.py)
     planner_s: Optional[float] = None   # the planner's own time (planned ahead: the worker's CPU time)
+    outside_call_s: Optional[float] = None   # predicted time of the iteration outside the pipeline call (the driver's
+                                             # measure of recent iterations: optimizer step, loss, planning)
 
     @property
     def num_replicas(self) -> int:
@@ -188,6 +195,7 @@ class IterationPlan:
         replica = self.replica(dp_rank)
         lengths = self.replica_lengths(dp_rank)
         predicted = self.predicted_s if self.calibrated else None
+        iteration = None if predicted is None else predicted + (self.outside_call_s or 0.0)
         loader = self.predicted_loader_s if self.calibrated else None
         return {"composition": self.composition_name, "num_microbatches": replica.num_microbatches,
                 "microbatch_tokens": list(self.microbatch_tokens(dp_rank)),
@@ -195,7 +203,8 @@ class IterationPlan:
                 "replica_microbatches": [r.num_microbatches for r in self.replicas],
                 "cross_replica": self.cross_replica,
                 "packed_fallback": [r.packed_fallback for r in self.replicas],
-                "predicted_ms": None if predicted is None else predicted * 1e3,
+                "predicted_ms": None if iteration is None else iteration * 1e3,
+                "predicted_pipeline_ms": None if predicted is None else predicted * 1e3,
                 "predicted_loader_ms": None if loader is None else loader * 1e3,
                 "planning_ms": self.planning_s * 1e3, "planned_ahead": self.planned_ahead,
                 "planner_ms": None if self.planner_s is None else self.planner_s * 1e3}
@@ -264,10 +273,27 @@ def assign_by_cost(weights: Sequence[float], speeds: Sequence[float], min_docume
     return tuple(tuple(sorted(share)) for share in shares)
 
 
-def _fixed_plan(request: PlanRequest, shares, packed: bool) -> IterationPlan:
+def _fixed_plan(request: PlanRequest, shares, packed: bool, costs: Optional[LengthCostModel], stop
+                ) -> IterationPlan:
     replicas = tuple(ReplicaPlan(share, loader_composition(len(share), request.micro_batch_size, packed))
                      for share in shares)
-    return _iteration(request, replicas)
+    return _ordered(request, replicas, costs, stop)
+
+
+def _ordered(request: PlanRequest, replicas: Sequence[ReplicaPlan], costs: Optional[LengthCostModel], stop
+             ) -> IterationPlan:
+    """Fixed microbatches: with plan_order, each replica's order and warm-ups planned and predicted (what the
+    `planned` policy would choose for the call), else left to the policy."""
+    if not request.plan_order:
+        return _iteration(request, replicas)
+    costs = costs or LengthCostModel()
+    planner = request.pipeline.planner()
+    ordered = []
+    for replica in replicas:
+        choice = planner.plan_order(replica.composition, [request.lengths[p] for p in replica.documents], costs,
+                                    stop=stop)
+        ordered.append(replace(replica, plan=choice.plan, predicted_s=choice.predicted_makespan))
+    return _iteration(request, ordered, calibrated=costs.calibrated)
 
 
 def _iteration(request: PlanRequest, replicas, predicted_loader_s=None, cross_replica=False,
@@ -329,7 +355,7 @@ def plan_iteration(request: PlanRequest, costs: Optional[LengthCostModel] = None
     request.check()
     shares = loader_shares(len(request.lengths), request.micro_batch_size, request.num_replicas)
     if request.composition in (LOADER, PACKED):
-        return _fixed_plan(request, shares, packed=request.composition == PACKED)
+        return _fixed_plan(request, shares, request.composition == PACKED, costs, stop)
     if request.composition == DP_BALANCED:
         budget = request.token_budget or request.micro_batch_size * max(request.lengths)
         D = request.num_replicas
@@ -344,7 +370,7 @@ def plan_iteration(request: PlanRequest, costs: Optional[LengthCostModel] = None
                 groups.append(tuple(range(start, start + len(pack))))
                 start += len(pack)
             replicas.append(ReplicaPlan(documents, Composition(tuple(groups), packed=True)))
-        return _iteration(request, replicas, cross_replica=D > 1)
+        return replace(_ordered(request, replicas, costs, stop), cross_replica=D > 1)
     assert request.composition in PLANNED_COMPOSITIONS
     return _plan_balanced(request, costs or LengthCostModel(), stop)
 

@@ -1,47 +1,63 @@
-"""Task duration as a function of a microbatch's composition, learnt per (kind, chunk) from observed durations.
+"""Task duration as a function of a microbatch's composition, learnt per (kind, chunk, pipeline rank) from observed
+durations.
 
 A transformer layer's time on a microbatch is a + b*T + c*S: T its tokens (MLP and projections are linear in
 tokens) and S the sum over its attention blocks of their squared lengths (attention's score matrix): a packed
 microbatch of documents l_1..l_k has T = sum l_i, S = sum l_i^2; a padded one of r rows of longest length L has
 T = r*L, S = r*L^2. A caller that gives only a length L means one block of L tokens (S = L^2), so a padded
-microbatch of one length is a special case of the same fit. Each (kind, chunk) keeps a least-squares fit on
-[1, T, S]. Until a (kind, chunk) has seen three distinct compositions, its prediction is proportional to T, scaled
-by what was seen (or by the prior backward = 2 x forward).
+microbatch of one length is a special case of the same fit.
+
+What real kernels taught the form (CPU GPT, traces of P=2 V=2 runs; docs/variable-lengths.md has the numbers):
+  * Per pipeline rank, not per chunk alone: the last stage's chunk also runs the output layer and the loss, the
+    first the embedding, so the same chunk index costs up to a third more on one rank than on another. The rank
+    that plans learns every rank's tasks (the runtime gathers them); a rank not seen yet costs what the seen ranks
+    of the same chunk cost on average.
+  * Non-negative coefficients, fitted on relative error: an unconstrained fit on a narrow range of sizes can put
+    a negative intercept or token term against a large square term, which extrapolates badly to the larger
+    microbatches a plan builds. Each fit keeps the non-negative least-squares solution (the best over the feature
+    subsets whose solution is non-negative) of sum ((prediction - measured) / measured)^2: a 3x outlier (a
+    preempted task) pulls a relative fit far less than an absolute one.
+Until a fit has seen three distinct compositions, its prediction is proportional to T, scaled by what was seen (or
+by the prior backward = 2 x forward).
 """
 
 from __future__ import annotations
 
+from collections import deque
+from itertools import combinations
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .errors import ScheduleConfigError
-from .tasks import Kind
+from .tasks import KINDS_BY_INDEX, Kind
 
 _PRIOR_SECONDS_PER_TOKEN = {Kind.FORWARD: 1.0, Kind.BACKWARD: 2.0}
 _FEATURES = 3
 _RIDGE = 1e-9          # keeps the normal equations solvable when compositions repeat
 _FLOOR_SHARE = 0.1     # never predict below this share of the proportional estimate (extrapolation guard)
+_UNREPORTED_MOST = 16384   # samples kept for the planning rank when nobody collects them (oldest dropped)
+# Every non-empty subset of the features, the fuller first: the non-negative solution is the best feasible one.
+_SUBSETS = tuple(subset for size in range(_FEATURES, 0, -1) for subset in combinations(range(_FEATURES), size))
 
 
 class _Fit:
-    """Running normal equations of one (kind, chunk) regression, tokens scaled by the first microbatch seen."""
+    """Running weighted normal equations of one regression, tokens scaled by the first microbatch seen."""
 
     def __init__(self, scale: float):
         self.scale = scale
-        self.gram = [[0.0] * _FEATURES for _ in range(_FEATURES)]
-        self.moment = [0.0] * _FEATURES
+        self.gram = np.zeros((_FEATURES, _FEATURES))
+        self.moment = np.zeros(_FEATURES)
         self.compositions = set()
         self.seconds_per_token_sum = 0.0
         self.samples = 0
-        self._coefficients: Optional[List[float]] = None
+        self._coefficients: Optional[np.ndarray] = None
 
     def add(self, tokens: float, squared: float, seconds: float) -> None:
-        features = (1.0, tokens / self.scale, squared / self.scale ** 2)
-        for i in range(_FEATURES):
-            self.moment[i] += features[i] * seconds
-            for j in range(_FEATURES):
-                self.gram[i][j] += features[i] * features[j]
+        features = np.array((1.0, tokens / self.scale, squared / self.scale ** 2))
+        weight = 1.0 / max(seconds, 1e-9) ** 2       # relative error (module doc)
+        self.gram += weight * np.outer(features, features)
+        self.moment += weight * features * seconds
         self.compositions.add((tokens, squared))
         self.seconds_per_token_sum += seconds / tokens
         self.samples += 1
@@ -52,7 +68,7 @@ class _Fit:
         if len(self.compositions) < _FEATURES:
             return None
         if self._coefficients is None:
-            self._coefficients = _solve(self.gram, self.moment)
+            self._coefficients = _non_negative_solution(self.gram, self.moment)
         a, b, c = self._coefficients
         return a, b / self.scale, c / self.scale ** 2
 
@@ -66,24 +82,26 @@ class _Fit:
         return np.maximum(a + b * tokens + c * squared, _FLOOR_SHARE * linear)
 
 
-def _solve(gram: List[List[float]], moment: List[float]) -> List[float]:
-    """Gaussian elimination with partial pivoting on the (ridge-regularised) 3 x 3 normal equations."""
-    n = len(moment)
-    a = [[gram[i][j] + (_RIDGE * (gram[i][i] or 1.0) if i == j else 0.0) for j in range(n)] + [moment[i]]
-         for i in range(n)]
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
-        a[col], a[pivot] = a[pivot], a[col]
-        if a[col][col] == 0.0:
-            return [0.0, moment[0] / (gram[0][1] or 1.0), 0.0]
-        for row in range(col + 1, n):
-            factor = a[row][col] / a[col][col]
-            for k in range(col, n + 1):
-                a[row][k] -= factor * a[col][k]
-    solution = [0.0] * n
-    for row in reversed(range(n)):
-        solution[row] = (a[row][n] - sum(a[row][k] * solution[k] for k in range(row + 1, n))) / a[row][row]
-    return solution
+def _non_negative_solution(gram: np.ndarray, moment: np.ndarray) -> np.ndarray:
+    """argmin over c >= 0 of c'Gc - 2c'm (least squares from its normal equations): the best of the subsets'
+    unconstrained solutions that are non-negative (with 3 features, the exact non-negative least squares)."""
+    best, best_value = np.zeros(len(moment)), 0.0
+    for subset in _SUBSETS:
+        index = list(subset)
+        block = gram[np.ix_(index, index)]
+        block = block + _RIDGE * np.diag(np.where(np.diag(block) > 0, np.diag(block), 1.0))
+        try:
+            solution = np.linalg.solve(block, moment[index])
+        except np.linalg.LinAlgError:
+            continue
+        if (solution < 0).any():
+            continue
+        value = -float(solution @ moment[index])    # c'Gc - 2c'm at the subset's optimum
+        if value < best_value:
+            best_value = value
+            best = np.zeros(len(moment))
+            best[index] = solution
+    return best
 
 
 def _squared_or_default(length: float, squared_tokens: Optional[float]) -> float:
@@ -91,14 +109,17 @@ def _squared_or_default(length: float, squared_tokens: Optional[float]) -> float
 
 
 class LengthCostModel:
-    """duration = f(tokens, squared tokens) per (kind, chunk); `observe` adds a sample, `seconds` predicts.
-    squared_tokens=None means one attention block of `length` tokens (length^2)."""
+    """duration = f(tokens, squared tokens) per (kind, chunk, pipeline rank); `observe` adds a sample, `seconds`
+    predicts. squared_tokens=None means one attention block of `length` tokens (length^2)."""
 
     def __init__(self):
-        self._fits: Dict[Tuple[Kind, int], _Fit] = {}
+        self._fits: Dict[Tuple[Kind, int, int], _Fit] = {}
+        self._unreported = deque(maxlen=_UNREPORTED_MOST)
 
     def observe(self, kind: Kind, chunk: int, length: float, seconds: float,
-                squared_tokens: Optional[float] = None) -> None:
+                squared_tokens: Optional[float] = None, rank: int = 0, report: bool = True) -> None:
+        """One measured task. report: keep it for take_unreported() too (a sample this process measured; False for
+        samples another rank reported)."""
         if not length > 0:
             raise ScheduleConfigError(f"a microbatch length must be > 0, got {length!r}")
         if not seconds >= 0.0:   # also rejects NaN
@@ -106,41 +127,67 @@ class LengthCostModel:
         squared = _squared_or_default(length, squared_tokens)
         if not squared > 0:
             raise ScheduleConfigError(f"squared tokens must be > 0, got {squared_tokens!r}")
-        key = (kind, chunk)
+        key = (kind, chunk, rank)
         if key not in self._fits:
             self._fits[key] = _Fit(scale=float(length))
         self._fits[key].add(float(length), squared, float(seconds))
+        if report:
+            self._unreported.append((kind.index, chunk, rank, float(length), squared, float(seconds)))
+
+    def take_unreported(self) -> List[Tuple[int, int, int, float, float, float]]:
+        """The samples observed here since the last call, as (kind index, chunk, rank, tokens, squared tokens,
+        seconds): what a rank sends the rank that plans (observe_reported there)."""
+        samples = list(self._unreported)
+        self._unreported.clear()
+        return samples
+
+    def observe_reported(self, samples) -> None:
+        """Samples another rank measured (take_unreported's tuples)."""
+        for kind, chunk, rank, tokens, squared, seconds in samples:
+            self.observe(KINDS_BY_INDEX[kind], chunk, tokens, seconds, squared, rank=rank, report=False)
 
     @property
     def calibrated(self) -> bool:
         """Predictions are in seconds once any duration was observed (before, the prior is a relative scale)."""
         return bool(self._fits)
 
-    def samples(self, kind: Kind, chunk: int) -> int:
-        fit = self._fits.get((kind, chunk))
-        return 0 if fit is None else fit.samples
+    def ranks_seen(self) -> Tuple[int, ...]:
+        return tuple(sorted({rank for _, _, rank in self._fits}))
 
-    def seconds(self, kind: Kind, chunk: int, length: float, squared_tokens: Optional[float] = None) -> float:
-        """Predicted duration. Unseen (kind, chunk): the mean over the same kind's chunks, else the other kind's
-        scaled by the prior ratio, else the prior (1 per token forward, 2 backward: a relative scale only)."""
-        return float(self.seconds_of(kind, chunk, float(length), _squared_or_default(length, squared_tokens)))
+    def samples(self, kind: Kind, chunk: int, rank: Optional[int] = None) -> int:
+        return sum(fit.samples for (k, c, r), fit in self._fits.items()
+                   if k is kind and c == chunk and (rank is None or r == rank))
 
-    def seconds_of(self, kind: Kind, chunk: int, tokens, squared):
-        """seconds() on numpy arrays of tokens and squared tokens (one entry per microbatch)."""
-        fit = self._fits.get((kind, chunk))
+    def seconds(self, kind: Kind, chunk: int, length: float, squared_tokens: Optional[float] = None,
+                rank: Optional[int] = None) -> float:
+        """Predicted duration on pipeline rank `rank` (None: the mean over the ranks seen). Unseen: see seconds_of."""
+        return float(self.seconds_of(kind, chunk, float(length), _squared_or_default(length, squared_tokens), rank))
+
+    def seconds_of(self, kind: Kind, chunk: int, tokens, squared, rank: Optional[int] = None):
+        """seconds() on numpy arrays of tokens and squared tokens (one entry per microbatch). An unseen (kind, chunk,
+        rank) costs the mean over the ranks seen for (kind, chunk); an unseen (kind, chunk) the mean over the same
+        kind's fits, else the other kind's scaled by the prior ratio, else the prior (1 per token forward, 2
+        backward: a relative scale only)."""
+        fit = None if rank is None else self._fits.get((kind, chunk, rank))
         if fit is not None:
             return fit.predict(tokens, squared)
+        same = [f for (k, c, _), f in self._fits.items() if k is kind and c == chunk]
+        if same:
+            return sum(f.predict(tokens, squared) for f in same) / len(same)
         for source in (kind, Kind.BACKWARD if kind is Kind.FORWARD else Kind.FORWARD):
-            seen = [f for (k, _), f in self._fits.items() if k is source]
+            seen = [f for (k, _, _), f in self._fits.items() if k is source]
             if seen:
                 mean = sum(f.predict(tokens, squared) for f in seen) / len(seen)
                 return mean * _PRIOR_SECONDS_PER_TOKEN[kind] / _PRIOR_SECONDS_PER_TOKEN[source]
         return _PRIOR_SECONDS_PER_TOKEN[kind] * tokens
 
     def duration_table(self, kinds: Sequence[Kind], num_chunks: int, tokens: Sequence[float],
-                       squared: Sequence[float]) -> np.ndarray:
-        """len(kinds)*num_chunks x m predicted durations, rows kind-major (the plan evaluator's layout)."""
+                       squared: Sequence[float], num_stages: Optional[int] = None) -> np.ndarray:
+        """Predicted durations, one row per kind and chunk (num_stages None: every rank alike, rows kind * V +
+        chunk) or per kind, pipeline rank and chunk (rows (kind * P + rank) * V + chunk), m columns: the plan
+        evaluator's layouts (plan_graph.PlanGraph reads either)."""
         t = np.asarray(tokens, dtype=float)
         s = np.asarray(squared, dtype=float)
-        return np.array([np.broadcast_to(self.seconds_of(kind, chunk, t, s), t.shape)
-                         for kind in kinds for chunk in range(num_chunks)], dtype=float)
+        ranks = (None,) if num_stages is None else range(num_stages)
+        return np.array([np.broadcast_to(self.seconds_of(kind, chunk, t, s, rank), t.shape)
+                         for kind in kinds for rank in ranks for chunk in range(num_chunks)], dtype=float)

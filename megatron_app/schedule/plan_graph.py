@@ -83,14 +83,18 @@ class PlanGraph:
         self.count = count
         self.extra_warmups = extra_warmups
         self.slot = slot
-        self.duration_row = kind * V + chunk
+        self.kind, self.chunk = kind, chunk
+        self.duration_row = kind * V + chunk                  # tables per (kind, chunk): every rank alike
+        self.stage_row = (kind * P + rank) * V + chunk         # tables per (kind, rank, chunk)
+        self._stage_rows_from = 2 * P * V if P > 1 else None   # a per-chunk table has at most 3V rows (F, B, W)
         releasing = Kind.WEIGHT.index if (kind == Kind.WEIGHT.index).any() else Kind.BACKWARD.index
         self.held_sign = np.where(kind == Kind.FORWARD.index, 1.0, np.where(kind == releasing, -1.0, 0.0))
 
     def evaluate(self, start_orders: np.ndarray, durations: np.ndarray, sizes: np.ndarray,
                  caps: Sequence[float], transfer: float = 0.0) -> Tuple[np.ndarray, np.ndarray]:
         """start_orders: K x m (slot -> microbatch); durations: (kinds x V) x m (rows: kind index * V + chunk, as
-        Kind.index numbers kinds: forward, backward, weight); sizes: m. Returns (makespans, peaks): K makespans (inf
+        Kind.index numbers kinds: forward, backward, weight) or, a duration per pipeline rank, (kinds x P x V) x m
+        (rows: (kind index * P + rank) * V + chunk); sizes: m. Returns (makespans, peaks): K makespans (inf
         where a rank's peak exceeds its cap or the orders wait on each other) and the K x P peaks of held sizes."""
         K = start_orders.shape[0]
         microbatch = start_orders[:, self.slot]
@@ -107,7 +111,7 @@ class PlanGraph:
     def _finish(self, microbatch: np.ndarray, durations: np.ndarray, transfer: float) -> np.ndarray:
         """(count + 2) x K finish times; microbatch: K x count, each task's microbatch under each candidate."""
         # Tasks along the first axis: each level gathers whole rows (contiguous), the candidates ride along.
-        work = durations[self.duration_row[:, None], microbatch.T]
+        work = durations[self._rows(durations)[:, None], microbatch.T]
         finish = np.zeros((self.count + 2, microbatch.shape[0]))
         finish[self.count + 1] = -transfer
         for members, previous, producer in self.levels:
@@ -115,19 +119,24 @@ class PlanGraph:
             finish[members] = np.maximum(finish[previous], ready) + work[members]
         return finish
 
+    def _rows(self, durations: np.ndarray) -> np.ndarray:
+        """Each task's row in `durations`: per (kind, rank, chunk) when the table has a row per pipeline rank."""
+        per_stage = self._stage_rows_from is not None and durations.shape[0] >= self._stage_rows_from
+        return self.stage_row if per_stage else self.duration_row
+
     def timeline(self, rank: int, start_order: Sequence[int], durations: np.ndarray, transfer: float = 0.0):
-        """Rank `rank`'s tasks under one start order: [(duration row = kind index * V + chunk, microbatch, start,
-        duration)] in the rank's order, times from the iteration's start in the durations' unit (what a plan
-        predicts)."""
+        """Rank `rank`'s tasks under one start order: [(kind index, chunk, microbatch, start, duration)] in the
+        rank's order, times from the iteration's start in the durations' unit (what a plan predicts)."""
         if not self.acyclic:
             raise ValueError("the orders wait on each other: no timeline")
         microbatch = np.asarray(start_order, dtype=np.int64)[self.slot][None, :]
         finish = self._finish(microbatch, durations, transfer)[:, 0]
         begin, end = self.rank_spans[rank]
-        rows = self.duration_row[begin:end]
+        rows = self._rows(durations)[begin:end]
         work = durations[rows, microbatch[0, begin:end]]
-        return [(int(row), int(mb), float(f - w), float(w))
-                for row, mb, f, w in zip(rows, microbatch[0, begin:end], finish[begin:end], work)]
+        return [(int(k), int(c), int(mb), float(f - w), float(w))
+                for k, c, mb, f, w in zip(self.kind[begin:end], self.chunk[begin:end], microbatch[0, begin:end],
+                                          finish[begin:end], work)]
 
 
 def _levels(count: int, sources: np.ndarray):

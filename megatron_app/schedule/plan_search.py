@@ -35,6 +35,7 @@ from .shape import PipelineShape
 from .tasks import Kind, Task
 
 # durations[kind index (Kind.index): 0 forward, 1 backward, 2 weight][chunk][microbatch] -> predicted time (any unit, the same for all)
+# (or [kind][rank * V + chunk][microbatch]: a duration per pipeline rank, plan_graph.PlanGraph.evaluate)
 DurationTable = Sequence[Sequence[Sequence[float]]]
 
 DEFAULT_EVALUATIONS = 528       # 16 seeded candidates + 16 rounds of 32 neighbours (BATCH): about 1.5% of an iteration (BENCHMARKS.md)
@@ -96,7 +97,7 @@ def predicted_makespan(shape: PipelineShape, orders: Sequence[Sequence[Task]], d
     slot_orders = [tuple((task.kind, task.chunk, task.microbatch) for task in order) for order in orders]
     graph = PlanGraph(shape, (0,) * shape.num_stages, slot_orders)
     m = shape.num_microbatches
-    table = np.array([list(durations[k][c]) for k in range(len(durations)) for c in range(shape.num_chunks)],
+    table = np.array([list(durations[k][c]) for k in range(len(durations)) for c in range(len(durations[k]))],
                      dtype=float)
     makespans, _ = graph.evaluate(np.arange(m, dtype=np.int64)[None, :], table, np.zeros(m),
                                   [float("inf")] * shape.num_stages, transfer)
@@ -127,7 +128,7 @@ class PlanSearch:
         be a share of the iteration being planned: policies read no clocks)."""
         shape = self.shape
         P, V, m = shape.num_stages, shape.num_chunks, shape.num_microbatches
-        table = np.array([list(durations[k][c]) for k in range(len(durations)) for c in range(V)], dtype=float)
+        table = np.array([list(durations[k][c]) for k in range(len(durations)) for c in range(len(durations[k]))], dtype=float)
         size_array = np.asarray(sizes, dtype=float)
         count = 0
 

@@ -76,8 +76,9 @@ class PlannedPolicy(AdaptivePolicy):
         sizes = _check_lengths(shape, lengths)
         caps = [peak * self.memory_factor for peak in megatron_peak_sizes(shape, sizes)]
         V, m = shape.num_chunks, shape.num_microbatches
-        durations = [[[self.costs.seconds(kind, chunk, sizes[mb]) for mb in range(m)] for chunk in range(V)]
-                     for kind in (Kind.FORWARD, Kind.BACKWARD)]
+        table = self.costs.duration_table((Kind.FORWARD, Kind.BACKWARD), V, sizes, [s * s for s in sizes],
+                                          num_stages=shape.num_stages)
+        durations = [table[:len(table) // 2], table[len(table) // 2:]]
         self.last_choice = self.search.choose(sizes, caps, durations, stop=stop)
         return self.last_choice.plan
 
@@ -108,20 +109,22 @@ class PlannedPolicy(AdaptivePolicy):
             return {}
         V, m = shape.num_chunks, shape.num_microbatches
         squared = self.squared_tokens or [length * length for length in self.lengths]
-        table = self.costs.duration_table((Kind.FORWARD, Kind.BACKWARD), V, self.lengths, squared)
+        table = self.costs.duration_table((Kind.FORWARD, Kind.BACKWARD), V, self.lengths, squared,
+                                          num_stages=shape.num_stages)
         extras = tuple(plan.extra_for(rank) for rank in range(shape.num_stages))
         graph = plan_graph_for(shape, extras)
         if not graph.acyclic:
             return {}
-        return {Task(KINDS_BY_INDEX[row // V], row % V, microbatch): (start, duration)
-                for row, microbatch, start, duration in graph.timeline(self.rank, plan.start_order, table)}
+        return {Task(KINDS_BY_INDEX[kind], chunk, microbatch): (start, duration)
+                for kind, chunk, microbatch, start, duration in graph.timeline(self.rank, plan.start_order, table)}
 
     # ---- learning -----------------------------------------------------------------------------------------------
     def observe(self, task: Task, duration_s: float) -> None:
         super().observe(task, duration_s)
         if self.lengths is not None:
             squared = None if self.squared_tokens is None else self.squared_tokens[task.microbatch]
-            self.costs.observe(task.kind, task.chunk, self.lengths[task.microbatch], duration_s, squared)
+            self.costs.observe(task.kind, task.chunk, self.lengths[task.microbatch], duration_s, squared,
+                               rank=self.rank)
 
     def _fits(self, state: RankState, task: Task) -> bool:
         # With reordering every rank runs the same plan, whose peak was checked against the byte cap when it was

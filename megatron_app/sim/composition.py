@@ -207,12 +207,14 @@ def simulate_composition(config: CompositionSimConfig, row: str,
             loader = loader_composition(len(share), K, packed=False)
             baseline_peaks.append(loader_peak_caps(PipelineShape(P, V, loader.num_microbatches),
                                                    loader.microbatch_tokens([documents[p] for p in share])))
-            if r == 0:   # the deciding rank's own tasks teach the planner (replica 0, pipeline rank 0)
-                for kind in (Kind.FORWARD, Kind.BACKWARD):
-                    for chunk in range(V):
-                        for mb in range(shape.num_microbatches):
-                            costs.observe(kind, chunk, tokens[mb], durations[0][kind.index][chunk][mb] / US_PER_S,
-                                          squared[mb])
+            if r == 0:   # replica 0's tasks teach the planner, every pipeline rank's (the runtime gathers them)
+                for rank in range(P):
+                    for kind in (Kind.FORWARD, Kind.BACKWARD):
+                        for chunk in range(V):
+                            for mb in range(shape.num_microbatches):
+                                costs.observe(kind, chunk, tokens[mb],
+                                              durations[rank][kind.index][chunk][mb] / US_PER_S, squared[mb],
+                                              rank=rank)
         if iteration < config.warmup_iterations and config.iterations > config.warmup_iterations:
             continue
         job_baseline = [max(column) for column in zip(*baseline_peaks)]
