@@ -102,7 +102,7 @@ def test_fixed_microbatches_get_the_planned_policys_order_and_a_prediction_when_
             assert order_peak_size(plan_order(shape, rank, mine.plan), tokens) <= caps[rank] + 1e-9
         assert mine.predicted_s > 0
     assert ordered.calibrated and ordered.predicted_s == max(r.predicted_s for r in ordered.replicas)
-    told = replace(ordered, outside_call_s=0.25).report(1)
+    told = replace(ordered, outside_pipeline_s=0.25).report(1)
     assert told["predicted_ms"] == pytest.approx(told["predicted_pipeline_ms"] + 250.0)
 
 

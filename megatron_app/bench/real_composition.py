@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+PREDICTION_WARMUP = 1     # measured iterations (after the run's warm-up) left out of the prediction error
 
 
 @dataclass
@@ -40,6 +41,17 @@ class CompositionSummary:
     speedup_over_baseline: float
     max_loss_difference: float        # against the baseline's losses, same iterations
     runs: List[CompositionRun] = field(default_factory=list)
+    # predicted / measured - 1 of each iteration the plan predicted, from the second measured one (the cost model's
+    # warm-up: the first call teaches it, the next ones fill its fits); empty when nothing was predicted
+    prediction_errors: List[float] = field(default_factory=list)
+
+    @property
+    def median_abs_prediction_error(self) -> Optional[float]:
+        return statistics.median(abs(e) for e in self.prediction_errors) if self.prediction_errors else None
+
+    @property
+    def max_abs_prediction_error(self) -> Optional[float]:
+        return max(abs(e) for e in self.prediction_errors) if self.prediction_errors else None
 
 
 def composition_flags(row: str) -> List[str]:
@@ -75,17 +87,24 @@ def summarise(runs: Sequence[CompositionRun], baseline: str) -> List[Composition
         times = [seconds for run in own for seconds in run.seconds]
         rate = statistics.median(rates)
         difference = max((abs(a - b) for run in own for a, b in zip(run.losses, base_losses)), default=0.0)
+        errors = [predicted / (seconds * 1e3) - 1.0 for run in own
+                  for predicted, seconds in list(zip(run.predicted_ms, run.seconds))[PREDICTION_WARMUP:]
+                  if predicted is not None]
         summaries.append(CompositionSummary(name, rate, statistics.median(times) * 1e3, len(rates),
-                                            rate / base_rate, difference, list(own)))
+                                            rate / base_rate, difference, list(own), errors))
     return summaries
 
 
 def format_table(summaries: Sequence[CompositionSummary], baseline: str) -> str:
     lines = [f"{'composition':<12} {'tokens/s':>10} {'iter ms':>9} {'n':>3} {'x ' + baseline:>10} "
-             f"{'max |loss diff|':>16}"]
+             f"{'max |loss diff|':>16} {'|predicted/measured - 1|: median, max':>38}"]
     for s in summaries:
+        error = ("not predicted" if s.median_abs_prediction_error is None else
+                 f"{100 * s.median_abs_prediction_error:.1f}%, {100 * s.max_abs_prediction_error:.1f}% "
+                 f"(n={len(s.prediction_errors)})")
         lines.append(f"{s.composition:<12} {s.median_tokens_per_s:>10.0f} {s.median_iteration_ms:>9.0f} "
-                     f"{s.iterations:>3} {s.speedup_over_baseline:>10.3f} {s.max_loss_difference:>16.2e}")
+                     f"{s.iterations:>3} {s.speedup_over_baseline:>10.3f} {s.max_loss_difference:>16.2e} "
+                     f"{error:>38}")
     return "\n".join(lines)
 
 
@@ -105,5 +124,6 @@ def run_alternated(compositions: Sequence[str], rounds: int, launcher_flags: Seq
 
 def write_json(path: str, summaries: Sequence[CompositionSummary], launcher_flags: Sequence[str]) -> None:
     payload = {"launcher_flags": list(launcher_flags), "load_average": os.getloadavg(),
-               "summaries": [asdict(s) for s in summaries]}
+               "summaries": [{**asdict(s), "median_abs_prediction_error": s.median_abs_prediction_error,
+                              "max_abs_prediction_error": s.max_abs_prediction_error} for s in summaries]}
     Path(path).write_text(json.dumps(payload, indent=1))

@@ -136,7 +136,9 @@ def agree_iteration_plan(lengths: Sequence[int], micro_batch_size: int, composit
                 session.replica_speeds.observe(replica, predicted, seconds)
             # the slowest replica's time is the iteration's: that is what the plan's prediction must get right
             predicted = max((p for p, _ in measured.values() if p is not None), default=None)
-            session.prediction_error.observe(predicted, max(s for _, s in measured.values()))
+            slowest = max(s for _, s in measured.values())
+            session.prediction_error.observe(predicted, slowest)
+            session.observe_outside_pipeline(start, slowest)
             if composition == BALANCED and session.settings.replica_speeds:
                 speeds = session.replica_speeds.speeds()
             min_gain = session.prediction_error.relative
@@ -155,8 +157,9 @@ def agree_iteration_plan(lengths: Sequence[int], micro_batch_size: int, composit
                                document_ids=None if next_document_ids is None
                                else tuple(int(i) for i in next_document_ids))
             session.plan_ahead.submit(upcoming, session.shared_costs())
-        # what the call waited for, and what an iteration spends outside its call (predicted: the recent median)
-        return replace(plan, planning_s=time.perf_counter() - start, outside_call_s=session.between_calls_s)
+        planning_s = time.perf_counter() - start      # what the call waited for, every rank told
+        outside = session.outside_pipeline_s
+        return replace(plan, planning_s=planning_s, outside_pipeline_s=None if outside is None else outside + planning_s)
 
     plan, seconds = decide_once(decide, layout.distributed)
     if seconds:

@@ -461,11 +461,10 @@ def _forward_backward(schedule: MegatronSchedule, *, forward_step_func, data_ite
     session.calls += 1
     if step.tracer is not None:
         session.training_calls += 1
+        session.last_call_start = time.perf_counter()
         start = step.tracer.now_us()
-        session.training_call_started(start / 1e6)
         result = step.run()
         end = step.tracer.now_us()
-        session.training_call_ended(end / 1e6)
         session.last_iteration_s = (end - start) / 1e6
         step.tracer.record("iteration", start, end, iteration=step.iteration)
         step.tracer.flush()   # a crash loses at most the iteration in flight

@@ -75,10 +75,10 @@ class RuntimeSession:
         self.training_calls = 0     # forward_backward calls with backward (trace iterations)
         self.calls = 0              # all calls, evaluation included (message tags)
         self.last_iteration_s: Optional[float] = None   # wall time of the last training call
-        # What an iteration spends outside its training call (optimizer step, loss reduction, the next call's
-        # planning): the gaps between consecutive training calls, the last few (their median is predicted).
-        self._last_call_end: Optional[float] = None
-        self._between_calls = collections.deque(maxlen=5)
+        # What an iteration spends outside the pipeline (data-parallel reduction, optimizer step, loss, the plan's
+        # agreement), the last few iterations' (the rank that plans predicts their median); perf_counter seconds.
+        self.last_call_start: Optional[float] = None
+        self._outside_pipeline = collections.deque(maxlen=5)
         self.last_planning_s: Optional[float] = None    # its planning time (pipeline rank 0, planning policies)
         self._closed = False
         self._announced = False
@@ -99,18 +99,17 @@ class RuntimeSession:
             self._shared_costs = LengthCostModel()
         return self._shared_costs
 
-    def training_call_started(self, now_s: float) -> None:
-        if self._last_call_end is not None:
-            self._between_calls.append(now_s - self._last_call_end)
-
-    def training_call_ended(self, now_s: float) -> None:
-        self._last_call_end = now_s
+    def observe_outside_pipeline(self, now_s: float, slowest_pipeline_s: float) -> None:
+        """At the next plan's agreement: the time since the last training call began, less the slowest replica's
+        pipeline time in it, is what that iteration spent outside the pipeline so far."""
+        if self.last_call_start is not None:
+            self._outside_pipeline.append(max(0.0, now_s - self.last_call_start - slowest_pipeline_s))
 
     @property
-    def between_calls_s(self) -> Optional[float]:
-        """The median recent gap between training calls (None before two calls): evaluation calls between two
-        training calls lengthen one gap, which the median leaves out."""
-        return statistics.median(self._between_calls) if self._between_calls else None
+    def outside_pipeline_s(self) -> Optional[float]:
+        """The median of the last few (None before one): an evaluation between two training calls lengthens one,
+        which the median leaves out."""
+        return statistics.median(self._outside_pipeline) if self._outside_pipeline else None
 
     @property
     def plans_calls(self) -> bool:

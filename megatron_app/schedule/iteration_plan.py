@@ -143,8 +143,8 @@ class IterationPlan:
     calibrated: bool = False            # predictions in seconds (learnt costs), not the prior's relative scale
     planned_ahead: bool = False         # made a call early, off the critical path (runtime/plan_ahead.py)
     planner_s: Optional[float] = None   # the planner's own time (planned ahead: the worker's CPU time)
-    outside_call_s: Optional[float] = None   # predicted time of the iteration outside the pipeline call (the driver's
-                                             # measure of recent iterations: optimizer step, loss, planning)
+    outside_pipeline_s: Optional[float] = None   # predicted time of the iteration outside the pipeline (the driver's:
+                                                 # recent iterations' reduction, optimizer, loss, plus this planning)
 
     @property
     def num_replicas(self) -> int:
@@ -195,7 +195,7 @@ class IterationPlan:
         replica = self.replica(dp_rank)
         lengths = self.replica_lengths(dp_rank)
         predicted = self.predicted_s if self.calibrated else None
-        iteration = None if predicted is None else predicted + (self.outside_call_s or 0.0)
+        iteration = None if predicted is None else predicted + (self.outside_pipeline_s or 0.0)
         loader = self.predicted_loader_s if self.calibrated else None
         return {"composition": self.composition_name, "num_microbatches": replica.num_microbatches,
                 "microbatch_tokens": list(self.microbatch_tokens(dp_rank)),
