@@ -44,8 +44,9 @@ _SUBSETS = tuple(subset for size in range(_FEATURES, 0, -1) for subset in combin
 class _Fit:
     """Running weighted normal equations of one regression, tokens scaled by the first microbatch seen."""
 
-    def __init__(self, scale: float):
+    def __init__(self, scale: float, non_negative: bool = True, relative: bool = True):
         self.scale = scale
+        self.non_negative, self.relative = non_negative, relative
         self.gram = np.zeros((_FEATURES, _FEATURES))
         self.moment = np.zeros(_FEATURES)
         self.compositions = set()
@@ -55,7 +56,7 @@ class _Fit:
 
     def add(self, tokens: float, squared: float, seconds: float) -> None:
         features = np.array((1.0, tokens / self.scale, squared / self.scale ** 2))
-        weight = 1.0 / max(seconds, 1e-9) ** 2       # relative error (module doc)
+        weight = 1.0 / max(seconds, 1e-9) ** 2 if self.relative else 1.0    # relative error (module doc)
         self.gram += weight * np.outer(features, features)
         self.moment += weight * features * seconds
         self.compositions.add((tokens, squared))
@@ -68,7 +69,8 @@ class _Fit:
         if len(self.compositions) < _FEATURES:
             return None
         if self._coefficients is None:
-            self._coefficients = _non_negative_solution(self.gram, self.moment)
+            self._coefficients = _least_squares(self.gram, self.moment, _SUBSETS if self.non_negative else
+                                                (_SUBSETS[0],))
         a, b, c = self._coefficients
         return a, b / self.scale, c / self.scale ** 2
 
@@ -82,11 +84,12 @@ class _Fit:
         return np.maximum(a + b * tokens + c * squared, _FLOOR_SHARE * linear)
 
 
-def _non_negative_solution(gram: np.ndarray, moment: np.ndarray) -> np.ndarray:
+def _least_squares(gram: np.ndarray, moment: np.ndarray, subsets) -> np.ndarray:
     """argmin over c >= 0 of c'Gc - 2c'm (least squares from its normal equations): the best of the subsets'
-    unconstrained solutions that are non-negative (with 3 features, the exact non-negative least squares)."""
+    unconstrained solutions that are non-negative (with 3 features and every subset, the exact non-negative least
+    squares; given the full set alone, the unconstrained solution)."""
     best, best_value = np.zeros(len(moment)), 0.0
-    for subset in _SUBSETS:
+    for subset in subsets:
         index = list(subset)
         block = gram[np.ix_(index, index)]
         block = block + _RIDGE * np.diag(np.where(np.diag(block) > 0, np.diag(block), 1.0))
@@ -94,7 +97,7 @@ def _non_negative_solution(gram: np.ndarray, moment: np.ndarray) -> np.ndarray:
             solution = np.linalg.solve(block, moment[index])
         except np.linalg.LinAlgError:
             continue
-        if (solution < 0).any():
+        if len(subsets) > 1 and (solution < 0).any():
             continue
         value = -float(solution @ moment[index])    # c'Gc - 2c'm at the subset's optimum
         if value < best_value:
@@ -112,9 +115,13 @@ class LengthCostModel:
     """duration = f(tokens, squared tokens) per (kind, chunk, pipeline rank); `observe` adds a sample, `seconds`
     predicts. squared_tokens=None means one attention block of `length` tokens (length^2)."""
 
-    def __init__(self):
+    def __init__(self, per_rank: bool = True, non_negative: bool = True, relative: bool = True):
+        """The switches turn this model's features off to measure what each buys (bench/cost_model_replay.py):
+        per_rank False pools every rank's samples per (kind, chunk); non_negative False keeps the unconstrained fit;
+        relative False fits absolute errors."""
         self._fits: Dict[Tuple[Kind, int, int], _Fit] = {}
         self._unreported = deque(maxlen=_UNREPORTED_MOST)
+        self.per_rank, self.non_negative, self.relative = per_rank, non_negative, relative
 
     def observe(self, kind: Kind, chunk: int, length: float, seconds: float,
                 squared_tokens: Optional[float] = None, rank: int = 0, report: bool = True) -> None:
@@ -127,9 +134,9 @@ class LengthCostModel:
         squared = _squared_or_default(length, squared_tokens)
         if not squared > 0:
             raise ScheduleConfigError(f"squared tokens must be > 0, got {squared_tokens!r}")
-        key = (kind, chunk, rank)
+        key = (kind, chunk, rank if self.per_rank else 0)
         if key not in self._fits:
-            self._fits[key] = _Fit(scale=float(length))
+            self._fits[key] = _Fit(float(length), self.non_negative, self.relative)
         self._fits[key].add(float(length), squared, float(seconds))
         if report:
             self._unreported.append((kind.index, chunk, rank, float(length), squared, float(seconds)))
