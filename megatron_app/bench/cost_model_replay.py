@@ -8,8 +8,8 @@ iteration's own microbatches (tokens and squared tokens from the trace); measure
 last compute end on that replica's ranks. Variants (length_costs.LengthCostModel's switches):
 
   rank 0 only, plain fit     what the planner had before: the planning rank's own tasks, one fit per (kind, chunk),
-                             unconstrained least squares on absolute error;
-  rank 0 only, nn+relative   the same samples, non-negative terms fitted on relative error;
+                             unconstrained least squares over every sample;
+  rank 0 only, nn fit        the same samples, non-negative terms, the recent window;
   all ranks pooled           every rank's tasks, still one fit per (kind, chunk);
   per rank (the model now)   every rank's tasks, one fit per (kind, chunk, pipeline rank).
 
@@ -33,8 +33,8 @@ PLANNED_KINDS = (Kind.FORWARD, Kind.BACKWARD)
 KIND_BY_TRACE_NAME = {kind.trace_name: kind for kind in KINDS_BY_INDEX}
 # name -> (LengthCostModel switches, learns from every rank)
 VARIANTS = {
-    "rank 0 only, plain fit": (dict(per_rank=False, non_negative=False, relative=False), False),
-    "rank 0 only, nn+relative": (dict(per_rank=False), False),
+    "rank 0 only, plain fit": (dict(per_rank=False, non_negative=False, window=None), False),
+    "rank 0 only, nn fit": (dict(per_rank=False), False),
     "all ranks pooled": (dict(per_rank=False), True),
     "per rank (the model now)": (dict(), True),
 }

@@ -12,11 +12,15 @@ What real kernels taught the form (CPU GPT, traces of P=2 V=2 runs; docs/variabl
     first the embedding, so the same chunk index costs up to a third more on one rank than on another. The rank
     that plans learns every rank's tasks (the runtime gathers them); a rank not seen yet costs what the seen ranks
     of the same chunk cost on average.
-  * Non-negative coefficients, fitted on relative error: an unconstrained fit on a narrow range of sizes can put
-    a negative intercept or token term against a large square term, which extrapolates badly to the larger
-    microbatches a plan builds. Each fit keeps the non-negative least-squares solution (the best over the feature
-    subsets whose solution is non-negative) of sum ((prediction - measured) / measured)^2: a 3x outlier (a
-    preempted task) pulls a relative fit far less than an absolute one.
+  * Non-negative coefficients: an unconstrained fit on a narrow range of sizes can put a negative intercept or
+    token term against a large square term, which extrapolates badly to the larger microbatches a plan builds
+    (up to 3x off in tests). Each fit keeps the non-negative least-squares solution (the best over the feature
+    subsets whose solution is non-negative).
+  * Plain squared error over the most recent samples: on a shared machine a task is only ever slowed (another
+    process preempts it), never sped up, so what predicts an iteration is the mean duration, which least squares
+    estimates; fits that discount the slow tasks (relative weights, Huber) predicted 4-6 points shorter than the
+    measured iterations on the traces tried (bench/cost_model_replay.py). Only the last WINDOW samples are kept,
+    so a machine whose speed changes (a competing process starts) is followed within a few iterations.
 Until a fit has seen three distinct compositions, its prediction is proportional to T, scaled by what was seen (or
 by the prior backward = 2 x forward).
 """
@@ -37,46 +41,46 @@ _FEATURES = 3
 _RIDGE = 1e-9          # keeps the normal equations solvable when compositions repeat
 _FLOOR_SHARE = 0.1     # never predict below this share of the proportional estimate (extrapolation guard)
 _UNREPORTED_MOST = 16384   # samples kept for the planning rank when nobody collects them (oldest dropped)
+WINDOW = 512           # the most recent samples each fit keeps: a machine whose speed changes is followed
 # Every non-empty subset of the features, the fuller first: the non-negative solution is the best feasible one.
 _SUBSETS = tuple(subset for size in range(_FEATURES, 0, -1) for subset in combinations(range(_FEATURES), size))
 
 
 class _Fit:
-    """Running weighted normal equations of one regression, tokens scaled by the first microbatch seen."""
+    """One regression over its most recent samples, tokens scaled by the first microbatch seen."""
 
-    def __init__(self, scale: float, non_negative: bool = True, relative: bool = True):
+    def __init__(self, scale: float, non_negative: bool = True, window: Optional[int] = WINDOW):
         self.scale = scale
-        self.non_negative, self.relative = non_negative, relative
-        self.gram = np.zeros((_FEATURES, _FEATURES))
-        self.moment = np.zeros(_FEATURES)
-        self.compositions = set()
-        self.seconds_per_token_sum = 0.0
+        self.non_negative = non_negative
+        self.recent = deque(maxlen=window)       # (tokens, squared tokens, seconds)
         self.samples = 0
         self._coefficients: Optional[np.ndarray] = None
 
     def add(self, tokens: float, squared: float, seconds: float) -> None:
-        features = np.array((1.0, tokens / self.scale, squared / self.scale ** 2))
-        weight = 1.0 / max(seconds, 1e-9) ** 2 if self.relative else 1.0    # relative error (module doc)
-        self.gram += weight * np.outer(features, features)
-        self.moment += weight * features * seconds
-        self.compositions.add((tokens, squared))
-        self.seconds_per_token_sum += seconds / tokens
+        self.recent.append((tokens, squared, seconds))
         self.samples += 1
         self._coefficients = None
 
     def affine(self) -> Optional[Tuple[float, float, float]]:
         """(a, b, c) of seconds = a + b*T + c*S in unscaled units, or None while the fit is proportional."""
-        if len(self.compositions) < _FEATURES:
-            return None
         if self._coefficients is None:
-            self._coefficients = _least_squares(self.gram, self.moment, _SUBSETS if self.non_negative else
-                                                (_SUBSETS[0],))
+            self._coefficients = self._solve()
+        if not len(self._coefficients):
+            return None
         a, b, c = self._coefficients
         return a, b / self.scale, c / self.scale ** 2
 
+    def _solve(self) -> np.ndarray:
+        if len({(t, s) for t, s, _ in self.recent}) < _FEATURES:
+            return np.zeros(0)
+        tokens, squared, seconds = np.array(self.recent, dtype=float).T
+        features = np.stack([np.ones_like(tokens), tokens / self.scale, squared / self.scale ** 2], axis=1)
+        return _least_squares(features.T @ features, features.T @ seconds,
+                              _SUBSETS if self.non_negative else _SUBSETS[:1])
+
     def predict(self, tokens, squared):
         """Works on floats and numpy arrays alike."""
-        linear = self.seconds_per_token_sum / self.samples * tokens
+        linear = float(np.mean([s / t for t, _, s in self.recent])) * tokens
         affine = self.affine()
         if affine is None:
             return linear
@@ -115,13 +119,13 @@ class LengthCostModel:
     """duration = f(tokens, squared tokens) per (kind, chunk, pipeline rank); `observe` adds a sample, `seconds`
     predicts. squared_tokens=None means one attention block of `length` tokens (length^2)."""
 
-    def __init__(self, per_rank: bool = True, non_negative: bool = True, relative: bool = True):
+    def __init__(self, per_rank: bool = True, non_negative: bool = True, window: Optional[int] = WINDOW):
         """The switches turn this model's features off to measure what each buys (bench/cost_model_replay.py):
         per_rank False pools every rank's samples per (kind, chunk); non_negative False keeps the unconstrained fit;
-        relative False fits absolute errors."""
+        window None keeps every sample."""
         self._fits: Dict[Tuple[Kind, int, int], _Fit] = {}
         self._unreported = deque(maxlen=_UNREPORTED_MOST)
-        self.per_rank, self.non_negative, self.relative = per_rank, non_negative, relative
+        self.per_rank, self.non_negative, self.window = per_rank, non_negative, window
 
     def observe(self, kind: Kind, chunk: int, length: float, seconds: float,
                 squared_tokens: Optional[float] = None, rank: int = 0, report: bool = True) -> None:
@@ -136,7 +140,7 @@ class LengthCostModel:
             raise ScheduleConfigError(f"squared tokens must be > 0, got {squared_tokens!r}")
         key = (kind, chunk, rank if self.per_rank else 0)
         if key not in self._fits:
-            self._fits[key] = _Fit(float(length), self.non_negative, self.relative)
+            self._fits[key] = _Fit(float(length), self.non_negative, self.window)
         self._fits[key].add(float(length), squared, float(seconds))
         if report:
             self._unreported.append((kind.index, chunk, rank, float(length), squared, float(seconds)))
