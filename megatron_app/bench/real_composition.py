@@ -9,6 +9,7 @@ iteration whatever the composition, so the runs' losses must agree (printed as a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -80,23 +81,30 @@ def summarise(runs: Sequence[CompositionRun], baseline: str) -> List[Composition
     return summaries
 
 
-def format_table(summaries: Sequence[CompositionSummary], baseline: str) -> str:
-    lines = [f"{'composition':<12} {'tokens/s':>10} {'iter ms':>9} {'n':>3} {'x ' + baseline:>10} "
+def format_table(summaries: Sequence[CompositionSummary], baseline: str, label: str = "composition") -> str:
+    """One line per row; label: the first column's title (what a row is)."""
+    width = max(12, len(label), *(len(s.composition) for s in summaries))
+    lines = [f"{label:<{width}} {'tokens/s':>10} {'iter ms':>9} {'n':>3} {'x ' + baseline:>10} "
              f"{'max |loss diff|':>16}"]
     for s in summaries:
-        lines.append(f"{s.composition:<12} {s.median_tokens_per_s:>10.0f} {s.median_iteration_ms:>9.0f} "
+        lines.append(f"{s.composition:<{width}} {s.median_tokens_per_s:>10.0f} {s.median_iteration_ms:>9.0f} "
                      f"{s.iterations:>3} {s.speedup_over_baseline:>10.3f} {s.max_loss_difference:>16.2e}")
     return "\n".join(lines)
 
 
 def run_alternated(compositions: Sequence[str], rounds: int, launcher_flags: Sequence[str], warmup: int,
-                   progress=print, row_flags=composition_flags) -> List[CompositionRun]:
-    env = dict(os.environ)
+                   progress=print, row_flags=composition_flags, env: Optional[Dict[str, str]] = None,
+                   around_run=None) -> List[CompositionRun]:
+    """Every row once per round, the order reversed every other round. env: the runs' environment (default this
+    process's); around_run(row, round_index): a context manager each run happens inside (e.g. a slowdown it starts
+    and stops)."""
+    env = dict(os.environ) if env is None else env
     runs = []
     for round_index in range(rounds):
         order = list(compositions) if round_index % 2 == 0 else list(reversed(compositions))
         for composition in order:
-            run = run_once(composition, round_index, launcher_flags, warmup, env, row_flags)
+            with around_run(composition, round_index) if around_run is not None else contextlib.nullcontext():
+                run = run_once(composition, round_index, launcher_flags, warmup, env, row_flags)
             progress(f"round {round_index + 1}/{rounds} {composition}: median "
                      f"{statistics.median(run.tokens_per_s):.0f} tokens/s over {len(run.tokens_per_s)} iterations")
             runs.append(run)
