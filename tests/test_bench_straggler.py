@@ -239,7 +239,7 @@ def test_end_job_signals_only_the_jobs_processes(fake_job):
 
 
 def test_measure_refuses_runs_whose_ranks_were_not_all_pinned(monkeypatch):
-    def fake_run_once(row, round_index, flags, warmup, env, row_flags):
+    def fake_run_once(row, round_index, flags, warmup, env, row_flags, trace_dir=None):
         assert env["MEGATRON_APP_JOB_ID"].startswith("straggler") and row_flags(row)[1] == row
         return CompositionRun(row, round_index, [1.0], [100.0], [7.0])
 
@@ -260,6 +260,7 @@ def test_measure_refuses_runs_whose_ranks_were_not_all_pinned(monkeypatch):
     (["--jitter-period-ms", "100"], "--jitter-period-ms applies to --straggler intermittent only"),
     (["--straggler", "intermittent", "--jitter-period-ms", "0"], "--jitter-period-ms must be > 0, got 0"),
     (["--straggler", "sometimes"], "invalid choice: 'sometimes'"),
+    (["--global-batch-size", "15"], "--global-batch-size 15 is not a multiple of --micro-batch-size 2"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -308,6 +309,31 @@ def test_the_report_gives_medians_ratios_loss_agreement_and_load(tmp_path):
     assert payload["slowdowns"][0]["pinned"] == {"0": [11, 0, 5], "1": [12, 1, 6]}
 
 
+# ---- did a run keep its plans? ------------------------------------------------------------------------------------
+def test_plan_orders_are_recognised_in_a_trace_and_a_moved_task_is_not(tmp_path):
+    from megatron_app.schedule import PipelineShape, make_policy
+    from megatron_app.schedule.plan_search import Plan, plan_order
+    from megatron_app.sim.costs import ComputeCosts, ComputePerturbations
+    from megatron_app.sim.lengths import MicrobatchLengths
+    from megatron_app.sim.simulator import SimConfig, simulate
+
+    shape = PipelineShape(2, 2, 8)
+    config = SimConfig(shape, ComputeCosts.uniform(shape, 10e3, 20e3), iterations=3, lengths=MicrobatchLengths(1.0),
+                       perturbations=ComputePerturbations(slow_rank=1, slow_factor=2.0))
+    for name in ("planned-fixed", "interleaved", "dfc"):
+        simulate(config, [make_policy(name, shape, rank) for rank in range(2)], trace_dir=tmp_path / name)
+        orders = straggler.compute_orders(tmp_path / name, 2, 2)
+        assert len(orders) == 3 and all(len(per_rank[r]) == 32 for per_rank in orders.values() for r in range(2))
+        kept = [straggler.follows_a_plan(shape, per_rank) for per_rank in orders.values()]
+        assert kept == [name != "dfc"] * 3, name       # greedy dfc runs no plan's order
+    plan = Plan((3, 1, 0, 2, 7, 6, 4, 5), (1, 0))
+    orders = [list(plan_order(shape, rank, plan)) for rank in range(2)]
+    assert straggler.follows_a_plan(shape, orders)
+    backwards = [i for i, task in enumerate(orders[0]) if task.kind.value == "B"]
+    orders[0][backwards[2]], orders[0][backwards[3]] = orders[0][backwards[3]], orders[0][backwards[2]]
+    assert not straggler.follows_a_plan(shape, orders)
+
+
 # ---- one short real run -----------------------------------------------------------------------------------------
 @pytest.mark.slow
 @two_cores
@@ -316,10 +342,12 @@ def test_a_short_real_run_pins_both_ranks_slows_one_and_leaves_nothing_behind(tm
     done = subprocess.run([sys.executable, str(REPO / "tools" / "bench_straggler.py"), "--data-dir",
                            str(real_corpus["dir"]), "--seq-length", "256", "--global-batch-size", "8", "--iters", "2",
                            "--rounds", "1", "--rows", "planned-fixed", "--straggler", "intermittent",
-                           "--jitter-period-ms", "100", "--json", str(out)],
+                           "--jitter-period-ms", "100", "--json", str(out), "--trace-dir", str(tmp_path / "traces")],
                           cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "planned-fixed" in done.stdout and "load average" in done.stdout
+    assert "iterations in which every rank ran a plan's order exactly (no task moved at run time): planned-fixed 2/2" \
+        in done.stdout
     payload = json.loads(out.read_text())
     (record,) = payload["slowdowns"]
     assert {rank: core for rank, (_, core, _) in record["pinned"].items()} == {"0": CORES[0], "1": CORES[1]}

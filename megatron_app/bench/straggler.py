@@ -4,7 +4,8 @@ off) and Megatron's `interleaved` order, tokens/s, runs alternated (real_composi
 
     python tools/bench_straggler.py [-P 2 -V 2 --seq-length 2048 --micro-batch-size 2 --global-batch-size 16]
         [--iters 6 --rounds 2] [--straggler none|steady|intermittent] [--slow-rank R] [--jitter-period-ms 300]
-        [--rows planned,planned-fixed,interleaved] [--data-dir data/copyright] [--json FILE] [-- trainer flags]
+        [--rows planned,planned-fixed,interleaved] [--data-dir data/copyright] [--json FILE] [--trace-dir DIR]
+        [-- trainer flags]
 
 Same microbatches in every row: --variable-seq-lengths --composition packed (the loader's microbatches, each packed
 into one row without padding); a row chooses only their order, so the rows' losses agree (printed as a check).
@@ -23,6 +24,9 @@ Slowdowns (--straggler), started before each run and stopped after it, on the sl
   intermittent  the same process stopped and continued (SIGSTOP/SIGCONT) on a seeded random schedule: each on and
                 each off phase lasts an exponentially distributed time of mean --jitter-period-ms / 2, so a cycle
                 averages the period and the competitor is on about half the time, at moments no plan can know.
+With --trace-dir the runs are traced and the report counts, per row, the iterations in which every rank ran exactly
+the order of a plan (follows_a_plan): run-time reordering that moved a task shows there.
+
 The competitor is killed (SIGKILL, then reaped) when the run ends, fails or is interrupted (Ctrl-C or SIGTERM), and
 dies with the benchmark (PR_SET_PDEATHSIG) should that be killed outright.
 """
@@ -42,13 +46,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
-from megatron_app.schedule import POLICIES
+from megatron_app.schedule import POLICIES, PipelineShape
 from megatron_app.schedule.composition import PACKED
+from megatron_app.schedule.plan_search import MAX_EXTRA_WARMUP, Plan, plan_order
+from megatron_app.schedule.tasks import Kind, Task
 from megatron_app.schedule.planned import FIXED_NAME
 from megatron_app.schedule.policies import BASELINE_POLICY, DEFAULT_POLICY
 from megatron_app.trace.cli import OneLineArgumentParser, positive_int
 
-from .real_composition import REPO_ROOT, CompositionRun, CompositionSummary, format_table, run_alternated, summarise
+from .real_composition import (REPO_ROOT, CompositionRun, CompositionSummary, format_table, run_alternated,
+                               summarise, trace_run_dir)
 
 PROG = "bench_straggler.py"
 NONE, STEADY, INTERMITTENT = "none", "steady", "intermittent"
@@ -324,9 +331,11 @@ def row_flags(row: str) -> List[str]:
 
 
 def measure(rows: Sequence[str], rounds: int, launcher_flags: Sequence[str], straggler: Straggler,
-            warmup: int = 1, progress=print) -> Tuple[List[CompositionRun], List[SlowdownRecord]]:
-    """Every row once per round (alternated), each run under `straggler`. Raises RuntimeError when a run fails or
-    when a run's ranks were not all pinned (its numbers would not say what they claim)."""
+            warmup: int = 1, progress=print, trace_root: Optional[str] = None
+            ) -> Tuple[List[CompositionRun], List[SlowdownRecord]]:
+    """Every row once per round (alternated), each run under `straggler` (traced under trace_root when given).
+    Raises RuntimeError when a run fails or when a run's ranks were not all pinned (its numbers would not say what
+    they claim)."""
     job_id = f"straggler{os.getpid()}"
     env = dict(os.environ, **{JOB_ID_VARIABLE: job_id})
     records: List[SlowdownRecord] = []
@@ -335,12 +344,58 @@ def measure(rows: Sequence[str], rounds: int, launcher_flags: Sequence[str], str
         records.append(SlowdownRecord(row, round_index))
         return slowed(straggler, job_id, records[-1])
 
-    runs = run_alternated(rows, rounds, launcher_flags, warmup, progress, row_flags, env=env, around_run=around)
+    runs = run_alternated(rows, rounds, launcher_flags, warmup, progress, row_flags, env=env, around_run=around,
+                          trace_root=trace_root)
     for record in records:
         if sorted(record.pinned) != list(range(straggler.world_size)):
             raise RuntimeError(f"row {record.row} round {record.round + 1}: pinned ranks {sorted(record.pinned)} "
                                f"of {straggler.world_size} (the run ended before its ranks were found?)")
     return runs, records
+
+
+# ---- did a run leave its plans? (traced runs) ---------------------------------------------------------------------
+def compute_orders(trace_dir, pipeline_parallel: int, model_chunks: int) -> Dict[int, List[List[Task]]]:
+    """{iteration: per pipeline rank, its forwards and backwards in start order} of a traced run (W's of a split
+    backward left out: they are not planned)."""
+    from megatron_app.trace import read_trace_dir
+
+    planned = {kind.trace_name: kind for kind in (Kind.FORWARD, Kind.BACKWARD)}
+    orders: Dict[int, List[List[Task]]] = {}
+    for rank_trace in read_trace_dir(trace_dir, pipeline_parallel, model_chunks).ranks:
+        for event in sorted((e for e in rank_trace.events if e.kind in planned), key=lambda e: e.start):
+            per_rank = orders.setdefault(event.iteration, [[] for _ in range(pipeline_parallel)])
+            per_rank[event.pp_rank].append(Task(planned[event.kind], event.chunk, event.microbatch))
+    return orders
+
+
+def follows_a_plan(shape: PipelineShape, orders: Sequence[Sequence[Task]]) -> bool:
+    """Whether every rank's order is its order under one plan (planned's: Megatron's order over a start order, with
+    0..MAX_EXTRA_WARMUP extra warm-up per rank; Megatron's own is the plan of data order and none): the start order
+    is the one rank 0's first chunk shows (run-time reordering moves only backwards), each rank's warm-up is tried.
+    A task run ahead of its plan shows as False."""
+    start = tuple(task.microbatch for task in orders[0] if task.chunk == 0 and task.kind is Kind.FORWARD)
+    if sorted(start) != list(range(shape.num_microbatches)):
+        return False
+    for rank, order in enumerate(orders):
+        extras = (tuple(extra if r == rank else 0 for r in range(shape.num_stages))
+                  for extra in range(MAX_EXTRA_WARMUP + 1))
+        if not any(plan_order(shape, rank, Plan(start, extra)) == tuple(order) for extra in extras):
+            return False
+    return True
+
+
+def plan_order_counts(trace_root: str, records: Sequence[SlowdownRecord], pipeline_parallel: int,
+                      model_chunks: int, microbatches: int) -> Dict[str, Tuple[int, int]]:
+    """{row: (iterations in which every rank ran a plan's order exactly, iterations)} over the traced runs."""
+    shape = PipelineShape(pipeline_parallel, model_chunks, microbatches)
+    counts: Dict[str, Tuple[int, int]] = {}
+    for record in records:
+        orders = compute_orders(trace_run_dir(trace_root, record.row, record.round), pipeline_parallel,
+                                model_chunks)
+        kept = sum(follows_a_plan(shape, per_rank) for per_rank in orders.values())
+        before = counts.get(record.row, (0, 0))
+        counts[record.row] = (before[0] + kept, before[1] + len(orders))
+    return counts
 
 
 # ---- report -------------------------------------------------------------------------------------------------------
@@ -352,23 +407,29 @@ def ratios(summaries: Sequence[CompositionSummary]) -> Dict[str, float]:
 
 
 def format_report(summaries: Sequence[CompositionSummary], baseline: str, straggler: Straggler,
-                  load: Dict[str, Sequence[float]]) -> str:
+                  load: Dict[str, Sequence[float]], plan_orders: Optional[Dict[str, Tuple[int, int]]] = None) -> str:
+    """The table, the ratios, (traced runs) how many iterations followed a plan's order exactly, the load."""
     lines = [straggler.describe(), format_table(summaries, baseline, label="row")]
     for name, value in ratios(summaries).items():
         target = f"   (target >= {TARGET:g} with a competitor)" if name == f"{DEFAULT_POLICY} / {FIXED_NAME}" else ""
         lines.append(f"{name:<28} {value:>6.3f}{target}")
+    if plan_orders:
+        lines.append("iterations in which every rank ran a plan's order exactly (no task moved at run time): "
+                     + ", ".join(f"{row} {kept}/{total}" for row, (kept, total) in plan_orders.items()))
     lines.append("load average (1, 5, 15 min): before " + ", ".join(f"{v:.2f}" for v in load["before"])
                  + "; after " + ", ".join(f"{v:.2f}" for v in load["after"]))
     return "\n".join(lines)
 
 
 def write_json(path: str, summaries: Sequence[CompositionSummary], records: Sequence[SlowdownRecord],
-               straggler: Straggler, launcher_flags: Sequence[str], load: Dict[str, Sequence[float]]) -> None:
+               straggler: Straggler, launcher_flags: Sequence[str], load: Dict[str, Sequence[float]],
+               plan_orders: Optional[Dict[str, Tuple[int, int]]] = None) -> None:
     import json
 
     payload = {"launcher_flags": list(launcher_flags), "straggler": asdict(straggler) | {"core": straggler.core},
                "load_average": load, "ratios": ratios(summaries), "target": TARGET,
-               "summaries": [asdict(s) for s in summaries], "slowdowns": [asdict(r) for r in records]}
+               "summaries": [asdict(s) for s in summaries], "slowdowns": [asdict(r) for r in records],
+               "plan_order_iterations": plan_orders}
     Path(path).write_text(json.dumps(payload, indent=1))
 
 
@@ -393,12 +454,19 @@ def parse_args(argv: Optional[Sequence[str]] = None, cores: Optional[Sequence[in
                         help=f"intermittent: mean on+off period (default {DEFAULT_JITTER_PERIOD_MS:g})")
     parser.add_argument("--seed", type=int, default=0, help="intermittent: seed of the on/off schedule")
     parser.add_argument("--json")
+    parser.add_argument("--trace-dir", default=None,
+                        help="trace every run under DIR/<row>-round<k> and report the iterations in which every rank "
+                             "ran a plan's order exactly (default: runs untraced)")
     parser.add_argument("extra", nargs="*", help="more trainer flags, after --")
     args = parser.parse_args(argv)
     cores = usable_cores() if cores is None else list(cores)
     P = args.pipeline_parallel
     if args.iters < 2:
         parser.error("--iters must be >= 2 (the first is a warm-up)")
+    if args.global_batch_size % args.micro_batch_size:
+        parser.error(f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
+                     f"{args.micro_batch_size}")
+    args.microbatches = args.global_batch_size // args.micro_batch_size
     if P > len(cores):
         parser.error(f"-P {P} needs {P} cores to give every rank its own; this process may use {len(cores)}")
     args.row_names = [name.strip() for name in args.rows.split(",") if name.strip()]
@@ -450,8 +518,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         flags = launcher_flags(args, prefix)
         load = {"before": list(os.getloadavg())}
         print(straggler.describe(), flush=True)
-        runs, records = measure(args.row_names, args.rounds, flags, straggler)
+        runs, records = measure(args.row_names, args.rounds, flags, straggler, trace_root=args.trace_dir)
         load["after"] = list(os.getloadavg())
+        plan_orders = None if args.trace_dir is None else plan_order_counts(
+            args.trace_dir, records, args.pipeline_parallel, args.model_chunks, args.microbatches)
     except RuntimeError as error:
         print(f"{PROG}: {error}", file=sys.stderr)
         return 1
@@ -462,8 +532,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         signal.signal(signal.SIGTERM, previous)
     baseline = BASELINE_POLICY if BASELINE_POLICY in args.row_names else args.row_names[0]
     summaries = summarise(runs, baseline)
-    print(format_report(summaries, baseline, straggler, load))
+    print(format_report(summaries, baseline, straggler, load, plan_orders))
     if args.json:
-        write_json(args.json, summaries, records, straggler, flags, load)
+        write_json(args.json, summaries, records, straggler, flags, load, plan_orders)
     return 0
 
