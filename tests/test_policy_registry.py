@@ -86,11 +86,12 @@ def test_a_policys_options_are_declared_in_its_entry_and_checked_there():
     from megatron_app.schedule import ScheduleConfigError, make_policy
     from megatron_app.schedule.policies import policies_taking
 
-    assert policies_taking("memory_factor") == ("planned",)
+    assert policies_taking("memory_factor") == ("planned", "planned-fixed")
     shape = PipelineShape(2, 2, 4)
     assert make_policy("planned", shape, 0, memory_factor=1.5).memory_factor == 1.5
     assert make_policy("dfc", shape, 0, memory_factor=None).name == "dfc"     # unset options are not passed
-    with pytest.raises(ScheduleConfigError, match="memory_factor applies to policy 'planned' only, not 'dfc'"):
+    with pytest.raises(ScheduleConfigError, match="memory_factor applies to policy 'planned' or 'planned-fixed' only, "
+                                                  "not 'dfc'"):
         make_policy("dfc", shape, 0, memory_factor=1.5)
     with pytest.raises(ScheduleConfigError, match="memory factor must be a number >= 1"):
         make_policy("planned", shape, 0, memory_factor=0.5)

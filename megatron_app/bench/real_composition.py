@@ -9,6 +9,7 @@ iteration whatever the composition, so the runs' losses must agree (printed as a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -60,11 +61,12 @@ def composition_flags(row: str) -> List[str]:
 
 
 def run_once(composition: str, round_index: int, launcher_flags: Sequence[str], warmup: int,
-             env: Dict[str, str], row_flags=composition_flags) -> CompositionRun:
+             env: Dict[str, str], row_flags=composition_flags, trace_dir: Optional[str] = None) -> CompositionRun:
+    """One run_single.sh run of a row; trace_dir: trace it there (default: untraced)."""
     with tempfile.TemporaryDirectory() as scratch:
         log = os.path.join(scratch, "log.json")
         command = ["bash", str(REPO_ROOT / "run_single.sh"), *launcher_flags, *row_flags(composition),
-                   "--log-json", log, "--no-trace"]
+                   "--log-json", log, *(["--no-trace"] if trace_dir is None else ["--trace-dir", str(trace_dir)])]
         done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
@@ -95,27 +97,41 @@ def summarise(runs: Sequence[CompositionRun], baseline: str) -> List[Composition
     return summaries
 
 
-def format_table(summaries: Sequence[CompositionSummary], baseline: str) -> str:
-    lines = [f"{'composition':<12} {'tokens/s':>10} {'iter ms':>9} {'n':>3} {'x ' + baseline:>10} "
+def format_table(summaries: Sequence[CompositionSummary], baseline: str, label: str = "composition") -> str:
+    """One line per row; label: the first column's title (what a row is)."""
+    width = max(12, len(label), *(len(s.composition) for s in summaries))
+    ratio = max(10, len(baseline) + 2)
+    lines = [f"{label:<{width}} {'tokens/s':>10} {'iter ms':>9} {'n':>3} {'x ' + baseline:>{ratio}} "
              f"{'max |loss diff|':>16} {'|predicted/measured - 1|: median, max':>38}"]
     for s in summaries:
         error = ("not predicted" if s.median_abs_prediction_error is None else
                  f"{100 * s.median_abs_prediction_error:.1f}%, {100 * s.max_abs_prediction_error:.1f}% "
                  f"(n={len(s.prediction_errors)})")
-        lines.append(f"{s.composition:<12} {s.median_tokens_per_s:>10.0f} {s.median_iteration_ms:>9.0f} "
-                     f"{s.iterations:>3} {s.speedup_over_baseline:>10.3f} {s.max_loss_difference:>16.2e} "
+        lines.append(f"{s.composition:<{width}} {s.median_tokens_per_s:>10.0f} {s.median_iteration_ms:>9.0f} "
+                     f"{s.iterations:>3} {s.speedup_over_baseline:>{ratio}.3f} {s.max_loss_difference:>16.2e} "
                      f"{error:>38}")
     return "\n".join(lines)
 
 
+def trace_run_dir(trace_root: str, row: str, round_index: int) -> Path:
+    """Where run_alternated traces a row's run of one round (the trainer adds its own run directory below it)."""
+    return Path(trace_root) / f"{row}-round{round_index + 1}"
+
+
 def run_alternated(compositions: Sequence[str], rounds: int, launcher_flags: Sequence[str], warmup: int,
-                   progress=print, row_flags=composition_flags) -> List[CompositionRun]:
-    env = dict(os.environ)
+                   progress=print, row_flags=composition_flags, env: Optional[Dict[str, str]] = None,
+                   around_run=None, trace_root: Optional[str] = None) -> List[CompositionRun]:
+    """Every row once per round, the order reversed every other round. env: the runs' environment (default this
+    process's); around_run(row, round_index): a context manager each run happens inside (e.g. a slowdown it starts
+    and stops); trace_root: trace each run into trace_run_dir(trace_root, row, round_index) (default: untraced)."""
+    env = dict(os.environ) if env is None else env
     runs = []
     for round_index in range(rounds):
         order = list(compositions) if round_index % 2 == 0 else list(reversed(compositions))
         for composition in order:
-            run = run_once(composition, round_index, launcher_flags, warmup, env, row_flags)
+            with around_run(composition, round_index) if around_run is not None else contextlib.nullcontext():
+                run = run_once(composition, round_index, launcher_flags, warmup, env, row_flags,
+                               None if trace_root is None else trace_run_dir(trace_root, composition, round_index))
             progress(f"round {round_index + 1}/{rounds} {composition}: median "
                      f"{statistics.median(run.tokens_per_s):.0f} tokens/s over {len(run.tokens_per_s)} iterations")
             runs.append(run)

@@ -81,7 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--app-policy", default=DEFAULT_POLICY, choices=ADAPTIVE_POLICIES)
     group.add_argument("--app-memory-cap", type=int, default=None)
     group.add_argument("--app-memory-factor", type=float, default=None,
-                       help="policy planned: activation bytes a rank may hold, x Megatron's peak (default 1.0)")
+                       help="policy planned (and planned-fixed): activation bytes a rank may hold, x Megatron's peak "
+                            "(default 1.0)")
     group.add_argument("--app-trace-dir", default=None)
     group.add_argument("--app-split-backward", action="store_true",
                        help="run each backward as an input-gradient task and a later weight-gradient task")

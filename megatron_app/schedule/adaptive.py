@@ -23,6 +23,21 @@ ready task of its oldest in-flight microbatch (or of the next one to start). By 
 unfinished microbatch g is exactly that microbatch on the rank holding g's next task, and that task fits: g always
 progresses. (That guard costs up to ~3% at V=1 under a slow rank, which is why the default case goes without it.)
 
+When it fires. A deviation needs a ready backward behind the late planned one. Every rank's plan (Megatron's order,
+or `planned`'s over a start order) takes its backward inputs in the (chunk, microbatch) sequence in which its one
+gradient source sends them, and a link delivers in order (the transport sends one message at a time per peer; the
+simulator's links are FIFO), so a late planned backward has no ready backward behind it, and a ready backward behind a
+late planned forward may not jump it (its chain is shorter). So with in-order links the step finds nothing to run:
+in the simulator, under slow ranks, jitter, stragglers and slow links, it never fired and `planned` ran the same
+orders as `planned-fixed` (tests/test_schedule_run_time_reordering.py). It acts when inputs arrive out of plan order
+(the property tests' random delivery). `deviations` counts the tasks it moved.
+
+Run-time reordering off (`deviates=False`, the policy `planned-fixed`): the deviation step above is skipped, so a
+rank whose plan input is late waits for it (W's still fill the wait) and, under the default cap, runs exactly its
+plan order, forwards and backwards (the comparison row that measures what run-time reordering buys). Argument (a)
+covers it unchanged: it is the case with no backward moved earlier. With an explicit cap the progress guard of (b)
+stays (it is what makes mixed plan-following and dfc ranks complete, not a choice made for speed).
+
 Split backward (W tasks). The plan holds forwards and B's only; W's float. The rank runs its plan's next task when it
 is ready and admitted; otherwise it fills the wait with a W (a W is never on another rank's path, B is); a ready
 backward deviates as above only once the plan's input stayed late through `patience` decisions (a W that ends
@@ -91,20 +106,25 @@ class AdaptivePolicy(Policy):
 
     def __init__(self, shape: PipelineShape, rank: int, memory_cap: int, plan: Tuple[Task, ...],
                  below_plan_cap: Policy, keeps_oldest_moving: bool = True, patience: int = DEFAULT_PATIENCE,
-                 smoothing: float = DEFAULT_SMOOTHING):
+                 smoothing: float = DEFAULT_SMOOTHING, deviates: bool = True):
         """plan: every task of the rank in an order that completes when all ranks follow theirs (the deadlock
         argument above needs that; make_adaptive passes Megatron's); below_plan_cap: the policy used when
         memory_cap is under the plan's peak; keeps_oldest_moving: when nothing else is chosen, run a ready task
-        of the oldest microbatch here (needed unless every rank is known to follow its plan; module doc)."""
+        of the oldest microbatch here (needed unless every rank is known to follow its plan; module doc);
+        deviates: False turns run-time reordering off (a late plan input is waited for; module doc)."""
         super().__init__(shape, rank, memory_cap)
         if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
             raise ScheduleConfigError(f"patience must be an int >= 0, got {patience!r}")
+        if not isinstance(deviates, bool):
+            raise ScheduleConfigError(f"deviates must be True or False, got {deviates!r}")
         planned_tasks = [task for task in shape.tasks(rank) if task.kind not in shape.fill_kinds]
         if sorted(plan, key=_task_key) != sorted(planned_tasks, key=_task_key):
             raise ScheduleConfigError(f"the plan for rank {rank} must list each of its tasks exactly once (W "
                                       f"tasks excepted: they are not planned)")
         self.plan = tuple(plan)
         self.patience = patience
+        self.deviates = deviates
+        self.deviations = 0       # tasks run ahead of the plan (run-time reordering) since the policy was made
         self.estimates = DurationEstimates(smoothing)
         self.follows_plan = memory_cap >= plan_peak(shape, self.plan)
         self.below_plan_cap = below_plan_cap
@@ -165,9 +185,10 @@ class AdaptivePolicy(Policy):
                 return planned
             if fill:                # W's hold the memory the planned forward needs
                 return fill[0]
-        if self._idle_calls >= self.patience:
+        if self.deviates and self._idle_calls >= self.patience:
             deviation = self._critical_backward(state, floor=self.chain_after_seconds(planned))
             if deviation is not None:
+                self.deviations += 1
                 return deviation
         if fill:
             return fill[0]

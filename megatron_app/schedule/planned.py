@@ -12,6 +12,10 @@ while it is on time, let a critical backward go first when a plan input is late)
     all orders together complete (adaptive.py's argument (a)) whatever each rank learnt.
   * Without lengths (a loop that tells none) or under an explicit count cap (memory_cap), the plan is Megatron's
     order in data order: the policy is then `adaptive` exactly.
+  * `planned-fixed` is the same policy with run-time reordering off (deviates=False, adaptive.py): the same plans,
+    each rank waiting for its plan's next task (W's of a split backward still fill the waits). Under the default
+    cap it runs every rank's plan order exactly, which completes by adaptive.py's argument (a) (no backward moved);
+    it is the comparison row for what deviating at run time buys (tools/bench_straggler.py).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from .state import RankState
 from .tasks import KINDS_BY_INDEX, Kind, Task
 
 DEFAULT_MEMORY_FACTOR = 1.0
+FIXED_NAME = "planned-fixed"   # the registry's name for PlannedPolicy(deviates=False)
 
 
 def check_memory_factor(memory_factor) -> float:
@@ -46,14 +51,17 @@ class PlannedPolicy(AdaptivePolicy):
 
     def __init__(self, shape: PipelineShape, rank: int, memory_cap: Optional[int] = None,
                  memory_factor: Optional[float] = None, evaluations: int = DEFAULT_EVALUATIONS,
-                 patience: int = DEFAULT_PATIENCE):
+                 patience: int = DEFAULT_PATIENCE, deviates: bool = True):
+        """deviates: False = `planned-fixed` (run-time reordering off; module doc)."""
         self.reorders = memory_cap is None     # an explicit count cap keeps data order (module doc)
         if memory_cap is None:
             memory_cap = megatron_interleaved_cap(shape, rank)
         check_memory_cap(shape, memory_cap)
         super().__init__(shape, rank, memory_cap, without_fill(megatron_order(shape, rank)),
                          below_plan_cap=make_dfc(shape, rank, memory_cap),
-                         keeps_oldest_moving=not self.reorders, patience=patience)
+                         keeps_oldest_moving=not self.reorders, patience=patience, deviates=deviates)
+        if not deviates:
+            self.name = FIXED_NAME
         self.memory_factor = check_memory_factor(DEFAULT_MEMORY_FACTOR if memory_factor is None else memory_factor)
         self.costs = LengthCostModel()
         self.search = PlanSearch(shape, evaluations=evaluations)
@@ -146,3 +154,9 @@ def _check_lengths(shape: PipelineShape, lengths: Sequence[int]) -> Tuple[int, .
 def make_planned(shape: PipelineShape, rank: int, memory_cap: Optional[int] = None,
                  memory_factor: Optional[float] = None) -> PlannedPolicy:
     return PlannedPolicy(shape, rank, memory_cap, memory_factor=memory_factor)
+
+
+def make_planned_fixed(shape: PipelineShape, rank: int, memory_cap: Optional[int] = None,
+                       memory_factor: Optional[float] = None) -> PlannedPolicy:
+    """`planned` with run-time reordering off: each rank waits for its plan's next task."""
+    return PlannedPolicy(shape, rank, memory_cap, memory_factor=memory_factor, deviates=False)

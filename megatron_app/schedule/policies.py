@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 from .adaptive import make_adaptive
 from .errors import ScheduleConfigError
 from .greedy import make_bfc, make_dfc
-from .planned import check_memory_factor, make_planned
+from .planned import FIXED_NAME, check_memory_factor, make_planned, make_planned_fixed
 from .policy import Policy
 from .shape import PipelineShape
 from .static_order import make_megatron_1f1b, make_megatron_interleaved
@@ -73,6 +73,9 @@ POLICIES: Dict[str, PolicyEntry] = {
                            "and per-rank warm-up depths of Megatron's order chosen from the microbatches' lengths "
                            "under an activation-bytes cap (x Megatron's peak); then as adaptive. Without lengths: "
                            "adaptive", options=(MEMORY_FACTOR,)),
+    FIXED_NAME: PolicyEntry(make_planned_fixed, static=False, summary="planned's per-iteration plan kept at run "
+                            "time: waits for the plan's next task, never reorders (the comparison row for run-time "
+                            "reordering)", options=(MEMORY_FACTOR,)),
     "zb-h1": PolicyEntry(make_zb_h1, static=True, split_only=True,
                          summary="ZB-H1-style order for a split backward: Megatron's order of forwards and input-"
                          "gradient backwards, rank r deferring r weight-gradient tasks into its tail"),

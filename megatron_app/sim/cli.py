@@ -41,6 +41,7 @@ PROG = "python -m megatron_app.sim"
 ALL = "all"
 # Up to this many ranks the table lists every rank's peak activations; beyond, only the largest.
 MAX_LISTED_RANKS = 8
+POLICY_WIDTH = max(12, *map(len, POLICY_NAMES))   # the tables' policy column
 
 
 def _slow_link(text: str) -> SlowLink:
@@ -179,7 +180,7 @@ def format_table(config: SimConfig, results: List[SimResult]) -> str:
     lines = [f"P={shape.num_stages} V={shape.num_chunks} m={shape.num_microbatches} "
              f"iterations={config.iterations} seed={config.seed}"]
     variable = config.lengths is not None
-    header = (f"{'policy':<12} {'makespan ms':>12} {'lower bound ms':>15} {'x bound':>8} {'bubble':>7}  "
+    header = (f"{'policy':<{POLICY_WIDTH}} {'makespan ms':>12} {'lower bound ms':>15} {'x bound':>8} {'bubble':>7}  "
               + (f"{'tokens/Megatron':>15} {'plan ms':>8}  peak activation tokens per rank" if variable
                  else "peak activations per rank"))
     lines.append(header)
@@ -192,7 +193,7 @@ def format_table(config: SimConfig, results: List[SimResult]) -> str:
         peak_text = (",".join(map(str, peaks)) if len(peaks) <= MAX_LISTED_RANKS
                      else f"max {max(peaks)} (rank {peaks.index(max(peaks))})")
         ratio = result.makespan_us / result.lower_bound_us if result.lower_bound_us > 0 else math.nan
-        lines.append(f"{result.policy:<12} {result.makespan_us / US_PER_MS:>12.3f} "
+        lines.append(f"{result.policy:<{POLICY_WIDTH}} {result.makespan_us / US_PER_MS:>12.3f} "
                      f"{result.lower_bound_us / US_PER_MS:>15.3f} {ratio:>8.3f} {result.bubble_ratio:>7.1%}  "
                      f"{extra}{peak_text}")
     return "\n".join(lines)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
-from megatron_app.schedule import PipelineShape, policies_for
+from megatron_app.schedule import POLICY_NAMES, PipelineShape, policies_for
 from megatron_app.schedule.policies import BASELINE_POLICY
 
 from .costs import ComputeCosts, ComputePerturbations
@@ -33,6 +33,7 @@ SCENARIOS: Dict[str, tuple] = {
                       LinkCosts(**MESSAGE_LINK, slow_links=(SlowLink.parse("1-2:0-300:10"),))),
 }
 RANDOM_SCENARIOS = ("stragglers 10% x3", "jitter +-30%")
+POLICY_WIDTH = max(12, *map(len, POLICY_NAMES))   # the table's policy column
 
 
 @dataclass(frozen=True)
@@ -63,12 +64,13 @@ def run_scenarios(seeds: Sequence[int] = range(5), shape: PipelineShape = ISSUE_
 
 
 def format_rows(rows: List[ScenarioRow]) -> str:
-    lines = [f"{'scenario':<20} {'policy':<12} {'makespan ms':>12} {'bound ms':>9} {'x bound':>8} "
+    lines = [f"{'scenario':<20} {'policy':<{POLICY_WIDTH}} {'makespan ms':>12} {'bound ms':>9} {'x bound':>8} "
              f"{'interleaved/this':>17}  peak activations"]
     interleaved = {row.scenario: row.makespan_ms for row in rows if row.policy == BASELINE_POLICY}
     for row in rows:
         speedup = interleaved[row.scenario] / row.makespan_ms if row.scenario in interleaved else float("nan")
-        lines.append(f"{row.scenario:<20} {row.policy:<12} {row.makespan_ms:>12.1f} {row.lower_bound_ms:>9.1f} "
+        lines.append(f"{row.scenario:<20} {row.policy:<{POLICY_WIDTH}} {row.makespan_ms:>12.1f} "
+                     f"{row.lower_bound_ms:>9.1f} "
                      f"{row.makespan_ms / row.lower_bound_ms:>8.3f} {speedup:>17.3f}  "
                      f"{','.join(map(str, row.peak_activations))}")
     return "\n".join(lines)

@@ -164,8 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
               help=f"task policy of --schedule app (default: {DEFAULT_POLICY}); the other schedules run their own "
                    "order and refuse it")
     _add_flag(sched, "--memory-factor", type=float, default=None, metavar="X",
-              help="policy planned: activation bytes a rank may hold, x what Megatron's interleaved order holds for "
-                   "the same microbatches (default 1.0)")
+              help="policy planned (and planned-fixed): activation bytes a rank may hold, x what Megatron's interleaved "
+                   "order holds for the same microbatches (default 1.0)")
     _add_flag(sched, "--schedule-file", default=None, metavar="CSV",
               help="run these per-rank action lists instead of a policy: torch.distributed.pipelining's "
                    "compute-only format, one row per pipeline rank, actions like 0F1 / 4I2 / 4W2 / 0B1")
