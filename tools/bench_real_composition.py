@@ -3,7 +3,7 @@
 alternated (megatron_app.bench.real_composition).
 
     python tools/bench_real_composition.py --data-dir data/copyright -P 4 -V 2 --seq-length 2048 \\
-        --micro-batch-size 2 --global-batch-size 32 --iters 5 --rounds 2 --json out.json
+        --micro-batch-size 2 --global-batch-size 32 --iters 5 --rounds 2 --json out.json [--trace-dir DIR]
 
 --data-dir is tools/make_corpus.py's output (corpus_text_document.{bin,idx}, tokenizer.json); it is built with
 `--sources copyright` when missing. Exit 2 on bad flags, 1 when a run fails (its last line is printed).
@@ -31,6 +31,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--compositions", default="loader,packed,dp-balanced,balanced")
     parser.add_argument("--json")
+    parser.add_argument("--trace-dir", help="trace every run under DIR/ROW-roundN (python tools/bench_cost_model.py "
+                        "replays the cost model over them); default untraced")
     parser.add_argument("extra", nargs="*", help="more trainer flags, after --")
     args = parser.parse_args(argv)
     if args.iters < 2 or args.rounds < 1:
@@ -48,7 +50,7 @@ def main(argv=None) -> int:
              str(args.iters), *args.extra]
     compositions = [name.strip() for name in args.compositions.split(",") if name.strip()]
     try:
-        runs = run_alternated(compositions, args.rounds, flags, warmup=1)
+        runs = run_alternated(compositions, args.rounds, flags, warmup=1, trace_root=args.trace_dir)
     except RuntimeError as error:
         print(f"bench_real_composition: {error}", file=sys.stderr)
         return 1
