@@ -77,8 +77,9 @@ PLANNED_LAYOUTS = [(2, 2, 1), (4, 2, 1), (2, 1, 2)]
 def test_planned_reordering_by_told_lengths_matches_unpipelined_training(tmp_path, reference, P, V, T):
     """The loop tells uneven lengths, so `planned` runs the microbatches in another order (and warm-up depth):
     losses and gradients must not change."""
-    out = _run(tmp_path, P, V, T, ["app:planned"], "--tell-lengths")
-    _check_against_reference(out, ["app:planned"], reference)
+    schedules = ["app:planned", "app:planned-fixed"]      # with run-time reordering, and the same plans without it
+    out = _run(tmp_path, P, V, T, schedules, "--tell-lengths")
+    _check_against_reference(out, schedules, reference)
     plans = [line for path in out.glob("plans_app-planned_rank*.jsonl") for line in path.read_text().splitlines()]
     assert len(plans) == P * T * ITERS
     assert any(json.loads(line)[0] != sorted(json.loads(line)[0]) for line in plans), "no iteration was reordered"
