@@ -55,11 +55,13 @@ class _Fit:
         self.recent = deque(maxlen=window)       # (tokens, squared tokens, seconds)
         self.samples = 0
         self._coefficients: Optional[np.ndarray] = None
+        self._seconds_per_token: Optional[float] = None
 
     def add(self, tokens: float, squared: float, seconds: float) -> None:
         self.recent.append((tokens, squared, seconds))
         self.samples += 1
         self._coefficients = None
+        self._seconds_per_token: Optional[float] = None
 
     def affine(self) -> Optional[Tuple[float, float, float]]:
         """(a, b, c) of seconds = a + b*T + c*S in unscaled units, or None while the fit is proportional."""
@@ -80,7 +82,9 @@ class _Fit:
 
     def predict(self, tokens, squared):
         """Works on floats and numpy arrays alike."""
-        linear = float(np.mean([s / t for t, _, s in self.recent])) * tokens
+        if self._seconds_per_token is None:
+            self._seconds_per_token = float(np.mean([s / t for t, _, s in self.recent]))
+        linear = self._seconds_per_token * tokens
         affine = self.affine()
         if affine is None:
             return linear
