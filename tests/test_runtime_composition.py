@@ -74,3 +74,30 @@ def test_a_batch_planned_ahead_is_adopted_when_ready_and_planned_in_line_when_no
     # another batch than the one planned ahead: planned in line
     third = runtime_composition.agree_iteration_plan(LENGTHS, 2, "balanced")
     assert not third.planned_ahead
+
+
+def test_the_planning_rank_learns_every_pipeline_ranks_tasks_once(monkeypatch):
+    """The per-call gather carries each rank's cost samples: rank 0's model then has rank 1's stage, and a sample
+    is reported once."""
+    session = current_job().session
+    costs = session.shared_costs()
+    for tokens in (100, 400, 900):
+        costs.observe(Kind.FORWARD, 1, tokens, 1e-5 * tokens, rank=0)
+    peer = type(costs)()
+    for tokens in (100, 400, 900):
+        peer.observe(Kind.FORWARD, 1, tokens, 3e-5 * tokens, rank=1)     # the last stage: three times the cost
+    sent = {"peer": peer.take_unreported()}
+
+    def gather_object(mine, gathered, dst):
+        gathered[0], gathered[1] = mine, (0, None, sent.pop("peer", []))
+
+    monkeypatch.setattr(runtime_composition.dist, "gather_object", gather_object)
+    monkeypatch.setattr(runtime_composition.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(runtime_composition.dist, "get_rank", lambda group=None: 0)
+    layout = runtime_composition.JobLayout(distributed=True, num_stages=2, num_chunks=2)
+    runtime_composition._gather_measurements(session, layout)
+    assert costs.ranks_seen() == (0, 1) and costs.samples(Kind.FORWARD, 1, rank=1) == 3
+    assert costs.seconds(Kind.FORWARD, 1, 500, rank=1) == pytest.approx(3 * costs.seconds(Kind.FORWARD, 1, 500, rank=0))
+    assert costs.take_unreported() == []                 # its own samples went out with the gather
+    runtime_composition._gather_measurements(session, layout)
+    assert costs.samples(Kind.FORWARD, 1, rank=1) == 3   # nothing learnt twice
