@@ -24,13 +24,10 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-from megatron_app.schedule import PipelineShape
-from megatron_app.schedule.length_costs import LengthCostModel
+from megatron_app.schedule import KIND_OF_TRACE_NAME, PipelineShape, Task
+from megatron_app.schedule.composition_plan import PLANNED_KINDS
+from megatron_app.schedule.length_costs import LengthCostModel, by_kind
 from megatron_app.schedule.plan_search import predicted_makespan
-from megatron_app.schedule.tasks import KINDS_BY_INDEX, Kind, Task
-
-PLANNED_KINDS = (Kind.FORWARD, Kind.BACKWARD)
-KIND_BY_TRACE_NAME = {kind.trace_name: kind for kind in KINDS_BY_INDEX}
 # name -> (LengthCostModel switches, learns from every rank)
 VARIANTS = {
     "rank 0 only, plain fit": (dict(per_rank=False, non_negative=False, window=None), False),
@@ -60,8 +57,8 @@ class VariantResult:
 
 def _iteration_tasks(ranks, iteration: int):
     """Per pipeline rank: its compute events of the iteration in the order they ran (forward/backward only)."""
-    return [sorted((e for e in rank.events_of(iteration) if e.kind in KIND_BY_TRACE_NAME
-                    and KIND_BY_TRACE_NAME[e.kind] in PLANNED_KINDS and "tokens" in e.extra),
+    return [sorted((e for e in rank.events_of(iteration) if e.kind in KIND_OF_TRACE_NAME
+                    and KIND_OF_TRACE_NAME[e.kind] in PLANNED_KINDS and "tokens" in e.extra),
                    key=lambda e: e.start) for rank in ranks]
 
 
@@ -83,20 +80,20 @@ def replay(run, warmup: int = 2) -> Dict[str, VariantResult]:
                     tokens[e.microbatch] = float(e.extra["tokens"])
                     squared[e.microbatch] = float(e.extra.get("squared_tokens", tokens[e.microbatch] ** 2))
             shape = PipelineShape(P, V, m)
-            orders = [[Task(KIND_BY_TRACE_NAME[e.kind], e.chunk, e.microbatch) for e in rank_events]
+            orders = [[Task(KIND_OF_TRACE_NAME[e.kind], e.chunk, e.microbatch) for e in rank_events]
                       for rank_events in events]
             measured = (max(e.end for r in events for e in r) - min(e.start for r in events for e in r)) / 1e6
             for name, model in models.items():
                 if position >= warmup and model.calibrated:
                     table = model.duration_table(PLANNED_KINDS, V, tokens, squared, num_stages=P)
-                    predicted = predicted_makespan(shape, orders, [table[:P * V], table[P * V:]])
+                    predicted = predicted_makespan(shape, orders, by_kind(table))
                     results[name].errors.append(predicted / measured - 1.0)
                 learns_all = VARIANTS[name][1]
                 for pp_rank, rank_events in enumerate(events):
                     if pp_rank and not learns_all:
                         continue
                     for e in rank_events:
-                        model.observe(KIND_BY_TRACE_NAME[e.kind], e.chunk, tokens[e.microbatch], e.duration / 1e6,
+                        model.observe(KIND_OF_TRACE_NAME[e.kind], e.chunk, tokens[e.microbatch], e.duration / 1e6,
                                       squared[e.microbatch], rank=pp_rank)
     return results
 

@@ -35,8 +35,9 @@ import numpy as np
 
 from .composition import Composition, loader_composition
 from .errors import ScheduleConfigError
-from .length_costs import LengthCostModel
+from .length_costs import LengthCostModel, by_kind
 from .megatron_order import megatron_peak_sizes
+from .plan_graph import has_rank_rows
 from .plan_search import Plan, PlanChoice, PlanSearch
 from .shape import PipelineShape
 from .tasks import Kind
@@ -160,8 +161,7 @@ def interleaved_estimate(num_stages: int, num_chunks: int, table: np.ndarray) ->
     """Cheap makespan estimate of Megatron's interleaved order (no graph): the busiest rank's work plus the fill
     and drain, (P - 1) x a chunk's forward + backward of the costliest microbatch (memory not checked: screening
     only). table: per (kind, chunk) rows, or per (kind, rank, chunk) (length_costs.duration_table)."""
-    per_stage = len(table) >= 2 * num_stages * num_chunks and num_stages > 1
-    ranks = num_stages if per_stage else 1
+    ranks = num_stages if has_rank_rows(table, num_stages, num_chunks) else 1
     rank_work = table.reshape(-1, ranks, num_chunks, table.shape[1]).sum(axis=(0, 2))   # ranks x m
     chunk_work = rank_work.sum(axis=0) / (ranks * num_chunks)
     return float(rank_work.sum(axis=1).max() + (num_stages - 1) * chunk_work.max())
@@ -259,7 +259,7 @@ class CompositionPlanner:
         table = self._table(costs, tokens, squared)
         evaluations = min(self.final_evaluations, LARGE_FINAL_EVALUATIONS) if large else self.final_evaluations
         choice = PlanSearch(shape, evaluations=evaluations, max_extra_warmup=screen_warmup).choose(
-            tokens, caps, _by_kind(table), stop=None if stop is None else (lambda _: stop(loader_value)))
+            tokens, caps, by_kind(table), stop=None if stop is None else (lambda _: stop(loader_value)))
         order = choice.plan.start_order
         composition = Composition(tuple(best.groups[k] for k in order), packed=True)
         plan = Plan(tuple(range(len(order))), choice.plan.extra_warmup)
@@ -276,19 +276,14 @@ class CompositionPlanner:
         tokens = composition.microbatch_tokens(lengths)
         caps = loader_peak_caps(shape, tokens, self.memory_factor)
         table = self._table(costs, tokens, composition.microbatch_squared_tokens(lengths))
-        return PlanSearch(shape, evaluations=self.final_evaluations).choose(tokens, caps, _by_kind(table), stop=stop)
+        return PlanSearch(shape, evaluations=self.final_evaluations).choose(tokens, caps, by_kind(table), stop=stop)
 
     def _screen(self, shape: PipelineShape, tokens, caps, table, max_extra_warmup: int = 3):
         """The seeded orders x warm-ups only (no annealing): a cheap score for one candidate composition."""
         search = PlanSearch(shape, evaluations=0, max_extra_warmup=max_extra_warmup)
-        return search.choose(tokens, caps, _by_kind(table))
+        return search.choose(tokens, caps, by_kind(table))
 
     def _table(self, costs: LengthCostModel, tokens, squared) -> np.ndarray:
         """Predicted durations per (kind, pipeline rank, chunk) x microbatch (length_costs.duration_table)."""
         return costs.duration_table(PLANNED_KINDS, self.num_chunks, tokens, squared, num_stages=self.num_stages)
 
-
-def _by_kind(table: np.ndarray):
-    """A kind-major table as the plan search takes it: [forward rows, backward rows]."""
-    half = len(table) // 2
-    return [table[:half], table[half:]]

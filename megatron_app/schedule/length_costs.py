@@ -206,3 +206,9 @@ class LengthCostModel:
         ranks = (None,) if num_stages is None else range(num_stages)
         return np.array([np.broadcast_to(self.seconds_of(kind, chunk, t, s, rank), t.shape)
                          for kind in kinds for rank in ranks for chunk in range(num_chunks)], dtype=float)
+
+
+def by_kind(table: np.ndarray):
+    """A duration_table of forwards and backwards as the plan search takes it: [forward rows, backward rows]."""
+    half = len(table) // 2
+    return [table[:half], table[half:]]

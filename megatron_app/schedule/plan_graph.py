@@ -21,6 +21,12 @@ from .shape import PipelineShape
 from .tasks import KINDS_BY_INDEX, Kind, Task
 
 
+def has_rank_rows(table: np.ndarray, num_stages: int, num_chunks: int) -> bool:
+    """Whether a duration table has a row per (kind, pipeline rank, chunk) rather than per (kind, chunk): a per-chunk
+    table has at most 3V rows (forward, backward, weight), a per-rank one at least 2PV (with one rank they agree)."""
+    return num_stages > 1 and len(table) >= 2 * num_stages * num_chunks
+
+
 class PlanGraph:
     """The iteration's task graph for one warm-up depth per rank, tasks named (kind, chunk, slot); every kind the
     shape runs, its dependencies from the shape's rules (input_source across ranks, local_source on the rank)."""
@@ -83,10 +89,9 @@ class PlanGraph:
         self.count = count
         self.extra_warmups = extra_warmups
         self.slot = slot
-        self.kind, self.chunk = kind, chunk
+        self.kind, self.chunk, self.chunks = kind, chunk, V
         self.duration_row = kind * V + chunk                  # tables per (kind, chunk): every rank alike
         self.stage_row = (kind * P + rank) * V + chunk         # tables per (kind, rank, chunk)
-        self._stage_rows_from = 2 * P * V if P > 1 else None   # a per-chunk table has at most 3V rows (F, B, W)
         releasing = Kind.WEIGHT.index if (kind == Kind.WEIGHT.index).any() else Kind.BACKWARD.index
         self.held_sign = np.where(kind == Kind.FORWARD.index, 1.0, np.where(kind == releasing, -1.0, 0.0))
 
@@ -121,8 +126,7 @@ class PlanGraph:
 
     def _rows(self, durations: np.ndarray) -> np.ndarray:
         """Each task's row in `durations`: per (kind, rank, chunk) when the table has a row per pipeline rank."""
-        per_stage = self._stage_rows_from is not None and durations.shape[0] >= self._stage_rows_from
-        return self.stage_row if per_stage else self.duration_row
+        return self.stage_row if has_rank_rows(durations, len(self.rank_spans), self.chunks) else self.duration_row
 
     def timeline(self, rank: int, start_order: Sequence[int], durations: np.ndarray, transfer: float = 0.0):
         """Rank `rank`'s tasks under one start order: [(kind index, chunk, microbatch, start, duration)] in the

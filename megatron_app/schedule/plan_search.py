@@ -97,8 +97,7 @@ def predicted_makespan(shape: PipelineShape, orders: Sequence[Sequence[Task]], d
     slot_orders = [tuple((task.kind, task.chunk, task.microbatch) for task in order) for order in orders]
     graph = PlanGraph(shape, (0,) * shape.num_stages, slot_orders)
     m = shape.num_microbatches
-    table = np.array([list(durations[k][c]) for k in range(len(durations)) for c in range(len(durations[k]))],
-                     dtype=float)
+    table = _stacked(durations)
     makespans, _ = graph.evaluate(np.arange(m, dtype=np.int64)[None, :], table, np.zeros(m),
                                   [float("inf")] * shape.num_stages, transfer)
     return float(makespans[0])
@@ -127,8 +126,8 @@ class PlanSearch:
         stop: asked before each round with the data order's predicted makespan (a driver's time budget, which may
         be a share of the iteration being planned: policies read no clocks)."""
         shape = self.shape
-        P, V, m = shape.num_stages, shape.num_chunks, shape.num_microbatches
-        table = np.array([list(durations[k][c]) for k in range(len(durations)) for c in range(len(durations[k]))], dtype=float)
+        P, m = shape.num_stages, shape.num_microbatches
+        table = _stacked(durations)
         size_array = np.asarray(sizes, dtype=float)
         count = 0
 
@@ -174,6 +173,11 @@ class PlanSearch:
         value, order, extras, peaks = best
         plan = Plan(tuple(int(mb) for mb in order), extras[0] if len(set(extras)) == 1 else extras)
         return PlanChoice(plan, value, data_makespan, tuple(float(p) for p in peaks), count)
+
+
+def _stacked(durations: DurationTable) -> np.ndarray:
+    """A DurationTable as the plan evaluator's one table: the kinds' rows one after the other."""
+    return np.array([list(row) for per_kind in durations for row in per_kind], dtype=float)
 
 
 @functools.lru_cache(maxsize=512)

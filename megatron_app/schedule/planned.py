@@ -25,7 +25,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 from .adaptive import DEFAULT_PATIENCE, AdaptivePolicy, plan_peak
 from .admission import check_memory_cap
 from .errors import ScheduleConfigError
-from .length_costs import LengthCostModel
+from .length_costs import LengthCostModel, by_kind
 from .megatron_order import megatron_interleaved_cap, megatron_order, megatron_peak_sizes, without_fill  # noqa: F401 (megatron_peak_sizes re-exported)
 from .plan_search import (DEFAULT_EVALUATIONS, Plan, PlanChoice, PlanSearch, order_peak_size, plan_graph_for,
                           plan_order)
@@ -83,11 +83,9 @@ class PlannedPolicy(AdaptivePolicy):
             return data_order
         sizes = _check_lengths(shape, lengths)
         caps = [peak * self.memory_factor for peak in megatron_peak_sizes(shape, sizes)]
-        V, m = shape.num_chunks, shape.num_microbatches
-        table = self.costs.duration_table((Kind.FORWARD, Kind.BACKWARD), V, sizes, [s * s for s in sizes],
+        table = self.costs.duration_table((Kind.FORWARD, Kind.BACKWARD), shape.num_chunks, sizes, [s * s for s in sizes],
                                           num_stages=shape.num_stages)
-        durations = [table[:len(table) // 2], table[len(table) // 2:]]
-        self.last_choice = self.search.choose(sizes, caps, durations, stop=stop)
+        self.last_choice = self.search.choose(sizes, caps, by_kind(table), stop=stop)
         return self.last_choice.plan
 
     def use_plan(self, lengths: Optional[Sequence[int]], plan: Optional[Plan],
@@ -115,9 +113,8 @@ class PlannedPolicy(AdaptivePolicy):
         shape = self.shape
         if self.lengths is None or not self.costs.calibrated or shape.forward_only:
             return {}
-        V, m = shape.num_chunks, shape.num_microbatches
         squared = self.squared_tokens or [length * length for length in self.lengths]
-        table = self.costs.duration_table((Kind.FORWARD, Kind.BACKWARD), V, self.lengths, squared,
+        table = self.costs.duration_table((Kind.FORWARD, Kind.BACKWARD), shape.num_chunks, self.lengths, squared,
                                           num_stages=shape.num_stages)
         extras = tuple(plan.extra_for(rank) for rank in range(shape.num_stages))
         graph = plan_graph_for(shape, extras)
