@@ -60,9 +60,9 @@ def _sequence_parallel_gpt_spec():
 
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    from megatron_app.train.model import cpu_attention_spec
+    from megatron_app.train.model import document_layer_spec
 
-    layer = copy.deepcopy(cpu_attention_spec())
+    layer = copy.deepcopy(document_layer_spec())
     layer.submodules.input_layernorm = SequenceParallelLayerNorm
     layer.submodules.pre_mlp_layernorm = SequenceParallelLayerNorm
     return TransformerBlockSubmodules(layer_specs=[layer] * 2, layer_norm=SequenceParallelLayerNorm)

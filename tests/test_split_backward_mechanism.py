@@ -134,12 +134,12 @@ def test_a_gpt_chunk_defers_every_linear_layer_with_identical_gradients(megatron
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_app.train.model import layer_spec_for
+    from megatron_app.train.model import document_layer_spec
 
     config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
                                params_dtype=torch.float32, pipeline_dtype=torch.float32, hidden_dropout=0.0,
                                attention_dropout=0.0, cuda_graph_scope=[])
-    chunk = GPTModel(config=config, transformer_layer_spec=layer_spec_for("cpu"), vocab_size=64,
+    chunk = GPTModel(config=config, transformer_layer_spec=document_layer_spec(), vocab_size=64,
                      max_sequence_length=16, pre_process=False, post_process=False)
     x, grad = torch.randn(16, 2, 32), torch.randn(16, 2, 32)
 

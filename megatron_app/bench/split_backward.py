@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     from megatron_app.runtime.split_backward import run_input_backward, run_weight_backward
     from megatron_app.train.args import parse_args
     from megatron_app.train.init import init_distributed, init_model_parallel, shutdown
-    from megatron_app.train.model import build_transformer_config, layer_spec_for
+    from megatron_app.train.model import build_transformer_config, document_layer_spec
 
     torch.set_num_threads(1)
     init_distributed("cpu")
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
                        "--seq-length", str(opts.seq), "--micro-batch-size", str(opts.batch), "--no-trace"])
     config = build_transformer_config(args)
     config.grad_scale_func = None
-    chunk = GPTModel(config=config, transformer_layer_spec=layer_spec_for("cpu"), vocab_size=args.vocab_size,
+    chunk = GPTModel(config=config, transformer_layer_spec=document_layer_spec(), vocab_size=args.vocab_size,
                      max_sequence_length=opts.seq, pre_process=False, post_process=False,
                      share_embeddings_and_output_weights=False)
     torch.manual_seed(0)

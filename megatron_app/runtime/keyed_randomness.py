@@ -17,8 +17,8 @@ out, the iteration advances by one after each training forward_backward call). T
 current job (job.py); the executor takes it from the job it is handed, once per call.
 
 Variable-length documents (a composition may regroup them into other microbatches, padded or packed): the loop says
-which documents each microbatch of the next call holds (``set_microbatch_documents``), and the dropout of our CPU
-attention, hidden dropout and embedding dropout (train/document_dropout.py) then draw from ``document_generators``:
+which documents each microbatch of the next call holds (``set_microbatch_documents``), and the dropout of our core
+attention (CPU and CUDA), hidden dropout and embedding dropout (train/document_dropout.py) then draw from ``document_generators``:
 one generator per (seed, document, layer, stream), drawn in position order over the whole document, so a mask
 depends on the document and the position in it, never on the microbatch or the row it landed in.
 """
@@ -100,14 +100,19 @@ class KeyedRandomness:
     def set_microbatch_documents(self, microbatches: Sequence[Sequence[DocumentSegment]]) -> None:
         self.microbatch_documents = tuple(tuple(segments) for segments in microbatches)
 
-    def document_generators(self, stream: str) -> Optional[List[Tuple[DocumentSegment, torch.Generator]]]:
+    def document_generators(self, stream: str, device=None) -> Optional[List[Tuple[DocumentSegment, torch.Generator]]]:
+        """One generator per document of the running layer's microbatch, on ``device`` (CPU by default): a CUDA
+        generator seeded with the same key draws the same bits on any layout of one device type (its Philox
+        offsets depend on the draw's shape alone), without drawing on the host and copying."""
         if self.microbatch_documents is None or self.current is None:
             return None
         microbatch, layer = self.current
         if microbatch >= len(self.microbatch_documents):
             raise RuntimeError(f"keyed randomness: microbatch {microbatch} has no documents set "
                                f"({len(self.microbatch_documents)} microbatches were)")
-        return [(segment, torch.Generator().manual_seed(self.document_key(segment.document, layer, stream)))
+        device = torch.device("cpu") if device is None else torch.device(device)
+        return [(segment, torch.Generator(device=device).manual_seed(self.document_key(segment.document, layer,
+                                                                                        stream)))
                 for segment in self.microbatch_documents[microbatch]]
 
     def training_call_done(self) -> None:
@@ -190,8 +195,8 @@ def set_microbatch_documents(microbatches: Sequence[Sequence[DocumentSegment]]) 
         state.set_microbatch_documents(microbatches)
 
 
-def document_generators(stream: str) -> Optional[List[Tuple[DocumentSegment, torch.Generator]]]:
-    """For the layer running now, one CPU generator per document of its microbatch, keyed by (seed, document,
-    layer, stream); None when no document layout is known (the caller draws as before)."""
+def document_generators(stream: str, device=None) -> Optional[List[Tuple[DocumentSegment, torch.Generator]]]:
+    """For the layer running now, one generator per document of its microbatch (on ``device``, CPU by default),
+    keyed by (seed, document, layer, stream); None when no document layout is known (the caller draws as before)."""
     state = current_job().keyed_randomness
-    return None if state is None else state.document_generators(stream)
+    return None if state is None else state.document_generators(stream, device)

@@ -20,12 +20,14 @@ ATTENTION_PROBS_STREAM = "attention-probs"
 
 
 def keyed_hidden_dropout(x: torch.Tensor, prob: float, generators) -> torch.Tensor:
-    """Dropout of [s, b, hidden] hidden states, each document's positions masked from its own generator."""
-    keep = torch.ones(x.shape, dtype=torch.bool)
+    """Dropout of [s, b, hidden] hidden states, each document's positions masked from its own generator (drawn on
+    the generator's device, CPU or the tensor's CUDA device)."""
+    keep = torch.ones(x.shape, dtype=torch.bool, device=x.device)
     for segment, generator in generators:
         end = segment.start + segment.length
-        keep[segment.start:end, segment.row] = torch.rand(segment.length, x.size(-1), generator=generator) >= prob
-    return x * keep.to(x.device) / (1.0 - prob)
+        draw = torch.rand(segment.length, x.size(-1), generator=generator, device=generator.device)
+        keep[segment.start:end, segment.row] = (draw >= prob).to(x.device)
+    return x * keep / (1.0 - prob)
 
 
 class DocumentBiasDropoutAdd:
@@ -40,10 +42,10 @@ class DocumentBiasDropoutAdd:
             return megatron_bda
 
         def bias_dropout_add(x_with_bias, residual, prob):
-            generators = document_generators(self.stream) if prob > 0 else None
+            x, bias = x_with_bias
+            generators = document_generators(self.stream, x.device) if prob > 0 else None
             if generators is None:
                 return megatron_bda(x_with_bias, residual, prob)
-            x, bias = x_with_bias
             if bias is not None:
                 x = x + bias
             residual = residual if residual.dtype == x.dtype else residual.to(x.dtype)
@@ -61,25 +63,26 @@ class DocumentDropout(torch.nn.Module):
         self.stream = stream
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        generators = document_generators(self.stream) if self.training and self.prob > 0 else None
+        generators = document_generators(self.stream, x.device) if self.training and self.prob > 0 else None
         if generators is None:
             return torch.nn.functional.dropout(x, self.prob, self.training)
         return keyed_hidden_dropout(x, self.prob, generators)
 
 
-def attention_dropout_draw(batch: int, heads: int, rows: int, cols: int, segment_index=None):
-    """Uniform draws [batch, all heads, rows, cols] for attention dropout keyed by document, or None (draw as
-    before). ``segment_index``: the call attends one document of a packed row (that document's draw alone);
-    otherwise each padded row holds its documents at their positions, and the rest draws 1 (kept)."""
-    generators = document_generators(ATTENTION_PROBS_STREAM)
+def attention_dropout_draw(batch: int, heads: int, rows: int, cols: int, segment_index=None, device=None):
+    """Uniform draws [batch, all heads, rows, cols] on ``device`` (CPU by default) for attention dropout keyed by
+    document, or None (draw as before). ``segment_index``: the call attends one document of a packed row (that
+    document's draw alone); otherwise each padded row holds its documents at their positions, and the rest draws 1
+    (kept)."""
+    generators = document_generators(ATTENTION_PROBS_STREAM, device)
     if generators is None:
         return None
     if segment_index is not None:
         segment, generator = generators[segment_index]
-        return torch.rand(1, heads, segment.length, segment.length, generator=generator)
-    draw = torch.ones(batch, heads, rows, cols)
+        return torch.rand(1, heads, segment.length, segment.length, generator=generator, device=generator.device)
+    draw = torch.ones(batch, heads, rows, cols, device=device)
     for segment, generator in generators:
         end = segment.start + segment.length
         draw[segment.row, :, segment.start:end, segment.start:end] = torch.rand(
-            heads, segment.length, segment.length, generator=generator)
+            heads, segment.length, segment.length, generator=generator, device=generator.device)
     return draw

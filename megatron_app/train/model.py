@@ -1,7 +1,7 @@
 """Model provider: Megatron-Core GPTModel chunks for this pipeline rank.
 
-Only the layer spec changes on CPU (core attention -> SdpaCoreAttention); the model is stock
-Megatron-Core. Embedding and output weights are untied, so no embedding-group all-reduce is needed
+Only the layer spec differs from Megatron's local one, on CPU and CUDA alike (core attention -> SdpaCoreAttention,
+dropouts keyed by document); the model is stock Megatron-Core. Embedding and output weights are untied, so no embedding-group all-reduce is needed
 between the first and last pipeline stage.
 """
 
@@ -24,20 +24,16 @@ from .names import global_param_name, named_global_parameters  # noqa: F401 (re-
 from .weights import reinitialize_by_global_name
 
 
-def cpu_attention_spec() -> ModuleSpec:
-    """Megatron's local GPT layer spec with a CPU-capable core attention, and hidden dropouts that key their masks
-    by document when the loop tells the documents (Megatron's own otherwise)."""
+def document_layer_spec() -> ModuleSpec:
+    """Megatron's local GPT layer spec with our core attention (CPU and CUDA; packed documents by cu_seqlens), and
+    hidden dropouts that key their masks by document when the loop tells the documents (Megatron's own otherwise).
+    The one spec for both devices, so the CPU tests cover the code a GPU runs."""
     spec = copy.deepcopy(get_gpt_layer_local_spec())
     spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
     spec.submodules.self_attn_bda = ModuleSpec(module=DocumentBiasDropoutAdd,
                                                params={"stream": ATTENTION_OUTPUT_STREAM})
     spec.submodules.mlp_bda = ModuleSpec(module=DocumentBiasDropoutAdd, params={"stream": MLP_OUTPUT_STREAM})
     return spec
-
-
-def layer_spec_for(device_type: str) -> ModuleSpec:
-    """Megatron's standard local spec on CUDA, the SDPA variant on CPU."""
-    return get_gpt_layer_local_spec() if device_type == "cuda" else cpu_attention_spec()
 
 
 def build_transformer_config(args) -> TransformerConfig:
@@ -77,7 +73,7 @@ def build_model_chunks(args) -> List[GPTModel]:
     Model-parallel state must be initialised first.
     """
     config = build_transformer_config(args)
-    spec = layer_spec_for(args.device)
+    spec = document_layer_spec()
     chunks = []
     for vp_stage in range(args.model_chunks):
         stage = vp_stage if args.model_chunks > 1 else None
@@ -92,10 +88,9 @@ def build_model_chunks(args) -> List[GPTModel]:
             parallel_output=True,
             vp_stage=stage,
         ))
-    if args.device != "cuda":   # with the CPU spec's dropouts: the embedding's too is keyed by document
-        for chunk in chunks:
-            if chunk.pre_process:
-                chunk.embedding.embedding_dropout = DocumentDropout(config.hidden_dropout)
+    for chunk in chunks:   # with the spec's dropouts: the embedding's too is keyed by document
+        if chunk.pre_process:
+            chunk.embedding.embedding_dropout = DocumentDropout(config.hidden_dropout)
     reinitialize_by_global_name(chunks, config, args.seed)
     device = torch.device(args.device)
     return [chunk.to(device) for chunk in chunks]

@@ -17,6 +17,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.utils import get_attr_wrapped_model
 
+from .attention import packed_documents
 from .data import move_batch
 from megatron_app.data.document_data import CU_SEQLENS
 
@@ -49,17 +50,18 @@ def packed_forward_step(data_iterator: Optional[Iterator[dict]], model: torch.nn
 def _forward(data_iterator, model, every_chunk: bool):
     pre_process = get_attr_wrapped_model(model, "pre_process")
     post_process = get_attr_wrapped_model(model, "post_process")
-    batch = None
+    batch = host_batch = None
     if pre_process or post_process or every_chunk:
         if data_iterator is None:
             raise ValueError("this chunk needs data but got no data iterator")
         device = next(model.parameters()).device
-        batch = move_batch(next(data_iterator), device)
+        host_batch = next(data_iterator)
+        batch = move_batch(host_batch, device)
 
     tokens = batch["tokens"] if pre_process else None
     position_ids = batch["position_ids"] if pre_process else None
     labels = batch["labels"] if post_process else None
-    packed_seq_params = packed_seq_params_of(batch) if batch is not None else None
+    packed_seq_params = packed_seq_params_of(batch, host_batch) if batch is not None else None
     # Only packed batches pass the keyword: a model (or stand-in) that knows no packing keeps working.
     packed = {} if packed_seq_params is None else {"packed_seq_params": packed_seq_params}
     output_tensor = model(tokens, position_ids, None, labels=labels, **packed)
@@ -67,12 +69,12 @@ def _forward(data_iterator, model, every_chunk: bool):
     return output_tensor, partial(loss_func, loss_mask)
 
 
-def packed_seq_params_of(batch: dict) -> Optional[PackedSeqParams]:
+def packed_seq_params_of(batch: dict, host_batch: Optional[dict] = None) -> Optional[PackedSeqParams]:
     """Megatron's PackedSeqParams for a packed batch (None for a padded one). 'sbhd': our core attention takes the
-    row as [t, 1, heads, dim]; the model's learned absolute positions come from the restarting position ids."""
+    row as [t, 1, heads, dim]; the model's learned absolute positions come from the restarting position ids.
+    The bounds are read as ints from ``host_batch`` (the batch before it moved to the device): no device sync."""
     bounds = batch.get(CU_SEQLENS)
     if bounds is None:
         return None
-    longest = int((bounds[1:] - bounds[:-1]).max())
-    return PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
-                           max_seqlen_q=longest, max_seqlen_kv=longest)
+    host_bounds = (host_batch or batch)[CU_SEQLENS]
+    return packed_documents(tuple(host_bounds.cpu().tolist()), bounds)

@@ -32,7 +32,7 @@ def model_provider(P, V):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_app.train.model import cpu_attention_spec
+    from megatron_app.train.model import document_layer_spec
     from megatron_app.train.weights import reinitialize_by_global_name
 
     config = TransformerConfig(num_layers=4, hidden_size=32, num_attention_heads=2, pipeline_model_parallel_size=P,
@@ -43,7 +43,7 @@ def model_provider(P, V):
     for vp_stage in range(V):
         stage = vp_stage if V > 1 else None
         chunks.append(GPTModel(
-            config=config, transformer_layer_spec=cpu_attention_spec(),                # CPU: attention without CUDA
+            config=config, transformer_layer_spec=document_layer_spec(),                # CPU: attention without CUDA
             vocab_size=VOCAB, max_sequence_length=SEQ,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
