@@ -28,6 +28,7 @@ from .composition import decide_once
 from .job import AppJob, current_job
 from .links import PipelineLinks, direction_of
 from .split_backward import defers_weights, run_input_backward, run_weight_backward
+from .task_clock import task_clock_for
 from .tp_agreement import TaskAgreement
 
 
@@ -161,6 +162,8 @@ class PipelineStep:
         self._handlers = {Kind.FORWARD: self._run_forward, Kind.BACKWARD: self._run_backward,
                           Kind.WEIGHT: self._run_weight}
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)
+        # Compute time as the device sees it: CUDA events on a GPU (read at the pipeline's end), the host clock else.
+        self.task_clock = task_clock_for(self.device, self._now)
 
     def training_call_done(self):
         if self._keyed is not None:
@@ -199,6 +202,8 @@ class PipelineStep:
             self._handlers[task.kind](task)
             self._reap_sends(block=False)
         self._reap_sends(block=True)
+        for task, start, end in self.task_clock.resolve():
+            self._task_timed(task, start, end)
         self.grad_sync.finish()
         if not self.forward_only:   # before the data-parallel reduction, which waits for the slowest replica
             self.session.record_pipeline_time(self.call_plan, time.perf_counter() - started)
@@ -268,7 +273,7 @@ class PipelineStep:
         self._first_forward_done[c] = True
         store: list = []
         self.state.mark_started(task)
-        start = self._now()
+        started = self.task_clock.start()
         with self._microbatch_scope(i):   # dropout keyed by microbatch, whatever the order
             output_tensor, num_tokens = forward_step(
                 self.forward_step_func,
@@ -287,9 +292,7 @@ class PipelineStep:
                 vp_stage=c if len(self.models) > 1 else None,
                 is_last_stage=is_last,
             )
-        self._trace(task.kind.trace_name, start, self._now(), task)
-        self.state.mark_done(task)
-        self.policy.observe(task, (self._now() - start) / 1e6)
+        self._task_done(task, started)
         if store:
             self._stored.setdefault(i, []).extend(store)
         if is_last:
@@ -307,7 +310,7 @@ class PipelineStep:
             handle.wait(self.settings.timeout_s)   # the transport reads the output's memory until the send is done
             deallocate_output_tensor(output_tensor, True)
         self.state.mark_started(task)
-        start = self._now()
+        started = self.task_clock.start()
         with self._microbatch_scope(i), self._accumulating(task):   # recomputation redraws the masks
             if self.split_backward:
                 deferred = defers_weights(input_tensor)
@@ -321,9 +324,7 @@ class PipelineStep:
                     self._pending_weights[(c, i)] = pending
             else:
                 input_grad = backward_step(input_tensor, output_tensor, output_grad, self.model_type, self.config)
-        self._trace(task.kind.trace_name, start, self._now(), task)
-        self.state.mark_done(task)
-        self.policy.observe(task, (self._now() - start) / 1e6)
+        self._task_done(task, started)
         if self.shape.output_target(self.pp_rank, task) is not None:
             self._send_output(task, input_grad)
 
@@ -335,12 +336,22 @@ class PipelineStep:
         deferred = (c, i) in self._pending_weights
         pending = self._pending_weights.pop((c, i), None)
         self.state.mark_started(task)
-        start = self._now()
+        started = self.task_clock.start()
         with self._accumulating(task) if deferred else contextlib.nullcontext():
             run_weight_backward(pending)
-        self._trace(task.kind.trace_name, start, self._now(), task)
+        self._task_done(task, started)
+
+    def _task_done(self, task: Task, started):
+        """Mark a compute task done and time it: at once with the host clock, at the pipeline's end with events."""
         self.state.mark_done(task)
-        self.policy.observe(task, (self._now() - start) / 1e6)
+        span = self.task_clock.stop(started, task)
+        if span is not None:
+            self._task_timed(task, *span)
+
+    def _task_timed(self, task: Task, start_us: float, end_us: float):
+        """Trace a compute task's span and tell the policy its duration (the cost model learns from it)."""
+        self._trace(task.kind.trace_name, start_us, end_us, task)
+        self.policy.observe(task, (end_us - start_us) / 1e6)
 
     def _accumulating(self, task: Task):
         """Context for a task that adds one microbatch's weight gradients of its chunk. The last such B and the last
