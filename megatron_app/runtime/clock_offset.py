@@ -28,6 +28,8 @@ def measure_clock_offset(group=None, rounds: int = 8, trust_shared_clock: bool =
     import torch
     import torch.distributed as dist
 
+    from .collective_device import collective_device
+
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     if not dist.is_initialized():
@@ -37,9 +39,7 @@ def measure_clock_offset(group=None, rounds: int = 8, trust_shared_clock: bool =
     root = members[0]
     if me not in members:
         raise ValueError(f"rank {me} is not a member of the given group")
-    device = "cpu"
-    if dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = collective_device(group)
     stamp = torch.zeros(1, dtype=torch.int64, device=device)  # nanoseconds: exact in int64
 
     measured = members[1:]

@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 from megatron_app.schedule import KINDS_BY_INDEX, Task
 
+from .collective_device import collective_device
+
 _KINDS = KINDS_BY_INDEX
 
 
@@ -23,8 +25,7 @@ class TaskAgreement:
         self.size = 1 if tp_group is None else dist.get_world_size(tp_group)
         self.leader = None if self.size == 1 else dist.get_global_rank(tp_group, 0)
         self.is_leader = self.size == 1 or dist.get_rank() == self.leader
-        on_gpu = self.size > 1 and dist.get_backend(tp_group) == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        device = collective_device(tp_group) if self.size > 1 else torch.device("cpu")
         self._buffer = torch.zeros(3, dtype=torch.int64, device=device)
 
     @property

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import random as megatron_random
+from megatron_app.runtime.collective_device import collective_device
 
 from .checkpoint_manifest import (
     MANIFEST, CheckpointError, FoundCheckpoint, check_compatible, commit, find_checkpoint, iteration_dir,
@@ -58,8 +59,7 @@ def restore_rng_state(state: dict, device_type: str) -> None:
 
 def _all_ranks_agree(ok: bool, device_type: str) -> bool:
     """True when every rank passes ok=True; a collective, so a failing rank cannot leave the others waiting."""
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32,
-                        device=torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else "cpu")
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 

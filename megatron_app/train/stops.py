@@ -19,6 +19,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_app.runtime.collective_device import collective_device
+
 
 class NonFiniteError(RuntimeError):
     """A loss or gradient was not finite. ``report``: this rank is the one that says so (one line per job)."""
@@ -58,8 +60,7 @@ def check_finite(iteration: int, loss: Optional[float], chunks: List[torch.nn.Mo
     bad_grads = _non_finite_gradients(chunks)
     bits = (LOSS_BIT if loss is not None and not math.isfinite(loss) else 0) | (GRAD_BIT if bad_grads else 0)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    seen = torch.zeros(world, dtype=torch.int32,
-                       device=torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else "cpu")
+    seen = torch.zeros(world, dtype=torch.int32, device=collective_device())
     seen[rank] = bits
     if world > 1:
         dist.all_reduce(seen)
