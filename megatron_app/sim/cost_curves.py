@@ -143,6 +143,51 @@ def fit_curves(run, num_layers: int, skip_iterations: int = 1) -> CostCurves:
                        "num_layers": num_layers, "samples": {f"{k} {r}": len(v) for (k, r), v in samples.items()}})
 
 
+def fit_depth_curves(runs_by_depth: Dict[int, object], skip_iterations: int = 1) -> CostCurves:
+    """From P=1 V=1 traces of the same model at two or more depths (layers): no chunk is a middle one there, so one
+    layer's cost is the whole-model fit's growth per layer, least squares over depths per kind; what a chunk adds
+    beyond its layers (embedding, output layer and loss) is the rest, all of it counted to the last chunk (the
+    embedding is a lookup: its cost is within the fit's noise at these sizes)."""
+    if len(runs_by_depth) < 2:
+        raise ScheduleConfigError("fitting by depth needs runs at two depths at least")
+    whole: Dict[int, Dict[str, Tuple[float, float, float]]] = {}
+    counts: Dict[str, int] = {}
+    tokens_seen: List[float] = []
+    for depth, run in sorted(runs_by_depth.items()):
+        if run.pipeline_parallel * run.model_chunks != 1:
+            raise ScheduleConfigError(f"fitting by depth takes P=1 V=1 runs, got P={run.pipeline_parallel} "
+                                      f"V={run.model_chunks}")
+        samples: Dict[str, List[Tuple[float, float, float]]] = {kind: [] for kind in FITTED_KINDS}
+        for rank in run.pipeline_view():
+            for iteration in run.iterations()[skip_iterations:]:
+                for event in rank.events_of(iteration):
+                    if event.kind in FITTED_KINDS and "tokens" in event.extra:
+                        tokens = float(event.extra["tokens"])
+                        tokens_seen.append(tokens)
+                        samples[event.kind].append(
+                            (tokens, float(event.extra.get("squared_tokens", tokens * tokens)), event.duration))
+        short = [kind for kind, found in samples.items() if len(found) < MIN_SAMPLES]
+        if short:
+            raise ScheduleConfigError(f"the {depth}-layer trace has too few tasks with tokens for: {', '.join(short)}"
+                                      " (run with --variable-seq-lengths, tracing on)")
+        whole[depth] = {kind: _fit(found) for kind, found in samples.items()}
+        for kind, found in samples.items():
+            counts[f"{kind} {depth} layers"] = len(found)
+    depths = np.asarray(sorted(whole), dtype=float)
+    layer, last_extra = {}, {}
+    for kind in FITTED_KINDS:
+        per_depth = np.asarray([whole[int(d)][kind] for d in depths])          # [depths, 3]
+        design = np.stack([np.ones_like(depths), depths], axis=1)
+        (intercepts, slopes), *_ = np.linalg.lstsq(design, per_depth, rcond=None)
+        layer[kind] = tuple(float(max(v, 0.0)) for v in slopes)
+        last_extra[kind] = tuple(float(v) for v in intercepts)
+    zero = {kind: (0.0, 0.0, 0.0) for kind in FITTED_KINDS}
+    return CostCurves(layer, zero, last_extra,
+                      {"fit": "by depth (P=1 V=1)", "depths": [int(d) for d in depths], "samples": counts,
+                       "tokens_range": [min(tokens_seen), max(tokens_seen)],
+                       "trace_dirs": [str(run.trace_dir) for _, run in sorted(runs_by_depth.items())]})
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron_app.trace.cli import EXIT_BAD_INPUT, OneLineArgumentParser
     from megatron_app.trace.reader import read_trace_dir

@@ -1,0 +1,79 @@
+"""tools/gpu_check.sh's CPU rehearsal: every step of the GPU proof runs at small sizes, so the script cannot rot
+between GPU runs. The GPU targets themselves are judged on a GPU host (the report's numbers), not here."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def rehearsal(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check")
+    result = subprocess.run(["bash", str(REPO / "tools" / "gpu_check.sh"), "--cpu", "--out", str(out)],
+                            capture_output=True, text=True, timeout=900)
+    return out, result
+
+
+@pytest.mark.slow
+def test_the_rehearsal_runs_every_step_and_writes_both_reports(rehearsal):
+    out, result = rehearsal
+    report = json.loads((out / "report.json").read_text())
+    assert list(report["steps"]) == ["setup", "host", "pytest", "equality", "curves", "prediction", "transport"]
+    text = (out / "report.txt").read_text()
+    assert text.startswith("gpu_check: ") and all(name in text for name in report["steps"])
+    for name in ("setup", "host", "equality", "curves", "transport"):
+        assert report["steps"][name]["status"] == "pass", (name, report["steps"][name], result.stdout[-2000:])
+    # no CUDA here: the cuda-marked tests skip, and the report says why
+    assert report["steps"]["pytest"]["status"] == "skip" and report["steps"]["pytest"]["skipped"] > 0
+    assert "no CUDA" in report["steps"]["pytest"]["reason"]
+    # the prediction step measures (its targets are a GPU host's): numbers for both layouts, spans for every rank
+    rows = report["steps"]["prediction"]["rows"]
+    assert set(rows) == {"p1", "p2v2"}
+    assert all(row["errors"] and set(row["span_coverage"]) == ({"pp0"} if name == "p1" else {"pp0", "pp1"})
+               for name, row in rows.items())
+    assert (out / "transport.json").exists() and (out / "runs.tar.gz").exists()
+
+
+@pytest.mark.slow
+def test_the_equality_rows_hold_their_tolerance(rehearsal):
+    out, _ = rehearsal
+    rows = json.loads((out / "report.json").read_text())["steps"]["equality"]["rows"]
+    assert set(rows) == {"mock-fp32", "balanced-fp32-dropout"}
+    for row in rows.values():
+        assert row["max_relative_difference"] <= row["tolerance"] and len(row["losses_p1"]) == 2
+
+
+@pytest.mark.slow
+def test_the_curves_are_the_simulators_cost_curves(rehearsal):
+    """The fitted file loads as --cost-curves and the simulator runs a composition row with it."""
+    out, _ = rehearsal
+    curves = out / "cost_curves_h32.json"
+    source = json.loads(curves.read_text())["source"]
+    assert source["fit"].startswith("by depth") and source["depths"] == [4, 8]
+    result = subprocess.run([sys.executable, "-m", "megatron_app.sim", "--pipeline_parallel", "2", "--model_chunks",
+                             "2", "--microbatches", "4", "--policy", "planned", "--cost-curves", str(curves),
+                             "--num-layers", "8", "--length-sigma", "0.9", "--iterations", "1"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_bad_flags_get_one_line_and_exit_2(tmp_path):
+    for argv, message in (([], "--out DIR is required"), (["--out"], "--out needs a folder"),
+                          (["--bogus"], "unknown argument '--bogus'"),
+                          (["--out", str(tmp_path), "--wheels", str(tmp_path / "none")], "is not a folder")):
+        result = subprocess.run(["bash", str(REPO / "tools" / "gpu_check.sh"), *argv], capture_output=True,
+                                text=True, timeout=60)
+        assert result.returncode == 2 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_without_cuda_the_gpu_mode_refuses_in_one_line(tmp_path):
+    result = subprocess.run([sys.executable, str(REPO / "tools" / "gpu_check.py"), "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120)
+    if "no CUDA device visible" not in result.stderr:
+        pytest.skip("this host has CUDA")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
