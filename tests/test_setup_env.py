@@ -108,3 +108,22 @@ def test_a_torch_that_is_there_but_does_not_import_is_not_installed_over(tmp_pat
     assert done.stderr.splitlines()[-1] == ("setup: torch is installed but does not import: OSError: libcudart.so.13: "
                                             "cannot open shared object"), done.stderr
     assert "torch==" not in _pip_commands(tmp_path)
+
+
+@pytest.mark.skipif(BASE_PYTHON is None, reason="no base python3 to make a venv with")
+def test_a_broken_torch_inside_venv_is_installed_again(tmp_path):
+    if _python_sees_torch(BASE_PYTHON):
+        pytest.skip(f"{BASE_PYTHON} itself sees a torch")
+    checkout = tmp_path / "checkout"
+    venv = checkout / ".venv"
+    subprocess.run([BASE_PYTHON, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = Path(subprocess.run([venv / "bin" / "python", "-c", "import sysconfig; "
+                                "print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True,
+                               check=True).stdout.strip())
+    (site / "torch").mkdir(parents=True)
+    (site / "torch" / "__init__.py").write_text("import torch._C  # an install that was interrupted\n")
+    done = _setup_venv(checkout, BASE_PYTHON, _offline_env(tmp_path))
+    assert done.returncode == 1    # this .venv has no pip (nor a wheel): the attempt fails, with the line
+    assert ("[setup] torch in .venv does not import (ModuleNotFoundError: No module named 'torch._C'): installing "
+            "torch==2.13.0 again") in done.stderr, done.stderr
+    assert done.stderr.splitlines()[-1].startswith("setup: torch==2.13.0 did not install (offline?")

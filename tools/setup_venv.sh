@@ -44,14 +44,20 @@ PY
 }
 
 ensure_torch() {
-    local py="$venv/bin/python" problem
+    local py="$venv/bin/python" problem where reinstall=()
     problem=$("$py" -c 'import torch' 2>&1 >/dev/null) && return 0
-    if "$py" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)' 2>/dev/null; then
-        # A torch is there but does not import: installing another one would hide it (a CUDA build, perhaps).
-        die "torch is installed but does not import: $(echo "$problem" | tail -n1)"
-    fi
-    log "no importable torch: installing $TORCH_PIN"
-    "$py" -m pip install -q --disable-pip-version-check "$TORCH_PIN" 2>&1 | grep -v -E '^WARNING: Location' || true
+    where=$("$py" -c 'import importlib.util as u; s = u.find_spec("torch"); print(s.origin if s else "")' 2>/dev/null \
+        || true)
+    case "$where" in
+        "") log "no importable torch: installing $TORCH_PIN" ;;
+        "$venv"/*)   # one this script installed, broken (an interrupted install, say): install it again
+            log "torch in .venv does not import ($(echo "$problem" | tail -n1)): installing $TORCH_PIN again"
+            reinstall=(--force-reinstall --no-deps) ;;
+        *)  # someone else's torch (a CUDA build, perhaps): installing another one would hide it
+            die "torch is installed but does not import: $(echo "$problem" | tail -n1)" ;;
+    esac
+    "$py" -m pip install -q --disable-pip-version-check "${reinstall[@]}" "$TORCH_PIN" 2>&1 \
+        | grep -v -E '^WARNING: Location' || true
     "$py" -c 'import torch' 2>/dev/null \
         || die "$TORCH_PIN did not install (offline? PIP_NO_INDEX=1 PIP_FIND_LINKS=<a folder with its wheel>)"
 }
