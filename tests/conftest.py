@@ -4,6 +4,11 @@ from pathlib import Path
 
 # Test helpers (pipeline_runs.py) live next to the tests.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# torch.cuda.is_available() asks the CUDA runtime unless this is set, and from then on no fork of the asking process
+# can use CUDA ("Cannot re-initialize CUDA in forked subprocess"): tests ask at collection time, megatron-core 0.19
+# at import time. With it, torch answers from NVML and forks stay good (tests/helpers/fork_ranks.py says more); the
+# processes the tests start inherit it.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 import pytest  # noqa: E402
 
@@ -17,7 +22,7 @@ def pytest_collection_modifyitems(config, items):
     cuda_tests = [item for item in items if item.get_closest_marker("cuda")]
     if not cuda_tests:
         return
-    import torch  # is_available() does not initialise CUDA: forking ranks afterwards stays allowed
+    import torch  # is_available() answers from NVML here (above): forking afterwards stays allowed
 
     if torch.cuda.is_available():
         return

@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -115,6 +116,102 @@ def test_among_own_errors_the_earliest_wins_and_a_bug_beats_a_lost_peer(tmp_path
         (tmp_path / "abc_1" / "attempt_0" / name / "stderr.log").write_text(text)
     line = run_ranks.failure_line("x", tmp_path, tmp_path / "a.log", TWO_FAILURES, 1, {0: 1, 1: 2})
     assert "rank 1 on node7" in line and ": ValueError: bad shape; its log:" in line, line
+
+
+# Both ranks' stderr of `run_single.sh --pipeline_parallel 2 --model_chunks 2 --variable-seq-lengths --composition
+# balanced --device cuda` on an H200 (../shared/gpu/h200-2026-11-26/balanced_failure/): torch.distributed's excepthook
+# wrote "[rank0]: " before every line of rank 0's traceback; rank 1 left no error.
+H200_FAILURE = Path(__file__).resolve().parent / "data" / "h200_balanced_failure"
+PACKED_ASSERTION = ("AssertionError: Packed sequence is not supported by DotProductAttention.Please use "
+                    "TEDotProductAttention instead.")
+BUG = "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n    g()\nValueError: bad shape\n"
+
+
+def test_a_rank_prefixed_traceback_recorded_on_a_gpu_host_gives_its_exception_and_rank():
+    text = (H200_FAILURE / "rank0.stderr.log").read_text()
+    assert all(line.startswith("[rank0]: ") for line in text.splitlines() if "Traceback" in line)
+    error = run_ranks.rank_error(0, text)
+    assert (error.line, error.rank, error.own, error.consequence) == (PACKED_ASSERTION, 0, False, False)
+    assert run_ranks.rank_error(1, (H200_FAILURE / "rank1.stderr.log").read_text()) is None
+
+
+def test_the_failure_line_of_the_recorded_gpu_failure_names_rank_0_and_its_assertion(tmp_path):
+    _rank_logs(tmp_path, {rank: (H200_FAILURE / f"rank{rank}.stderr.log").read_text() for rank in (0, 1)})
+    log = tmp_path / "abc_1" / "attempt_0" / "0" / "stderr.log"
+    line = run_ranks.failure_line("run_single.sh", tmp_path, tmp_path / "a.log", TWO_FAILURES, 1)
+    assert line == (f"run_single.sh: rank 0 on node7 failed (exit code 1) before the first iteration ended: "
+                    f"{PACKED_ASSERTION}; its log: {log}")
+    # without torchrun's report, the rank is the one torch's prefix names (global rank 6, local rank 2)
+    alone = tmp_path / "alone"
+    _rank_logs(alone, {2: log.read_text().replace("[rank0]", "[rank6]")})
+    line = run_ranks.failure_line("x", alone, tmp_path / "a.log", "no report", 1)
+    assert line.startswith(f"x: rank 6 failed (exit code 1) before the first iteration ended: {PACKED_ASSERTION};")
+
+
+@pytest.mark.parametrize("prefix", ["", "[rank3]: ", "[default1]:[rank3]: ", "    | "])
+def test_any_prefix_that_the_traceback_carries_on_every_line_is_read_through(prefix):
+    text = "".join(prefix + line if line else line for line in BUG.splitlines(keepends=True))
+    interleaved = text.replace("    g()\n", "    g()\n[rank1]: some other process's line\n\n")
+    for stderr in (text, interleaved, "warming up\n" + text + "\n"):
+        error = run_ranks.rank_error(1, stderr)
+        assert error.line == "ValueError: bad shape", stderr
+        assert error.rank == (3 if "rank3" in prefix else None)
+    # a chained exception: the last traceback's exception
+    chained = text + "\nDuring handling of the above exception, another exception occurred:\n\n" + \
+        text.replace("ValueError: bad shape", "mod.KeyError: 'x'")
+    assert run_ranks.rank_error(1, chained).line == "KeyError: 'x'"
+
+
+@pytest.mark.parametrize("text", [
+    "", "\n\n", "no traceback at all\n", "[rank0]: Traceback (most recent call last):",
+    "[rank0]: Traceback (most recent call last):\n[rank0]:   File \"x.py\", line 1\n",   # cut off before its exception
+    "Traceback (most recent call last)", "junk Traceback (most recent call last): junk\n\x00\x01\n",
+    b"\xff\xfe\x00Traceback (most recent call last):\r\n\x80\x81: \xc3\n".decode("utf-8", errors="replace"),
+    "[rank0]: megatron_app.train: rank 0: rank 1 (pipeline rank 1) died\n",
+])
+def test_rank_error_never_raises_on_any_stderr(text):
+    error = run_ranks.rank_error(0, text)
+    assert error is None or (isinstance(error.line, str) and "\n" not in error.line)
+
+
+def test_rank_error_never_raises_on_arbitrary_text():
+    from hypothesis import given, settings, strategies as st
+
+    pieces = st.sampled_from(["Traceback (most recent call last):", "[rank0]: ", "  File \"x\"", "ValueError: x",
+                              "megatron_app.train: error: e", "\n", "\r", " ", "\x00", ":"])
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(st.one_of(pieces, st.text(max_size=8)), max_size=30), st.binary(max_size=64))
+    def check(parts, junk):
+        for text in ("".join(parts), junk.decode("utf-8", errors="replace") + "".join(parts)):
+            run_ranks.rank_error(0, text)
+
+    check()
+
+
+def test_the_launcher_ends_with_the_prefixed_tracebacks_exception(tmp_path, capsys):
+    # a stand-in for torchrun --tee 3: the rank's lines reach run_ranks as "[default0]:[rank0]: ...", its log holds
+    # "[rank0]: ...", torchrun's own report is unprefixed
+    recorded = H200_FAILURE / "rank0.stderr.log"
+    fake_torchrun = tmp_path / "fake_torchrun.py"
+    fake_torchrun.write_text(f"""
+import pathlib, sys
+text = pathlib.Path({str(recorded)!r}).read_text()
+rank_dir = pathlib.Path({str(tmp_path / "logs")!r}) / "abc_1" / "attempt_0" / "0"
+rank_dir.mkdir(parents=True)
+(rank_dir / "stderr.log").write_text(text)
+for line in text.splitlines():
+    sys.stderr.write("[default0]:" + line + "\\n")
+sys.stderr.write({ROOT_CAUSE.replace("3 (local_rank: 1)", "0 (local_rank: 0)").replace("-9 (pid", "1 (pid")!r})
+sys.exit(1)
+""")
+    code = run_ranks.main(["--name", "run_single.sh", "--log-dir", str(tmp_path / "logs"), "--",
+                           sys.executable, str(fake_torchrun)])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.splitlines()[-1] == (
+        f"run_single.sh: rank 0 on node7 failed (exit code 1) before the first iteration ended: {PACKED_ASSERTION}; "
+        f"its log: {tmp_path}/logs/abc_1/attempt_0/0/stderr.log")
 
 
 def _descendants(pid: int) -> list[int]:

@@ -1,23 +1,13 @@
 #!/usr/bin/env bash
 # Sourced by run_tests.sh and the run_*.sh launchers: make .venv, install pinned deps, build the extension.
-# Exports VENV_PY. Each step is skipped when its stamp says the inputs have not changed.
+# Exports VENV_PY. Each step is skipped when its stamp says the inputs have not changed. .venv and torch:
+# tools/setup_venv.sh. pip runs with no index options of its own, so PIP_NO_INDEX / PIP_FIND_LINKS hold.
 set -euo pipefail
 
 repo_root=${repo_root:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
-venv="$repo_root/.venv"
-TORCH_PIN="torch==2.13.0"
-
-log() { echo "[setup] $*" >&2; }
-die() { echo "setup: $*" >&2; exit 1; }
-
-base_py=${PYTHON:-python3}
-command -v "$base_py" >/dev/null || die "python3 not found (need Python >= 3.10)"
-"$base_py" -c 'import sys; sys.exit(sys.version_info < (3, 10))' || die "Python >= 3.10 required, found $("$base_py" -V 2>&1)"
-
-if [ ! -x "$venv/bin/python" ]; then
-    log "creating .venv (with system site packages, so an installed torch is reused)"
-    "$base_py" -m venv --system-site-packages "$venv" || die "could not create $venv (is python3-venv installed?)"
-fi
+# shellcheck source=tools/setup_venv.sh
+source "$repo_root/tools/setup_venv.sh"   # base_py, venv, log, die, make_venv, ensure_torch
+make_venv
 VENV_PY="$venv/bin/python"
 export VENV_PY
 
@@ -26,10 +16,7 @@ pip_quiet() { "$VENV_PY" -m pip install -q --disable-pip-version-check "$@" 2>&1
 
 deps_stamp="$venv/.deps-$(file_hash "$repo_root/requirements.txt")"
 if [ ! -f "$deps_stamp" ]; then
-    if ! "$VENV_PY" -c 'import torch' 2>/dev/null; then
-        log "no importable torch: installing $TORCH_PIN"
-        pip_quiet "$TORCH_PIN"
-    fi
+    ensure_torch
     log "installing pinned dependencies (requirements.txt)"
     pip_quiet -r "$repo_root/requirements.txt"
     "$VENV_PY" -W ignore::UserWarning -c 'import torch, megatron.core, pybind11, pytest, openpyxl, matplotlib, hypothesis' \

@@ -9,9 +9,10 @@ first, its exit signal or code, the last iteration the job reached, that error's
 Which rank: when one rank fails, the others fail soon after because of it (a peer died, a transport closed, a
 collective lost its peer), and torchrun's "first observed failure" may be any of them. So a rank's own error comes
 first: the trainer's one-line error ("megatron_app.train: ... error: ..."), else an exception that is not such a
-consequence, the earliest as the ranks' output arrived here; only when no rank left one, torchrun's root cause (a
-rank killed by a signal). A Ctrl-C (SIGINT) ends with the ranks' own line, not a failure line: the exit status is
-130. Otherwise the exit status is torchrun's. Standard library only: it starts before anything heavy.
+consequence (its traceback's last line, also when torch.distributed prefixed every line with "[rankN]: "), the
+earliest as the ranks' output arrived here; only when no rank left one, torchrun's root cause (a rank killed by a
+signal). A Ctrl-C (SIGINT) ends with the ranks' own line, not a failure line: the exit status is 130. Otherwise
+the exit status is torchrun's. Standard library only: it starts before anything heavy.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ _ITERATION = re.compile(r"\biter (\d+)/(\d+) \|")  # the trainer's per-iteration
 _OWN_ERROR = re.compile(r"megatron_app\.train: (?:rank \d+: )?(?:error: )?(.*)$")
 _OWN_PRIMARY = re.compile(r"megatron_app\.train: (?:rank \d+: )?error: (.*)$")   # this rank's own fault
 _TRACEBACK = "Traceback (most recent call last):"
+_TORCH_RANK = re.compile(r"\[rank(\d+)\]: ?$")   # torch.distributed's excepthook: "[rank3]: " before each line
 _EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*)(?:: (.*))?$")   # a traceback's last line: "module.Name: message"
 # Exceptions that follow another rank's failure rather than cause one (the transport's, gloo's lost peers).
 _CONSEQUENCES = ("TransportClosed", "PeerDied", "TransportTimeout", "PipelineStallError", "KeyboardInterrupt",
@@ -107,25 +109,44 @@ class RankError:
     line: str
     own: bool            # the trainer's own "error:" line: this rank's fault
     consequence: bool    # follows another rank's failure (a peer died, a transport closed)
+    rank: int | None = None   # the global rank that torch's "[rankN]: " prefix named, when the traceback had one
+
+
+def last_exception(lines: list[str]) -> tuple[str, int | None] | None:
+    """The exception line of the last traceback in `lines`, and the rank its prefix names; None without one.
+
+    A traceback's lines all carry the prefix its first line carries: torch.distributed's excepthook writes
+    "[rankN]: " before every line of an uncaught exception (empty lines stay empty), torchrun's --tee adds
+    "[defaultN]:" before that, an exception group indents its members' tracebacks with "    | ". So the prefix is
+    whatever precedes "Traceback (most recent call last):"; lines without it (another process's, interleaved) are
+    skipped, and the exception is the first line after the indented frames that reads "Name: message"."""
+    start = next((i for i in range(len(lines) - 1, -1, -1) if _TRACEBACK in lines[i]), None)
+    if start is None:
+        return None
+    prefix = lines[start][:lines[start].index(_TRACEBACK)]
+    rank = _TORCH_RANK.search(prefix)
+    for line in lines[start + 1:]:
+        body = line[len(prefix):].rstrip() if line.startswith(prefix) else ""
+        if body and not body[0].isspace() and _EXCEPTION.match(body):
+            return body, int(rank.group(1)) if rank else None
+    return None
 
 
 def rank_error(local_rank: int, text: str) -> RankError | None:
     """What went wrong on one rank, from its stderr: its own error line first, else its last traceback's
-    exception, else its own line about a peer (PeerDied and the like, printed without "error:")."""
+    exception (torch's "[rankN]: " prefix or not), else its own line about a peer (PeerDied and the like, printed
+    without "error:"). Any text is accepted: none of these found is None."""
     lines = text.splitlines()
     own = [m.group(1).strip() for line in lines if (m := _OWN_PRIMARY.search(line))]
     if own:
         return RankError(local_rank, own[-1], own=True, consequence=False)
-    if _TRACEBACK in text:
-        last = max(i for i, line in enumerate(lines) if line.startswith(_TRACEBACK))
-        # the exception's line: the first after the last traceback's indented frames
-        line = next((line for line in lines[last + 1:] if line and not line[0].isspace()), "")
-        match = _EXCEPTION.match(line)
-        if match is not None:
-            name = match.group(1).rsplit(".", 1)[-1]
-            line = f"{name}: {match.group(2)}" if match.group(2) else name
-            consequence = name in _CONSEQUENCES or any(marker in line for marker in _CONSEQUENCE_TEXT)
-            return RankError(local_rank, line, own=False, consequence=consequence)
+    found = last_exception(lines)
+    match = _EXCEPTION.match(found[0]) if found is not None else None
+    if match is not None:
+        name = match.group(1).rsplit(".", 1)[-1]
+        line = f"{name}: {match.group(2)}" if match.group(2) else name
+        consequence = name in _CONSEQUENCES or any(marker in line for marker in _CONSEQUENCE_TEXT)
+        return RankError(local_rank, line, own=False, consequence=consequence, rank=found[1])
     peer = [m.group(1).strip() for line in lines if (m := _OWN_ERROR.search(line)) and "config ok" not in line]
     if peer:
         return RankError(local_rank, peer[-1], own=False, consequence=True)
@@ -159,10 +180,15 @@ def _rank_errors(log_dir: Path, local_ranks) -> list[RankError]:
     errors = []
     for local_rank in sorted(local_ranks):
         rank_dir = rank_log_dir(log_dir, local_rank)
-        if rank_dir is not None and (rank_dir / "stderr.log").is_file():
-            error = rank_error(local_rank, (rank_dir / "stderr.log").read_text(encoding="utf-8", errors="replace"))
-            if error is not None:
-                errors.append(error)
+        if rank_dir is None:
+            continue
+        try:
+            text = (rank_dir / "stderr.log").read_text(encoding="utf-8", errors="replace")
+        except OSError:      # none, or unreadable: the line falls back to torchrun's report
+            continue
+        error = rank_error(local_rank, text)
+        if error is not None:
+            errors.append(error)
     return errors
 
 
@@ -179,7 +205,8 @@ def failure_line(name: str, log_dir: Path, agent_log: Path, agent_text: str, ret
     first = first_error(_rank_errors(log_dir, local_ranks), arrival or {})
     failure = failures.get(first.local_rank) if first is not None else root
     if failure is None and first is not None:      # a rank that erred but is not in torchrun's report
-        failure = RankFailure(first.local_rank, first.local_rank, "", returncode)
+        failure = RankFailure(first.local_rank if first.rank is None else first.rank, first.local_rank, "",
+                              returncode)
     if failure is None:
         return f"{name}: the job failed (torchrun exit {returncode}) {progress}; torchrun's report: {agent_log}"
     rank_dir = rank_log_dir(log_dir, failure.local_rank)
@@ -217,7 +244,7 @@ def main(argv=None) -> int:
                     sys.stderr.write(line)
                     sys.stderr.flush()
                     body = line[match.end():]
-                    if _OWN_PRIMARY.search(body) or body.startswith(_TRACEBACK):
+                    if _OWN_PRIMARY.search(body) or _TRACEBACK in body:    # body may be "[rankN]: Traceback"
                         arrival.setdefault(int(match.group(1)), position)
                 else:
                     agent_log.write(line)

@@ -5,9 +5,23 @@ the ~10 s of CPU that importing torch and megatron-core costs (torch.compile dec
 the 2-core CI machine the imports were most of a small multi-rank test. Only for tests; users launch with torchrun.
     python tests/helpers/fork_ranks.py NPROC SCRIPT [ARGS...]
 Like torchrun: the first rank that fails stops the others, and the exit status is non-zero if any rank failed.
+
+The rule on a CUDA host: this parent process never touches CUDA; each rank initialises CUDA itself, after the fork.
+A child forked after its parent initialised CUDA cannot use it ("Cannot re-initialize CUDA in forked subprocess"),
+and torch counts as initialised much earlier than a first CUDA tensor: any `torch.cuda.is_available()` that asks
+the CUDA runtime (not NVML) marks every later fork bad. megatron-core 0.19 asks at import time
+(megatron/core/dist_checkpointing/strategies/torch.py, reached from `import megatron.core`; also its triton fusions
+with triton < 3.4; Transformer Engine's imports, where TE is installed, may do more). So the parent sets
+PYTORCH_NVML_BASED_CUDA_CHECK=1 before importing anything (torch then answers is_available() from NVML, which
+leaves forks alone), watches the imports for CUDA queries, and refuses to fork, with one message naming the first
+query, when CUDA was initialised, a query reached the CUDA runtime, a forked child would be in torch's "bad fork",
+or the CUDA driver was initialised (cuInit, by anything). Tests whose ranks need something that initialises CUDA
+before the rank script runs start their ranks as fresh interpreters instead: tests/pipeline_runs.py `torchrun()`.
 """
 
+import contextlib
 import ctypes
+import importlib
 import os
 import runpy
 import signal
@@ -17,6 +31,14 @@ import time
 import traceback
 
 PR_SET_PDEATHSIG = 1
+PRELOAD = ("torch", "torch.distributed", "megatron.core.models.gpt", "megatron.core.pipeline_parallel")
+# torch._C functions that register torch's at-fork handler ("poison the fork"): CUDA initialisation itself, and the
+# runtime's device count (torch.cuda.is_available(), and device_count() when NVML cannot answer).
+CUDA_QUERIES = ("_cuda_init", "_cuda_getDeviceCount", "_cuda_getArchFlags")
+
+
+class ForkUnsafe(RuntimeError):
+    """Forking now would give ranks that cannot use CUDA."""
 
 
 def free_port() -> int:
@@ -25,12 +47,82 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def preload() -> None:
-    """Imported before forking, so every rank finds them in sys.modules. Nothing here may start a thread."""
-    import torch  # noqa: F401
-    import torch.distributed  # noqa: F401
-    import megatron.core.models.gpt  # noqa: F401
-    import megatron.core.pipeline_parallel  # noqa: F401
+@contextlib.contextmanager
+def watch_cuda_queries(torch, found: list[str]):
+    """While inside, every call of a CUDA_QUERIES function of torch._C appends where it came from (the innermost
+    frame outside torch: "file:line")."""
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    originals = {name: getattr(torch._C, name) for name in CUDA_QUERIES if hasattr(torch._C, name)}
+
+    def watched(name, original):
+        def call(*args, **kwargs):
+            frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.startswith(torch_dir)]
+            found.append(f"{frames[-1].filename}:{frames[-1].lineno} (torch._C.{name})" if frames else name)
+            return original(*args, **kwargs)
+        return call
+
+    for name, original in originals.items():
+        setattr(torch._C, name, watched(name, original))
+    try:
+        yield found
+    finally:
+        for name, original in originals.items():
+            setattr(torch._C, name, original)
+
+
+def preload(modules=PRELOAD) -> list[str]:
+    """Imported before forking, so every rank finds them in sys.modules. Nothing here may start a thread or touch
+    CUDA. Returns where the imports queried CUDA (see watch_cuda_queries)."""
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")    # is_available() from NVML: forks stay good
+    import torch
+
+    with watch_cuda_queries(torch, []) as found:
+        for module in modules:
+            importlib.import_module(module)
+    return found
+
+
+def cuda_driver_initialised() -> bool:
+    """Whether this process has initialised the CUDA driver (cuInit): without it, every driver call, such as
+    cuDeviceGetCount, answers CUDA_ERROR_NOT_INITIALIZED. Never loads the driver itself."""
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)   # only if already loaded
+    except OSError:
+        return False
+    count = ctypes.c_int(0)
+    return libcuda.cuDeviceGetCount(ctypes.byref(count)) == 0
+
+
+def forked_child_in_bad_fork(torch) -> bool:
+    """Whether a child forked now would be in torch's bad fork (cannot initialise CUDA): asked of a real child."""
+    in_bad_fork = getattr(torch.cuda, "_is_in_bad_fork", lambda: False)
+    child = os.fork()
+    if child == 0:   # pragma: no cover - runs in the child
+        os._exit(1 if in_bad_fork() else 0)
+    _, status = os.waitpid(child, 0)
+    return os.waitstatus_to_exitcode(status) != 0
+
+
+def check_fork_safe(queries: list[str] = ()) -> None:
+    """Raise ForkUnsafe, with the cause and the remedy, unless ranks forked now can initialise CUDA themselves.
+    `queries`: where the preloaded imports queried CUDA (preload's answer)."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        why = "CUDA is initialised in the parent process"
+    elif queries:
+        why = "the parent process queried the CUDA runtime"
+    elif cuda_driver_initialised():
+        why = "the CUDA driver is initialised in the parent process (cuInit)"
+    elif forked_child_in_bad_fork(torch):
+        why = "torch marked forks of the parent process bad (it asked the CUDA runtime)"
+    else:
+        return
+    first = f", first at {queries[0]}" if queries else ""
+    raise ForkUnsafe(
+        f"fork_ranks: {why}{first}, so forked ranks could not use CUDA (\"Cannot re-initialize CUDA in forked "
+        f"subprocess\"). Nothing the parent imports may touch CUDA (PYTORCH_NVML_BASED_CUDA_CHECK=1 is set for "
+        f"torch.cuda.is_available()); or start these ranks with tests/pipeline_runs.py torchrun().")
 
 
 def run_rank(rank: int, world: int, script: str, args: list[str]) -> int:
@@ -56,7 +148,11 @@ def run_rank(rank: int, world: int, script: str, args: list[str]) -> int:
 def main() -> int:
     world, script, args = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    preload()
+    try:
+        check_fork_safe(preload())
+    except ForkUnsafe as unsafe:
+        print(unsafe, file=sys.stderr)
+        return 1
     # The port is picked after the ~10 s of imports, just before rank 0 binds it: picked before, another test's
     # process took it in between once (EADDRINUSE under two pytest workers).
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
