@@ -74,9 +74,9 @@ GPU = Sizes(
                       "4096", "--micro-batch-size", "4", "--global-batch-size", "64", "--bf16"],
     prediction_iters=6,
     transport_flags=["--device", "cuda"],
-    device="cuda", parallel_runs=4,
-    rows=["mock-fp32", "mock-bf16", "packed-fp32-dropout", "balanced-fp32-dropout", "packed-bf16-dropout",
-          "balanced-bf16-dropout"],
+    device="cuda", parallel_runs=7,   # every row at once: the runs share the GPU (16 cores for their processes)
+    rows=["mock-fp32", "mock-bf16", "loader-fp32-dropout", "packed-fp32-dropout", "balanced-fp32-dropout",
+          "packed-bf16-dropout", "balanced-bf16-dropout"],
 )
 CPU = Sizes(
     equality_model=["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "128",
@@ -181,7 +181,8 @@ class Check:
     def pytest(self) -> dict:
         junit = self.work / "pytest.xml"
         selection = [] if self.sizes.device == "cuda" else ["tests/test_core_attention.py", "tests/test_task_clock.py"]
-        result = subprocess.run([self.python, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
+        # The equality rows' tests (marked `training` too) run the same runs as the equality step below: not twice.
+        result = subprocess.run([self.python, "-m", "pytest", "-m", "cuda and not training", "-q", "-p", "no:cacheprovider",
                                  f"--junitxml={junit}", *selection], cwd=REPO, capture_output=True, text=True,
                                 timeout=900)
         (self.work / "pytest.txt").write_text(result.stdout + result.stderr)

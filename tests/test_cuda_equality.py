@@ -1,0 +1,36 @@
+"""The equality grid's P=2 V=2 rows on CUDA: padded (loader), packed and balanced, dropout 0.1, fp32 and bf16; the
+ranks share one GPU (gloo). Same rows, flags and tolerances as tools/gpu_check.py's equality step, which states how
+each tolerance was derived; skipped without CUDA."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("gpu_check", REPO / "tools" / "gpu_check.py")
+gpu_check = sys.modules.setdefault("gpu_check", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(gpu_check)
+
+ROWS = ["loader-fp32-dropout", "packed-fp32-dropout", "balanced-fp32-dropout", "balanced-bf16-dropout"]
+
+
+@pytest.fixture(scope="module")
+def check(tmp_path_factory):
+    return gpu_check.Check(tmp_path_factory.mktemp("cuda_equality"), gpu_check.GPU, sys.executable)
+
+
+@pytest.mark.cuda
+@pytest.mark.training
+@pytest.mark.parametrize("row", ROWS)
+def test_pipelined_training_on_cuda_equals_unpipelined(check, row):
+    flags = check.sizes.equality_model + gpu_check.equality_flags(row, check.corpus())
+    reference = check.train(f"{row}-p1", 1, 1, flags, check.sizes.equality_iters)
+    pipelined = check.train(f"{row}-p2v2", 2, 2, flags, check.sizes.equality_iters)
+    assert reference["rc"] == 0 and pipelined["rc"] == 0, (reference["tail"], pipelined["tail"])
+    a = [it["loss"] for it in reference["json"]["iterations"]]
+    b = [it["loss"] for it in pipelined["json"]["iterations"]]
+    tolerance = gpu_check.tolerance_of(row, "cuda")
+    assert len(a) == len(b) == check.sizes.equality_iters
+    assert all(abs(x - y) <= tolerance * abs(x) for x, y in zip(a, b)), (a, b, tolerance)
