@@ -54,7 +54,9 @@ WHY_NOT_RUN = {
     "sbatch": "it needs a SLURM cluster (tests/test_slurm.py runs one where it can)",
     "tests": "it is the test command, or a part of it that builds sanitizer modules (minutes)",
     "pip": "it installs into the environment",
+    "gpu_check": "it is the GPU proof (minutes on a GPU host); its CPU rehearsal runs in tests/test_gpu_check.py",
 }
+GPU_CHECK_FLAGS = {"--out": True, "--wheels": True, "--steps": True, "--cpu": False}   # flag -> takes a value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,6 +309,19 @@ def smoke_pip(command: Parsed) -> None:
             assert re.search(rf'"{extra.group(1)}"\s*:', setup), f"setup.py declares no extra [{extra.group(1)}]"
 
 
+def smoke_gpu_check(arguments: list[str]) -> None:
+    """tools/gpu_check.sh's flags are the ones its parser takes (it writes nothing without --out)."""
+    assert (REPO / "tools" / "gpu_check.sh").is_file()
+    rest = list(arguments)
+    while rest:
+        flag = rest.pop(0)
+        assert flag in GPU_CHECK_FLAGS, f"tools/gpu_check.sh takes no {flag}"
+        if GPU_CHECK_FLAGS[flag]:
+            assert rest, f"tools/gpu_check.sh {flag} needs a value"
+            rest.pop(0)
+    assert "--out" in arguments, "tools/gpu_check.sh needs --out DIR"
+
+
 def smoke(command: Command, workspace: Workspace) -> str:
     """Run or check one documented command; what was done, in words."""
     parsed = parse_command(command.text)
@@ -321,6 +336,9 @@ def smoke(command: Command, workspace: Workspace) -> str:
     elif program == "tools/run_tests.sh":
         smoke_tests(argv[2:])
         how = "test files and markers checked, not run: " + WHY_NOT_RUN["tests"]
+    elif program == "tools/gpu_check.sh":
+        smoke_gpu_check(argv[2:])
+        how = "flags checked, not run: " + WHY_NOT_RUN["gpu_check"]
     elif program == "tools/build_sanitized.sh":
         assert (REPO / program).is_file()
         assert parsed.environment.get("MAPP_SANITIZE") in (None, "thread", "address,undefined")
