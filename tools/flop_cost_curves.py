@@ -15,6 +15,7 @@ the queue at the iteration's ends. This writes curves (sim/cost_curves.py's form
                                                       masking are not counted)
   the output layer (last chunk): 2 h x vocab FLOPs a token; the embedding: a lookup, 0.
   backward: 2 x the forward's FLOPs.
+  --attention-scale 0.5: a causal kernel's attention (half the square), for the kernels packed documents get on CUDA.
 
 Per kind, seconds per FLOP = the trace's summed task time of that kind / the FLOPs of those tasks (iterations after
 the first): the curves reproduce the trace's totals per kind, not its single tasks. No constant term: a kernel
@@ -39,16 +40,18 @@ from megatron_app.sim.cost_curves import FITTED_KINDS, CostCurves  # noqa: E402
 BACKWARD_OVER_FORWARD_FLOPS = 2.0
 
 
-def flops_per_layer(hidden: int, ffn: int):
-    """(FLOPs a token, FLOPs a squared token) of one transformer layer's forward."""
-    return 2.0 * (4 * hidden * hidden + 2 * hidden * ffn), 4.0 * hidden
+def flops_per_layer(hidden: int, ffn: int, attention_scale: float = 1.0):
+    """(FLOPs a token, FLOPs a squared token) of one transformer layer's forward; attention_scale 0.5: a causal
+    kernel that skips the masked half of the square."""
+    return 2.0 * (4 * hidden * hidden + 2 * hidden * ffn), 4.0 * hidden * attention_scale
 
 
-def calibrate(run, num_layers: int, hidden: int, ffn: int, vocab: int, skip_iterations: int = 1) -> dict:
+def calibrate(run, num_layers: int, hidden: int, ffn: int, vocab: int, skip_iterations: int = 1,
+              attention_scale: float = 1.0) -> dict:
     """Per kind: summed task microseconds, summed FLOPs, and the achieved TFLOP/s, over a P=1 V=1 run's tasks."""
     if run.pipeline_parallel * run.model_chunks != 1:
         raise SystemExit("flop_cost_curves: calibrate on a P=1 V=1 trace (its task sums are the device's time)")
-    per_token, per_square = flops_per_layer(hidden, ffn)
+    per_token, per_square = flops_per_layer(hidden, ffn, attention_scale)
     sums = {kind: {"us": 0.0, "flops": 0.0, "tasks": 0} for kind in FITTED_KINDS}
     for rank in run.pipeline_view():
         for iteration in run.iterations()[skip_iterations:]:
@@ -69,8 +72,9 @@ def calibrate(run, num_layers: int, hidden: int, ffn: int, vocab: int, skip_iter
     return sums
 
 
-def curves_from_flops(sums: dict, hidden: int, ffn: int, vocab: int, source: dict) -> CostCurves:
-    per_token, per_square = flops_per_layer(hidden, ffn)
+def curves_from_flops(sums: dict, hidden: int, ffn: int, vocab: int, source: dict,
+                      attention_scale: float = 1.0) -> CostCurves:
+    per_token, per_square = flops_per_layer(hidden, ffn, attention_scale)
     layer, last, first = {}, {}, {}
     for kind in FITTED_KINDS:
         factor = 1.0 if kind == "forward" else BACKWARD_OVER_FORWARD_FLOPS
@@ -91,23 +95,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--num-layers", type=int, required=True, help="the traced model's transformer layers")
     parser.add_argument("--vocab-size", type=int, required=True)
     parser.add_argument("--skip-iterations", type=int, default=1, help="warm-up iterations left out (default 1)")
+    parser.add_argument("--attention-scale", type=float, default=1.0,
+                        help="the attention term's share of the whole square: 1.0 (default) as Megatron's local "
+                             "DotProductAttention computes it, 0.5 for a causal kernel that skips the masked half")
     parser.add_argument("--note", default="", help="provenance written into the file's source")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     ffn = args.ffn_hidden_size or 4 * args.hidden_size
     run = read_trace_dir(args.trace_dir, 1, 1)
-    sums = calibrate(run, args.num_layers, args.hidden_size, ffn, args.vocab_size, args.skip_iterations)
-    per_token, per_square = flops_per_layer(args.hidden_size, ffn)
+    sums = calibrate(run, args.num_layers, args.hidden_size, ffn, args.vocab_size, args.skip_iterations,
+                     args.attention_scale)
+    per_token, per_square = flops_per_layer(args.hidden_size, ffn, args.attention_scale)
     source = {"fit": "FLOP count, time per FLOP calibrated per kind on a P=1 trace's task sums "
                      "(tools/flop_cost_curves.py)",
               "trace_dir": str(args.trace_dir), "num_layers": args.num_layers, "hidden_size": args.hidden_size,
               "ffn_hidden_size": ffn, "vocab_size": args.vocab_size, "skip_iterations": args.skip_iterations,
               "layer_forward_flops": {"per_token": per_token, "per_squared_token": per_square},
+              "attention_scale": args.attention_scale,
               "backward_over_forward_flops": BACKWARD_OVER_FORWARD_FLOPS,
               "calibration": {kind: {"tasks": s["tasks"], "summed_ms": s["us"] / 1e3,
                                      "achieved_tflops": s["tflops"]} for kind, s in sums.items()},
               "note": args.note}
-    curves = curves_from_flops(sums, args.hidden_size, ffn, args.vocab_size, source)
+    curves = curves_from_flops(sums, args.hidden_size, ffn, args.vocab_size, source, args.attention_scale)
     Path(args.out).write_text(json.dumps(curves.to_json(), indent=1))
     for kind in FITTED_KINDS:
         _, b, c = curves.layer[kind]
