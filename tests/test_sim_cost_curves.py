@@ -93,3 +93,76 @@ def test_the_emulation_waits_the_replayed_costs(tmp_path):
     with pytest.raises(UsageError, match="not divisible"):
         parse_args(flags[:-4] + ["--num-layers", "6", "--emulate-cost-curves", str(path)],
                    environ={"WORLD_SIZE": "2", "MASTER_ADDR": "localhost"})
+
+
+def test_a_p1_trace_spread_evenly_keeps_the_whole_models_cost():
+    from megatron_app.sim.cost_curves import fit_whole_curves
+
+    curves = fit_whole_curves(_fake_run(P=1, V=1, layers=8), num_layers=8)
+    for kind in ("forward", "backward"):   # the whole model (8 layers + what the one chunk adds), over 8 layers
+        expected = tuple((8 * lv + fv) / 8 for lv, fv in zip(LAYER[kind], FIRST[kind]))
+        assert curves.layer[kind] == pytest.approx(expected, rel=1e-6)
+        assert curves.first_extra[kind] == curves.last_extra[kind] == (0.0, 0.0, 0.0)
+    table = np.asarray(curves.durations(PipelineShape(4, 2, 4), 8, [1000.0] * 4, [5e5] * 4))
+    assert table[:, Kind.FORWARD.index, :, 0].sum() == pytest.approx(_cost("forward", "first", 8, 1000.0, 5e5))
+    with pytest.raises(ScheduleConfigError, match="P=1 V=1"):
+        fit_whole_curves(_fake_run(), num_layers=8)
+
+
+def _write_p1_trace(directory):
+    import json
+
+    header = {"schema_version": "1.4", "format": "megatron_app.trace", "global_rank": 0, "pp_rank": 0, "tp_rank": 0,
+              "dp_rank": 0, "pipeline_parallel": 1, "model_chunks": 1, "microbatches": 4, "policy": "planned",
+              "host": "test", "source": "runtime", "clock_offset_us": 0.0}
+    lines, clock = [json.dumps(header)], 0.0
+    for iteration in (1, 2, 3):
+        for microbatch, tokens in enumerate((512, 1024, 2048, 4096)):
+            for kind in ("forward", "backward"):
+                duration = _cost(kind, "middle", 8, tokens, tokens * tokens / 2)
+                lines.append(json.dumps({"rank": 0, "pp_rank": 0, "iteration": iteration, "kind": kind,
+                                         "start": clock, "end": clock + duration, "chunk": 0,
+                                         "microbatch": microbatch,
+                                         "extra": {"tokens": tokens, "squared_tokens": tokens * tokens / 2}}))
+                clock += duration + 10.0
+    (directory / "trace_rank0.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_the_cli_fits_a_p1_trace_only_when_told_to_spread_it(tmp_path, capsys):
+    import json
+
+    _write_p1_trace(tmp_path)
+    flags = ["--trace-dir", str(tmp_path), "--pipeline_parallel", "1", "--num-layers", "8",
+             "--out", str(tmp_path / "c.json")]
+    assert main(flags) == 2 and "--spread-evenly" in capsys.readouterr().out
+    assert main(flags + ["--spread-evenly", "--note", "made by the test"]) == 0
+    written = CostCurves.load(str(tmp_path / "c.json"))
+    assert written.layer["backward"] == pytest.approx(LAYER["backward"], rel=1e-6)
+    source = json.loads((tmp_path / "c.json").read_text())["source"]
+    assert source["fit"].startswith("whole model") and source["note"] == "made by the test"
+
+
+def test_flop_curves_keep_the_calibration_traces_sums_per_kind():
+    """tools/flop_cost_curves.py: FLOP-shaped curves whose time per FLOP is a P=1 trace's, per kind."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "flop_cost_curves_tool", Path(__file__).resolve().parents[1] / "tools" / "flop_cost_curves.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    run = _fake_run(P=1, V=1, layers=8)
+    sums = tool.calibrate(run, 8, hidden=64, ffn=256, vocab=100, skip_iterations=1)
+    curves = tool.curves_from_flops(sums, 64, 256, 100, {})
+    per_token, per_square = tool.flops_per_layer(64, 256)
+    assert per_token == 24 * 64 * 64 and per_square == 4 * 64
+    for kind, index in (("forward", Kind.FORWARD.index), ("backward", Kind.BACKWARD.index)):
+        events = [e for r in run.pipeline_view() for it in run.iterations()[1:] for e in r.events_of(it)
+                  if e.kind == kind]
+        tokens = [e.extra["tokens"] for e in events]
+        squared = [e.extra["squared_tokens"] for e in events]
+        table = np.asarray(curves.durations(PipelineShape(2, 2, len(events)), 8, tokens, squared))
+        assert table[:, index].sum() == pytest.approx(sum(e.duration for e in events), rel=1e-9)
+    assert curves.layer["backward"][1] == pytest.approx(
+        2 * curves.layer["forward"][1] * sums["backward"]["us"] / sums["backward"]["flops"]
+        / (sums["forward"]["us"] / sums["forward"]["flops"]))

@@ -12,6 +12,9 @@ predicts a P=4 V=2 or P=8 V=2 layout of the same model (more chunks, fewer layer
     python -m megatron_app.sim.cost_curves --trace-dir traces/latest --pipeline_parallel 2 --model_chunks 2 \\
         --num-layers 8 --out docs/results/cost_curves/gpt_cpu_p2v2.json
 
+A P=1 V=1 trace at one depth has no middle chunk: `--spread-evenly` divides the whole model's fit evenly over its
+layers (fit_whole_curves); two depths or more separate a layer from the rest (fit_depth_curves, tools/gpu_check.py).
+
 The simulator takes them with --cost-curves FILE --num-layers L (sim/composition.py).
 """
 
@@ -143,6 +146,36 @@ def fit_curves(run, num_layers: int, skip_iterations: int = 1) -> CostCurves:
                        "num_layers": num_layers, "samples": {f"{k} {r}": len(v) for (k, r), v in samples.items()}})
 
 
+def fit_whole_curves(run, num_layers: int, skip_iterations: int = 1) -> CostCurves:
+    """From one P=1 V=1 trace at one depth: the whole model's fit per kind divided evenly over its layers, nothing
+    counted to the first or last chunk. One depth cannot tell a layer from the embedding, output layer and loss (two
+    depths can: fit_depth_curves), so they are spread over the layers with it: honest only where they are a small
+    share of the model's work (say how small: e.g. the output layer's 2 x hidden x vocab FLOPs a token against
+    24 x hidden^2 a layer)."""
+    if run.pipeline_parallel * run.model_chunks != 1:
+        raise ScheduleConfigError(f"spreading evenly takes a P=1 V=1 run, got P={run.pipeline_parallel} "
+                                  f"V={run.model_chunks} (fit it by chunk roles instead)")
+    samples: Dict[str, List[Tuple[float, float, float]]] = {kind: [] for kind in FITTED_KINDS}
+    for rank in run.pipeline_view():
+        for iteration in run.iterations()[skip_iterations:]:
+            for event in rank.events_of(iteration):
+                if event.kind in FITTED_KINDS and "tokens" in event.extra:
+                    tokens = float(event.extra["tokens"])
+                    samples[event.kind].append(
+                        (tokens, float(event.extra.get("squared_tokens", tokens * tokens)), event.duration))
+    short = [kind for kind, found in samples.items() if len(found) < MIN_SAMPLES]
+    if short:
+        raise ScheduleConfigError(f"the trace has too few tasks with tokens for: {', '.join(short)} "
+                                  "(run with --variable-seq-lengths, tracing on)")
+    layer = {kind: tuple(v / num_layers for v in _fit(found)) for kind, found in samples.items()}
+    zero = {kind: (0.0, 0.0, 0.0) for kind in FITTED_KINDS}
+    tokens_seen = [t for found in samples.values() for t, _, _ in found]
+    return CostCurves(layer, dict(zero), dict(zero),
+                      {"fit": "whole model (P=1 V=1) spread evenly over its layers", "trace_dir": str(run.trace_dir),
+                       "num_layers": num_layers, "samples": {kind: len(found) for kind, found in samples.items()},
+                       "tokens_range": [min(tokens_seen), max(tokens_seen)]})
+
+
 def fit_depth_curves(runs_by_depth: Dict[int, object], skip_iterations: int = 1) -> CostCurves:
     """From P=1 V=1 traces of the same model at two or more depths (layers): no chunk is a middle one there, so one
     layer's cost is the whole-model fit's growth per layer, least squares over depths per kind; what a chunk adds
@@ -199,13 +232,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--model_chunks", "--model-chunks", dest="model_chunks", type=int, default=1)
     parser.add_argument("--num-layers", type=int, required=True, help="the traced model's transformer layers")
     parser.add_argument("--out", required=True, help="write the curves here (JSON)")
+    parser.add_argument("--spread-evenly", "--spread_evenly", action="store_true",
+                        help="a P=1 V=1 trace at one depth: the whole model's fit divided evenly over its layers "
+                             "(embedding, output layer and loss spread with them: for models where they are small)")
+    parser.add_argument("--note", default=None, help="provenance written into the file's source (machine, run, caveats)")
     args = parser.parse_args(argv)
     try:
         run = read_trace_dir(args.trace_dir, args.pipeline_parallel, args.model_chunks)
-        curves = fit_curves(run, args.num_layers)
+        if args.spread_evenly:
+            curves = fit_whole_curves(run, args.num_layers)
+        elif args.pipeline_parallel * args.model_chunks == 1:
+            raise ScheduleConfigError("a P=1 V=1 trace has no middle chunk: fit it with --spread-evenly (one depth) "
+                                      "or by depth (fit_depth_curves, two depths or more)")
+        else:
+            curves = fit_curves(run, args.num_layers)
     except (ScheduleConfigError, TraceError, ValueError, OSError) as error:
         print(f"cost_curves: {error}")
         return EXIT_BAD_INPUT
+    if args.note:
+        curves.source["note"] = args.note
     with open(args.out, "w", encoding="utf-8") as handle:
         json.dump(curves.to_json(), handle, indent=1)
     for kind in FITTED_KINDS:
