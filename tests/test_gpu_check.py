@@ -23,10 +23,11 @@ def rehearsal(tmp_path_factory):
 def test_the_rehearsal_runs_every_step_and_writes_both_reports(rehearsal):
     out, result = rehearsal
     report = json.loads((out / "report.json").read_text())
-    assert list(report["steps"]) == ["setup", "host", "pytest", "equality", "curves", "prediction", "transport"]
+    assert list(report["steps"]) == ["setup", "host", "pytest", "equality", "curves", "prediction", "transport",
+                                     "composition"]
     text = (out / "report.txt").read_text()
     assert text.startswith("gpu_check: ") and all(name in text for name in report["steps"])
-    for name in ("setup", "host", "equality", "curves", "transport"):
+    for name in ("setup", "host", "equality", "curves", "transport", "composition"):
         assert report["steps"][name]["status"] == "pass", (name, report["steps"][name], result.stdout[-2000:])
     # no CUDA here: the cuda-marked tests skip, and the report says why
     assert report["steps"]["pytest"]["status"] == "skip" and report["steps"]["pytest"]["skipped"] > 0
@@ -37,6 +38,8 @@ def test_the_rehearsal_runs_every_step_and_writes_both_reports(rehearsal):
     assert all(row["errors"] and set(row["span_coverage"]) == ({"pp0"} if name == "p1" else {"pp0", "pp1"})
                for name, row in rows.items())
     assert (out / "transport.json").exists() and (out / "runs.tar.gz").exists()
+    [row] = report["steps"]["composition"]["rows"].values()     # the simulator under the rehearsal's curves
+    assert row["balanced_over_packed"] > 0 and set(row["makespan_ms"]) >= {"loader", "packed", "balanced"}
 
 
 @pytest.mark.slow

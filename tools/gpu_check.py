@@ -12,6 +12,8 @@ Steps (each one passes, fails or is skipped with its reason; one failing step ne
   prediction  predicted against measured iteration after warm-up (P=1 and P=2 V=2), and a rank's compute spans
               against its forward_backward call's span (the trace's iteration event)
   transport   tools/bench_transport.py --device cuda (its table and JSON)
+  composition the simulator's composition rows (copyright 2,048 / 8,192; P=4 V=2 m=16, P=8 V=2 m=32, D=4) under the
+              curves step's event-timed curves: `balanced` against `packed` and the DpBalanced-style packer
 """
 
 from __future__ import annotations
@@ -294,6 +296,41 @@ class Check:
             return {"status": "fail", "error": tail[-1] if tail else f"exit {result.returncode}"}
         return {"status": "pass", "table": result.stdout.strip().splitlines()[-12:]}
 
+    def composition(self) -> dict:
+        """Needs the curves step's files; measures nothing on the device itself (the simulator replays them)."""
+        files = sorted(self.out.glob("cost_curves_h*.json"))
+        if not files:
+            return {"status": "skip", "reason": "no cost curves (the curves step did not run or failed)"}
+        rows = COMPOSITION_ROWS if self.sizes.device == "cuda" else COMPOSITION_ROWS[:1]
+        results = {}
+        for curves in files:
+            for name, entry in composition_rows(self.python, curves, rows, self.work).items():
+                results[f"{curves.stem}:{name}"] = entry
+        status = "pass" if all(entry["status"] == "pass" for entry in results.values()) else "fail"
+        return {"status": status, "rows": results}
+
+
+def composition_rows(python: str, curves: Path, rows, work: Path) -> Dict[str, dict]:
+    """Each row's simulator run under ``curves``: makespans and `balanced`'s ratios to `packed` and DpBalanced."""
+    results = {}
+    for name, lengths, pipeline, chunks, microbatches, replicas, layers in rows:
+        target = work / f"sim-{curves.stem}-{name}.json"
+        command = [python, "-m", "megatron_app.sim", "--pipeline_parallel", str(pipeline), "--model_chunks",
+                   str(chunks), "--microbatches", str(microbatches), "--lengths-file",
+                   str(REPO / "docs" / "results" / "lengths" / f"{lengths}.txt"), "--documents-per-microbatch", "2",
+                   "--iterations", "4", "--cost-curves", str(curves), "--num-layers", str(layers), "--json",
+                   str(target)] + (["--data-parallel", str(replicas)] if replicas > 1 else [])
+        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+        if result.returncode:
+            tail = (result.stdout + result.stderr).strip().splitlines()
+            results[name] = {"status": "fail", "error": tail[-1] if tail else f"exit {result.returncode}"}
+            continue
+        makespans = {row["row"]: row["makespan_us"] / 1e3 for row in json.loads(target.read_text())["results"]}
+        results[name] = {"status": "pass", "makespan_ms": makespans,
+                         "balanced_over_packed": makespans["packed"] / makespans["balanced"],
+                         "balanced_over_dp_balanced": makespans["dp-balanced"] / makespans["balanced"]}
+    return results
+
 
 def span_coverage(run, skip: int) -> Dict[str, float]:
     """Per pipeline rank: median over iterations of (sum of compute spans) / (the call's iteration span)."""
@@ -327,7 +364,13 @@ def _junit_counts(path: Path) -> dict:
             "skipped": skipped}
 
 
-STEPS = ("host", "pytest", "equality", "curves", "prediction", "transport")
+STEPS = ("host", "pytest", "equality", "curves", "prediction", "transport", "composition")
+
+# The simulator's composition rows (BENCHMARKS.md, "Microbatch composition"): (name, corpus lengths, P, V, m, D,
+# layers of the simulated model: the curves' layer cost times this, spread over P x V chunks).
+COMPOSITION_ROWS = [("c2048-p4v2m16", "copyright_2048", 4, 2, 16, 1, 8), ("c8192-p4v2m16", "copyright_8192", 4, 2, 16, 1, 8),
+                    ("c8192-p8v2m32", "copyright_8192", 8, 2, 32, 1, 16), ("c2048-d4-p4v2m16", "copyright_2048", 4, 2, 16, 4, 8),
+                    ("c8192-d4-p4v2m16", "copyright_8192", 4, 2, 16, 4, 8)]
 
 
 def write_text_report(report: dict) -> str:
@@ -340,7 +383,8 @@ def write_text_report(report: dict) -> str:
                                                    if k not in ("status", "seconds")))
         for row, entry in step.get("rows", {}).items():
             summary = {k: entry[k] for k in ("max_relative_difference", "tolerance", "median_abs_error", "target",
-                                             "span_coverage", "error") if k in entry}
+                                             "span_coverage", "balanced_over_packed", "balanced_over_dp_balanced",
+                                             "error") if k in entry}
             lines.append(f"            {row:<24} {entry['status']:<5} {json.dumps(summary)}")
         for key, curve in step.get("curves", {}).items():
             lines.append(f"            {key}: layer {json.dumps(curve['layer'])}")
