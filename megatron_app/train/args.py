@@ -30,6 +30,11 @@ DEFAULT_SLOW_FACTOR = 1.5
 DEFAULT_STRAGGLER_FACTOR = 3.0
 DEFAULT_EVAL_ITERS = 10
 DEFAULT_TRACE_DIR = "traces/"
+# Megatron-LM's defaults of its dynamic loss scale (--fp16)
+DEFAULT_INITIAL_LOSS_SCALE = 2.0 ** 32
+DEFAULT_MIN_LOSS_SCALE = 1.0
+DEFAULT_LOSS_SCALE_WINDOW = 1000
+DEFAULT_HYSTERESIS = 2
 
 
 class UsageError(ValueError):
@@ -156,6 +161,31 @@ def build_parser() -> argparse.ArgumentParser:
               help="how long a collective (e.g. the data-parallel all-reduce) waits for a rank that died on another "
                    "host before it fails (default: %(default)s, as Megatron-LM's)")
 
+    precision = parser.add_argument_group("mixed precision (Megatron-LM's flags and rules)")
+    _add_flag(precision, "--bf16", action="store_true",
+              help="bf16 parameters, activations and pipeline tensors; fp32 main parameters, optimizer state, "
+                   "gradient accumulation and data-parallel all-reduce (Megatron's mixed-precision optimizer)")
+    _add_flag(precision, "--fp16", action="store_true",
+              help="fp16 parameters, activations and pipeline tensors; fp32 main parameters and optimizer state; "
+                   "the loss is scaled (dynamically unless --loss-scale) and an iteration whose gradients overflow "
+                   "is skipped")
+    _add_flag(precision, "--loss-scale", type=float, default=None, metavar="S",
+              help="a constant loss scale (a power of two) for --fp16 or --bf16 (default: dynamic under --fp16, none "
+                   "under --bf16)")
+    _add_flag(precision, "--initial-loss-scale", type=float, default=None, metavar="S",
+              help=f"--fp16's dynamic loss scale: where it starts (default: {DEFAULT_INITIAL_LOSS_SCALE:.0f} = 2^32)")
+    _add_flag(precision, "--min-loss-scale", type=float, default=None, metavar="S",
+              help=f"--fp16's dynamic loss scale: its floor (default: {DEFAULT_MIN_LOSS_SCALE})")
+    _add_flag(precision, "--loss-scale-window", type=int, default=None, metavar="N",
+              help=f"--fp16's dynamic loss scale: doubled after N iterations without overflow "
+                   f"(default: {DEFAULT_LOSS_SCALE_WINDOW})")
+    _add_flag(precision, "--hysteresis", type=int, default=None, metavar="N",
+              help=f"--fp16's dynamic loss scale: halved at the N-th overflow since the last growth "
+                   f"(default: {DEFAULT_HYSTERESIS})")
+    _add_flag(precision, "--accumulate-allreduce-grads-in-fp32", action="store_true",
+              help="--fp16: accumulate gradients over microbatches and all-reduce them in fp32 (always so under "
+                   "--bf16, as in Megatron-LM; default under --fp16: in fp16)")
+
     sched = parser.add_argument_group("schedule")
     _add_flag(sched, "--schedule", choices=SCHEDULES, default="app",
               help=f"app: adaptive runtime; {'/'.join(STATIC_POLICY_NAMES)}: static orders run by the runtime; "
@@ -255,7 +285,7 @@ _POSITIVE_INT_FLAGS = (
     "pipeline_parallel", "model_chunks", "tensor_parallel", "num_layers", "hidden_size",
     "num_attention_heads", "seq_length", "vocab_size", "micro_batch_size", "iters",
     "make_vocab_size_divisible_by", "distributed_timeout_minutes", "eval_interval", "eval_iters", "save_interval",
-    "exit_interval", "num_layers_per_virtual_pipeline_stage",
+    "exit_interval", "num_layers_per_virtual_pipeline_stage", "loss_scale_window", "hysteresis",
 )
 
 
@@ -513,6 +543,7 @@ def validate(args: argparse.Namespace, environ: Mapping[str, str]) -> argparse.N
     _check_loss(args)
     _check_memory_factor(args)
     _check_split_backward(args)
+    _check_precision(args)
     _check_schedule_file(args)
     _check_outputs(args)
     return args
@@ -544,6 +575,43 @@ def _check_schedule_file(args: argparse.Namespace) -> None:
                                  read_action_lists(args.schedule_file))
     except (AppConfigError, ScheduleConfigError) as error:
         raise UsageError(f"--schedule-file {args.schedule_file}: {error}") from None
+
+
+def _check_precision(args: argparse.Namespace) -> None:
+    """--bf16 / --fp16 and the loss-scale flags (Megatron-LM's rules): one precision; a flag that nothing would read is
+    refused; bf16 always accumulates and all-reduces gradients in fp32. Sets args.precision ('fp32' | 'bf16' |
+    'fp16') and fills the dynamic loss scale's defaults under --fp16."""
+    bf16, fp16 = getattr(args, "bf16", False), getattr(args, "fp16", False)
+    if bf16 and fp16:
+        raise UsageError("--bf16 and --fp16 are two precisions: give one of them")
+    args.precision = "bf16" if bf16 else "fp16" if fp16 else "fp32"
+    dynamic = {"initial_loss_scale": DEFAULT_INITIAL_LOSS_SCALE, "min_loss_scale": DEFAULT_MIN_LOSS_SCALE,
+               "loss_scale_window": DEFAULT_LOSS_SCALE_WINDOW, "hysteresis": DEFAULT_HYSTERESIS}
+    if not (bf16 or fp16):
+        for dest in ("loss_scale", *dynamic, "accumulate_allreduce_grads_in_fp32"):
+            if getattr(args, dest, None) not in (None, False):
+                raise UsageError(f"{_flag(dest)} applies to --fp16 or --bf16 only (this run trains in fp32)")
+        return
+    for dest in ("loss_scale", "initial_loss_scale", "min_loss_scale"):
+        value = getattr(args, dest, None)
+        if value is not None and not value > 0:
+            raise UsageError(f"{_flag(dest)} must be positive, got {value}")
+    if getattr(args, "emulate_compute", None) is not None:
+        raise UsageError(f"--{args.precision} sets the model's precision; --emulate-compute replaces the model: drop one")
+    dynamic_given = [dest for dest in dynamic if getattr(args, dest, None) is not None]
+    if dynamic_given and (bf16 or getattr(args, "loss_scale", None) is not None):
+        raise UsageError(f"{_flag(dynamic_given[0])} sets --fp16's dynamic loss scale; "
+                         + ("--bf16 has none (--loss-scale S gives it a constant one)" if bf16
+                            else "--loss-scale makes the scale constant: drop one of them"))
+    if fp16 and getattr(args, "loss_scale", None) is None:
+        for dest, default in dynamic.items():
+            if getattr(args, dest, None) is None:
+                setattr(args, dest, default)
+        if args.min_loss_scale > args.initial_loss_scale:
+            raise UsageError(f"--min-loss-scale {args.min_loss_scale} is above --initial-loss-scale "
+                             f"{args.initial_loss_scale}")
+    if bf16:
+        args.accumulate_allreduce_grads_in_fp32 = True   # Megatron-LM: bf16 needs fp32 accumulation and all-reduce
 
 
 def _check_split_backward(args: argparse.Namespace) -> None:

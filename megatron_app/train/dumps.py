@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from .names import named_global_parameters
+from .optim import model_grad
 from .sharding import ShardInfo, merge_shards
 
 GRADS = "grads"
@@ -34,7 +35,8 @@ def _dump(chunks: List[torch.nn.Module], directory: str, kind: str) -> None:
         for global_name, param in named_global_parameters(chunk):
             info = ShardInfo.of(param)
             if kind == GRADS:
-                tensor = param.grad if param.grad is not None else torch.zeros_like(param)
+                grad = model_grad(param)   # main_grad under mixed precision (then scaled by any loss scale)
+                tensor = grad if grad is not None else torch.zeros_like(param)
             else:
                 tensor = param
             records[global_name] = {

@@ -24,7 +24,7 @@ from .forward_backward import (MEGATRON, close_schedule, optimizer_span, select_
                                tell_microbatch_lengths)
 from .init import init_distributed, init_model_parallel, seed_all, shutdown
 from .model import build_model_chunks
-from .optim import build_optimizer, finalize_model_grads
+from .optim import MixedPrecision, MixedPrecisionOptimizer, build_optimizer, finalize_model_grads
 from .evaluate import evaluate
 from .report import IterationReporter, reduce_lm_loss
 from .step import forward_step
@@ -35,7 +35,7 @@ _RUN_CONFIG_KEYS = (
     "pipeline_parallel", "model_chunks", "tensor_parallel", "data_parallel", "world_size",
     "num_microbatches", "num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
     "micro_batch_size", "global_batch_size", "iters", "seed", "lr", "hidden_dropout", "attention_dropout",
-    "schedule", "policy", "device",
+    "schedule", "policy", "device", "precision",
     "data_path", "variable_seq_lengths", "composition", "calculate_per_token_loss", "split", "eval_interval", "eval_iters", "save",
     "save_interval", "load", "start_iteration",
 )
@@ -94,7 +94,7 @@ def build_trainer(args) -> Trainer:
     if emulation is None and (getattr(args, "hidden_dropout", 0.0) or getattr(args, "attention_dropout", 0.0)):
         enable_keyed_randomness(chunks, args.seed)   # the same masks under every schedule, P and V
     chunks[0].config.finalize_model_grads_func = finalize_model_grads  # shared by all chunks
-    optimizer = build_optimizer(chunks, args.lr)
+    optimizer = build_optimizer(chunks, args.lr, None if emulation is not None else MixedPrecision.from_args(args))
     start_iteration, resume_note = _resume(args, chunks, optimizer)
     args.start_iteration = start_iteration
     train_dataset = None
@@ -160,7 +160,9 @@ def train_step(trainer: Trainer, iteration: int) -> Optional[float]:
         dump_grads(trainer.chunks, args.dump_grads)
     loss = reduce_lm_loss(losses_reduced)
     if getattr(args, "check_for_nan_in_loss_and_grad", False):
-        check_finite(iteration, loss, trainer.chunks, args.device)   # all ranks stop here together, or none
+        # all ranks stop here together, or none; under a loss scale an overflow skips the step instead (Megatron's)
+        check_finite(iteration, loss, trainer.chunks, args.device,
+                     gradients=getattr(trainer.optimizer, "grad_scaler", None) is None)
     with optimizer_span(args.schedule, iteration):
         trainer.optimizer.step()
     if trainer.emulation is not None:
@@ -218,7 +220,9 @@ def train(args) -> None:
                 args, trainer.train_dataset, (iteration - 1) * args.global_batch_size)
             composed = trainer.emulation.composition_report(iteration - 1) if trainer.emulation is not None else \
                 None if trainer.last_plan is None else trainer.last_plan.report(trainer.dp_rank)
-            trainer.reporter.record(iteration, loss, seconds, tokens, composed)
+            trainer.reporter.record(iteration, loss, seconds, tokens, composed,
+                                    trainer.optimizer.report() if isinstance(trainer.optimizer,
+                                                                             MixedPrecisionOptimizer) else None)
             if loss_layer is not None:
                 loss_layer.end_iteration(iteration, current_tracer())
             if not after_iteration(trainer, iteration):

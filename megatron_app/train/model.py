@@ -15,6 +15,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -22,6 +23,8 @@ from .attention import SdpaCoreAttention
 from .document_dropout import ATTENTION_OUTPUT_STREAM, MLP_OUTPUT_STREAM, DocumentBiasDropoutAdd, DocumentDropout
 from .names import global_param_name, named_global_parameters  # noqa: F401 (re-exported API)
 from .weights import reinitialize_by_global_name
+
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}   # args.precision's
 
 
 def document_layer_spec() -> ModuleSpec:
@@ -40,6 +43,7 @@ def build_transformer_config(args) -> TransformerConfig:
     """The one TransformerConfig shared by all chunks (the schedules read it from chunk.config)."""
     model_chunks = args.model_chunks
     variable = bool(getattr(args, "variable_seq_lengths", False))
+    precision = getattr(args, "precision", "fp32")
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -47,8 +51,11 @@ def build_transformer_config(args) -> TransformerConfig:
         tensor_model_parallel_size=args.tensor_parallel,
         pipeline_model_parallel_size=args.pipeline_parallel,
         virtual_pipeline_model_parallel_size=model_chunks if model_chunks > 1 else None,
-        pipeline_dtype=torch.float32,
-        params_dtype=torch.float32,
+        # --bf16 / --fp16 (Megatron-LM's rule): parameters and the tensors sent between stages in that precision.
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        pipeline_dtype=PRECISION_DTYPES[precision],
+        params_dtype=PRECISION_DTYPES[precision],
         # Megatron's CPU init also tags TP-sharded params (partition_dim, stride); we then
         # overwrite the values with layout-independent ones.
         use_cpu_initialization=True,
@@ -93,4 +100,10 @@ def build_model_chunks(args) -> List[GPTModel]:
             chunk.embedding.embedding_dropout = DocumentDropout(config.hidden_dropout)
     reinitialize_by_global_name(chunks, config, args.seed)
     device = torch.device(args.device)
-    return [chunk.to(device) for chunk in chunks]
+    return [wrap_precision(chunk.to(device), config) for chunk in chunks]
+
+
+def wrap_precision(chunk: torch.nn.Module, config: TransformerConfig) -> torch.nn.Module:
+    """Megatron-LM's wrap under --bf16 / --fp16: Float16Module keeps the chunk in half precision, casts float inputs of
+    the first stage to it and the last stage's outputs to fp32. fp32 chunks stay unwrapped."""
+    return Float16Module(config, chunk) if config.bf16 or config.fp16 else chunk

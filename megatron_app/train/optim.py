@@ -6,10 +6,22 @@ so cannot exist on CPU. We therefore use torch.optim.Adam on plain ``param.grad`
 data-parallel all-reduce in ``finalize_model_grads``, which the schedules call through
 ``config.finalize_model_grads_func`` after the last backward (the same hook Megatron uses). The
 same path runs on CUDA, so CPU and GPU runs use identical arithmetic.
+
+Mixed precision (--bf16 / --fp16) follows Megatron's DistributedDataParallel with
+``grad_reduce_in_fp32`` and its Float16OptimizerWithFloat16Params step for step, on either device (theirs refuses
+CPU tensors by type name and allocates on ``torch.cuda``): each half-precision parameter gets a ``main_grad`` (fp32
+under --bf16 or --accumulate-allreduce-grads-in-fp32) that a hook adds every microbatch's gradient into, so
+accumulation over microbatches and the data-parallel all-reduce run in that precision; Adam steps fp32 main copies
+of the parameters (its state fp32 too) and the step copies them back into the model. The loss scale is Megatron's
+own grad scaler (dynamic under --fp16 unless --loss-scale): the schedules scale the loss through
+``config.grad_scale_func`` as in Megatron, the step unscales, and an iteration whose gradients overflow on any
+model-parallel rank is skipped everywhere.
 """
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
@@ -23,8 +35,156 @@ def _trainable(model: List[torch.nn.Module]) -> List[torch.nn.Parameter]:
     return [p for chunk in model for p in chunk.parameters() if p.requires_grad]
 
 
-def build_optimizer(chunks: List[torch.nn.Module], lr: float) -> torch.optim.Optimizer:
-    return torch.optim.Adam(_trainable(chunks), lr=lr)
+def model_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """A parameter's accumulated gradient: its ``main_grad`` under mixed precision (Megatron's DDP keeps it there),
+    else ``.grad``."""
+    return param.main_grad if hasattr(param, "main_grad") else param.grad
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """What --bf16 / --fp16 and the loss-scale flags ask of the optimizer (Megatron-LM's meaning)."""
+
+    accumulate_in_fp32: bool             # main_grad fp32 (always under bf16), else in the parameters' precision
+    loss_scale: Optional[float] = None   # a constant scale
+    dynamic: Optional[dict] = None       # DynamicGradScaler's arguments (fp16 without --loss-scale)
+
+    @classmethod
+    def from_args(cls, args) -> Optional["MixedPrecision"]:
+        precision = getattr(args, "precision", "fp32")
+        if precision == "fp32":
+            return None
+        dynamic = None
+        if precision == "fp16" and getattr(args, "loss_scale", None) is None:
+            dynamic = {"initial_scale": args.initial_loss_scale, "min_scale": args.min_loss_scale,
+                       "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": args.loss_scale_window,
+                       "hysteresis": args.hysteresis}
+        return cls(bool(getattr(args, "accumulate_allreduce_grads_in_fp32", False)) or precision == "bf16",
+                   getattr(args, "loss_scale", None), dynamic)
+
+    def grad_scaler(self, device: torch.device):
+        """Megatron's grad scaler for this run (None: no loss scale), its tensors on ``device``."""
+        from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+
+        from .cpu_compat import CudaDeviceToCpu
+
+        if self.loss_scale is None and self.dynamic is None:
+            return None
+        # The scalers create their tensors with device='cuda'; on CPU that is sent to the CPU.
+        with CudaDeviceToCpu() if device.type != "cuda" else contextlib.nullcontext():
+            if self.dynamic is not None:
+                return DynamicGradScaler(**self.dynamic)
+            return ConstantGradScaler(self.loss_scale)
+
+
+def _accumulate_main_grad(param: torch.nn.Parameter) -> None:
+    """Megatron DDP's gradient hook: add this microbatch's gradient into main_grad, and free it."""
+    param.main_grad.add_(param.grad)
+    param.grad = None
+
+
+class MixedPrecisionOptimizer:
+    """Adam on fp32 main copies of half-precision parameters (Megatron's Float16OptimizerWithFloat16Params), with
+    main_grad accumulation (its DistributedDataParallel). Also what the log reports: the loss scale and the iterations
+    skipped for an overflow."""
+
+    def __init__(self, chunks: List[torch.nn.Module], lr: float, mixed: MixedPrecision):
+        self.model_params = _trainable(chunks)
+        self.main_params = [param.detach().clone().float() for param in self.model_params]
+        self.optimizer = torch.optim.Adam(self.main_params, lr=lr)
+        self.grad_scaler = mixed.grad_scaler(self.model_params[0].device)
+        grad_dtype = torch.float32 if mixed.accumulate_in_fp32 else None
+        self._hooks = []
+        for param in self.model_params:
+            param.main_grad = torch.zeros_like(param, dtype=grad_dtype or param.dtype)
+            self._hooks.append(param.register_post_accumulate_grad_hook(_accumulate_main_grad))
+        self.skipped_iterations = 0
+        self.last_step_skipped = False
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def get_loss_scale(self) -> float:
+        return 1.0 if self.grad_scaler is None else float(self.grad_scaler.scale)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``config.grad_scale_func``: the schedules' backward starts from loss x scale (Megatron's scale_loss)."""
+        return self.grad_scaler.scale * loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for param, main in zip(self.model_params, self.main_params):
+            param.main_grad.zero_()
+            param.grad = None
+            main.grad = None
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Megatron's step: main grads from main_grad, unscaled and checked for overflow (the iteration is skipped,
+        and the scale updated, when any model-parallel rank overflowed), Adam on the fp32 main parameters, then the
+        model's parameters from them. Returns whether the step was taken."""
+        for param, main in zip(self.model_params, self.main_params):
+            main.grad = param.main_grad.float()
+            param.grad = None
+        self.last_step_skipped = False
+        if self.grad_scaler is not None:
+            found_inf = self._unscale_and_check()
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                self.skipped_iterations += 1
+                self.last_step_skipped = True
+                return False
+        self.optimizer.step()
+        for param, main in zip(self.model_params, self.main_params):
+            param.copy_(main)
+        return True
+
+    def _unscale_and_check(self) -> bool:
+        grads = [main.grad for main in self.main_params]
+        found_inf = torch.zeros(1, dtype=torch.float, device=grads[0].device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf,
+                                                         self.grad_scaler.inv_scale.to(grads[0].device))
+        if dist.is_initialized():
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=parallel_state.get_model_parallel_group())
+        return bool(found_inf.item() > 0)
+
+    def report(self) -> dict:
+        """For the iteration line and the JSON log."""
+        return {"loss_scale": self.get_loss_scale(), "skipped_iterations": self.skipped_iterations,
+                "skipped": self.last_step_skipped}
+
+    def state_dict(self) -> dict:
+        state = {"optimizer": self.optimizer.state_dict(),
+                 "fp32_from_fp16_params": [main.detach().clone() for main in self.main_params],
+                 "skipped_iterations": self.skipped_iterations}
+        if self.grad_scaler is not None:
+            state["grad_scaler"] = {key: value.detach().clone() if torch.is_tensor(value) else value
+                                    for key, value in self.grad_scaler.state_dict().items()}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():
+            for main, saved in zip(self.main_params, state["fp32_from_fp16_params"]):
+                main.copy_(saved)
+        self.skipped_iterations = int(state.get("skipped_iterations", 0))
+        if self.grad_scaler is not None and "grad_scaler" in state:
+            saved = state["grad_scaler"]    # Megatron's load_state_dict moves the scale with .cuda(): not on CPU
+            self.grad_scaler._scale = saved["scale"].to(self.grad_scaler.scale.device)
+            if hasattr(self.grad_scaler, "_growth_tracker"):
+                self.grad_scaler._growth_tracker = saved["growth_tracker"]
+                self.grad_scaler._hysteresis_tracker = saved["hysteresis_tracker"]
+
+
+def build_optimizer(chunks: List[torch.nn.Module], lr: float, mixed: Optional[MixedPrecision] = None):
+    """Adam (constant ``lr``); under mixed precision (``mixed``) on fp32 main parameters, and the chunks' config
+    then scales the loss when the run has a loss scale."""
+    if mixed is None:
+        return torch.optim.Adam(_trainable(chunks), lr=lr)
+    optimizer = MixedPrecisionOptimizer(chunks, lr, mixed)
+    if optimizer.grad_scaler is not None:
+        chunks[0].config.grad_scale_func = optimizer.scale_loss   # shared by all chunks, as in Megatron-LM
+    return optimizer
 
 
 def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torch.Tensor] = None,
@@ -37,7 +197,7 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torc
     """
     params = _trainable(model)
     for param in params:
-        if param.grad is None:  # every DP rank must contribute a tensor of the same layout
+        if model_grad(param) is None:  # every DP rank must contribute a tensor of the same layout
             param.grad = torch.zeros_like(param)
     dp_group = (pg_collection.dp_cp if pg_collection is not None and hasattr(pg_collection, "dp_cp")
                 else parallel_state.get_data_parallel_group(with_context_parallel=True))
@@ -54,7 +214,7 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torc
 
     if dp_size == 1 and scale == 1.0:
         return
-    grads = [p.grad for p in params]
+    grads = [model_grad(p) for p in params]   # main_grad under mixed precision: reduced in its precision
     flat = _flatten_dense_tensors(grads)  # one collective instead of one per parameter
     if dp_size > 1:
         dist.all_reduce(flat, group=dp_group)

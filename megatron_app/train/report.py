@@ -65,10 +65,11 @@ class IterationReporter:
             self.payload["emulated"] = True
 
     def record(self, iteration: int, loss: Optional[float], seconds: float, tokens: Optional[int] = None,
-               composed: Optional[dict] = None) -> None:
+               composed: Optional[dict] = None, precision: Optional[dict] = None) -> None:
         """``tokens``: the iteration's tokens when they vary (variable-length samples), else the fixed count.
         ``composed``: the planned microbatches when the loop composed them (num_microbatches, microbatch_tokens,
-        padding_tokens, composition), kept in the JSON log."""
+        padding_tokens, composition), kept in the JSON log. ``precision``: under --bf16 / --fp16, the loss scale and
+        the iterations skipped for overflowing gradients (MixedPrecisionOptimizer.report), shown as Megatron-LM does."""
         if not self.enabled:
             return
         tokens_per_s = (self.tokens_per_iteration if tokens is None else tokens) / seconds
@@ -76,11 +77,16 @@ class IterationReporter:
         if composed is not None and composed.get("predicted_ms") is not None:
             planned += f" | predicted {composed['predicted_ms']:.1f} ms"
         shown = "emulated compute, no real loss" if self.emulated else f"loss {loss:.4f}"
+        if precision is not None:
+            planned += (f" | loss scale {precision['loss_scale']:g} | skipped iterations "
+                        f"{precision['skipped_iterations']}" + (" (this one: gradients overflowed)"
+                                                                if precision["skipped"] else ""))
         print(f"iter {iteration}/{self.iters} | {shown} | {seconds * 1e3:.1f} ms | "
               f"{tokens_per_s:.0f} tokens/s{planned}", flush=True)
         self.payload["iterations"].append({
             "iteration": iteration, "loss": loss, "time_ms": seconds * 1e3, "tokens_per_s": tokens_per_s,
             **({} if composed is None else {"composed": composed}),
+            **({} if precision is None else precision),
         })
         self._write()
 

@@ -45,8 +45,10 @@ def _non_finite_gradients(chunks: List[torch.nn.Module]) -> List[str]:
     """Names of this rank's parameters whose gradient holds a NaN or an inf (one pass, one device sync)."""
     from .names import named_global_parameters
 
-    named = [(name, param.grad) for chunk in chunks for name, param in named_global_parameters(chunk)
-             if param.grad is not None]
+    from .optim import model_grad
+
+    named = [(name, model_grad(param)) for chunk in chunks for name, param in named_global_parameters(chunk)
+             if model_grad(param) is not None]
     if not named:
         return []
     finite = torch.stack([grad.isfinite().all() for _, grad in named])
@@ -55,9 +57,11 @@ def _non_finite_gradients(chunks: List[torch.nn.Module]) -> List[str]:
     return [name for (name, _), ok in zip(named, finite.tolist()) if not ok]
 
 
-def check_finite(iteration: int, loss: Optional[float], chunks: List[torch.nn.Module], device: str) -> None:
-    """Raise NonFiniteError on every rank when any rank's loss or gradients are not finite (a collective)."""
-    bad_grads = _non_finite_gradients(chunks)
+def check_finite(iteration: int, loss: Optional[float], chunks: List[torch.nn.Module], device: str,
+                 gradients: bool = True) -> None:
+    """Raise NonFiniteError on every rank when any rank's loss or gradients are not finite (a collective).
+    ``gradients=False``: the loss only (under a loss scale, overflowing gradients skip the step instead)."""
+    bad_grads = _non_finite_gradients(chunks) if gradients else []
     bits = (LOSS_BIT if loss is not None and not math.isfinite(loss) else 0) | (GRAD_BIT if bad_grads else 0)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     seen = torch.zeros(world, dtype=torch.int32, device=collective_device())
