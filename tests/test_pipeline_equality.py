@@ -177,6 +177,123 @@ def test_composed_microbatches_match_unpipelined_training(request, tmp_path, rea
                 assert any(plan["cross_replica"] for plan in plans), plans
 
 
+# bf16 (--bf16: bf16 parameters, activations and pipeline tensors; fp32 main parameters, main_grad accumulation and
+# all-reduce, as Megatron's mixed-precision optimizer does). Pipelining itself changes no arithmetic here: the same
+# microbatches at P=1 and P=2 V=2 give the same bits (measured: identical losses, gradients within 3e-8 of their
+# largest entry, fp32 accumulation order). What changes the bits is the composition: packed and `balanced` group the
+# documents into other microbatches than the P=1 loader's padded ones, so bf16 rounds other partial results.
+#
+# The tolerance, derived. Let X be the fp32 result (the fp32 reference fixture: exact to ~1e-7), A the bf16 result at
+# P=2 V=2 and B the bf16 result at P=1. Both are bf16 evaluations of the same sums that round at different places, so
+# |A - B| <= |A - X| + |X - B| (triangle inequality), and each term is what bf16 itself costs: E, measured in the same
+# test as |B - X|. Gradients (each tensor's largest difference over its largest entry, as in the fp32 grid): every
+# tensor within 2 x E_max, E_max the worst tensor's bf16-vs-fp32 difference; and the median tensor within
+# 2 x E_median (so weight matrices, 10x tighter than LayerNorm's, are held to their own scale). Where E comes from:
+# the worst tensors are LayerNorm gamma/beta gradients, a sum over every token of the microbatch that torch's CPU
+# kernel accumulates in bf16 (measured alone: error 0.65 u x the sum of the terms' magnitudes, u = 2^-8 bf16's unit
+# roundoff), with terms that cancel 10-20x, so 6-15 u = 0.025-0.06 of the largest entry; every microbatch's
+# gradient is also rounded to bf16 once before the fp32 accumulation, and another grouping rounds other partial sums.
+# E itself is bounded, so the tolerance cannot grow with a bf16 bug: E_max <= 2^-3 (32 u).
+# The loss is a mean over N >= 512 tokens of fp32 cross-entropies of bf16 logits; one bf16 rounding moves a token's
+# loss by at most 2u relative, and independent roundings average: |A - B| / B <= 2u / sqrt(512) = 3.5e-4 (|B - X|
+# itself is too small and noisy to scale by: 4e-6..2e-5).
+# Measured (2026-11-26, this 2-core CPU, seeds 1234, 7, 99, 2024, and 1234 with dropout 0.1): losses within 2e-7..1.2e-5
+# (>= 30x margin); the worst gradient tensor 0.022-0.048 against 2 E_max = 0.051-0.118 (0.27-0.50 of the tolerance),
+# the median tensor 4e-5..3.2e-3 against 2 E_median = 0.013-0.016 (<= 0.23); E_max 0.025-0.059 (<= 15 u).
+BF16_UNIT_ROUNDOFF = 2.0 ** -8
+BF16_LOSS_RTOL = 2 * BF16_UNIT_ROUNDOFF / 512 ** 0.5
+BF16_E_MAX_CEILING = 2.0 ** -3
+
+
+def _grad_errors(got, want):
+    """Each tensor's largest difference over its largest entry, by name."""
+    return {name: (got[name] - ref).abs().max().item() / (ref.abs().max().item() + 1e-12) for name, ref in want.items()}
+
+
+def _assert_bf16_close(name, got, reference, fp32_reference):
+    """got and reference: bf16 (losses, grads); fp32_reference: the same P=1 run in fp32 (see above)."""
+    (losses, grads), (ref_losses, ref_grads), (_, fp32_grads) = got, reference, fp32_reference
+    assert len(losses) == ITERS and grads.keys() == ref_grads.keys() == fp32_grads.keys()
+    for it, (value, want) in enumerate(zip(losses, ref_losses), start=1):
+        assert abs(value - want) <= BF16_LOSS_RTOL * abs(want), \
+            f"{name} iteration {it}: loss {value} != bf16 reference {want} within {BF16_LOSS_RTOL:.1e}"
+    cost = _grad_errors(ref_grads, fp32_grads)          # E: what bf16 costs at P=1
+    e_max, e_median = max(cost.values()), sorted(cost.values())[len(cost) // 2]
+    assert 0 < e_max <= BF16_E_MAX_CEILING, f"bf16 P=1 against fp32: worst gradient {e_max:.2e} (ceiling 2^-3)"
+    errors = _grad_errors(grads, ref_grads)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= 2 * e_max, f"{name} {worst}: gradient differs by {errors[worst]:.2e} > 2 E_max {e_max:.2e}"
+    median = sorted(errors.values())[len(errors) // 2]
+    assert median <= 2 * e_median, f"{name}: median tensor differs by {median:.2e} > 2 E_median {e_median:.2e}"
+
+
+def _assert_mixed_precision_state(out, name, ranks):
+    """Every rank kept bf16 parameters with fp32 main_grad, fp32 main parameters and fp32 Adam state."""
+    for rank in range(ranks):
+        report = json.loads((out / f"precision_{name}_rank{rank}.json").read_text())
+        assert report["model_params"] == ["torch.bfloat16"], report
+        for kind in ("main_grads", "main_params", "optimizer_state"):
+            assert report[kind] == ["torch.float32"], (kind, report)
+        assert report["count"]["main_params"] == report["count"]["model_params"] > 0
+        assert report["count"]["optimizer_state"] == 2 * report["count"]["main_params"]   # exp_avg, exp_avg_sq
+
+
+@pytest.fixture(scope="module")
+def varlen_bf16_reference(tmp_path_factory, real_corpus):
+    out = _run(tmp_path_factory.mktemp("varlen_bf16_reference"), 1, 1, 1, ["megatron"], "--precision-report",
+               extra=_varlen_flags(real_corpus) + " --bf16")
+    _assert_mixed_precision_state(out, "megatron", 1)
+    return _losses_and_grads(out)
+
+
+@pytest.fixture(scope="module")
+def varlen_bf16_dropout_reference(tmp_path_factory, real_corpus):
+    out = _run(tmp_path_factory.mktemp("varlen_bf16_dropout_reference"), 1, 1, 1, ["megatron"], "--dropout", DROPOUT,
+               extra=_varlen_flags(real_corpus) + " --bf16")
+    return _losses_and_grads(out)
+
+
+BF16_ROWS = [(["packed", "balanced"], 0.0), (["balanced"], 0.1)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compositions,dropout", BF16_ROWS,
+                         ids=[f"P2-V2-{'+'.join(c)}-dropout{d}" for c, d in BF16_ROWS])
+def test_bf16_composed_microbatches_match_unpipelined_bf16_training(request, tmp_path, real_corpus, compositions,
+                                                                    dropout):
+    """--bf16 at P=2 V=2, packed and `balanced`, against P=1 in bf16 within the tolerance derived above."""
+    suffix = "_dropout" if dropout else ""
+    reference = request.getfixturevalue(f"varlen_bf16{suffix}_reference")
+    fp32_reference = request.getfixturevalue(f"varlen{suffix}_reference")
+    out = _run(tmp_path, 2, 2, 1, ["app:planned"], "--compositions", ",".join(compositions), "--dropout", dropout,
+               "--precision-report", extra=_varlen_flags(real_corpus) + " --bf16")
+    for composition in compositions:
+        name = f"app-planned_{composition}"
+        _assert_mixed_precision_state(out, name, 2)
+        _assert_bf16_close(f"bf16 composition {name} dropout {dropout}", _losses_and_grads(out, name), reference,
+                           fp32_reference)
+
+
+# --fp16 with Megatron's dynamic loss scale, set so that iteration 1 steps (scale 2^18 -> 2^19), iteration 2's
+# gradients overflow (skipped everywhere; 2^19 -> 2^18, hysteresis 1) and iteration 3 steps: iteration 3's loss shows
+# whether every pipeline rank skipped the same step. Fixed-length microbatches are the same at every layout, so
+# pipelining changes no bit and the fp32 grid's tolerance holds. Gradients are dumped before unscaling (x 2^18).
+FP16_FLAGS = "--fp16 --initial-loss-scale 262144 --loss-scale-window 1 --hysteresis 1"
+
+
+@pytest.mark.slow
+def test_fp16_loss_scaled_pipeline_matches_unpipelined_fp16_training(tmp_path):
+    reference = _run(tmp_path, 1, 1, 1, ["megatron"], "--precision-report", extra=FP16_FLAGS)
+    out = _run(tmp_path, 2, 2, 1, ["app:planned"], "--precision-report", extra=FP16_FLAGS)
+    _assert_same("fp16 app-planned", _losses_and_grads(out, "app-planned"), _losses_and_grads(reference))
+    for directory, name, ranks in ((reference, "megatron", 1), (out, "app-planned", 2)):
+        for rank in range(ranks):
+            report = json.loads((directory / f"precision_{name}_rank{rank}.json").read_text())
+            assert report["model_params"] == ["torch.float16"] and report["main_params"] == ["torch.float32"]
+            assert report["main_grads"] == ["torch.float16"]     # fp16 accumulates in fp16 unless told (Megatron-LM)
+            assert report["skipped_iterations"] == 1 and report["loss_scale"] == 2.0 ** 19, report
+
+
 @pytest.mark.slow
 def test_dropout_is_really_on_in_the_composition_grid(varlen_reference, varlen_dropout_reference):
     assert all(abs(a - b) > 1e-4 * abs(b) for a, b in zip(varlen_dropout_reference[0], varlen_reference[0]))

@@ -32,6 +32,10 @@ def main():
                         help="comma list: run every schedule once per composition (--variable-seq-lengths): loader, "
                              "packed, or regrouped / regrouped-padded (this test's own grouping, injected through "
                              "composed_data.plan_global_batch); outputs are named SCHEDULE_COMPOSITION")
+    parser.add_argument("--precision-report", action="store_true",
+                        help="after each run write precision_NAME_rankR.json: the dtypes of the model's parameters, "
+                             "their main_grad, the optimizer's main parameters and its state; the loss scale and the "
+                             "skipped iterations")
     opts = parser.parse_args()
 
     from megatron_app.train.args import parse_args
@@ -87,12 +91,28 @@ def main():
                           if hasattr(p, "current_plan")]
                 with open(os.path.join(opts.out, f"plans_{name}_rank{dist.get_rank()}.jsonl"), "a") as f:
                     f.write(json.dumps(orders) + "\n")
+        if opts.precision_report:
+            with open(os.path.join(opts.out, f"precision_{name}_rank{dist.get_rank()}.json"), "w") as f:
+                json.dump(precision_report(trainer), f)
         if losses[0] is not None and trainer.reporter.enabled:
             with open(os.path.join(opts.out, f"losses_{name}.json"), "w") as f:
                 json.dump(losses, f)
         dist.barrier()
     close_schedule(schedule)
     shutdown(destroy_process_group=True)
+
+
+def precision_report(trainer) -> dict:
+    """The set of dtypes of each kind of tensor that mixed precision keeps (strings, e.g. ["torch.bfloat16"])."""
+    optimizer = trainer.optimizer
+    params = [p for chunk in trainer.chunks for p in chunk.parameters()]
+    state = [value for per_param in optimizer.optimizer.state.values() for key, value in per_param.items()
+             if key in ("exp_avg", "exp_avg_sq")] if hasattr(optimizer, "main_params") else []
+    kinds = {"model_params": params, "main_grads": [getattr(p, "main_grad", None) for p in params],
+             "main_params": getattr(optimizer, "main_params", []), "optimizer_state": state}
+    report = {kind: sorted({str(t.dtype) if t is not None else "None" for t in tensors}) for kind, tensors in
+              kinds.items()} | {"count": {kind: len(tensors) for kind, tensors in kinds.items()}}
+    return report | (optimizer.report() if hasattr(optimizer, "report") else {})
 
 
 def regrouped_composition(packed: bool):
