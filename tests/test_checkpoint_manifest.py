@@ -47,7 +47,7 @@ def test_the_tracker_names_the_latest_committed_checkpoint(tmp_path):
     _save(tmp_path, 20)
     found = find_checkpoint(str(tmp_path))
     assert (found.iteration, found.consumed_samples) == (20, 160)
-    assert found.manifest["layout"] == LAYOUT and found.manifest["model"] == MODEL
+    assert found.manifest["layout"] == LAYOUT and found.manifest["model"] == {**MODEL, "precision": "fp32"}
     assert found.manifest["files"] == ["model_optim_rng_pp000_tp00.pt", "model_optim_rng_pp001_tp00.pt"]
     assert (tmp_path / TRACKER).read_text().strip() == "20"
     # --load may also name one iteration's directory.
@@ -99,6 +99,7 @@ def test_damaged_manifests_and_trackers_are_named(tmp_path):
                                      "--variable-seq-lengths on; resume with the same, or pass "
                                      "--allow-data-change-on-resume"),
     ({"iters": 10}, "is at iteration 10, and --iters is 10: nothing left to train"),
+    ({"precision": "bf16"}, "was trained in fp32 but this run has --bf16; resume in fp32"),
 ])
 def test_incompatible_checkpoints_are_refused(tmp_path, overrides, fragment):
     _save(tmp_path, 10)

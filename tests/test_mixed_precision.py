@@ -141,7 +141,35 @@ def test_state_dict_keeps_main_params_adam_state_and_loss_scale():
                        optimizer.optimizer.state[optimizer.main_params[0]]["exp_avg"])
 
 
-# ---- a short fp16 run ----------------------------------------------------------------------------------------------
+# ---- short runs -----------------------------------------------------------------------------------------------------
+
+def _train(*argv):
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    for launcher_variable in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(launcher_variable, None)
+    result = subprocess.run([sys.executable, "-m", "megatron_app.train", *map(str, argv)], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+SMALL = ["--no-trace", "--num-layers", "4", "--hidden-size", "32", "--seq-length", "32", "--vocab-size", "256",
+         "--global-batch-size", "8", "--schedule", "megatron"]
+
+
+def test_bf16_checkpoint_resumes_exactly_and_is_refused_in_fp32(tmp_path):
+    """The checkpoint holds the fp32 main parameters and Adam state: a run resumed at iteration 2 continues with the
+    losses of an uninterrupted one; resuming it without --bf16 is refused in one line."""
+    logs = {name: tmp_path / f"{name}.json" for name in ("full", "first", "resumed")}
+    _train("--bf16", *SMALL, "--iters", 4, "--log-json", logs["full"])
+    _train("--bf16", *SMALL, "--iters", 4, "--save", tmp_path / "ckpt", "--exit-interval", 2, "--log-json", logs["first"])
+    _train("--bf16", *SMALL, "--iters", 4, "--load", tmp_path / "ckpt", "--log-json", logs["resumed"])
+    losses = {name: [entry["loss"] for entry in json.loads(path.read_text())["iterations"]]
+              for name, path in logs.items()}
+    assert losses["first"] + losses["resumed"] == losses["full"], losses
+    with pytest.raises(UsageError, match="was trained in bf16 but this run has neither --bf16 nor --fp16"):
+        parse_args([*SMALL, "--iters", "4", "--load", str(tmp_path / "ckpt")], WORLD)
+
 
 def test_fp16_run_trains_and_reports_the_loss_scale(tmp_path):
     """Our schedule at P=1 with Megatron's dynamic loss scale from 2^20 (growth every 2 clean iterations): the first
@@ -149,15 +177,9 @@ def test_fp16_run_trains_and_reports_the_loss_scale(tmp_path):
     Megatron's DynamicGradScaler gives for the skips it reports, and the loss falls. Each iteration line shows the scale
     and the skipped iterations, as Megatron-LM's does."""
     log = tmp_path / "log.json"
-    argv = ["--fp16", "--iters", "8", "--no-trace", "--num-layers", "4", "--hidden-size", "32", "--seq-length", "32",
-            "--vocab-size", "256", "--global-batch-size", "8", "--lr", "5e-3", "--initial-loss-scale", str(2 ** 20),
-            "--loss-scale-window", "2", "--log-json", str(log)]
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
-    for launcher_variable in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(launcher_variable, None)
-    result = subprocess.run([sys.executable, "-m", "megatron_app.train", *argv], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = _train("--fp16", "--iters", "8", "--no-trace", "--num-layers", "4", "--hidden-size", "32", "--seq-length",
+                    "32", "--vocab-size", "256", "--global-batch-size", "8", "--lr", "5e-3", "--initial-loss-scale",
+                    2 ** 20, "--loss-scale-window", "2", "--log-json", log)
     lines = [line for line in result.stdout.splitlines() if line.startswith("iter ")]
     assert len(lines) == 8 and all("| loss scale " in line for line in lines), lines
     assert "gradients overflowed" in lines[0]

@@ -536,6 +536,7 @@ def validate(args: argparse.Namespace, environ: Mapping[str, str]) -> argparse.N
         raise UsageError(
             "--schedule megatron with --pipeline_parallel > 1 needs CUDA (Megatron's p2p code is CUDA-only); "
             "use --schedule app|interleaved|1f1b on CPU")
+    _check_precision(args)   # before the checkpoint check, which compares precisions
     _check_checkpointing(args)
     _check_variable_lengths(args)
     _check_planned_composition_options(args)
@@ -543,7 +544,6 @@ def validate(args: argparse.Namespace, environ: Mapping[str, str]) -> argparse.N
     _check_loss(args)
     _check_memory_factor(args)
     _check_split_backward(args)
-    _check_precision(args)
     _check_schedule_file(args)
     _check_outputs(args)
     return args

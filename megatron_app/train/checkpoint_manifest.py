@@ -72,7 +72,7 @@ def manifest_for(args, iteration: int, consumed_samples: int, files) -> dict:
         "iteration": iteration,
         "consumed_samples": consumed_samples,
         "layout": {key: getattr(args, key) for key in LAYOUT_KEYS + ("data_parallel",)},
-        "model": {key: getattr(args, key) for key in MODEL_KEYS},
+        "model": {**{key: getattr(args, key) for key in MODEL_KEYS}, "precision": getattr(args, "precision", "fp32")},
         "training": {"global_batch_size": args.global_batch_size, "micro_batch_size": args.micro_batch_size,
                      "seed": args.seed, "iters": args.iters, **data_identity(args)},
         "files": sorted(files),
@@ -176,6 +176,13 @@ def check_compatible(found: FoundCheckpoint, args) -> None:
             raise CheckpointError(
                 f"checkpoint {found.directory} has {key}={found.manifest['model'].get(key)} but this run has "
                 f"--{key.replace('_', '-')} {getattr(args, key)}")
+    # The optimizer's state differs (fp32 main parameters and the loss scale under --bf16 / --fp16): refused, as the
+    # layout is. Manifests from before precision was recorded are fp32's.
+    saved_precision, precision = found.manifest["model"].get("precision", "fp32"), getattr(args, "precision", "fp32")
+    if saved_precision != precision:
+        flag = {"fp32": "neither --bf16 nor --fp16"}.get(precision, f"--{precision}")
+        raise CheckpointError(f"checkpoint {found.directory} was trained in {saved_precision} but this run has {flag}; "
+                              f"resume in {saved_precision}")
     saved_training = found.manifest.get("training", {})
     here_data = data_identity(args)
     for key in DATA_KEYS:
