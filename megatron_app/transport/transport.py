@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import collections
 import math
+import weakref
 from collections.abc import Iterable, Mapping
 
 import torch
 
 from . import codec
 from ._core import core
+from .backends import SHM
+from .device_staging import Stager
 from .dtypes import dtype_from_code
 from .protocol import ClosesOnExit
 from .tags import MAX_TAG, describe_tag, validate_tag
@@ -103,6 +106,7 @@ class Transport(ClosesOnExit):
         listen_host: str = "127.0.0.1",
         listen_port: int = 0,
         admission_secret: bytes = b"",
+        copy_engine=None,
     ):
         if not isinstance(job_id, str):
             raise TypeError(f"job_id must be a str, got {type(job_id).__name__}")
@@ -141,6 +145,11 @@ class Transport(ClosesOnExit):
         self.job_id = job_id
         self.peers = tuple(self._core.peers)
         self._pending: dict[int, collections.deque] = {}  # per peer: handles keeping unfinished sends' tensors
+        # Device tensors go through the stager (device_staging.py): `copy_engine` is its copy engine (None: CUDA's,
+        # made at the first CUDA send; tests give a fake one that takes host tensors down the same path).
+        self._copy_engine = copy_engine
+        self._stager: Stager | None = None
+        self._stager_finalizer = None
 
     # -- links to other hosts ------------------------------------------------------------------------------------
     @property
@@ -175,6 +184,11 @@ class Transport(ClosesOnExit):
             peer = _int_arg(peer, "peer")
         if type(tag) is not int or not 0 <= tag <= MAX_TAG:
             tag = validate_tag(tag)
+        if isinstance(tensor, torch.Tensor):
+            if tensor.is_cuda if self._copy_engine is None else self._copy_engine.handles(tensor):
+                return self._send_staged(peer, tag, tensor, device_tensor=True)
+            if self._stager is not None and self._stager.busy_with(peer):
+                return self._send_staged(peer, tag, tensor, device_tensor=False)  # keeps the order to `peer`
         code, shape, data_ptr, nbytes, host_tensor = codec.encode(tensor)
         request = self._core.send(peer, tag, code, shape, data_ptr, nbytes)
         if request is None:  # already copied into the peer's ring
@@ -183,6 +197,23 @@ class Transport(ClosesOnExit):
         self._forget_finished_sends()
         self._pending.setdefault(peer, collections.deque()).append(handle)
         return handle
+
+    def _send_staged(self, peer: int, tag: int, tensor: torch.Tensor, device_tensor: bool):
+        """Hands the send to the stager's thread (after this peer's sends still in flight in the core)."""
+        backend = self._core.backend_of(peer)  # ValueError for a rank that is not a peer
+        stager = self._stager or self._start_stager()
+        self._forget_finished_sends()
+        earlier = list(self._pending.pop(peer, ()))  # their handles keep their tensors alive until they are done
+        return stager.submit(peer, tag, tensor, earlier, device_tensor, lends_slots=backend == SHM)
+
+    def _start_stager(self) -> Stager:
+        if self._copy_engine is None:
+            from .device_engine import CudaCopyEngine  # the CUDA lines, imported where CUDA tensors are sent
+            self._copy_engine = CudaCopyEngine()
+        self._stager = Stager(self._core, self._copy_engine)
+        # Registered slots are unregistered before the core unmaps them, also when nobody calls close().
+        self._stager_finalizer = weakref.finalize(self, self._stager.stop, self._core.close)
+        return self._stager
 
     def _forget_finished_sends(self) -> None:
         """Drops the transport's references to tensors whose sends completed. Sends to one peer complete in
@@ -193,6 +224,8 @@ class Transport(ClosesOnExit):
 
     def wait_sends(self, timeout: float | None = None) -> None:
         """Blocks until every send posted so far completed; raises the first failure not reported yet."""
+        if self._stager is not None:
+            self._stager.wait_idle(_timeout_arg(timeout))
         self._core.wait_sends(_timeout_arg(timeout))
         self._forget_finished_sends()
 
@@ -258,6 +291,8 @@ class Transport(ClosesOnExit):
     def close(self) -> None:
         """Stops the transport. Sends not completed yet fail with TransportClosed: call wait_sends() first to
         flush them. Idempotent."""
+        if self._stager_finalizer is not None:
+            self._stager_finalizer()  # stager.stop(core.close): fails queued sends, unregisters the slots
         self._core.close()
         self._pending.clear()
 
