@@ -164,6 +164,7 @@ class Stager:
         self._regions: dict[int, Optional[tuple[int, int]]] = {}  # peer -> registered (address, bytes) or None
         self._region_views: dict[int, tuple[int, int, torch.Tensor]] = {}
         self._fallback_said = False
+        self._paths: dict[int, str] = {}  # peer -> how its device sends went (path_of)
         self._stopping = False
         self._core_requests: dict[int, list] = collections.defaultdict(list)  # host sends posted by the stager
         self._thread = threading.Thread(target=self._run, name="megatron_app-stager", daemon=True)
@@ -201,6 +202,10 @@ class Stager:
             if handle._error is not None and not handle._reported:
                 handle._reported = True
                 raise handle._error
+
+    def path_of(self, peer: int) -> Optional[str]:
+        with self._lock:
+            return self._paths.get(peer)
 
     def stop(self, close_core: Optional[Callable[[], None]] = None) -> None:
         """Stops the thread after the message it is sending (`close_core`, called first, makes the core fail it
@@ -265,9 +270,11 @@ class Stager:
             return
         if through_slots:
             self._ensure_region(peer)
+            self._paths[peer] = "slots, registered" if self._regions[peer] else "slots, not registered"
             send_through_slots(self._core, self.engine, peer, tag, code, shape, flat,
                                host_view=lambda address, length: self._slot_view(peer, address, length))
             return
+        self._paths[peer] = "pinned staging"
         host = self.engine.pinned_like(flat)
         if flat.numel():
             self.engine.wait(self.engine.to_host(host, flat))

@@ -215,6 +215,11 @@ class Transport(ClosesOnExit):
         self._stager_finalizer = weakref.finalize(self, self._stager.stop, self._core.close)
         return self._stager
 
+    def device_path_of(self, peer: int) -> str | None:
+        """How device tensors have gone to `peer` so far: 'slots, registered', 'slots, not registered',
+        'pinned staging' (a link that lends no slots), or None before the first device send to it."""
+        return None if self._stager is None else self._stager.path_of(peer)
+
     def _forget_finished_sends(self) -> None:
         """Drops the transport's references to tensors whose sends completed. Sends to one peer complete in
         order, so only the oldest pending send per peer needs checking (amortised O(1) per send)."""

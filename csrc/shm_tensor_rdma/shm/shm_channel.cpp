@@ -116,9 +116,13 @@ SlotLease ShmChannel::reserve(const OutgoingMessage& message, uint64_t offset, c
     throw std::invalid_argument("slot lease at byte " + std::to_string(offset) + " of a " +
                                 std::to_string(message.header.nbytes) + "-byte message");
   }
-  // Whole chunks of the size chosen at the message's first chunk: a lease is filled by a copy engine that
-  // overlaps its copies, so mid-sized chunks (about an eighth of the message, 64 KiB .. a slot) pipeline best.
-  if (offset == 0) chunk_bytes_ = chunk_bytes_for(message.header.nbytes);
+  // Each lease costs its filler a round of calls (reserve, copy, event, commit: tens of microseconds from
+  // Python), so leases are as large as they can be while two of them still overlap: half the message, at least
+  // 64 KiB, at most a slot.
+  if (offset == 0) {
+    const uint64_t half = round_up((message.header.nbytes + 1) / 2, kChunkAlignBytes);
+    chunk_bytes_ = std::min(std::max(half, kMinChunkBytes), view_.slot_bytes());
+  }
   wait_for_free_slot(message, limits, leased_);
   const uint64_t index = ring_.head.load(std::memory_order_relaxed) + leased_;
   const uint64_t slot = index % view_.slots_per_ring();
