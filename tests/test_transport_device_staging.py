@@ -15,7 +15,7 @@ from transport_helpers.common import (
     random_tensor,
     same_bits,
 )
-from transport_helpers.fake_engine import FakeCopyEngine, FakeCore
+from transport_helpers.fake_engine import FakeCopyEngine, FakeCore, FakeIpcEngine
 
 from megatron_app.transport import Direction, Transport, TransportClosed, make_tag
 from megatron_app.transport.device_staging import region_fits_shm, send_through_slots
@@ -208,3 +208,95 @@ def test_host_tensors_still_take_the_cores_path(pair):
     sender.send(1, make_tag(FWD, 0), torch.arange(10))
     assert torch.equal(receiver.recv(0, make_tag(FWD, 0)), torch.arange(10))
     assert engine.copies == 0 and sender._stager is None
+
+
+# ---- CUDA IPC's protocol (device_ipc.py) with a fake engine -------------------------------------------------------
+@pytest.fixture
+def ipc_pair(job_id):
+    engine = FakeIpcEngine()
+    sender = Transport(0, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=engine, cuda_ipc=True)
+    receiver = Transport(1, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=engine,
+                         cuda_ipc=True)
+    yield sender, receiver, engine
+    sender.close()
+    receiver.close()
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_every_dtype_goes_through_ipc_slots_bit_exactly(ipc_pair, dtype):
+    sender, receiver, engine = ipc_pair
+    for index, shape in enumerate([(), (1,), (7, 5), (2, 3, 4, 5), (9000,)]):
+        tensor = random_tensor(torch.Generator().manual_seed(index), dtype, shape)
+        sender.send(1, make_tag(FWD, index), tensor)
+        received = receiver.recv(0, make_tag(FWD, index), dtype=dtype)
+        assert same_bits(received, tensor), shape
+    sender.wait_sends(timeout=10)
+    assert sender.device_path_of(1) == "cuda ipc" and engine.takes == 5
+
+
+def test_ipc_slots_are_reused_once_acknowledged_and_grow_for_larger_messages(ipc_pair):
+    sender, receiver, engine = ipc_pair
+    for index in range(30):
+        tensor = torch.full((1000 * (index + 1),), float(index))
+        sender.send(1, make_tag(FWD, index), tensor).wait(timeout=10)
+        assert torch.equal(receiver.recv(0, make_tag(FWD, index)), tensor)
+    assert sender.device_path_of(1) == "cuda ipc"
+    assert engine.buffers_made <= 4 * 2  # 4 slots of >= 1 MiB; 120 KB messages never make one grow twice
+
+
+def test_a_receiver_behind_gets_the_rest_staged_in_order(ipc_pair):
+    sender, receiver, engine = ipc_pair
+    messages = [torch.full((3000,), float(index)) for index in range(12)]
+    for index, message in enumerate(messages):
+        sender.send(1, make_tag(FWD, index), message)
+    sender.wait_sends(timeout=10)  # nothing received yet: 4 slots await their acknowledgements
+    assert sender.device_path_of(1) == "cuda ipc + slots, registered"
+    assert [key for key in receiver.poll()][:12] == [(0, make_tag(FWD, index)) for index in range(12)]
+    for index, message in enumerate(messages):
+        assert torch.equal(receiver.recv(0, make_tag(FWD, index)), message)
+    assert engine.takes == 4
+
+
+@pytest.mark.parametrize("problem", ["ipc_problem", "export_problem"])
+def test_where_ipc_cannot_work_the_link_is_staged_and_says_so_once(job_id, caplog, problem):
+    engine = FakeIpcEngine(**{problem: "not in this container"})
+    sender = Transport(0, 2, job_id, slot_bytes=4096, num_slots=8, copy_engine=engine, cuda_ipc=True)
+    receiver = Transport(1, 2, job_id, slot_bytes=4096, num_slots=8, copy_engine=engine, cuda_ipc=True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="megatron_app.transport.device_staging"):
+            for index in range(3):
+                sender.send(1, make_tag(FWD, index), torch.full((100,), float(index)))
+                assert torch.equal(receiver.recv(0, make_tag(FWD, index)), torch.full((100,), float(index)))
+        lines = [r.getMessage() for r in caplog.records if "IPC" in r.getMessage()]
+        assert len(lines) == 1 and "not in this container" in lines[0]
+        assert sender.device_path_of(1) == "slots, registered"
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_ipc_is_off_unless_asked(job_id, monkeypatch):
+    monkeypatch.delenv("MEGATRON_APP_CUDA_IPC", raising=False)
+    engine = FakeIpcEngine()
+    sender, receiver = staged_pair(job_id, engine)
+    try:
+        sender.send(1, make_tag(FWD, 0), torch.ones(10))
+        assert torch.equal(receiver.recv(0, make_tag(FWD, 0)), torch.ones(10))
+        assert sender.device_path_of(1) == "slots, registered" and engine.buffers_made == 0
+    finally:
+        sender.close()
+        receiver.close()
+
+
+@pytest.mark.parametrize("payload", [b"", b"\x00" * 8, b"MIPC" + b"\xff" * 40])
+def test_a_malformed_ipc_descriptor_is_refused(ipc_pair, payload):
+    from megatron_app.transport.device_ipc import IPC_FLAG
+
+    sender, receiver, _ = ipc_pair
+    body = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
+    request = sender._core.send(1, make_tag(FWD, 0), 9 | IPC_FLAG, [2], body.data_ptr() if payload else 0,
+                                len(payload))
+    if request is not None:
+        request.wait()
+    with pytest.raises(ValueError, match="malformed IPC descriptor"):
+        receiver.recv(0, make_tag(FWD, 0))

@@ -9,6 +9,7 @@ brings).
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import Optional
 
 import torch
@@ -27,6 +28,115 @@ def host_view(address: int, nbytes: int) -> torch.Tensor:
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(address), dtype=torch.uint8)
+
+
+# ---- CUDA IPC (device_ipc.py) -----------------------------------------------------------------------------------
+# The fields of torch's own CUDA sharing (torch.multiprocessing.reductions.reduce_tensor / rebuild_cuda_tensor) that
+# cross to the peer, encoded field by field (never pickled: the bytes come from another process).
+_EXPORTED = ("device", "handle", "size_bytes", "offset_bytes", "ref_counter_handle", "ref_counter_offset",
+             "event_handle", "event_sync_required")
+_ARG_INDEX = {"device": 6, "handle": 7, "size_bytes": 8, "offset_bytes": 9, "ref_counter_handle": 11,
+              "ref_counter_offset": 12, "event_handle": 13, "event_sync_required": 14}
+
+
+def _pack_fields(values) -> bytes:
+    out = bytearray()
+    for value in values:
+        if isinstance(value, (bytes, bytearray)):
+            out += b"b" + len(value).to_bytes(4, "little") + bytes(value)
+        elif value is None:
+            out += b"n"
+        else:
+            out += b"i" + int(value).to_bytes(8, "little", signed=True)
+    return bytes(out)
+
+
+def _unpack_fields(data: bytes, count: int) -> list:
+    values, at = [], 0
+    for _ in range(count):
+        kind = data[at:at + 1]
+        at += 1
+        if kind == b"b":
+            length = int.from_bytes(data[at:at + 4], "little")
+            if at + 4 + length > len(data):
+                raise ValueError("a truncated IPC export")
+            values.append(data[at + 4:at + 4 + length])
+            at += 4 + length
+        elif kind == b"n":
+            values.append(None)
+        elif kind == b"i":
+            if at + 8 > len(data):
+                raise ValueError("a truncated IPC export")
+            values.append(int.from_bytes(data[at:at + 8], "little", signed=True))
+            at += 8
+        else:
+            raise ValueError("a malformed IPC export")
+    if at != len(data):
+        raise ValueError("an IPC export with trailing bytes")
+    return values
+
+
+class IpcUnavailable(RuntimeError):
+    """CUDA IPC cannot serve this link (the stager falls back to the staged path and says why, once)."""
+
+
+def _ipc_unavailable_reason() -> Optional[str]:
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        if "expandable_segments:true" in os.environ.get(name, "").replace(" ", "").lower():
+            return f"{name} turns on expandable segments, whose memory cudaIpcGetMemHandle cannot export"
+    return None
+
+
+def _export_buffer(buffer: torch.Tensor) -> bytes:
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    try:
+        _, args = reduce_tensor(buffer)
+    except Exception as error:  # noqa: BLE001 - any failure to export means: no IPC on this link
+        raise IpcUnavailable(f"exporting a device buffer failed: {error}") from error
+    fields = [args[_ARG_INDEX[name]] for name in _EXPORTED]
+    fields[0] = fields[0] if isinstance(fields[0], int) else torch.device(fields[0]).index
+    fields[-1] = int(bool(fields[-1]))
+    return _pack_fields(fields)
+
+
+def _open_buffer(blob: bytes) -> torch.Tensor:
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    device, handle, size, offset, ref_handle, ref_offset, event_handle, sync = _unpack_fields(blob, len(_EXPORTED))
+    if not isinstance(handle, bytes) or not isinstance(size, int) or size < 0:
+        raise ValueError("a malformed IPC export")
+    return rebuild_cuda_tensor(torch.Tensor, (size,), (1,), 0, torch.UntypedStorage, torch.uint8, device, handle,
+                               size, offset, False, ref_handle, ref_offset, event_handle, bool(sync))
+
+
+def _ipc_event(device) -> "torch.cuda.Event":
+    with torch.cuda.device(device):
+        event = torch.cuda.Event(interprocess=True)
+        event.record()  # created on this device (an ipc_handle needs the event to exist)
+    return event
+
+
+def _export_event(event) -> bytes:
+    return bytes(event.ipc_handle())
+
+
+def _open_event(blob: bytes, device) -> "torch.cuda.Event":
+    return torch.cuda.Event.from_ipc_handle(device, blob)
+
+
+def _ipc_take(view, filled, consumed, dtype, shape, device) -> torch.Tensor:
+    """The slot's tensor copied into the receiver's own, on its current stream after the sender's `filled` event;
+    `consumed` recorded after the copy (the sender's next write into the slot waits for it)."""
+    slot_device = view.device if view is not None else torch.device("cuda", torch.cuda.current_device())
+    stream = torch.cuda.current_stream(slot_device)
+    stream.wait_event(filled)
+    with torch.cuda.device(slot_device):
+        out = torch.empty(shape, dtype=dtype, device=slot_device)
+        if view is not None:
+            out.copy_(view)
+        consumed.record(stream)
+    return out.to(device)
 
 
 class CudaCopyEngine:
@@ -110,3 +220,29 @@ class CudaCopyEngine:
             staging[start:end].copy_(source[start:end])
             destination[start:end].copy_(staging[start:end], non_blocking=True)
         return target
+
+    # ---- CUDA IPC (device_ipc.py) ----
+    ipc_unavailable_reason = staticmethod(_ipc_unavailable_reason)
+    export_buffer = staticmethod(_export_buffer)
+    open_buffer = staticmethod(_open_buffer)
+    ipc_event = staticmethod(_ipc_event)
+    export_event = staticmethod(_export_event)
+    open_event = staticmethod(_open_event)
+    ipc_take = staticmethod(_ipc_take)
+
+    @staticmethod
+    def ipc_buffer(nbytes: int, device) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def ipc_fill(self, destination, source, filled, consumed):
+        """Copies `source` into a slot on the side stream, after the receiver's last read of it (`consumed`),
+        then records the slot's `filled` event; the returned token completes with the copy."""
+        stream = self._stream(source.device)
+        with torch.cuda.stream(stream):
+            if consumed is not None:
+                stream.wait_event(consumed)
+            destination.copy_(source, non_blocking=True)
+            filled.record(stream)
+            done = torch.cuda.Event(blocking=True)
+            done.record(stream)
+        return done

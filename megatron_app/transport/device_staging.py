@@ -154,17 +154,23 @@ class DeviceSendHandle:
 class Stager:
     """The thread that carries device sends (and host sends queued behind them) of one transport, in order."""
 
-    def __init__(self, core, engine):
+    def __init__(self, core, engine, ipc: bool = False):
         self._core = core
         self.engine = engine
+        self._ipc = None
+        if ipc:
+            from .device_ipc import IpcSender
+
+            self._ipc = IpcSender(core, engine)
+        self._ipc_off: dict[int, str] = {}  # peer -> why IPC does not serve it
         self._queue: collections.deque = collections.deque()
         self._queued_per_peer: collections.Counter = collections.Counter()
         self._lock = threading.Condition()
         self._handles: list[DeviceSendHandle] = []
         self._regions: dict[int, Optional[tuple[int, int]]] = {}  # peer -> registered (address, bytes) or None
         self._region_views: dict[int, tuple[int, int, torch.Tensor]] = {}
-        self._fallback_said = False
-        self._paths: dict[int, str] = {}  # peer -> how its device sends went (path_of)
+        self._fallback_said: set = set()
+        self._paths: dict[int, dict[str, int]] = {}  # peer -> {path: messages}, in order of first use (path_of)
         self._stopping = False
         self._core_requests: dict[int, list] = collections.defaultdict(list)  # host sends posted by the stager
         self._thread = threading.Thread(target=self._run, name="megatron_app-stager", daemon=True)
@@ -204,8 +210,16 @@ class Stager:
                 raise handle._error
 
     def path_of(self, peer: int) -> Optional[str]:
+        """The paths device sends to `peer` took, in order of first use ('cuda ipc + slots, registered' when
+        some messages were staged while the receiver was behind), or None before the first."""
         with self._lock:
-            return self._paths.get(peer)
+            paths = self._paths.get(peer)
+            return None if not paths else " + ".join(paths)
+
+    def _took(self, peer: int, path: str) -> None:
+        with self._lock:
+            paths = self._paths.setdefault(peer, {})
+            paths[path] = paths.get(path, 0) + 1
 
     def stop(self, close_core: Optional[Callable[[], None]] = None) -> None:
         """Stops the thread after the message it is sending (`close_core`, called first, makes the core fail it
@@ -268,17 +282,40 @@ class Stager:
         if not device_tensor:  # a host tensor queued behind device sends: the core's ordinary send
             self._core_send(peer, tag, code, shape, flat)
             return
+        if through_slots and self._ipc is not None and flat.numel() and self._send_by_ipc(peer, tag, code, shape, flat):
+            return
         if through_slots:
             self._ensure_region(peer)
-            self._paths[peer] = "slots, registered" if self._regions[peer] else "slots, not registered"
+            self._took(peer, "slots, registered" if self._regions[peer] else "slots, not registered")
             send_through_slots(self._core, self.engine, peer, tag, code, shape, flat,
                                host_view=lambda address, length: self._slot_view(peer, address, length))
             return
-        self._paths[peer] = "pinned staging"
+        self._took(peer, "pinned staging")
         host = self.engine.pinned_like(flat)
         if flat.numel():
             self.engine.wait(self.engine.to_host(host, flat))
         self._core_send(peer, tag, code, shape, host)
+
+    def _send_by_ipc(self, peer: int, tag: int, code: int, shape, flat: torch.Tensor) -> bool:
+        """True once sent through CUDA IPC (device_ipc.py); False: take the staged path (IPC cannot serve this
+        peer, said once, or every IPC slot to it awaits the receiver)."""
+        from .device_engine import IpcUnavailable
+
+        if peer not in self._ipc_off:
+            reason = self.engine.ipc_unavailable_reason()
+            if reason is None:
+                try:
+                    sent = self._ipc.send(peer, tag, code, shape, flat)
+                except IpcUnavailable as error:
+                    reason = str(error)
+                else:
+                    if sent:
+                        self._took(peer, "cuda ipc")
+                    return sent
+            self._ipc_off[peer] = reason
+            self._say_fallback(f"CUDA IPC to peer {peer} is off ({reason}): device tensors to it are staged "
+                               "through shared memory")
+        return False
 
     def _core_send(self, peer: int, tag: int, code: int, shape, host: torch.Tensor) -> None:
         """The core's ordinary send of the flat uint8 host tensor `host`, waited for."""
@@ -310,6 +347,8 @@ class Stager:
         return whole[start:start + length]
 
     def _say_fallback(self, text: str) -> None:
-        if not self._fallback_said:
-            self._fallback_said = True
+        """One log line per kind of fallback (registration, IPC) and transport."""
+        kind = text.split(" ", 1)[0]
+        if kind not in self._fallback_said:
+            self._fallback_said.add(kind)
             LOG.warning("megatron_app.transport: %s", text)

@@ -17,6 +17,7 @@ import torch
 from . import codec
 from ._core import core
 from .backends import SHM
+from .device_ipc import IpcReceiver, ipc_requested, is_descriptor, payload_bytes, IPC_FLAG
 from .device_staging import Stager
 from .dtypes import dtype_from_code
 from .protocol import ClosesOnExit
@@ -107,6 +108,7 @@ class Transport(ClosesOnExit):
         listen_port: int = 0,
         admission_secret: bytes = b"",
         copy_engine=None,
+        cuda_ipc: bool | None = None,
     ):
         if not isinstance(job_id, str):
             raise TypeError(f"job_id must be a str, got {type(job_id).__name__}")
@@ -148,6 +150,8 @@ class Transport(ClosesOnExit):
         # Device tensors go through the stager (device_staging.py): `copy_engine` is its copy engine (None: CUDA's,
         # made at the first CUDA send; tests give a fake one that takes host tensors down the same path).
         self._copy_engine = copy_engine
+        self._cuda_ipc = ipc_requested(cuda_ipc)  # device_ipc.py: device buffers between ranks of this host
+        self._ipc_receiver = None
         self._stager: Stager | None = None
         self._stager_finalizer = None
 
@@ -187,8 +191,12 @@ class Transport(ClosesOnExit):
         if isinstance(tensor, torch.Tensor):
             if tensor.is_cuda if self._copy_engine is None else self._copy_engine.handles(tensor):
                 return self._send_staged(peer, tag, tensor, device_tensor=True)
-            if self._stager is not None and self._stager.busy_with(peer):
-                return self._send_staged(peer, tag, tensor, device_tensor=False)  # keeps the order to `peer`
+        return self._send_host(peer, tag, tensor)
+
+    def _send_host(self, peer: int, tag: int, tensor) -> SendHandle:
+        """The core's send of a host tensor (through the stager while it carries earlier sends to `peer`)."""
+        if self._stager is not None and isinstance(tensor, torch.Tensor) and self._stager.busy_with(peer):
+            return self._send_staged(peer, tag, tensor, device_tensor=False)  # keeps the order to `peer`
         code, shape, data_ptr, nbytes, host_tensor = codec.encode(tensor)
         request = self._core.send(peer, tag, code, shape, data_ptr, nbytes)
         if request is None:  # already copied into the peer's ring
@@ -206,11 +214,14 @@ class Transport(ClosesOnExit):
         earlier = list(self._pending.pop(peer, ()))  # their handles keep their tensors alive until they are done
         return stager.submit(peer, tag, tensor, earlier, device_tensor, lends_slots=backend == SHM)
 
-    def _start_stager(self) -> Stager:
+    def _engine(self):
         if self._copy_engine is None:
             from .device_engine import CudaCopyEngine  # the CUDA lines, imported where CUDA tensors are sent
             self._copy_engine = CudaCopyEngine()
-        self._stager = Stager(self._core, self._copy_engine)
+        return self._copy_engine
+
+    def _start_stager(self) -> Stager:
+        self._stager = Stager(self._core, self._engine(), ipc=self._cuda_ipc)
         # Registered slots are unregistered before the core unmaps them, also when nobody calls close().
         self._stager_finalizer = weakref.finalize(self, self._stager.stop, self._core.close)
         return self._stager
@@ -245,7 +256,7 @@ class Transport(ClosesOnExit):
         if dtype is not None and not self._has_dtype(peer, tag, dtype):
             return None
         message = self._core.try_take(peer, tag)
-        return None if message is None else codec.decode(*message, device=device)
+        return None if message is None else self._decode(peer, message, device)
 
     def recv(self, peer: int, tag: int, timeout: float | None = None, dtype: torch.dtype | None = None,
              device=None) -> torch.Tensor:
@@ -255,13 +266,13 @@ class Transport(ClosesOnExit):
         if timeout is not None:
             timeout = _timeout_arg(timeout)
         if dtype is None:
-            return codec.decode(*self._core.recv(peer, tag, timeout), device=device)
+            return self._decode(peer, self._core.recv(peer, tag, timeout), device)
         while True:
             self._core.wait_any([(peer, tag)], timeout)
             if self._has_dtype(peer, tag, dtype):
                 message = self._core.try_take(peer, tag)
                 if message is not None:
-                    return codec.decode(*message, device=device)
+                    return self._decode(peer, message, device)
 
     def wait_any(self, keys: Iterable[tuple[int, int]], timeout: float | None = None) -> tuple[int, int]:
         """Blocks until one of `keys` has arrived and returns that key (without taking the message)."""
@@ -273,6 +284,16 @@ class Transport(ClosesOnExit):
         except TypeError:
             return self._core.wait_any([_key_arg(key) for key in keys], timeout)  # raises a clear error
 
+    def _decode(self, peer: int, message, device):
+        """The tensor of a message the core handed over: its bytes, or (IPC) the slot its descriptor names."""
+        if not is_descriptor(message[0]):
+            return codec.decode(*message, device=device)
+        if self._ipc_receiver is None:
+            self._ipc_receiver = IpcReceiver(self._engine())
+        tensor, ack_tag, ack = self._ipc_receiver.take(peer, *message, device=device)
+        self._send_host(peer, ack_tag, payload_bytes(ack))  # the slot is the sender's again
+        return tensor
+
     def _has_dtype(self, peer: int, tag: int, dtype: torch.dtype) -> bool:
         """False if the message has not arrived; ValueError (message kept) if it carries another dtype."""
         if not isinstance(dtype, torch.dtype):
@@ -280,7 +301,7 @@ class Transport(ClosesOnExit):
         header = self._core.peek(peer, tag)
         if header is None:
             return False
-        carried = dtype_from_code(header[0])
+        carried = dtype_from_code(header[0] & ~IPC_FLAG)
         if carried != dtype:
             raise ValueError(
                 f"requested dtype {dtype} but the message from peer rank {peer} ({describe_tag(tag)}) "

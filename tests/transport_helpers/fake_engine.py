@@ -84,6 +84,72 @@ class FakeCopyEngine:
         self.unregistered.append(address)
 
 
+_EXPORTS: dict[bytes, object] = {}  # "IPC handles" of this process: a fake export is a key into this table
+
+
+class FakeEvent:
+    records = 0
+
+    def record(self, stream=None):
+        self.records += 1
+
+
+class FakeIpcEngine(FakeCopyEngine):
+    """FakeCopyEngine with the IPC half (device_ipc.py): slots are host tensors shared through _EXPORTS, so two
+    transports of one process exercise the descriptor, acknowledgement and fallback logic."""
+
+    def __init__(self, ipc_problem: str | None = None, export_problem: str | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.ipc_problem = ipc_problem
+        self.export_problem = export_problem
+        self.buffers_made = 0
+        self.takes = 0
+
+    def ipc_unavailable_reason(self):
+        return self.ipc_problem
+
+    def ipc_buffer(self, nbytes, device):
+        self.buffers_made += 1
+        return torch.zeros(nbytes, dtype=torch.uint8)
+
+    def export_buffer(self, buffer):
+        if self.export_problem:
+            from megatron_app.transport.device_engine import IpcUnavailable
+            raise IpcUnavailable(self.export_problem)
+        key = f"buffer{id(buffer)}".encode()
+        _EXPORTS[key] = buffer
+        return key
+
+    @staticmethod
+    def open_buffer(blob):
+        return _EXPORTS[blob]
+
+    @staticmethod
+    def ipc_event(device):
+        return FakeEvent()
+
+    @staticmethod
+    def export_event(event):
+        key = f"event{id(event)}".encode()
+        _EXPORTS[key] = event
+        return key
+
+    @staticmethod
+    def open_event(blob, device):
+        return _EXPORTS[blob]
+
+    def ipc_fill(self, destination, source, filled, consumed):
+        destination.copy_(source)
+        filled.record()
+        return None
+
+    def ipc_take(self, view, filled, consumed, dtype, shape, device):
+        self.takes += 1
+        out = torch.empty(shape, dtype=dtype) if view is None else view.clone()
+        consumed.record()
+        return out
+
+
 class FakeCore:
     """The core's slot-lease calls over a ring of `slots` slots of `slot_bytes`: every leased slot is filled with a
     sentinel, and what a commit publishes is appended to `published` (so a commit before its copy shows)."""
