@@ -132,7 +132,7 @@ def check_cuda_rows(rows, sizes):
     assert [row["size"] for row in rows] == sizes
     for row in rows:
         assert row["bit_exact"] is True
-        for method in ("ours", "d2d", "pinned", "pageable", "gloo"):
+        for method in ("ours", "ipc", "d2d", "pinned", "pageable", "gloo"):
             assert row[f"{method}_gbs"] > 0 and row[f"{method}_us"] > 0, method
         assert row["ours_over_pinned"] == pytest.approx(row["ours_gbs"] / row["pinned_gbs"])
 
@@ -164,3 +164,4 @@ def test_cuda_section_on_the_gpu(tmp_path):
     rows = json.loads(out.read_text())["cuda"]["rows"]
     check_cuda_rows(rows, [64 * 1024, 1 << 20])
     assert {row["ours_path"] for row in rows} <= {"slots, registered", "slots, not registered"}
+    assert all(row["ipc_path"].startswith("cuda ipc") for row in rows)

@@ -33,11 +33,13 @@ def on_device(tensor):
     return tensor.to("cuda")
 
 
-@pytest.fixture(params=["small slots", "default slots"])
+@pytest.fixture(params=["small slots", "default slots", "cuda ipc"])
 def pair(job_id, request):
     options = {"slot_bytes": 4096, "num_slots": 8} if request.param == "small slots" else {}
+    options["cuda_ipc"] = request.param == "cuda ipc"
     sender = Transport(0, 2, job_id, timeout_s=60, **options)
     receiver = Transport(1, 2, job_id, timeout_s=60, **options)
+    sender.kind = request.param
     yield sender, receiver
     sender.close()
     receiver.close()
@@ -66,17 +68,56 @@ def round_trip_every_dtype(sender, receiver):
     sender.wait_sends(timeout=60)
 
 
-def test_every_dtype_and_shape_device_to_device_through_the_slots(pair):
+def test_every_dtype_and_shape_device_to_device(pair):
     sender, receiver = pair
     round_trip_every_dtype(sender, receiver)
-    assert sender.device_path_of(1) == "slots, registered"
+    if sender.kind == "cuda ipc":  # empty tensors are staged
+        assert sender.device_path_of(1) in ("cuda ipc + slots, registered", "slots, registered + cuda ipc")
+    else:
+        assert sender.device_path_of(1) == "slots, registered"
 
 
-def test_every_dtype_and_shape_through_unregistered_slots(pair, monkeypatch):
+def test_every_dtype_and_shape_through_unregistered_slots(job_id, monkeypatch):
     monkeypatch.setattr(device_engine.CudaCopyEngine, "register", staticmethod(lambda address, nbytes: "forced"))
-    sender, receiver = pair
-    round_trip_every_dtype(sender, receiver)
-    assert sender.device_path_of(1) == "slots, not registered"
+    sender = Transport(0, 2, job_id, timeout_s=60, slot_bytes=4096, num_slots=8)
+    receiver = Transport(1, 2, job_id, timeout_s=60, slot_bytes=4096, num_slots=8)
+    try:
+        round_trip_every_dtype(sender, receiver)
+        assert sender.device_path_of(1) == "slots, not registered"
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_ipc_falls_back_to_the_staged_path_where_it_cannot_work(job_id, monkeypatch, caplog):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # read per send; the allocator
+    sender = Transport(0, 2, job_id, timeout_s=60, cuda_ipc=True)            # itself was set up before
+    receiver = Transport(1, 2, job_id, timeout_s=60, cuda_ipc=True)
+    try:
+        tensor = torch.randn(1000, device="cuda")
+        sender.send(1, make_tag(FWD, 0), tensor)
+        assert torch.equal(receiver.recv(0, make_tag(FWD, 0), device="cuda"), tensor)
+        assert sender.device_path_of(1) == "slots, registered"
+        assert any("expandable segments" in record.getMessage() for record in caplog.records)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_ipc_with_a_receiver_behind_stages_the_rest_in_order(job_id):
+    sender = Transport(0, 2, job_id, timeout_s=60, cuda_ipc=True)
+    receiver = Transport(1, 2, job_id, timeout_s=60, cuda_ipc=True)
+    try:
+        tensors = [torch.full((100_000,), float(index), device="cuda") for index in range(10)]
+        for index, tensor in enumerate(tensors):
+            sender.send(1, make_tag(FWD, index), tensor)
+        sender.wait_sends(timeout=60)
+        assert sender.device_path_of(1) == "cuda ipc + slots, registered"
+        for index, tensor in enumerate(tensors):
+            assert torch.equal(receiver.recv(0, make_tag(FWD, index), device="cuda"), tensor), index
+    finally:
+        sender.close()
+        receiver.close()
 
 
 def test_every_dtype_and_shape_over_tcp_through_pinned_staging(tcp_pair):
@@ -131,7 +172,7 @@ def test_large_messages_both_ways(pair):
 SENDER = textwrap.dedent("""
     import sys, torch
     from megatron_app.transport import Transport, Direction, make_tag
-    t = Transport(0, 2, sys.argv[1], timeout_s=60)
+    t = Transport(0, 2, sys.argv[1], timeout_s=60, cuda_ipc=sys.argv[2] == "ipc")
     big = torch.ones(64 << 20, dtype=torch.uint8, device="cuda")
     t.send(1, make_tag(Direction.FORWARD, 0), big).wait()
     print("sending", flush=True)
@@ -142,9 +183,10 @@ SENDER = textwrap.dedent("""
 """)
 
 
-def test_a_rank_killed_mid_send_leaves_no_segment_and_the_peer_reads_peer_died(job_id):
-    receiver = Transport(1, 2, job_id, timeout_s=60)
-    sender = subprocess.Popen([sys.executable, "-c", SENDER, job_id], stdout=subprocess.PIPE, text=True)
+@pytest.mark.parametrize("path", ["staged", "ipc"])
+def test_a_rank_killed_mid_send_leaves_no_segment_and_the_peer_reads_peer_died(job_id, path):
+    receiver = Transport(1, 2, job_id, timeout_s=60, cuda_ipc=path == "ipc")
+    sender = subprocess.Popen([sys.executable, "-c", SENDER, job_id, path], stdout=subprocess.PIPE, text=True)
     try:
         assert torch.equal(receiver.recv(0, make_tag(FWD, 0), device="cuda"),
                            torch.ones(64 << 20, dtype=torch.uint8, device="cuda"))

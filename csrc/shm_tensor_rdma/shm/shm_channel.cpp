@@ -145,7 +145,9 @@ void ShmChannel::commit() {
 
 SlotRegion ShmChannel::slot_region() const {
   uint8_t* first = view_.slot_data(ring_index_, 0);
-  const uint8_t* end = view_.slot_data(ring_index_, view_.slots_per_ring() - 1) + view_.slot_bytes();
+  // Whole pages (the last slot's padding lies inside the mapping): what cudaHostRegister pins is page-granular.
+  const uint8_t* end =
+      view_.slot_data(ring_index_, view_.slots_per_ring() - 1) + round_up(view_.slot_bytes(), kChunkAlignBytes);
   return SlotRegion{first, static_cast<uint64_t>(end - first)};
 }
 

@@ -333,9 +333,10 @@ def report(document):
 
         section = document["cuda"]
         paths = sorted({str(row.get("ours_path")) for row in section["rows"]})
+        ipc_paths = sorted({str(row.get("ipc_path")) for row in section["rows"]})
         exact = all(row.get("bit_exact") for row in section["rows"])
         print(f"cuda: two processes on one {section['device']} (torch {section['torch']}), one way; ours went by "
-              f"{', '.join(paths)}; bit-exact: {'yes' if exact else 'NO'}")
+              f"{', '.join(paths)}, ipc by {', '.join(ipc_paths)}; bit-exact: {'yes' if exact else 'NO'}")
         print_table(CUDA_COLUMNS, section["rows"])
     if "shm" in document["backends"]:
         print("shm: two processes on this host")

@@ -1,8 +1,10 @@
 """bench_transport --device cuda: CUDA tensors between two processes on one GPU host.
 
 Each size, one way (a ping-pong's round trip / 2, both ends' device tensors ready when the clock stops):
-  ours       our transport: device-to-host straight into the peer's registered shared-memory slots on a side
-             stream, host-to-device on the receiver (megatron_app/transport/device_staging.py)
+  ours       our transport, staged: device-to-host straight into the peer's registered shared-memory slots on a
+             side stream, host-to-device on the receiver (megatron_app/transport/device_staging.py)
+  ipc        our transport with CUDA IPC: a device copy into a slot of an exported device buffer, a descriptor
+             through the transport, a device copy out on the receiver (megatron_app/transport/device_ipc.py)
   d2d        one device-to-device copy in one process (the bound a device path aims at)
   pinned     device-to-host into pinned memory + host-to-device, in one process (staging done by hand)
   pageable   the same through pageable memory
@@ -23,7 +25,7 @@ from megatron_app.bench.transport.links import KIB, MIB
 
 CUDA_SIZES = [64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]
 CUDA_QUICK_SIZES = [64 * KIB, 1 * MIB]
-METHODS = ("ours", "d2d", "pinned", "pageable", "gloo")
+METHODS = ("ours", "ipc", "d2d", "pinned", "pageable", "gloo")
 
 
 def cuda_unavailable_reason() -> str | None:
@@ -107,7 +109,8 @@ def run_cuda_section(plan: dict, rank: int) -> list:
     if device.cuda:
         torch.cuda.set_device(0)
     peer = 1 - rank
-    transport = Transport(rank, 2, plan["job_id"], timeout_s=120)
+    transports = {"ours": Transport(rank, 2, plan["job_id"], timeout_s=120, cuda_ipc=False),
+                  "ipc": Transport(rank, 2, plan["job_id"] + "i", timeout_s=120, cuda_ipc=True)}
     rows = []
     counter = [0]
     for size in plan["sizes"]:
@@ -117,22 +120,25 @@ def run_cuda_section(plan: dict, rank: int) -> list:
         held = {"tensor": payload}
         row = {"size": size, "repetitions": count}
 
-        def ours_send():
-            transport.send(peer, make_tag(Direction.FORWARD, counter[0] % (1 << 32)), held["tensor"])
-            counter[0] += 1
+        for name, transport in transports.items():
+            def ours_send(transport=transport):
+                transport.send(peer, make_tag(Direction.FORWARD, counter[0] % (1 << 32)), held["tensor"])
+                counter[0] += 1
 
-        def ours_recv():
-            held["tensor"] = transport.recv(peer, make_tag(Direction.FORWARD, counter[0] % (1 << 32)),
-                                            device=device.name)
-            counter[0] += 1
+            def ours_recv(transport=transport):
+                held["tensor"] = transport.recv(peer, make_tag(Direction.FORWARD, counter[0] % (1 << 32)),
+                                                device=device.name)
+                counter[0] += 1
 
-        # Bit-exact check on one round trip first (the echo is what rank 1 received).
-        ping_pong(device, ours_send, ours_recv, rank, 1)
-        if rank == 0:
-            row["bit_exact"] = bool(torch.equal(held["tensor"], payload))
-        row["ours_s"] = ping_pong(device, ours_send, ours_recv, rank, count)
-        transport.wait_sends(timeout=120)
-        row["ours_path"] = transport.device_path_of(peer)
+            # Bit-exact check on one round trip first (the echo is what rank 1 received).
+            held["tensor"] = payload
+            ping_pong(device, ours_send, ours_recv, rank, 1)
+            if rank == 0:
+                row[f"{name}_bit_exact"] = bool(torch.equal(held["tensor"], payload))
+            row[f"{name}_s"] = ping_pong(device, ours_send, ours_recv, rank, count)
+            transport.wait_sends(timeout=120)
+            row[f"{name}_path"] = transport.device_path_of(peer)
+        row["bit_exact"] = row.get("ours_bit_exact", True) and row.get("ipc_bit_exact", True)
 
         host = torch.empty(size, dtype=torch.uint8)
 
@@ -154,13 +160,17 @@ def run_cuda_section(plan: dict, rank: int) -> list:
             row["ours_over_pinned"] = row["ours_gbs"] / row["pinned_gbs"]
             row["ours_over_d2d"] = row["ours_gbs"] / row["d2d_gbs"]
             row["ours_over_gloo"] = row["ours_gbs"] / row["gloo_gbs"]
+            row["ipc_over_d2d"] = row["ipc_gbs"] / row["d2d_gbs"]
             rows.append(row)
         dist.barrier()
-    transport.close()
+    for transport in transports.values():
+        transport.close()
     return rows
 
 
 CUDA_COLUMNS = [("size", "size", 0), ("ours us", "ours_us", 1), ("ours GB/s", "ours_gbs", 2),
+                ("ipc us", "ipc_us", 1), ("ipc GB/s", "ipc_gbs", 2),
                 ("d2d GB/s", "d2d_gbs", 1), ("pinned GB/s", "pinned_gbs", 2), ("pageable GB/s", "pageable_gbs", 2),
                 ("gloo GB/s", "gloo_gbs", 2), ("ours/pinned", "ours_over_pinned", 2),
-                ("ours/d2d", "ours_over_d2d", 4), ("ours/gloo", "ours_over_gloo", 2)]
+                ("ours/d2d", "ours_over_d2d", 4), ("ours/gloo", "ours_over_gloo", 2),
+                ("ipc/d2d", "ipc_over_d2d", 3)]
