@@ -5,6 +5,7 @@ tests/test_transport_cuda.py runs the same path with the real engine where CUDA 
 
 import logging
 import threading
+import time
 
 import pytest
 import torch
@@ -222,6 +223,15 @@ def ipc_pair(job_id):
     receiver.close()
 
 
+def wait_for_an_acknowledgement(sender, timeout_s=10.0):
+    """Until an IPC acknowledgement has reached the sender's inbox (the receiver sends it when it takes a message;
+    a sender that finds none yet stages the next message, which is right, but not what these tests look at)."""
+    give_up_at = time.monotonic() + timeout_s
+    while not any(tag >> 60 == 0xF for _, tag in sender.poll()):
+        assert time.monotonic() < give_up_at, "no acknowledgement arrived"
+        time.sleep(0.001)
+
+
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 def test_every_dtype_goes_through_ipc_slots_bit_exactly(ipc_pair, dtype):
     sender, receiver, engine = ipc_pair
@@ -230,6 +240,7 @@ def test_every_dtype_goes_through_ipc_slots_bit_exactly(ipc_pair, dtype):
         sender.send(1, make_tag(FWD, index), tensor)
         received = receiver.recv(0, make_tag(FWD, index), dtype=dtype)
         assert same_bits(received, tensor), shape
+        wait_for_an_acknowledgement(sender)
     sender.wait_sends(timeout=10)
     assert sender.device_path_of(1) == "cuda ipc" and engine.takes == 5
 
@@ -240,6 +251,7 @@ def test_ipc_slots_are_reused_once_acknowledged_and_grow_for_larger_messages(ipc
         tensor = torch.full((1000 * (index + 1),), float(index))
         sender.send(1, make_tag(FWD, index), tensor).wait(timeout=10)
         assert torch.equal(receiver.recv(0, make_tag(FWD, index)), tensor)
+        wait_for_an_acknowledgement(sender)
     assert sender.device_path_of(1) == "cuda ipc"
     assert engine.buffers_made <= 4 * 2  # 4 slots of >= 1 MiB; 120 KB messages never make one grow twice
 

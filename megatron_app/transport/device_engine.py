@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .device_staging import prepare
+from .device_staging import IpcUnavailable, prepare
 
 # cudaHostRegisterPortable: the registration counts for every CUDA context of this process, not only the current.
 HOST_REGISTER_PORTABLE = 1
@@ -74,10 +74,6 @@ def _unpack_fields(data: bytes, count: int) -> list:
     if at != len(data):
         raise ValueError("an IPC export with trailing bytes")
     return values
-
-
-class IpcUnavailable(RuntimeError):
-    """CUDA IPC cannot serve this link (the stager falls back to the staged path and says why, once)."""
 
 
 def _ipc_unavailable_reason() -> Optional[str]:

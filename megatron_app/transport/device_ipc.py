@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch
 
+from ._core import core
 from .dtypes import dtype_from_code
 
 IPC_ENV = "MEGATRON_APP_CUDA_IPC"
@@ -76,9 +77,17 @@ class IpcSender:
 
     def _free_slot(self, peer: int) -> Optional[tuple[int, _SendSlot]]:
         ring = self._rings.setdefault(peer, [_SendSlot() for _ in range(IPC_SLOTS)])
-        for index, slot in enumerate(ring):
-            if not slot.awaiting or self._take_ack(peer, index, slot):
-                return index, slot
+        for attempt in range(2):
+            for index, slot in enumerate(ring):
+                if not slot.awaiting or self._take_ack(peer, index, slot):
+                    return index, slot
+            if attempt == 0:
+                # try_take does not wait for a receiver thread busy copying out: collect once with the lock held
+                # (a zero timeout never sleeps), so an acknowledgement already in the ring is found.
+                try:
+                    self._core.wait_any([(peer, ack_tag(index)) for index in range(IPC_SLOTS)], 0.0)
+                except core.TransportTimeout:
+                    return None
         return None
 
     def _take_ack(self, peer: int, index: int, slot: _SendSlot) -> bool:

@@ -35,6 +35,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ._core import core
 from .dtypes import dtype_code
 
 LOG = logging.getLogger(__name__)
@@ -43,6 +44,10 @@ LOG = logging.getLogger(__name__)
 # busy (chunk k+1 is queued behind chunk k) and never needs more than the 2 slots every ring has.
 PIPELINE_DEPTH = 2
 SHM_DIRECTORY = "/dev/shm"
+
+
+class IpcUnavailable(RuntimeError):
+    """CUDA IPC cannot serve a link (the stager falls back to the staged path and says why, once)."""
 
 
 def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -140,9 +145,8 @@ class DeviceSendHandle:
         return self._event.is_set()
 
     def wait(self, timeout: Optional[float] = None) -> None:
-        from .transport import TransportTimeout  # the core's exception type
         if not self._event.wait(timeout):
-            raise TransportTimeout(f"send to peer {self.peer} (tag {self.tag}) not done after {timeout} s")
+            raise core.TransportTimeout(f"send to peer {self.peer} (tag {self.tag}) not done after {timeout} s")
         if self._error is not None:
             self._reported = True
             raise self._error
@@ -199,10 +203,9 @@ class Stager:
 
     def wait_idle(self, timeout: Optional[float] = None) -> None:
         """Waits until everything queued is done; raises the first error not reported by a handle yet."""
-        from .transport import TransportTimeout
         with self._lock:
             if not self._lock.wait_for(lambda: not self._queue and not self._working, timeout):
-                raise TransportTimeout(f"device sends still in flight after {timeout} s")
+                raise core.TransportTimeout(f"device sends still in flight after {timeout} s")
             handles, self._handles = self._handles, []
         for handle in handles:
             if handle._error is not None and not handle._reported:
@@ -224,14 +227,13 @@ class Stager:
     def stop(self, close_core: Optional[Callable[[], None]] = None) -> None:
         """Stops the thread after the message it is sending (`close_core`, called first, makes the core fail it
         fast), then unregisters every slot region. Queued sends fail with TransportClosed. Idempotent."""
-        from .transport import TransportClosed
         with self._lock:
             self._stopping = True
             dropped = list(self._queue)
             self._queue.clear()
             self._lock.notify_all()
         for entry in dropped:
-            entry[0]._finish(TransportClosed("transport closed before this send started"))
+            entry[0]._finish(core.TransportClosed("transport closed before this send started"))
         if close_core is not None:
             close_core()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
@@ -299,8 +301,6 @@ class Stager:
     def _send_by_ipc(self, peer: int, tag: int, code: int, shape, flat: torch.Tensor) -> bool:
         """True once sent through CUDA IPC (device_ipc.py); False: take the staged path (IPC cannot serve this
         peer, said once, or every IPC slot to it awaits the receiver)."""
-        from .device_engine import IpcUnavailable
-
         if peer not in self._ipc_off:
             reason = self.engine.ipc_unavailable_reason()
             if reason is None:

@@ -114,7 +114,7 @@ class FakeIpcEngine(FakeCopyEngine):
 
     def export_buffer(self, buffer):
         if self.export_problem:
-            from megatron_app.transport.device_engine import IpcUnavailable
+            from megatron_app.transport.device_staging import IpcUnavailable
             raise IpcUnavailable(self.export_problem)
         key = f"buffer{id(buffer)}".encode()
         _EXPORTS[key] = buffer
