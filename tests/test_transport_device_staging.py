@@ -312,3 +312,16 @@ def test_a_malformed_ipc_descriptor_is_refused(ipc_pair, payload):
         request.wait()
     with pytest.raises(ValueError, match="malformed IPC descriptor"):
         receiver.recv(0, make_tag(FWD, 0))
+
+
+def test_a_message_over_the_limit_is_refused_at_send(job_id):
+    engine = FakeCopyEngine()
+    sender, receiver = staged_pair(job_id, engine, max_message_bytes=1000)
+    try:
+        with pytest.raises(ValueError, match="exceeds max_message_bytes=1000"):
+            sender.send(1, make_tag(FWD, 0), torch.zeros(1001, dtype=torch.uint8))
+        with pytest.raises(ValueError, match="not among the peers|out of range"):
+            sender.send(5, make_tag(FWD, 0), torch.zeros(10))
+    finally:
+        sender.close()
+        receiver.close()

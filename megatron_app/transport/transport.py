@@ -146,6 +146,7 @@ class Transport(ClosesOnExit):
         self.world_size = world_size
         self.job_id = job_id
         self.peers = tuple(self._core.peers)
+        self._max_message_bytes = max_message_bytes
         self._pending: dict[int, collections.deque] = {}  # per peer: handles keeping unfinished sends' tensors
         # Device tensors go through the stager (device_staging.py): `copy_engine` is its copy engine (None: CUDA's,
         # made at the first CUDA send; tests give a fake one that takes host tensors down the same path).
@@ -209,6 +210,9 @@ class Transport(ClosesOnExit):
     def _send_staged(self, peer: int, tag: int, tensor: torch.Tensor, device_tensor: bool):
         """Hands the send to the stager's thread (after this peer's sends still in flight in the core)."""
         backend = self._core.backend_of(peer)  # ValueError for a rank that is not a peer
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes > self._max_message_bytes:  # refused here, as the core refuses a host tensor
+            raise ValueError(f"message of {nbytes} bytes exceeds max_message_bytes={self._max_message_bytes}")
         stager = self._stager or self._start_stager()
         self._forget_finished_sends()
         earlier = list(self._pending.pop(peer, ()))  # their handles keep their tensors alive until they are done
