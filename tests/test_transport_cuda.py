@@ -204,3 +204,25 @@ def test_a_rank_killed_mid_send_leaves_no_segment_and_the_peer_reads_peer_died(j
             sender.wait()
         receiver.close()
     assert job_segments(job_id) == []  # the job_id fixture checks again after cleanup
+
+
+@pytest.mark.parametrize("arena_mib", [0, 1, 256])
+def test_receives_through_the_page_locked_arena_and_around_it(job_id, monkeypatch, arena_mib):
+    """256 MiB: every message lands in the arena and is copied to the device asynchronously; 1 MiB: the larger
+    ones take the chunked path; 0: no arena."""
+    monkeypatch.setenv("MEGATRON_APP_CUDA_RECEIVE_ARENA_MIB", str(arena_mib))
+    sender = Transport(0, 2, job_id, timeout_s=60)
+    receiver = Transport(1, 2, job_id, timeout_s=60)
+    try:
+        tensors = [torch.randn(n, device="cuda") for n in (10, 100_000, 1_000_000, 3, 0, 200_000)] * 3
+        for index, tensor in enumerate(tensors):
+            sender.send(1, make_tag(FWD, index), tensor)
+        received = [receiver.recv(0, make_tag(FWD, index), device="cuda") for index in range(len(tensors))]
+        for index, (got, tensor) in enumerate(zip(received, tensors)):
+            assert torch.equal(got, tensor), index
+        assert (receiver._arena is False) == (arena_mib == 0)
+        if arena_mib:
+            assert receiver._arena.is_pinned()
+    finally:
+        sender.close()
+        receiver.close()

@@ -325,3 +325,89 @@ def test_a_message_over_the_limit_is_refused_at_send(job_id):
     finally:
         sender.close()
         receiver.close()
+
+
+# ---- receives onto the device: the page-locked arena (transport.py) --------------------------------------------
+def arena_pair(job_id, monkeypatch, arena_mib, lag=1):
+    monkeypatch.setenv("MEGATRON_APP_CUDA_RECEIVE_ARENA_MIB", str(arena_mib))
+    engine = FakeCopyEngine(lag=lag)
+    sender = Transport(0, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20)
+    receiver = Transport(1, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=engine)
+    return sender, receiver, engine
+
+
+def in_arena(engine, tensor):
+    base = engine.arena.data_ptr()
+    return base <= tensor.data_ptr() < base + engine.arena.numel()
+
+
+def test_device_receives_come_from_the_arena_and_copy_asynchronously(job_id, monkeypatch):
+    sender, receiver, engine = arena_pair(job_id, monkeypatch, arena_mib=1, lag=3)
+    try:
+        messages = [message_for(seed=3, index=index, max_numel=20_000) for index in range(40)]
+        for index, message in enumerate(messages):
+            sender.send(1, make_tag(FWD, index), message)
+            received = receiver.recv(0, make_tag(FWD, index), device="cpu")  # "cpu" is the fake's device
+            assert same_bits(received, message), index
+        nonempty = sum(1 for message in messages[1:] if message.numel())
+        assert engine.arena is not None and engine.async_receives >= nonempty // 2
+        assert engine.async_receives + engine.chunked_receives >= nonempty
+    finally:
+        sender.close()
+        receiver.close()
+    assert engine.in_flight == 0  # close waited for the copies out of the arena
+
+
+def test_messages_larger_than_the_arena_take_the_chunked_path(job_id, monkeypatch):
+    sender, receiver, engine = arena_pair(job_id, monkeypatch, arena_mib=1)
+    try:
+        for index in range(3):
+            tensor = torch.randn(400_000)  # 1.6 MB
+            sender.send(1, make_tag(FWD, index), tensor)
+            assert torch.equal(receiver.recv(0, make_tag(FWD, index), device="cpu"), tensor)
+        assert engine.async_receives == 0 and engine.chunked_receives == 3
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_host_receives_never_hand_out_arena_memory(job_id, monkeypatch):
+    sender, receiver, engine = arena_pair(job_id, monkeypatch, arena_mib=1)
+    try:
+        for index in range(4):
+            tensor = torch.full((5000,), float(index))
+            sender.send(1, make_tag(FWD, index), tensor)
+            received = receiver.recv(0, make_tag(FWD, index), device="cpu" if index == 0 else None)
+            assert torch.equal(received, tensor)
+            if index:
+                assert not in_arena(engine, received)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+@pytest.mark.parametrize("value, problem", [("x", "a whole number of MiB"), ("-1", ">= 0 MiB")])
+def test_a_bad_arena_size_is_one_clear_error(job_id, monkeypatch, value, problem):
+    monkeypatch.setenv("MEGATRON_APP_CUDA_RECEIVE_ARENA_MIB", value)
+    engine = FakeCopyEngine()
+    sender = Transport(0, 2, job_id, timeout_s=20)
+    receiver = Transport(1, 2, job_id, timeout_s=20, copy_engine=engine)
+    try:
+        sender.send(1, make_tag(FWD, 0), torch.ones(3))
+        with pytest.raises(ValueError, match=problem):
+            receiver.recv(0, make_tag(FWD, 0), device="cpu")
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_no_arena_when_its_size_is_zero(job_id, monkeypatch):
+    sender, receiver, engine = arena_pair(job_id, monkeypatch, arena_mib=0)
+    try:
+        for index in range(3):
+            sender.send(1, make_tag(FWD, index), torch.ones(100))
+            assert torch.equal(receiver.recv(0, make_tag(FWD, index), device="cpu"), torch.ones(100))
+        assert engine.arena is None and engine.chunked_receives == 3
+    finally:
+        sender.close()
+        receiver.close()

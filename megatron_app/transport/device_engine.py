@@ -217,6 +217,26 @@ class CudaCopyEngine:
             destination[start:end].copy_(staging[start:end], non_blocking=True)
         return target
 
+    # ---- receives (transport.py's arena) ----
+    @staticmethod
+    def receives_onto(device) -> bool:
+        return torch.device(device).type == "cuda"
+
+    @staticmethod
+    def receive_arena(nbytes: int) -> torch.Tensor:
+        """Page-locked host bytes (torch's host allocator: page-aligned)."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    @staticmethod
+    def to_device_async(host: torch.Tensor, device):
+        """(host's tensor on `device`, event of the copy): page-locked `host` copied on the current stream; `host`
+        must live until the event is done."""
+        target = torch.empty(host.shape, dtype=host.dtype, device=device)
+        target.copy_(host, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(target.device))
+        return target, done
+
     # ---- CUDA IPC (device_ipc.py) ----
     ipc_unavailable_reason = staticmethod(_ipc_unavailable_reason)
     export_buffer = staticmethod(_export_buffer)

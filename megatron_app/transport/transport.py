@@ -8,7 +8,9 @@
 from __future__ import annotations
 
 import collections
+import logging
 import math
+import os
 import weakref
 from collections.abc import Iterable, Mapping
 
@@ -22,6 +24,11 @@ from .device_staging import Stager
 from .dtypes import dtype_from_code
 from .protocol import ClosesOnExit
 from .tags import MAX_TAG, describe_tag, validate_tag
+
+LOG = logging.getLogger(__name__)
+# Page-locked memory a transport receives device-bound messages into (0: none; messages then take the chunked path).
+ARENA_ENV = "MEGATRON_APP_CUDA_RECEIVE_ARENA_MIB"
+DEFAULT_ARENA_MIB = 256
 
 TransportTimeout = core.TransportTimeout
 PeerDied = core.PeerDied
@@ -155,6 +162,9 @@ class Transport(ClosesOnExit):
         self._ipc_receiver = None
         self._stager: Stager | None = None
         self._stager_finalizer = None
+        self._arena = None  # page-locked receive buffers (None: not tried yet; False: none)
+        self._arena_finalizer = None
+        self._keepalive: collections.deque = collections.deque()  # (copy token, host buffer) still being copied
 
     # -- links to other hosts ------------------------------------------------------------------------------------
     @property
@@ -291,12 +301,64 @@ class Transport(ClosesOnExit):
     def _decode(self, peer: int, message, device):
         """The tensor of a message the core handed over: its bytes, or (IPC) the slot its descriptor names."""
         if not is_descriptor(message[0]):
-            return codec.decode(*message, device=device)
+            if device is None and self._arena is None:
+                return codec.decode(*message)
+            host = codec.decode(*message)
+            if device is not None and self._receives_onto(device):
+                return self._onto_device(host, device)
+            if self._in_arena(host):
+                host = host.clone()  # what this call hands out must not outlive the arena
+            return host if device is None else codec.to_device(host, device)
         if self._ipc_receiver is None:
             self._ipc_receiver = IpcReceiver(self._engine())
         tensor, ack_tag, ack = self._ipc_receiver.take(peer, *message, device=device)
         self._send_host(peer, ack_tag, payload_bytes(ack))  # the slot is the sender's again
         return tensor
+
+    # -- device receives: the arena --------------------------------------------------------------------------------
+    def _receives_onto(self, device) -> bool:
+        if self._copy_engine is None:
+            return torch.device(device).type == "cuda"
+        return self._copy_engine.receives_onto(device)
+
+    def _in_arena(self, host: torch.Tensor) -> bool:
+        if self._arena is None or self._arena is False or not host.numel():
+            return False
+        base = self._arena.data_ptr()
+        return base <= host.data_ptr() < base + self._arena.numel()
+
+    def _onto_device(self, host: torch.Tensor, device) -> torch.Tensor:
+        """A received host tensor on `device`. Receive buffers come from a page-locked arena (made at the first
+        such receive, ARENA_ENV MiB, then handed to the core): from there the copy to the device runs at once and
+        asynchronously, the host buffer kept until the copy is done. Elsewhere (the arena full, or none): through
+        page-locked chunks."""
+        engine = self._engine()
+        while self._keepalive and engine.done(self._keepalive[0][0]):
+            self._keepalive.popleft()  # their buffers go back to the arena
+        if self._arena is None:
+            self._start_arena(engine)
+        if self._in_arena(host):
+            tensor, token = engine.to_device_async(host, device)
+            self._keepalive.append((token, host))
+            return tensor
+        return engine.to_device(host, device)
+
+    def _start_arena(self, engine) -> None:
+        nbytes = receive_arena_bytes()
+        self._arena = False  # tried, whatever happens below
+        if nbytes == 0:
+            return
+        try:
+            arena = engine.receive_arena(nbytes)
+            self._core.set_receive_arena(arena.data_ptr(), arena.numel())
+        except (RuntimeError, ValueError) as error:
+            LOG.warning("megatron_app.transport: no page-locked receive arena (%s): device tensors are received "
+                        "through page-locked chunks", error)
+            return
+        self._arena = arena
+        # The core may write into the arena until it is closed: closing it comes before the arena can go, also
+        # when nobody calls close().
+        self._arena_finalizer = weakref.finalize(self, _close_keeping, self._core.close, arena)
 
     def _has_dtype(self, peer: int, tag: int, dtype: torch.dtype) -> bool:
         """False if the message has not arrived; ValueError (message kept) if it carries another dtype."""
@@ -325,10 +387,32 @@ class Transport(ClosesOnExit):
             self._stager_finalizer()  # stager.stop(core.close): fails queued sends, unregisters the slots
         self._core.close()
         self._pending.clear()
+        while self._keepalive:  # copies out of the arena still running
+            token, _ = self._keepalive.popleft()
+            self._copy_engine.wait(token)
+        if self._arena_finalizer is not None:
+            self._arena_finalizer()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
         return f"Transport(rank={self.rank}, world_size={self.world_size}, job_id={self.job_id!r}, {state})"
+
+
+def _close_keeping(close, arena) -> None:
+    """Closes the core while `arena` (held by the caller's reference) is still alive."""
+    close()
+
+
+def receive_arena_bytes() -> int:
+    """Bytes of the page-locked receive arena of a transport that receives device tensors (ARENA_ENV, in MiB)."""
+    text = os.environ.get(ARENA_ENV, str(DEFAULT_ARENA_MIB))
+    try:
+        mib = int(text)
+    except ValueError:
+        raise ValueError(f"{ARENA_ENV} must be a whole number of MiB, got {text!r}") from None
+    if mib < 0:
+        raise ValueError(f"{ARENA_ENV} must be >= 0 MiB, got {mib}")
+    return mib << 20
 
 
 def cleanup_job(job_id: str) -> list[str]:

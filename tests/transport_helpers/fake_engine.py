@@ -30,6 +30,9 @@ class FakeCopyEngine:
         self.registered: dict[int, int] = {}
         self.unregistered: list[int] = []
         self.followed = 0
+        self.async_receives = 0
+        self.chunked_receives = 0
+        self.arena = None
 
     @staticmethod
     def handles(tensor: torch.Tensor) -> bool:
@@ -74,6 +77,27 @@ class FakeCopyEngine:
     @staticmethod
     def pinned_like(flat: torch.Tensor) -> torch.Tensor:
         return torch.empty(flat.shape, dtype=torch.uint8)
+
+    # receives: device="cpu" stands for the device; the arena is host memory, page-aligned like pinned memory
+    receive_device = "cpu"
+
+    def receives_onto(self, device) -> bool:
+        return device == self.receive_device
+
+    def receive_arena(self, nbytes: int) -> torch.Tensor:
+        raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
+        start = -raw.data_ptr() % 4096
+        self.arena = raw[start:start + nbytes]
+        return self.arena
+
+    def to_device_async(self, host: torch.Tensor, device):
+        self.async_receives += 1
+        self.in_flight += 1
+        return host.clone(), FakeCopy(torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8), self.lag)
+
+    def to_device(self, host: torch.Tensor, device):
+        self.chunked_receives += 1
+        return host.clone()
 
     def register(self, address: int, nbytes: int):
         if self.register_problem is None:

@@ -238,6 +238,12 @@ PYBIND11_MODULE(_shm_tensor_rdma, m) {
             return std::make_pair(reinterpret_cast<uintptr_t>(region.data), region.bytes);
           },
           py::arg("peer"))
+      .def(
+          "set_receive_arena",
+          [](Transport& transport, uintptr_t address, uint64_t nbytes) {
+            transport.set_receive_arena(reinterpret_cast<uint8_t*>(address), nbytes);
+          },
+          py::arg("address"), py::arg("nbytes"))
       .def("wait_sends", &Transport::wait_sends, py::arg("timeout") = py::none(),
            py::call_guard<py::gil_scoped_release>())
       .def("poll", &Transport::poll, py::call_guard<py::gil_scoped_release>())

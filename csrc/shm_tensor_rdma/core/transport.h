@@ -42,6 +42,9 @@ class Transport {
                          uint64_t nbytes, uint64_t offset);
   void commit_slot(int peer);
   SlotRegion slot_region(int peer);
+  // Receive buffers come from [base, base + bytes) while it has room (BufferPool::set_arena; the caller keeps the
+  // memory alive as long as any received buffer may use it). Once per transport.
+  void set_receive_arena(uint8_t* base, size_t bytes) { pool_->set_arena(base, bytes); }
   // Waits for every send posted so far; rethrows the first failure not reported yet.
   void wait_sends(std::optional<double> timeout_s);
   // Keys of messages fully arrived and not yet taken, oldest first. Never blocks.
