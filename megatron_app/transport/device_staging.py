@@ -5,7 +5,9 @@ waits for the producer's stream (an event recorded at send()), leases the peer's
 (`reserve_slot`), has the copy engine copy that chunk device-to-host straight into the slot, and commits each
 slot (`commit_slot`) as soon as its copy is done, while the next chunk's copy runs: the receiver copies chunk k out
 while chunk k+1 crosses the bus. Links that lend no slots (tcp, rdma) get the tensor staged through pinned memory
-by the same thread, then the core's ordinary send.
+by the same thread, then the core's ordinary send. On the receiving side the core copies messages into a page-locked
+arena (transport.py) and the receive copies them to the device asynchronously; CUDA IPC (device_ipc.py) skips the
+host altogether.
 
 Everything here but the copy engine is device-independent and runs on CPU in the tests (a fake engine); the CUDA
 lines are CudaCopyEngine (device_engine.py), the one interface:
