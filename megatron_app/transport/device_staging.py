@@ -195,7 +195,7 @@ class Stager:
         source, ready = self.engine.begin(tensor) if device_tensor else (prepare(tensor), None)
         with self._lock:
             if self._stopping:
-                raise RuntimeError("the transport is closed")
+                raise core.TransportClosed("the transport is closed")
             self._queue.append((handle, peer, tag, source, ready, list(earlier), device_tensor and lends_slots,
                                 device_tensor))
             self._queued_per_peer[peer] += 1
