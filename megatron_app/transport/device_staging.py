@@ -178,7 +178,6 @@ class Stager:
         self._fallback_said: set = set()
         self._paths: dict[int, dict[str, int]] = {}  # peer -> {path: messages}, in order of first use (path_of)
         self._stopping = False
-        self._core_requests: dict[int, list] = collections.defaultdict(list)  # host sends posted by the stager
         self._thread = threading.Thread(target=self._run, name="megatron_app-stager", daemon=True)
         self._thread.start()
 
@@ -199,6 +198,8 @@ class Stager:
             self._queue.append((handle, peer, tag, source, ready, list(earlier), device_tensor and lends_slots,
                                 device_tensor))
             self._queued_per_peer[peer] += 1
+            if len(self._handles) >= 256:  # a caller that never calls wait_sends: forget what succeeded
+                self._handles = [h for h in self._handles if not h.done() or h._error is not None]
             self._handles.append(handle)
             self._lock.notify_all()
         return handle
