@@ -126,3 +126,42 @@ def test_bad_arguments_give_one_line_and_non_zero_exit(flags, message):
     result = run_bench(*flags)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [f"bench_transport.py: error: {message}"]
+
+
+def check_cuda_rows(rows, sizes):
+    assert [row["size"] for row in rows] == sizes
+    for row in rows:
+        assert row["bit_exact"] is True
+        for method in ("ours", "ipc", "d2d", "pinned", "pageable", "gloo"):
+            assert row[f"{method}_gbs"] > 0 and row[f"{method}_us"] > 0, method
+        assert row["ours_over_pinned"] == pytest.approx(row["ours_gbs"] / row["pinned_gbs"])
+
+
+def test_cuda_section_rehearsed_on_host_tensors(tmp_path):
+    out = tmp_path / "cuda.json"
+    result = run_bench("--device", "cuda", "--rehearsal", "--sizes", "64K", "--seconds", "0.01", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "cuda: two processes on one host (rehearsal)" in result.stdout and "bit-exact: yes" in result.stdout
+    document = json.loads(out.read_text())
+    assert document["device"] == "cuda" and document["cuda"]["device"] == "host (rehearsal)"
+    check_cuda_rows(document["cuda"]["rows"], [64 * 1024])
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal where CUDA is absent")
+def test_device_cuda_without_cuda_is_one_line_and_non_zero():
+    result = run_bench("--device", "cuda")
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines() == [
+        f"bench_transport.py: error: --device cuda needs a CUDA device; torch {__import__('torch').__version__} "
+        "sees none"]
+
+
+@pytest.mark.cuda
+def test_cuda_section_on_the_gpu(tmp_path):
+    out = tmp_path / "cuda.json"
+    result = run_bench("--device", "cuda", "--quick", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())["cuda"]["rows"]
+    check_cuda_rows(rows, [64 * 1024, 1 << 20])
+    assert {row["ours_path"] for row in rows} <= {"slots, registered", "slots, not registered"}
+    assert all(row["ipc_path"].startswith("cuda ipc") for row in rows)

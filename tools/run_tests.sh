@@ -21,7 +21,7 @@ LATEST_FILTER="not equality or (every_schedule and P2-V2-T1) or (dropout and P2-
 # process it happens in, so the run fails.
 SANITIZED_TESTS=(tests/test_transport_roundtrip.py tests/test_transport_tcp.py tests/test_transport_lifecycle.py
                  tests/test_transport_processes.py tests/test_rdma_protocol.py tests/test_lossy_transport.py
-                 tests/test_transport_admission.py tests/test_wire_fuzz.py)
+                 tests/test_transport_admission.py tests/test_wire_fuzz.py tests/test_transport_device_staging.py)
 want_sanitized=${MEGATRON_APP_TEST_SANITIZE:-$([ "$#" -eq 0 ] && echo 1 || echo 0)}
 want_latest=${MEGATRON_APP_TEST_LATEST:-$([ "$#" -eq 0 ] && echo 1 || echo 0)}
 

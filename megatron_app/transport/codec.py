@@ -9,7 +9,8 @@ from .dtypes import CODE_TO_DTYPE, dtype_code, dtype_from_code
 
 def encode(tensor) -> tuple:
     """(dtype_code, shape, data_ptr, nbytes, host_tensor): a host-contiguous view of `tensor` for the core.
-    The core reads host_tensor's memory until the send completes. CUDA tensors are staged via pinned memory."""
+    The core reads host_tensor's memory until the send completes. Transport.send hands CUDA tensors to the stager
+    (device_staging.py); other callers get them staged here via pinned memory."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"can only send torch.Tensor, got {type(tensor).__name__}")
     if tensor.layout != torch.strided or tensor.is_quantized:
@@ -52,5 +53,14 @@ def decode(code: int, shape: tuple, nbytes: int, payload, device=None) -> torch.
         if len(shape) != 1:  # 1-D: frombuffer's shape already is the message's
             tensor = tensor.view(*shape) if shape else tensor.view(())  # view() checks the element count
     if device is not None:
-        tensor = tensor.to(device)
+        tensor = to_device(tensor, device)
     return tensor
+
+
+def to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """A received host tensor moved to `device`: CUDA through page-locked chunks (device_engine), else .to()."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        from .device_engine import CudaCopyEngine  # the CUDA lines
+        return CudaCopyEngine.to_device(host, device)
+    return host.to(device)

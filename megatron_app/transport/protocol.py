@@ -128,7 +128,11 @@ class TransportWrapper(ClosesOnExit):
     def _hand_out(self, peer: int, tag: int, tensor, device):
         # The filter sees the tensor where the transport decoded it (host memory); the device move comes last.
         tensor = self.filter_arrival(peer, tag, tensor)
-        return tensor if device is None else tensor.to(device)
+        if device is None:
+            return tensor
+        from .codec import to_device  # CUDA through page-locked chunks, as an unwrapped transport does
+
+        return to_device(tensor, device)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.inner!r})"

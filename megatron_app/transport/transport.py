@@ -8,16 +8,27 @@
 from __future__ import annotations
 
 import collections
+import logging
 import math
+import os
+import weakref
 from collections.abc import Iterable, Mapping
 
 import torch
 
 from . import codec
 from ._core import core
+from .backends import SHM
+from .device_ipc import IpcReceiver, ipc_requested, is_descriptor, payload_bytes, IPC_FLAG
+from .device_staging import Stager
 from .dtypes import dtype_from_code
 from .protocol import ClosesOnExit
 from .tags import MAX_TAG, describe_tag, validate_tag
+
+LOG = logging.getLogger(__name__)
+# Page-locked memory a transport receives device-bound messages into (0: none; messages then take the chunked path).
+ARENA_ENV = "MEGATRON_APP_CUDA_RECEIVE_ARENA_MIB"
+DEFAULT_ARENA_MIB = 256
 
 TransportTimeout = core.TransportTimeout
 PeerDied = core.PeerDied
@@ -103,6 +114,8 @@ class Transport(ClosesOnExit):
         listen_host: str = "127.0.0.1",
         listen_port: int = 0,
         admission_secret: bytes = b"",
+        copy_engine=None,
+        cuda_ipc: bool | None = None,
     ):
         if not isinstance(job_id, str):
             raise TypeError(f"job_id must be a str, got {type(job_id).__name__}")
@@ -140,7 +153,18 @@ class Transport(ClosesOnExit):
         self.world_size = world_size
         self.job_id = job_id
         self.peers = tuple(self._core.peers)
+        self._max_message_bytes = max_message_bytes
         self._pending: dict[int, collections.deque] = {}  # per peer: handles keeping unfinished sends' tensors
+        # Device tensors go through the stager (device_staging.py): `copy_engine` is its copy engine (None: CUDA's,
+        # made at the first CUDA send; tests give a fake one that takes host tensors down the same path).
+        self._copy_engine = copy_engine
+        self._cuda_ipc = ipc_requested(cuda_ipc)  # device_ipc.py: device buffers between ranks of this host
+        self._ipc_receiver = None
+        self._stager: Stager | None = None
+        self._stager_finalizer = None
+        self._arena = None  # page-locked receive buffers (None: not tried yet; False: none)
+        self._arena_finalizer = None
+        self._keepalive: collections.deque = collections.deque()  # (copy token, host buffer) still being copied
 
     # -- links to other hosts ------------------------------------------------------------------------------------
     @property
@@ -175,6 +199,15 @@ class Transport(ClosesOnExit):
             peer = _int_arg(peer, "peer")
         if type(tag) is not int or not 0 <= tag <= MAX_TAG:
             tag = validate_tag(tag)
+        if isinstance(tensor, torch.Tensor):
+            if tensor.is_cuda if self._copy_engine is None else self._copy_engine.handles(tensor):
+                return self._send_staged(peer, tag, tensor, device_tensor=True)
+        return self._send_host(peer, tag, tensor)
+
+    def _send_host(self, peer: int, tag: int, tensor) -> SendHandle:
+        """The core's send of a host tensor (through the stager while it carries earlier sends to `peer`)."""
+        if self._stager is not None and isinstance(tensor, torch.Tensor) and self._stager.busy_with(peer):
+            return self._send_staged(peer, tag, tensor, device_tensor=False)  # keeps the order to `peer`
         code, shape, data_ptr, nbytes, host_tensor = codec.encode(tensor)
         request = self._core.send(peer, tag, code, shape, data_ptr, nbytes)
         if request is None:  # already copied into the peer's ring
@@ -183,6 +216,34 @@ class Transport(ClosesOnExit):
         self._forget_finished_sends()
         self._pending.setdefault(peer, collections.deque()).append(handle)
         return handle
+
+    def _send_staged(self, peer: int, tag: int, tensor: torch.Tensor, device_tensor: bool):
+        """Hands the send to the stager's thread (after this peer's sends still in flight in the core)."""
+        backend = self._core.backend_of(peer)  # ValueError for a rank that is not a peer
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes > self._max_message_bytes:  # refused here, as the core refuses a host tensor
+            raise ValueError(f"message of {nbytes} bytes exceeds max_message_bytes={self._max_message_bytes}")
+        stager = self._stager or self._start_stager()
+        self._forget_finished_sends()
+        earlier = list(self._pending.pop(peer, ()))  # their handles keep their tensors alive until they are done
+        return stager.submit(peer, tag, tensor, earlier, device_tensor, lends_slots=backend == SHM)
+
+    def _engine(self):
+        if self._copy_engine is None:
+            from .device_engine import CudaCopyEngine  # the CUDA lines, imported where CUDA tensors are sent
+            self._copy_engine = CudaCopyEngine()
+        return self._copy_engine
+
+    def _start_stager(self) -> Stager:
+        self._stager = Stager(self._core, self._engine(), ipc=self._cuda_ipc)
+        # Registered slots are unregistered before the core unmaps them, also when nobody calls close().
+        self._stager_finalizer = weakref.finalize(self, self._stager.stop, self._core.close)
+        return self._stager
+
+    def device_path_of(self, peer: int) -> str | None:
+        """How device tensors have gone to `peer` so far: 'slots, registered', 'slots, not registered',
+        'pinned staging' (a link that lends no slots), or None before the first device send to it."""
+        return None if self._stager is None else self._stager.path_of(peer)
 
     def _forget_finished_sends(self) -> None:
         """Drops the transport's references to tensors whose sends completed. Sends to one peer complete in
@@ -193,6 +254,8 @@ class Transport(ClosesOnExit):
 
     def wait_sends(self, timeout: float | None = None) -> None:
         """Blocks until every send posted so far completed; raises the first failure not reported yet."""
+        if self._stager is not None:
+            self._stager.wait_idle(_timeout_arg(timeout))
         self._core.wait_sends(_timeout_arg(timeout))
         self._forget_finished_sends()
 
@@ -207,7 +270,7 @@ class Transport(ClosesOnExit):
         if dtype is not None and not self._has_dtype(peer, tag, dtype):
             return None
         message = self._core.try_take(peer, tag)
-        return None if message is None else codec.decode(*message, device=device)
+        return None if message is None else self._decode(peer, message, device)
 
     def recv(self, peer: int, tag: int, timeout: float | None = None, dtype: torch.dtype | None = None,
              device=None) -> torch.Tensor:
@@ -217,13 +280,13 @@ class Transport(ClosesOnExit):
         if timeout is not None:
             timeout = _timeout_arg(timeout)
         if dtype is None:
-            return codec.decode(*self._core.recv(peer, tag, timeout), device=device)
+            return self._decode(peer, self._core.recv(peer, tag, timeout), device)
         while True:
             self._core.wait_any([(peer, tag)], timeout)
             if self._has_dtype(peer, tag, dtype):
                 message = self._core.try_take(peer, tag)
                 if message is not None:
-                    return codec.decode(*message, device=device)
+                    return self._decode(peer, message, device)
 
     def wait_any(self, keys: Iterable[tuple[int, int]], timeout: float | None = None) -> tuple[int, int]:
         """Blocks until one of `keys` has arrived and returns that key (without taking the message)."""
@@ -235,6 +298,68 @@ class Transport(ClosesOnExit):
         except TypeError:
             return self._core.wait_any([_key_arg(key) for key in keys], timeout)  # raises a clear error
 
+    def _decode(self, peer: int, message, device):
+        """The tensor of a message the core handed over: its bytes, or (IPC) the slot its descriptor names."""
+        if not is_descriptor(message[0]):
+            if device is None and self._arena is None:
+                return codec.decode(*message)
+            host = codec.decode(*message)
+            if device is not None and self._receives_onto(device):
+                return self._onto_device(host, device)
+            if self._in_arena(host):
+                host = host.clone()  # what this call hands out must not outlive the arena
+            return host if device is None else codec.to_device(host, device)
+        if self._ipc_receiver is None:
+            self._ipc_receiver = IpcReceiver(self._engine())
+        tensor, ack_tag, ack = self._ipc_receiver.take(peer, *message, device=device)
+        self._send_host(peer, ack_tag, payload_bytes(ack))  # the slot is the sender's again
+        return tensor
+
+    # -- device receives: the arena --------------------------------------------------------------------------------
+    def _receives_onto(self, device) -> bool:
+        if self._copy_engine is None:
+            return torch.device(device).type == "cuda"
+        return self._copy_engine.receives_onto(device)
+
+    def _in_arena(self, host: torch.Tensor) -> bool:
+        if self._arena is None or self._arena is False or not host.numel():
+            return False
+        base = self._arena.data_ptr()
+        return base <= host.data_ptr() < base + self._arena.numel()
+
+    def _onto_device(self, host: torch.Tensor, device) -> torch.Tensor:
+        """A received host tensor on `device`. Receive buffers come from a page-locked arena (made at the first
+        such receive, ARENA_ENV MiB, then handed to the core): from there the copy to the device runs at once and
+        asynchronously, the host buffer kept until the copy is done. Elsewhere (the arena full, or none): through
+        page-locked chunks."""
+        engine = self._engine()
+        while self._keepalive and engine.done(self._keepalive[0][0]):
+            self._keepalive.popleft()  # their buffers go back to the arena
+        if self._arena is None:
+            self._start_arena(engine)
+        if self._in_arena(host):
+            tensor, token = engine.to_device_async(host, device)
+            self._keepalive.append((token, host))
+            return tensor
+        return engine.to_device(host, device)
+
+    def _start_arena(self, engine) -> None:
+        nbytes = receive_arena_bytes()
+        self._arena = False  # tried, whatever happens below
+        if nbytes == 0:
+            return
+        try:
+            arena = engine.receive_arena(nbytes)
+            self._core.set_receive_arena(arena.data_ptr(), arena.numel())
+        except (RuntimeError, ValueError) as error:
+            LOG.warning("megatron_app.transport: no page-locked receive arena (%s): device tensors are received "
+                        "through page-locked chunks", error)
+            return
+        self._arena = arena
+        # The core may write into the arena until it is closed: closing it comes before the arena can go, also
+        # when nobody calls close().
+        self._arena_finalizer = weakref.finalize(self, _close_keeping, self._core.close, arena)
+
     def _has_dtype(self, peer: int, tag: int, dtype: torch.dtype) -> bool:
         """False if the message has not arrived; ValueError (message kept) if it carries another dtype."""
         if not isinstance(dtype, torch.dtype):
@@ -242,7 +367,7 @@ class Transport(ClosesOnExit):
         header = self._core.peek(peer, tag)
         if header is None:
             return False
-        carried = dtype_from_code(header[0])
+        carried = dtype_from_code(header[0] & ~IPC_FLAG)
         if carried != dtype:
             raise ValueError(
                 f"requested dtype {dtype} but the message from peer rank {peer} ({describe_tag(tag)}) "
@@ -258,12 +383,36 @@ class Transport(ClosesOnExit):
     def close(self) -> None:
         """Stops the transport. Sends not completed yet fail with TransportClosed: call wait_sends() first to
         flush them. Idempotent."""
+        if self._stager_finalizer is not None:
+            self._stager_finalizer()  # stager.stop(core.close): fails queued sends, unregisters the slots
         self._core.close()
         self._pending.clear()
+        while self._keepalive:  # copies out of the arena still running
+            token, _ = self._keepalive.popleft()
+            self._copy_engine.wait(token)
+        if self._arena_finalizer is not None:
+            self._arena_finalizer()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
         return f"Transport(rank={self.rank}, world_size={self.world_size}, job_id={self.job_id!r}, {state})"
+
+
+def _close_keeping(close, arena) -> None:
+    """Closes the core while `arena` (held by the caller's reference) is still alive."""
+    close()
+
+
+def receive_arena_bytes() -> int:
+    """Bytes of the page-locked receive arena of a transport that receives device tensors (ARENA_ENV, in MiB)."""
+    text = os.environ.get(ARENA_ENV, str(DEFAULT_ARENA_MIB))
+    try:
+        mib = int(text)
+    except ValueError:
+        raise ValueError(f"{ARENA_ENV} must be a whole number of MiB, got {text!r}") from None
+    if mib < 0:
+        raise ValueError(f"{ARENA_ENV} must be >= 0 MiB, got {mib}")
+    return mib << 20
 
 
 def cleanup_job(job_id: str) -> list[str]:

@@ -219,6 +219,31 @@ PYBIND11_MODULE(_shm_tensor_rdma, m) {
           },
           py::arg("peer"), py::arg("tag"), py::arg("dtype_code"), py::arg("shape"), py::arg("data_ptr"),
           py::arg("nbytes"))
+      .def(
+          "reserve_slot",
+          [](Transport& transport, int peer, uint64_t tag, uint32_t dtype_code, const std::vector<int64_t>& shape,
+             uint64_t nbytes, uint64_t offset) {
+            py::gil_scoped_release release;
+            const SlotLease lease = transport.reserve_slot(peer, tag, dtype_code, shape, nbytes, offset);
+            return std::make_pair(reinterpret_cast<uintptr_t>(lease.data), lease.length);
+          },
+          py::arg("peer"), py::arg("tag"), py::arg("dtype_code"), py::arg("shape"), py::arg("nbytes"),
+          py::arg("offset"))
+      .def("commit_slot", &Transport::commit_slot, py::arg("peer"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "slot_region",
+          [](Transport& transport, int peer) {
+            py::gil_scoped_release release;
+            const SlotRegion region = transport.slot_region(peer);
+            return std::make_pair(reinterpret_cast<uintptr_t>(region.data), region.bytes);
+          },
+          py::arg("peer"))
+      .def(
+          "set_receive_arena",
+          [](Transport& transport, uintptr_t address, uint64_t nbytes) {
+            transport.set_receive_arena(reinterpret_cast<uint8_t*>(address), nbytes);
+          },
+          py::arg("address"), py::arg("nbytes"))
       .def("wait_sends", &Transport::wait_sends, py::arg("timeout") = py::none(),
            py::call_guard<py::gil_scoped_release>())
       .def("poll", &Transport::poll, py::call_guard<py::gil_scoped_release>())

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -69,6 +70,20 @@ class Backend {
   // Blocks until the message from `offset` on (what send_now() left; 0 for backends that never send inline)
   // is handed over: the caller's buffer is free again. Throws PeerDiedError, ClosedError, TimeoutError.
   virtual void send(int peer, const OutgoingMessage& message, const SendLimits& limits, uint64_t offset) = 0;
+
+  // Slot leases (shm only; others throw std::invalid_argument): the caller fills a slot of the peer's ring itself,
+  // e.g. a device copy engine writing straight into shared memory, then commits it. See ShmChannel::reserve.
+  // reserve_slot blocks like send() (attaching to the peer first if needed); commit_slot publishes the oldest
+  // leased chunk. The transport keeps other sends to the peer out while leases are outstanding.
+  virtual SlotLease reserve_slot(int peer, const OutgoingMessage& message, uint64_t offset,
+                                 const SendLimits& limits) {
+    throw std::invalid_argument(std::string("the ") + name() + " backend lends no slots");
+  }
+  virtual void commit_slot(int peer) { throw std::invalid_argument(std::string("the ") + name() + " backend lends no slots"); }
+  // The memory reserve_slot() lends from for `peer` (waits for the peer's segment like reserve_slot).
+  virtual SlotRegion slot_region(int peer, const SendLimits& limits, uint64_t tag) {
+    throw std::invalid_argument(std::string("the ") + name() + " backend lends no slots");
+  }
 
   // Publishes arrivals that wait for a caller's thread (shm copies chunks out of its rings; remote backends
   // publish from their own threads). With wait_for_lock=false, returns at once if another thread is at it.

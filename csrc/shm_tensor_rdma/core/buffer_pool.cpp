@@ -2,7 +2,10 @@
 
 #include <sys/mman.h>
 
+#include <cstdint>
 #include <cstdlib>
+#include <iterator>
+#include <stdexcept>
 #include <new>
 #include <utility>
 #include <vector>
@@ -87,11 +90,37 @@ uint8_t* BufferPool::forget(SizeAndAge key) {
   return data;
 }
 
+void BufferPool::set_arena(uint8_t* base, size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (arena_base_ != nullptr) throw std::logic_error("the receive arena is set once");
+  if (base == nullptr || bytes < kPageBytes || reinterpret_cast<uintptr_t>(base) % kPageBytes != 0) {
+    throw std::invalid_argument("an arena must be page-aligned and at least a page");
+  }
+  arena_base_ = base;
+  arena_end_ = base + bytes / kPageBytes * kPageBytes;
+  arena_free_.emplace(0, static_cast<size_t>(arena_end_ - arena_base_));
+}
+
+uint8_t* BufferPool::take_from_arena(size_t capacity) {
+  for (auto range = arena_free_.begin(); range != arena_free_.end(); ++range) {  // first fit
+    if (range->second < capacity) continue;
+    const size_t offset = range->first;
+    const size_t left = range->second - capacity;
+    arena_free_.erase(range);
+    if (left > 0) arena_free_.emplace(offset + capacity, left);
+    return arena_base_ + offset;
+  }
+  return nullptr;
+}
+
 PooledBuffer BufferPool::acquire(size_t size) {
   if (size == 0) return PooledBuffer();
   const size_t capacity = capacity_for(size);
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (arena_base_ != nullptr) {
+      if (uint8_t* data = take_from_arena(capacity)) return PooledBuffer(shared_from_this(), data, size, capacity);
+    }
     // Reuse a cached buffer at most 25% larger than needed.
     auto found = by_capacity_.lower_bound(SizeAndAge(capacity, 0));
     if (found != by_capacity_.end() && found->first.first <= capacity + capacity / 4) {
@@ -103,6 +132,27 @@ PooledBuffer BufferPool::acquire(size_t size) {
 }
 
 void BufferPool::give_back(uint8_t* data, size_t capacity) {
+  std::unique_lock<std::mutex> arena_lock(mutex_);
+  if (in_arena(data)) {
+    size_t offset = static_cast<size_t>(data - arena_base_);
+    size_t length = capacity;
+    auto next = arena_free_.lower_bound(offset);
+    if (next != arena_free_.end() && next->first == offset + length) {  // merge with the free range after
+      length += next->second;
+      next = arena_free_.erase(next);
+    }
+    if (next != arena_free_.begin()) {  // and with the one before
+      auto previous = std::prev(next);
+      if (previous->first + previous->second == offset) {
+        offset = previous->first;
+        length += previous->second;
+        arena_free_.erase(previous);
+      }
+    }
+    arena_free_.emplace(offset, length);
+    return;
+  }
+  arena_lock.unlock();
   if (capacity > max_cached_bytes_) {
     release(data, capacity);
     return;

@@ -44,8 +44,13 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
   static std::shared_ptr<BufferPool> create(size_t max_cached_bytes);
   ~BufferPool();
 
-  // A buffer of exactly `size` bytes (size 0 allocates nothing). Throws std::bad_alloc.
+  // A buffer of exactly `size` bytes (size 0 allocates nothing): from the arena while it has room, else from the
+  // cache or fresh memory. Throws std::bad_alloc.
   PooledBuffer acquire(size_t size);
+  // Memory the caller owns (page-locked for a device, say) that later buffers come from while it has room; their
+  // space returns to it when they are given back. The caller keeps it alive as long as any buffer may use it (the
+  // pool only hands out and takes back ranges of it; it never reads, writes or frees it). Once per pool.
+  void set_arena(uint8_t* base, size_t bytes);
 
  private:
   friend class PooledBuffer;
@@ -56,7 +61,15 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
   // Removes a cached buffer from both indexes and returns its memory; caller holds mutex_.
   uint8_t* forget(SizeAndAge key);  // by value: the key may live in the node it erases
 
+  // Whether `data` lies in the arena; caller holds mutex_.
+  bool in_arena(const uint8_t* data) const { return arena_base_ != nullptr && data >= arena_base_ && data < arena_end_; }
+  // A page-aligned range of the arena of at least `capacity` bytes, or nullptr; caller holds mutex_.
+  uint8_t* take_from_arena(size_t capacity);
+
   const size_t max_cached_bytes_;
+  uint8_t* arena_base_ = nullptr;  // set once, before buffers come from it
+  uint8_t* arena_end_ = nullptr;
+  std::map<size_t, size_t> arena_free_;  // offset -> length of each free range, coalesced
   std::mutex mutex_;
   std::map<SizeAndAge, uint8_t*> by_capacity_;
   std::map<uint64_t, size_t> by_age_;  // age -> capacity, oldest first

@@ -14,6 +14,18 @@ struct OutgoingMessage {
   const uint8_t* data;  // header.nbytes bytes; the caller keeps them valid until the send completes
 };
 
+// A slot lent to the caller (Backend::reserve_slot): `length` payload bytes of the message go to `data`.
+struct SlotLease {
+  uint8_t* data;
+  uint64_t length;
+};
+
+// A range of memory a backend lends slots from (registered once with a device so copies into it run at full speed).
+struct SlotRegion {
+  uint8_t* data;
+  uint64_t bytes;
+};
+
 struct SendLimits {
   int my_rank;
   double timeout_s;                  // without progress, give up after this long

@@ -250,6 +250,31 @@ std::shared_ptr<SendRequest> Transport::send(int peer, uint64_t tag, uint32_t dt
   return post_send(peer, message, 0);
 }
 
+SlotLease Transport::reserve_slot(int peer, uint64_t tag, uint32_t dtype_code, const std::vector<int64_t>& shape,
+                                  uint64_t nbytes, uint64_t offset) {
+  check_usable();
+  validate_peer(peer, "send to");
+  if (nbytes > options_.max_message_bytes) {
+    throw std::invalid_argument("message of " + std::to_string(nbytes) + " bytes exceeds max_message_bytes=" +
+                                std::to_string(options_.max_message_bytes));
+  }
+  const OutgoingMessage message{make_message_header(tag, dtype_code, shape, nbytes), nullptr};
+  return backend_of_[peer]->reserve_slot(peer, message, offset,
+                                         SendLimits{options_.rank, options_.timeout_s, &closing_});
+}
+
+void Transport::commit_slot(int peer) {
+  check_usable();
+  validate_peer(peer, "send to");
+  backend_of_[peer]->commit_slot(peer);
+}
+
+SlotRegion Transport::slot_region(int peer) {
+  check_usable();
+  validate_peer(peer, "send to");
+  return backend_of_[peer]->slot_region(peer, SendLimits{options_.rank, options_.timeout_s, &closing_}, 0);
+}
+
 std::shared_ptr<SendRequest> Transport::post_send(int peer, const OutgoingMessage& message, uint64_t offset) {
   auto request = std::make_shared<SendRequest>();
   workers_->submit(peer, [this, request, peer, message, offset] { perform_send(request, peer, message, offset); });

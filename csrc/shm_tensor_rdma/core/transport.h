@@ -36,6 +36,15 @@ class Transport {
   // the message was already copied into the peer's ring (small messages, ring not full).
   std::shared_ptr<SendRequest> send(int peer, uint64_t tag, uint32_t dtype_code, const std::vector<int64_t>& shape,
                                     const void* data, uint64_t nbytes);
+  // Slot leases for a caller that fills the peer's slots itself (Backend::reserve_slot): the caller must have no
+  // send to `peer` in flight (wait for its requests first) and post none until every lease is committed.
+  SlotLease reserve_slot(int peer, uint64_t tag, uint32_t dtype_code, const std::vector<int64_t>& shape,
+                         uint64_t nbytes, uint64_t offset);
+  void commit_slot(int peer);
+  SlotRegion slot_region(int peer);
+  // Receive buffers come from [base, base + bytes) while it has room (BufferPool::set_arena; the caller keeps the
+  // memory alive as long as any received buffer may use it). Once per transport.
+  void set_receive_arena(uint8_t* base, size_t bytes) { pool_->set_arena(base, bytes); }
   // Waits for every send posted so far; rethrows the first failure not reported yet.
   void wait_sends(std::optional<double> timeout_s);
   // Keys of messages fully arrived and not yet taken, oldest first. Never blocks.

@@ -47,6 +47,22 @@ void ShmBackend::send(int peer, const OutgoingMessage& message, const SendLimits
   channel.send(message, limits, offset);
 }
 
+SlotLease ShmBackend::reserve_slot(int peer, const OutgoingMessage& message, uint64_t offset,
+                                   const SendLimits& limits) {
+  ShmChannel& channel = connector_->wait_channel(peer, message.header.tag, limits.timeout_s, *limits.stopping);
+  return channel.reserve(message, offset, limits);
+}
+
+void ShmBackend::commit_slot(int peer) {
+  ShmChannel* channel = connector_->channel_if_ready(peer);
+  if (channel == nullptr) throw std::logic_error("commit_slot before any slot of " + peer_name(peer) + " was leased");
+  channel->commit();
+}
+
+SlotRegion ShmBackend::slot_region(int peer, const SendLimits& limits, uint64_t tag) {
+  return connector_->wait_channel(peer, tag, limits.timeout_s, *limits.stopping).slot_region();
+}
+
 std::unique_ptr<Backend::ForegroundWait> ShmBackend::foreground_wait() {
   return std::make_unique<ShmForegroundWait>(*receiver_);
 }

@@ -27,6 +27,10 @@ class ShmBackend : public Backend {
   bool sends_inline() const override { return true; }
   bool send_now(int peer, const OutgoingMessage& message, uint64_t* offset, uint64_t until) override;
   void send(int peer, const OutgoingMessage& message, const SendLimits& limits, uint64_t offset) override;
+  SlotLease reserve_slot(int peer, const OutgoingMessage& message, uint64_t offset,
+                         const SendLimits& limits) override;
+  void commit_slot(int peer) override;
+  SlotRegion slot_region(int peer, const SendLimits& limits, uint64_t tag) override;
   void collect_arrivals(bool wait_for_lock) override { receiver_->drain_available(wait_for_lock); }
   std::unique_ptr<ForegroundWait> foreground_wait() override;
   std::optional<PeerFailure> failure(int peer) override;

@@ -98,7 +98,7 @@ uint64_t ShmChannel::publish_chunk(const OutgoingMessage& message, uint64_t offs
 }
 
 bool ShmChannel::send_now(const OutgoingMessage& message, uint64_t* offset, uint64_t until) {
-  if (owner_closed()) return false;
+  if (owner_closed() || leased_ != 0) return false;
   for (;;) {
     if (ring_full()) return false;
     *offset += publish_chunk(message, *offset);
@@ -107,7 +107,52 @@ bool ShmChannel::send_now(const OutgoingMessage& message, uint64_t* offset, uint
   }
 }
 
+SlotLease ShmChannel::reserve(const OutgoingMessage& message, uint64_t offset, const SendLimits& limits) {
+  if (owner_closed()) {
+    throw ClosedError(peer_name(peer_rank_) + " closed its transport before rank " +
+                      std::to_string(limits.my_rank) + " sent " + describe_tag(message.header.tag));
+  }
+  if (offset > message.header.nbytes || (offset == message.header.nbytes && offset != 0)) {
+    throw std::invalid_argument("slot lease at byte " + std::to_string(offset) + " of a " +
+                                std::to_string(message.header.nbytes) + "-byte message");
+  }
+  // Each lease costs its filler a round of calls (reserve, copy, event, commit: tens of microseconds from
+  // Python), so leases are as large as they can be while two of them still overlap: half the message, at least
+  // 64 KiB, at most a slot.
+  if (offset == 0) {
+    const uint64_t half = round_up((message.header.nbytes + 1) / 2, kChunkAlignBytes);
+    chunk_bytes_ = std::min(std::max(half, kMinChunkBytes), view_.slot_bytes());
+  }
+  wait_for_free_slot(message, limits, leased_);
+  const uint64_t index = ring_.head.load(std::memory_order_relaxed) + leased_;
+  const uint64_t slot = index % view_.slots_per_ring();
+  const uint64_t length = std::min(chunk_bytes_, message.header.nbytes - offset);
+  ChunkHeader& chunk = view_.chunk(ring_index_, slot);
+  chunk.message = message.header;
+  chunk.offset = offset;
+  chunk.length = length;
+  ++leased_;
+  return SlotLease{view_.slot_data(ring_index_, slot), length};
+}
+
+void ShmChannel::commit() {
+  if (leased_ == 0) throw std::logic_error("commit without a leased slot");
+  const uint64_t head = ring_.head.load(std::memory_order_relaxed);
+  ring_.head.store(head + 1, std::memory_order_seq_cst);
+  --leased_;
+  notify_chunk_published(view_.header());
+}
+
+SlotRegion ShmChannel::slot_region() const {
+  uint8_t* first = view_.slot_data(ring_index_, 0);
+  // Whole pages (the last slot's padding lies inside the mapping): what cudaHostRegister pins is page-granular.
+  const uint8_t* end =
+      view_.slot_data(ring_index_, view_.slots_per_ring() - 1) + round_up(view_.slot_bytes(), kChunkAlignBytes);
+  return SlotRegion{first, static_cast<uint64_t>(end - first)};
+}
+
 void ShmChannel::send(const OutgoingMessage& message, const SendLimits& limits, uint64_t offset) {
+  if (leased_ != 0) throw std::logic_error("send on a channel with leased slots");
   if (owner_closed()) {
     throw ClosedError(peer_name(peer_rank_) + " closed its transport before rank " +
                       std::to_string(limits.my_rank) + " sent " + describe_tag(message.header.tag));
@@ -118,7 +163,7 @@ void ShmChannel::send(const OutgoingMessage& message, const SendLimits& limits, 
   } while (offset < message.header.nbytes);
 }
 
-void ShmChannel::wait_for_free_slot(const OutgoingMessage& message, const SendLimits& limits) {
+void ShmChannel::wait_for_free_slot(const OutgoingMessage& message, const SendLimits& limits, uint64_t ahead) {
   Doorbell space(&ring_.space);
   const auto give_up_at = deadline_after(limits.timeout_s);
   auto next_liveness_check = Clock::now();  // check at once: queued sends to a dead peer fail without delay
@@ -129,7 +174,7 @@ void ShmChannel::wait_for_free_slot(const OutgoingMessage& message, const SendLi
   for (;;) {
     const uint32_t seen = space.snapshot();
     const uint64_t head = ring_.head.load(std::memory_order_relaxed);
-    if (head - ring_.tail.load(std::memory_order_acquire) < view_.slots_per_ring()) return;
+    if (head + ahead - ring_.tail.load(std::memory_order_acquire) < view_.slots_per_ring()) return;
     if (limits.stopping->load(std::memory_order_acquire)) throw ClosedError("transport closed while " + what());
     if (owner_closed()) {
       throw ClosedError(peer_name(peer_rank_) + " closed its transport while " + what());

@@ -36,6 +36,17 @@ class ShmChannel {
 
   const ProcessIdentity& owner() const { return owner_; }
   bool owner_closed() const { return view_.header().closed.load(std::memory_order_acquire) != 0; }
+  // Slot leases, for a caller that fills slots itself (a device copy engine writing straight into shared memory):
+  // reserve() waits for a free slot beyond those already leased, writes the chunk header of the message's chunk
+  // starting at `offset` into it and returns where its `length` payload bytes go; commit() publishes the oldest
+  // leased chunk. Chunks are leased and committed in message order; nothing else may send on this channel while
+  // leases are outstanding. Throws like send().
+  SlotLease reserve(const OutgoingMessage& message, uint64_t offset, const SendLimits& limits);
+  void commit();
+  // Leased and not yet committed (0 when none).
+  uint64_t leased() const { return leased_; }
+  // This rank's slots in the peer's segment: the memory that leases point into (for registering it with a device).
+  SlotRegion slot_region() const;
   // Wakes a thread of ours sleeping in send() so it re-checks why it waits.
   void wake_sender();
   // Tells the receiver that this rank closed: it will send nothing more.
@@ -46,7 +57,8 @@ class ShmChannel {
   bool ring_full() const;
   // Writes the chunk starting at `offset` into the next slot and publishes it; returns its length.
   uint64_t publish_chunk(const OutgoingMessage& message, uint64_t offset);
-  void wait_for_free_slot(const OutgoingMessage& message, const SendLimits& limits);
+  // Waits until the ring has a free slot beyond the `ahead` already leased.
+  void wait_for_free_slot(const OutgoingMessage& message, const SendLimits& limits, uint64_t ahead = 0);
 
   std::unique_ptr<ShmSegment> segment_;
   SegmentView view_;
@@ -55,6 +67,7 @@ class ShmChannel {
   int peer_rank_;
   ProcessIdentity owner_;
   uint64_t chunk_bytes_ = 0;  // of the message being sent, chosen at its first chunk
+  uint64_t leased_ = 0;       // slots reserved and not yet committed (they follow head)
 };
 
 }  // namespace mapp

@@ -8,6 +8,8 @@ Sections (--backends):
   tcp   two network namespaces joined by a veth pair made here (root; else loopback, and the table says so): our
         TCP backend vs a raw socket stream (sendall / recv_into a preallocated buffer) vs gloo, on the same link
   rdma  our RDMA backend vs a raw TCP socket when an RDMA device is usable, else one line saying it was skipped
+--device cuda runs instead one section with CUDA tensors (bench/transport/cuda.py): our transport between two
+processes on one GPU against a device-to-device copy, pinned and pageable staging and gloo, 64 KiB .. 256 MiB.
 --loss-compare adds the loss layer's cost: the bandwidth of one shm transport with its loss layer off vs on
 (bernoulli p=0), switched between interleaved bursts, several repetitions.
 
@@ -15,6 +17,7 @@ Sections (--backends):
     python tools/bench_transport.py --backends tcp --rate 1gbit
     python tools/bench_transport.py --backends shm --loss-compare --repeats 9
     python tools/bench_transport.py --quick --json out.json  # a few seconds per section
+    python tools/bench_transport.py --device cuda --json cuda.json  # CUDA tensors (about a minute on an H200)
 """
 
 from __future__ import annotations
@@ -104,9 +107,22 @@ def parse_args(argv):
                         help="add shm bandwidth with the loss layer off vs on (bernoulli p=0) at 1 MiB and 16 MiB")
     parser.add_argument("--repeats", type=positive_int, default=None,
                         help="--loss-compare: repetitions per size (default 9, --quick 2)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: CUDA tensors between two processes on one GPU instead of the host sections")
+    parser.add_argument("--rehearsal", action="store_true",
+                        help="with --device cuda: run that section's code on host tensors (tests; numbers mean nothing)")
     parser.add_argument("--timeout", type=number(0, inclusive=False, finite=True), default=1800.0,
                         help="seconds before a section's processes are stopped (1800)")
     args = parser.parse_args(argv)
+    if args.rehearsal and args.device != "cuda":
+        parser.error("--rehearsal rehearses --device cuda; add it")
+    if args.device == "cuda":
+        from megatron_app.bench.transport.cuda import CUDA_QUICK_SIZES, CUDA_SIZES
+
+        if args.sizes is None:
+            args.sizes = CUDA_QUICK_SIZES if args.quick else CUDA_SIZES
+        if args.seconds is None:
+            args.seconds = 0.05 if args.quick else 0.25
     if args.sizes is None:
         args.sizes = QUICK_SIZES if args.quick else FULL_SIZES
     if any(size < 4 for size in args.sizes):
@@ -239,6 +255,21 @@ def run_rdma(args, scratch, job_id):
             "rows": add_remote_ratios(rows, "rdma")}
 
 
+def run_cuda(args, scratch, job_id):
+    from megatron_app.bench.transport.cuda import cuda_unavailable_reason
+
+    import torch
+
+    reason = None if args.rehearsal else cuda_unavailable_reason()
+    if reason:
+        raise BenchError(reason)
+    device = "cpu" if args.rehearsal else "cuda"
+    plan = {"section": "cuda", "job_id": job_id, "sizes": args.sizes, "seconds": args.seconds, "device": device}
+    rows = run_section(plan, scratch, args.timeout)
+    name = "host (rehearsal)" if args.rehearsal else torch.cuda.get_device_name(0)
+    return {"device": name, "torch": torch.__version__, "rows": rows}
+
+
 def run_loss_compare(args, scratch, job_id):
     loss = {"model": "bernoulli", "rate": 0.0}
     plan = {"section": "loss_compare", "job_id": job_id, "sizes": LOSS_COMPARE_SIZES, "seconds": args.seconds,
@@ -297,6 +328,16 @@ LOSS_COLUMNS = [("size", "size", 0), ("off GB/s", "off_median_gbs", 2), ("on p=0
 
 
 def report(document):
+    if "cuda" in document:
+        from megatron_app.bench.transport.cuda import CUDA_COLUMNS
+
+        section = document["cuda"]
+        paths = sorted({str(row.get("ours_path")) for row in section["rows"]})
+        ipc_paths = sorted({str(row.get("ipc_path")) for row in section["rows"]})
+        exact = all(row.get("bit_exact") for row in section["rows"])
+        print(f"cuda: two processes on one {section['device']} (torch {section['torch']}), one way; ours went by "
+              f"{', '.join(paths)}, ipc by {', '.join(ipc_paths)}; bit-exact: {'yes' if exact else 'NO'}")
+        print_table(CUDA_COLUMNS, section["rows"])
     if "shm" in document["backends"]:
         print("shm: two processes on this host")
         print_table(SHM_COLUMNS, document["rows"])
@@ -330,6 +371,7 @@ def main(argv=None):
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()},
         "quick": args.quick,
+        "device": args.device,
         "seconds_per_measurement": args.seconds,
         "backends": args.backends,
         "loss": args.loss,
@@ -338,12 +380,15 @@ def main(argv=None):
     runners = {"shm": run_shm, "tcp": run_tcp, "rdma": run_rdma}
     try:
         with tempfile.TemporaryDirectory(prefix="bench_transport") as scratch:
-            for backend in args.backends:
+            if args.device == "cuda":
+                document["backends"] = []
+                document["cuda"] = run_cuda(args, Path(scratch), f"{job_id}cuda")
+            for backend in (args.backends if args.device == "cpu" else []):
                 result = runners[backend](args, Path(scratch), f"{job_id}{backend}")
                 document["rows" if backend == "shm" else backend] = result
                 if backend == "shm":
                     document["latency_model"] = shm_latency_models(result)
-            if args.loss_compare:
+            if args.loss_compare and args.device == "cpu":
                 document["loss_compare"] = run_loss_compare(args, Path(scratch), f"{job_id}loss")
     except (BenchError, RuntimeError) as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)

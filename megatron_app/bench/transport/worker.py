@@ -4,6 +4,7 @@ namespace):  python -m megatron_app.bench.transport.worker PLAN.json RANK
 Sections:
   shm           our shared-memory transport vs gloo, and a single-thread memcpy on rank 0
   tcp | rdma    that backend of our transport vs a raw TCP socket stream vs gloo, between plan["hosts"]
+  cuda          CUDA tensors between the two ranks on one GPU: ours vs gloo, and local copies (bench/transport/cuda.py)
   loss_compare  one shared-memory transport with its loss layer (plan["loss"]) switched on and off between
                 interleaved bursts, so machine noise hits both alike
 Rank 0 writes its rows to plan["result_path"]; errors end the process with a traceback and exit status 1.
@@ -122,7 +123,14 @@ def receiver_packets(injector, rank):
     return shared[0]
 
 
-SECTIONS = {"shm": run_shm, "tcp": run_remote, "rdma": run_remote, "loss_compare": run_loss_compare}
+def run_cuda(plan, rank):
+    from megatron_app.bench.transport.cuda import run_cuda_section  # touches CUDA: only for this section
+
+    return run_cuda_section(plan, rank)
+
+
+SECTIONS = {"shm": run_shm, "tcp": run_remote, "rdma": run_remote, "loss_compare": run_loss_compare,
+            "cuda": run_cuda}
 
 
 def main(plan_path, rank):

@@ -1,0 +1,176 @@
+"""bench_transport --device cuda: CUDA tensors between two processes on one GPU host.
+
+Each size, one way (a ping-pong's round trip / 2, both ends' device tensors ready when the clock stops):
+  ours       our transport, staged: device-to-host straight into the peer's registered shared-memory slots on a
+             side stream, host-to-device on the receiver (megatron_app/transport/device_staging.py)
+  ipc        our transport with CUDA IPC: a device copy into a slot of an exported device buffer, a descriptor
+             through the transport, a device copy out on the receiver (megatron_app/transport/device_ipc.py)
+  d2d        one device-to-device copy in one process (the bound a device path aims at)
+  pinned     device-to-host into pinned memory + host-to-device, in one process (staging done by hand)
+  pageable   the same through pageable memory
+  gloo       torch.distributed gloo between the two processes with the CUDA tensor moved to and from the host
+             around each send/recv (gloo's send/recv carry host memory)
+Repetitions fill about `seconds` per size and method, at least 2 (plus one warm-up): 256 MiB runs a few times.
+plan["device"] "cpu" rehearses the same code on host tensors (the test suite runs it; its numbers mean nothing).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_app.bench.transport.links import KIB, MIB
+
+CUDA_SIZES = [64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]
+CUDA_QUICK_SIZES = [64 * KIB, 1 * MIB]
+METHODS = ("ours", "ipc", "d2d", "pinned", "pageable", "gloo")
+
+
+def cuda_unavailable_reason() -> str | None:
+    """None where a CUDA device is usable, else one line saying why not."""
+    if not torch.cuda.is_available():
+        return f"--device cuda needs a CUDA device; torch {torch.__version__} sees none"
+    return None
+
+
+def repetitions(size: int, seconds: float, guess_bytes_per_second: float = 10e9) -> int:
+    return max(2, min(500, int(seconds * guess_bytes_per_second / size)))
+
+
+class Device:
+    """The device the section runs on: CUDA, or the host for the rehearsal."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.cuda = name == "cuda"
+
+    def synchronize(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def _timed(device: Device, run, count: int) -> float:
+    """Seconds per call of run() after one warm-up, the device drained before and after."""
+    run()
+    device.synchronize()
+    start = time.perf_counter()
+    for _ in range(count):
+        run()
+    device.synchronize()
+    return (time.perf_counter() - start) / count
+
+
+def local_rows(device: Device, size: int, count: int) -> dict:
+    """d2d, pinned and pageable staging in this process: seconds one way."""
+    source = torch.randint(0, 256, (size,), dtype=torch.uint8, device=device.name)
+    target = torch.empty_like(source)
+    pinned = torch.empty(size, dtype=torch.uint8, pin_memory=device.cuda)
+    pageable = torch.empty(size, dtype=torch.uint8)
+
+    def pinned_staging():
+        pinned.copy_(source, non_blocking=True)
+        target.copy_(pinned, non_blocking=True)
+
+    def pageable_staging():
+        pageable.copy_(source)
+        target.copy_(pageable)
+
+    return {"d2d_s": _timed(device, lambda: target.copy_(source), count),
+            "pinned_s": _timed(device, pinned_staging, count),
+            "pageable_s": _timed(device, pageable_staging, count)}
+
+
+def ping_pong(device: Device, send, recv, rank: int, count: int) -> float:
+    """One-way seconds of `count` round trips (after one): rank 0 sends and waits for the echo."""
+    dist.barrier()
+    for round_ in range(count + 1):
+        if round_ == 1:
+            device.synchronize()
+            start = time.perf_counter()
+        if rank == 0:
+            send()
+            recv()
+        else:
+            recv()
+            send()
+    device.synchronize()
+    elapsed = time.perf_counter() - start
+    dist.barrier()
+    return elapsed / (2 * count)
+
+
+def run_cuda_section(plan: dict, rank: int) -> list:
+    """Both ranks on device 0 (the bench's subject is two ranks sharing a host; one GPU is what it needs)."""
+    from megatron_app.transport import Direction, Transport, make_tag
+
+    device = Device(plan.get("device", "cuda"))
+    if device.cuda:
+        torch.cuda.set_device(0)
+    peer = 1 - rank
+    transports = {"ours": Transport(rank, 2, plan["job_id"], timeout_s=120, cuda_ipc=False),
+                  "ipc": Transport(rank, 2, plan["job_id"] + "i", timeout_s=120, cuda_ipc=True)}
+    rows = []
+    counter = [0]
+    for size in plan["sizes"]:
+        count = repetitions(size, plan["seconds"])
+        payload = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size))
+        payload = payload.to(device.name)
+        held = {"tensor": payload}
+        row = {"size": size, "repetitions": count}
+
+        for name, transport in transports.items():
+            def ours_send(transport=transport):
+                transport.send(peer, make_tag(Direction.FORWARD, counter[0] % (1 << 32)), held["tensor"])
+                counter[0] += 1
+
+            def ours_recv(transport=transport):
+                held["tensor"] = transport.recv(peer, make_tag(Direction.FORWARD, counter[0] % (1 << 32)),
+                                                device=device.name)
+                counter[0] += 1
+
+            # Bit-exact check on one round trip first (the echo is what rank 1 received).
+            held["tensor"] = payload
+            ping_pong(device, ours_send, ours_recv, rank, 1)
+            if rank == 0:
+                row[f"{name}_bit_exact"] = bool(torch.equal(held["tensor"], payload))
+            row[f"{name}_s"] = ping_pong(device, ours_send, ours_recv, rank, count)
+            transport.wait_sends(timeout=120)
+            row[f"{name}_path"] = transport.device_path_of(peer)
+        row["bit_exact"] = row.get("ours_bit_exact", True) and row.get("ipc_bit_exact", True)
+
+        host = torch.empty(size, dtype=torch.uint8)
+
+        def gloo_send():
+            dist.send(held["tensor"].cpu(), dst=peer)
+
+        def gloo_recv():
+            dist.recv(host, src=peer)
+            held["tensor"] = host.to(device.name)
+
+        held["tensor"] = payload
+        row["gloo_s"] = ping_pong(device, gloo_send, gloo_recv, rank, max(2, count // 2))
+        dist.barrier()
+        if rank == 0:
+            row.update(local_rows(device, size, count))
+            for method in METHODS:
+                row[f"{method}_gbs"] = size / row[f"{method}_s"] / 1e9
+                row[f"{method}_us"] = row[f"{method}_s"] * 1e6
+            row["ours_over_pinned"] = row["ours_gbs"] / row["pinned_gbs"]
+            row["ours_over_d2d"] = row["ours_gbs"] / row["d2d_gbs"]
+            row["ours_over_gloo"] = row["ours_gbs"] / row["gloo_gbs"]
+            row["ipc_over_d2d"] = row["ipc_gbs"] / row["d2d_gbs"]
+            rows.append(row)
+        dist.barrier()
+    for transport in transports.values():
+        transport.close()
+    return rows
+
+
+CUDA_COLUMNS = [("size", "size", 0), ("ours us", "ours_us", 1), ("ours GB/s", "ours_gbs", 2),
+                ("ipc us", "ipc_us", 1), ("ipc GB/s", "ipc_gbs", 2),
+                ("d2d GB/s", "d2d_gbs", 1), ("pinned GB/s", "pinned_gbs", 2), ("pageable GB/s", "pageable_gbs", 2),
+                ("gloo GB/s", "gloo_gbs", 2), ("ours/pinned", "ours_over_pinned", 2),
+                ("ours/d2d", "ours_over_d2d", 4), ("ours/gloo", "ours_over_gloo", 2),
+                ("ipc/d2d", "ipc_over_d2d", 3)]

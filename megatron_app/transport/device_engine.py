@@ -1,0 +1,264 @@
+"""The CUDA lines of the transport, behind the copy-engine interface of device_staging.py (the only CUDA code here).
+
+Registration of the shared-memory slots with the CUDA runtime goes through torch's binding of it
+(`torch.cuda.cudart().cudaHostRegister`), from Python: the compiled core links neither libtorch nor the CUDA
+runtime, because CPU hosts build it without a CUDA toolkit (and one wheel of it serves every CUDA version torch
+brings).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Optional
+
+import torch
+
+from .device_staging import IpcUnavailable, prepare
+
+# cudaHostRegisterPortable: the registration counts for every CUDA context of this process, not only the current.
+HOST_REGISTER_PORTABLE = 1
+# Host-to-device copies of a received message go in chunks of this size through page-locked memory, so the host
+# copy of chunk k+1 overlaps the device copy of chunk k.
+RECEIVE_CHUNK_BYTES = 4 << 20
+
+
+def host_view(address: int, nbytes: int) -> torch.Tensor:
+    """A uint8 CPU tensor over `nbytes` at `address` (memory someone else owns and keeps alive)."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(address), dtype=torch.uint8)
+
+
+# ---- CUDA IPC (device_ipc.py) -----------------------------------------------------------------------------------
+# The fields of torch's own CUDA sharing (torch.multiprocessing.reductions.reduce_tensor / rebuild_cuda_tensor) that
+# cross to the peer, encoded field by field (never pickled: the bytes come from another process).
+_EXPORTED = ("device", "handle", "size_bytes", "offset_bytes", "ref_counter_handle", "ref_counter_offset",
+             "event_handle", "event_sync_required")
+_ARG_INDEX = {"device": 6, "handle": 7, "size_bytes": 8, "offset_bytes": 9, "ref_counter_handle": 11,
+              "ref_counter_offset": 12, "event_handle": 13, "event_sync_required": 14}
+
+
+def _pack_fields(values) -> bytes:
+    out = bytearray()
+    for value in values:
+        if isinstance(value, (bytes, bytearray)):
+            out += b"b" + len(value).to_bytes(4, "little") + bytes(value)
+        elif value is None:
+            out += b"n"
+        else:
+            out += b"i" + int(value).to_bytes(8, "little", signed=True)
+    return bytes(out)
+
+
+def _unpack_fields(data: bytes, count: int) -> list:
+    values, at = [], 0
+    for _ in range(count):
+        kind = data[at:at + 1]
+        at += 1
+        if kind == b"b":
+            length = int.from_bytes(data[at:at + 4], "little")
+            if at + 4 + length > len(data):
+                raise ValueError("a truncated IPC export")
+            values.append(data[at + 4:at + 4 + length])
+            at += 4 + length
+        elif kind == b"n":
+            values.append(None)
+        elif kind == b"i":
+            if at + 8 > len(data):
+                raise ValueError("a truncated IPC export")
+            values.append(int.from_bytes(data[at:at + 8], "little", signed=True))
+            at += 8
+        else:
+            raise ValueError("a malformed IPC export")
+    if at != len(data):
+        raise ValueError("an IPC export with trailing bytes")
+    return values
+
+
+def _ipc_unavailable_reason() -> Optional[str]:
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        if "expandable_segments:true" in os.environ.get(name, "").replace(" ", "").lower():
+            return f"{name} turns on expandable segments, whose memory cudaIpcGetMemHandle cannot export"
+    return None
+
+
+def _export_buffer(buffer: torch.Tensor) -> bytes:
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    try:
+        _, args = reduce_tensor(buffer)
+    except Exception as error:  # noqa: BLE001 - any failure to export means: no IPC on this link
+        raise IpcUnavailable(f"exporting a device buffer failed: {error}") from error
+    fields = [args[_ARG_INDEX[name]] for name in _EXPORTED]
+    fields[0] = fields[0] if isinstance(fields[0], int) else torch.device(fields[0]).index
+    fields[-1] = int(bool(fields[-1]))
+    return _pack_fields(fields)
+
+
+def _open_buffer(blob: bytes) -> torch.Tensor:
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    device, handle, size, offset, ref_handle, ref_offset, event_handle, sync = _unpack_fields(blob, len(_EXPORTED))
+    if not isinstance(handle, bytes) or not isinstance(size, int) or size < 0:
+        raise ValueError("a malformed IPC export")
+    return rebuild_cuda_tensor(torch.Tensor, (size,), (1,), 0, torch.UntypedStorage, torch.uint8, device, handle,
+                               size, offset, False, ref_handle, ref_offset, event_handle, bool(sync))
+
+
+def _ipc_event(device) -> "torch.cuda.Event":
+    with torch.cuda.device(device):
+        event = torch.cuda.Event(interprocess=True)
+        event.record()  # created on this device (an ipc_handle needs the event to exist)
+    return event
+
+
+def _export_event(event) -> bytes:
+    return bytes(event.ipc_handle())
+
+
+def _open_event(blob: bytes, device) -> "torch.cuda.Event":
+    return torch.cuda.Event.from_ipc_handle(device, blob)
+
+
+def _ipc_take(view, filled, consumed, dtype, shape, device) -> torch.Tensor:
+    """The slot's tensor copied into the receiver's own, on its current stream after the sender's `filled` event;
+    `consumed` recorded after the copy (the sender's next write into the slot waits for it)."""
+    slot_device = view.device if view is not None else torch.device("cuda", torch.cuda.current_device())
+    stream = torch.cuda.current_stream(slot_device)
+    stream.wait_event(filled)
+    with torch.cuda.device(slot_device):
+        out = torch.empty(shape, dtype=dtype, device=slot_device)
+        if view is not None:
+            out.copy_(view)
+        consumed.record(stream)
+    return out.to(device)
+
+
+class CudaCopyEngine:
+    """Device-to-host copies on one side stream per device, ordered after the producer's stream by an event;
+    completion by events that block (no spinning) when waited on."""
+
+    def __init__(self):
+        self._streams: dict[int, torch.cuda.Stream] = {}
+
+    @staticmethod
+    def handles(tensor: torch.Tensor) -> bool:
+        return tensor.is_cuda
+
+    def _stream(self, device: torch.device) -> "torch.cuda.Stream":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = self._streams.get(index)
+        if stream is None:
+            stream = self._streams[index] = torch.cuda.Stream(device=index)
+        return stream
+
+    def begin(self, tensor: torch.Tensor):
+        """(the tensor to copy from, the event after which it may be read): on the caller's thread, no wait."""
+        tensor = prepare(tensor)  # a contiguous() runs on the producer's stream, before the event
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(tensor.device))
+        return tensor, ready
+
+    def follow(self, source: torch.Tensor, ready) -> None:
+        """The side stream waits (on the device, not the host) for the producer's event."""
+        self._stream(source.device).wait_event(ready)
+
+    def to_host(self, destination: torch.Tensor, source: torch.Tensor):
+        stream = self._stream(source.device)
+        with torch.cuda.stream(stream):
+            destination.copy_(source, non_blocking=True)
+            done = torch.cuda.Event(blocking=True)
+            done.record(stream)
+        return done
+
+    @staticmethod
+    def done(token) -> bool:
+        return token is None or token.query()
+
+    @staticmethod
+    def wait(token) -> None:
+        if token is not None:
+            token.synchronize()
+
+    host_view = staticmethod(host_view)
+
+    @staticmethod
+    def pinned_like(flat: torch.Tensor) -> torch.Tensor:
+        return torch.empty(flat.shape, dtype=torch.uint8, pin_memory=True)
+
+    @staticmethod
+    def register(address: int, nbytes: int) -> Optional[str]:
+        """None once `nbytes` at `address` are registered (page-locked, device-visible), else why not."""
+        cudart = torch.cuda.cudart()
+        result = cudart.cudaHostRegister(address, nbytes, HOST_REGISTER_PORTABLE)
+        if int(result) == 0:
+            return None
+        return f"cudaHostRegister: {cudart.cudaGetErrorString(result)}"
+
+    @staticmethod
+    def unregister(address: int) -> None:
+        torch.cuda.cudart().cudaHostUnregister(address)
+
+    @staticmethod
+    def to_device(host: torch.Tensor, device) -> torch.Tensor:
+        """A received host tensor on `device`: copied in chunks through page-locked memory on the current stream
+        (the caller's later work is ordered after it; the host buffer is free when this returns)."""
+        target = torch.empty(host.shape, dtype=host.dtype, device=device)
+        nbytes = host.numel() * host.element_size()
+        if nbytes == 0:
+            return target
+        source = host.reshape(-1).view(torch.uint8) if host.dtype != torch.uint8 else host.reshape(-1)
+        destination = target.view(-1).view(torch.uint8) if target.dtype != torch.uint8 else target.view(-1)
+        staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)  # cached by torch's host allocator
+        for start in range(0, nbytes, RECEIVE_CHUNK_BYTES):
+            end = min(nbytes, start + RECEIVE_CHUNK_BYTES)
+            staging[start:end].copy_(source[start:end])
+            destination[start:end].copy_(staging[start:end], non_blocking=True)
+        return target
+
+    # ---- receives (transport.py's arena) ----
+    @staticmethod
+    def receives_onto(device) -> bool:
+        return torch.device(device).type == "cuda"
+
+    @staticmethod
+    def receive_arena(nbytes: int) -> torch.Tensor:
+        """Page-locked host bytes (torch's host allocator: page-aligned)."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    @staticmethod
+    def to_device_async(host: torch.Tensor, device):
+        """(host's tensor on `device`, event of the copy): page-locked `host` copied on the current stream; `host`
+        must live until the event is done."""
+        target = torch.empty(host.shape, dtype=host.dtype, device=device)
+        target.copy_(host, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(target.device))
+        return target, done
+
+    # ---- CUDA IPC (device_ipc.py) ----
+    ipc_unavailable_reason = staticmethod(_ipc_unavailable_reason)
+    export_buffer = staticmethod(_export_buffer)
+    open_buffer = staticmethod(_open_buffer)
+    ipc_event = staticmethod(_ipc_event)
+    export_event = staticmethod(_export_event)
+    open_event = staticmethod(_open_event)
+    ipc_take = staticmethod(_ipc_take)
+
+    @staticmethod
+    def ipc_buffer(nbytes: int, device) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def ipc_fill(self, destination, source, filled, consumed):
+        """Copies `source` into a slot on the side stream, after the receiver's last read of it (`consumed`),
+        then records the slot's `filled` event; the returned token completes with the copy."""
+        stream = self._stream(source.device)
+        with torch.cuda.stream(stream):
+            if consumed is not None:
+                stream.wait_event(consumed)
+            destination.copy_(source, non_blocking=True)
+            filled.record(stream)
+            done = torch.cuda.Event(blocking=True)
+            done.record(stream)
+        return done

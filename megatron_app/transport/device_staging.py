@@ -1,0 +1,357 @@
+"""Device tensors through the shared-memory transport: copied straight into the peer's slots, off the caller's thread.
+
+A send of a device tensor returns at once. One thread per transport (the stager) then, per message and in order:
+waits for the producer's stream (an event recorded at send()), leases the peer's next slot from the core
+(`reserve_slot`), has the copy engine copy that chunk device-to-host straight into the slot, and commits each
+slot (`commit_slot`) as soon as its copy is done, while the next chunk's copy runs: the receiver copies chunk k out
+while chunk k+1 crosses the bus. Links that lend no slots (tcp, rdma) get the tensor staged through pinned memory
+by the same thread, then the core's ordinary send. On the receiving side the core copies messages into a page-locked
+arena (transport.py) and the receive copies them to the device asynchronously; CUDA IPC (device_ipc.py) skips the
+host altogether.
+
+Everything here but the copy engine is device-independent and runs on CPU in the tests (a fake engine); the CUDA
+lines are CudaCopyEngine (device_engine.py), the one interface:
+
+    engine.handles(tensor) -> bool        tensors that take this path
+    engine.begin(tensor) -> (source, ready)  prepared tensor, event of the producer's stream (sender's thread)
+    engine.follow(source, ready)          the engine's copies of `source` wait for `ready` (stager's thread)
+    engine.to_host(dst, src) -> token     copy src (a flat uint8 device view) into dst (a host uint8 view)
+    engine.done(token) / engine.wait(token)
+    engine.host_view(address, nbytes)     a uint8 host tensor over memory the core lent
+    engine.pinned_like(flat)              page-locked host bytes for a link that lends no slots
+    engine.register(address, nbytes) -> None or why not / engine.unregister(address)
+    engine.to_device(host, device) -> tensor   (receive: host-to-device)
+
+Lifetime rule: as on CPU, the sent tensor must not be written until its handle is done (the stager reads it).
+Order: messages to one peer leave in send() order, whichever path each takes (host tensors posted while a device
+send to the same peer is queued wait in the same queue).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+from typing import Callable, Optional
+
+import torch
+
+from ._core import core
+from .dtypes import dtype_code
+
+LOG = logging.getLogger(__name__)
+
+# Chunks whose copies may be in flight at once per message (each holds one leased slot). 2 keeps the copy engine
+# busy (chunk k+1 is queued behind chunk k) and never needs more than the 2 slots every ring has.
+PIPELINE_DEPTH = 2
+SHM_DIRECTORY = "/dev/shm"
+
+
+class IpcUnavailable(RuntimeError):
+    """CUDA IPC cannot serve a link (the stager falls back to the staged path and says why, once)."""
+
+
+def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor (any dtype, 0-d and empty included)."""
+    flat = tensor.reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def prepare(tensor) -> torch.Tensor:
+    """What encode() does before the bytes are taken: dense, detached, conj/neg resolved, contiguous."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"can only send torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided or tensor.is_quantized:
+        raise ValueError(f"can only send dense tensors, got layout {tensor.layout}")
+    dtype_code(tensor.dtype)  # ValueError for dtypes the wire cannot carry
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if tensor.is_conj():
+        tensor = tensor.resolve_conj()
+    if tensor.is_neg():
+        tensor = tensor.resolve_neg()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    return tensor
+
+
+def region_fits_shm(nbytes: int, directory: str = SHM_DIRECTORY) -> Optional[str]:
+    """None if a region of `nbytes` can be lying in `directory`'s tmpfs, else why not (one line)."""
+    try:
+        stats = os.statvfs(directory)
+    except OSError as error:
+        return f"cannot stat {directory}: {error}"
+    size = stats.f_blocks * stats.f_frsize
+    if nbytes > size:
+        return f"{nbytes} bytes of slots exceed {directory}'s {size} bytes"
+    return None
+
+
+def send_through_slots(core, engine, peer: int, tag: int, code: int, shape, source: torch.Tensor,
+                       depth: int = PIPELINE_DEPTH, host_view: Optional[Callable] = None) -> int:
+    """Sends the flat uint8 `source` (already ordered after its producer) to `peer` through leased slots: each
+    chunk is copied by `engine` straight into its slot and committed, in order, once its copy is done, with up to
+    `depth` copies in flight. Returns the number of chunks. Zero bytes still send one (empty) chunk."""
+    nbytes = source.numel()
+    view = host_view or engine.host_view
+    in_flight: collections.deque = collections.deque()
+    offset, chunks = 0, 0
+    try:
+        while True:
+            # Never more leases than `depth`: the oldest copy finishes (and its slot is published) first.
+            while len(in_flight) >= depth or (in_flight and engine.done(in_flight[0])):
+                engine.wait(in_flight.popleft())
+                core.commit_slot(peer)
+            address, length = core.reserve_slot(peer, tag, code, list(shape), nbytes, offset)
+            token = engine.to_host(view(address, length), source[offset:offset + length]) if length else None
+            in_flight.append(token)
+            chunks += 1
+            offset += length
+            if offset >= nbytes:
+                break
+        while in_flight:
+            engine.wait(in_flight.popleft())
+            core.commit_slot(peer)
+    except BaseException:
+        # Leased slots were never published; the peer sees at most part of this message (as after a failed
+        # host send). Copies still in flight must finish before the caller may free `source` or the slots.
+        for token in in_flight:
+            try:
+                engine.wait(token)
+            except BaseException:  # noqa: BLE001 - the first error is the one raised
+                pass
+        raise
+    return chunks
+
+
+class DeviceSendHandle:
+    """Completion of one send that went through the stager (SendHandle's interface)."""
+
+    __slots__ = ("peer", "tag", "_event", "_error", "_reported")
+
+    def __init__(self, peer: int, tag: int):
+        self.peer = peer
+        self.tag = tag
+        self._event = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._reported = False
+
+    completed_on_return = False
+
+    def _finish(self, error: Optional[BaseException] = None) -> None:
+        self._error = error
+        self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        if not self._event.wait(timeout):
+            raise core.TransportTimeout(f"send to peer {self.peer} (tag {self.tag}) not done after {timeout} s")
+        if self._error is not None:
+            self._reported = True
+            raise self._error
+
+    def __repr__(self) -> str:
+        return f"DeviceSendHandle(peer={self.peer}, tag={self.tag}, {'done' if self.done() else 'pending'})"
+
+
+class Stager:
+    """The thread that carries device sends (and host sends queued behind them) of one transport, in order."""
+
+    def __init__(self, core, engine, ipc: bool = False):
+        self._core = core
+        self.engine = engine
+        self._ipc = None
+        if ipc:
+            from .device_ipc import IpcSender
+
+            self._ipc = IpcSender(core, engine)
+        self._ipc_off: dict[int, str] = {}  # peer -> why IPC does not serve it
+        self._queue: collections.deque = collections.deque()
+        self._queued_per_peer: collections.Counter = collections.Counter()
+        self._lock = threading.Condition()
+        self._handles: list[DeviceSendHandle] = []
+        self._regions: dict[int, Optional[tuple[int, int]]] = {}  # peer -> registered (address, bytes) or None
+        self._region_views: dict[int, tuple[int, int, torch.Tensor]] = {}
+        self._fallback_said: set = set()
+        self._paths: dict[int, dict[str, int]] = {}  # peer -> {path: messages}, in order of first use (path_of)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="megatron_app-stager", daemon=True)
+        self._thread.start()
+
+    # ---- the caller's side ----------------------------------------------------------------------------------
+    def busy_with(self, peer: int) -> bool:
+        with self._lock:
+            return self._queued_per_peer[peer] > 0
+
+    def submit(self, peer: int, tag: int, tensor: torch.Tensor, earlier: list, device_tensor: bool,
+               lends_slots: bool) -> DeviceSendHandle:
+        """Queues `tensor` for `peer`. `earlier`: handles of the core's sends to `peer` still in flight (they finish first).
+        A device tensor is ordered after its producer's stream here, on the caller's thread."""
+        handle = DeviceSendHandle(peer, tag)
+        source, ready = self.engine.begin(tensor) if device_tensor else (prepare(tensor), None)
+        with self._lock:
+            if self._stopping:
+                raise core.TransportClosed("the transport is closed")
+            self._queue.append((handle, peer, tag, source, ready, list(earlier), device_tensor and lends_slots,
+                                device_tensor))
+            self._queued_per_peer[peer] += 1
+            if len(self._handles) >= 256:  # a caller that never calls wait_sends: forget what succeeded
+                self._handles = [h for h in self._handles if not h.done() or h._error is not None]
+            self._handles.append(handle)
+            self._lock.notify_all()
+        return handle
+
+    def wait_idle(self, timeout: Optional[float] = None) -> None:
+        """Waits until everything queued is done; raises the first error not reported by a handle yet."""
+        with self._lock:
+            if not self._lock.wait_for(lambda: not self._queue and not self._working, timeout):
+                raise core.TransportTimeout(f"device sends still in flight after {timeout} s")
+            handles, self._handles = self._handles, []
+        for handle in handles:
+            if handle._error is not None and not handle._reported:
+                handle._reported = True
+                raise handle._error
+
+    def path_of(self, peer: int) -> Optional[str]:
+        """The paths device sends to `peer` took, in order of first use ('cuda ipc + slots, registered' when
+        some messages were staged while the receiver was behind), or None before the first."""
+        with self._lock:
+            paths = self._paths.get(peer)
+            return None if not paths else " + ".join(paths)
+
+    def _took(self, peer: int, path: str) -> None:
+        with self._lock:
+            paths = self._paths.setdefault(peer, {})
+            paths[path] = paths.get(path, 0) + 1
+
+    def stop(self, close_core: Optional[Callable[[], None]] = None) -> None:
+        """Stops the thread after the message it is sending (`close_core`, called first, makes the core fail it
+        fast), then unregisters every slot region. Queued sends fail with TransportClosed. Idempotent."""
+        with self._lock:
+            self._stopping = True
+            dropped = list(self._queue)
+            self._queue.clear()
+            self._lock.notify_all()
+        for entry in dropped:
+            entry[0]._finish(core.TransportClosed("transport closed before this send started"))
+        if close_core is not None:
+            close_core()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+        self.release_regions()
+
+    def release_regions(self) -> None:
+        """Unregisters the slot regions (before the core unmaps them)."""
+        regions, self._regions = self._regions, {}
+        self._region_views.clear()
+        for region in regions.values():
+            if region is not None:
+                self.engine.unregister(region[0])
+
+    # ---- the thread -------------------------------------------------------------------------------------------
+    _working = False
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                self._lock.wait_for(lambda: self._queue or self._stopping)
+                if self._stopping:
+                    return
+                handle, peer, tag, source, ready, earlier, through_slots, device_tensor = self._queue.popleft()
+                self._working = True
+            error = None
+            try:
+                self._send(peer, tag, source, ready, earlier, through_slots, device_tensor)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller through the handle
+                error = exc
+            finally:
+                source = ready = None
+            with self._lock:
+                self._queued_per_peer[peer] -= 1
+                self._working = False
+                handle._finish(error)
+                self._lock.notify_all()
+
+    def _send(self, peer: int, tag: int, source: torch.Tensor, ready, earlier: list, through_slots: bool,
+              device_tensor: bool) -> None:
+        for handle in earlier:  # the core's sends to this peer posted before this one
+            handle.wait()
+        if device_tensor:
+            self.engine.follow(source, ready)
+        code = dtype_code(source.dtype)
+        shape = tuple(source.shape)
+        flat = flat_bytes(source)
+        if not device_tensor:  # a host tensor queued behind device sends: the core's ordinary send
+            self._core_send(peer, tag, code, shape, flat)
+            return
+        if through_slots and self._ipc is not None and flat.numel() and self._send_by_ipc(peer, tag, code, shape, flat):
+            return
+        if through_slots:
+            self._ensure_region(peer)
+            self._took(peer, "slots, registered" if self._regions[peer] else "slots, not registered")
+            send_through_slots(self._core, self.engine, peer, tag, code, shape, flat,
+                               host_view=lambda address, length: self._slot_view(peer, address, length))
+            return
+        self._took(peer, "pinned staging")
+        host = self.engine.pinned_like(flat)
+        if flat.numel():
+            self.engine.wait(self.engine.to_host(host, flat))
+        self._core_send(peer, tag, code, shape, host)
+
+    def _send_by_ipc(self, peer: int, tag: int, code: int, shape, flat: torch.Tensor) -> bool:
+        """True once sent through CUDA IPC (device_ipc.py); False: take the staged path (IPC cannot serve this
+        peer, said once, or every IPC slot to it awaits the receiver)."""
+        if peer not in self._ipc_off:
+            reason = self.engine.ipc_unavailable_reason()
+            if reason is None:
+                try:
+                    sent = self._ipc.send(peer, tag, code, shape, flat)
+                except IpcUnavailable as error:
+                    reason = str(error)
+                else:
+                    if sent:
+                        self._took(peer, "cuda ipc")
+                    return sent
+            self._ipc_off[peer] = reason
+            self._say_fallback(f"CUDA IPC to peer {peer} is off ({reason}): device tensors to it are staged "
+                               "through shared memory")
+        return False
+
+    def _core_send(self, peer: int, tag: int, code: int, shape, host: torch.Tensor) -> None:
+        """The core's ordinary send of the flat uint8 host tensor `host`, waited for."""
+        nbytes = host.numel()
+        request = self._core.send(peer, tag, code, list(shape), host.data_ptr() if nbytes else 0, nbytes)
+        if request is not None:
+            request.wait()
+
+    def _ensure_region(self, peer: int) -> None:
+        if peer in self._regions:
+            return
+        address, nbytes = self._core.slot_region(peer)
+        problem = region_fits_shm(nbytes)
+        registered = False
+        if problem is None:
+            problem = self.engine.register(address, nbytes)
+            registered = problem is None
+        if not registered:
+            self._say_fallback(f"slots to peer {peer} not registered with the device ({problem}): device "
+                               "tensors to it are copied at pageable speed")
+        self._regions[peer] = (address, nbytes) if registered else None
+        self._region_views[peer] = (address, nbytes, self.engine.host_view(address, nbytes))
+
+    def _slot_view(self, peer: int, address: int, length: int) -> torch.Tensor:
+        base, nbytes, whole = self._region_views[peer]
+        start = address - base
+        if not 0 <= start <= start + length <= nbytes:
+            raise RuntimeError(f"the core lent a slot outside peer {peer}'s region")
+        return whole[start:start + length]
+
+    def _say_fallback(self, text: str) -> None:
+        """One log line per kind of fallback (registration, IPC) and transport."""
+        kind = text.split(" ", 1)[0]
+        if kind not in self._fallback_said:
+            self._fallback_said.add(kind)
+            LOG.warning("megatron_app.transport: %s", text)

@@ -1,0 +1,228 @@
+"""CUDA tensors through the transport (issue 38), run where a CUDA device is visible (marked `cuda`; skipped
+elsewhere with the reason). The same path runs on CPU with a fake copy engine in test_transport_device_staging.py;
+these tests cover the CUDA lines (megatron_app/transport/device_engine.py): device-to-host copies into registered
+shared-memory slots on a side stream, the producer-stream event, host-to-device on receive, the pinned staging of
+links that lend no slots, and a rank killed in the middle of a send."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from transport_helpers.common import (
+    ALL_DTYPES,
+    job_id_fixture,  # noqa: F401  (provides the job_id fixture)
+    job_segments,
+    random_tensor,
+    same_bits,
+)
+
+from megatron_app.transport import Direction, PeerDied, Transport, make_tag
+from megatron_app.transport import device_engine
+
+pytestmark = pytest.mark.cuda
+FWD = Direction.FORWARD
+SHAPES = [(), (0,), (3, 0, 2), (1,), (7, 5), (2, 3, 4, 5), (9000,), (1 << 20,)]
+
+
+def on_device(tensor):
+    return tensor.to("cuda")
+
+
+@pytest.fixture(params=["small slots", "default slots", "cuda ipc"])
+def pair(job_id, request):
+    options = {"slot_bytes": 4096, "num_slots": 8} if request.param == "small slots" else {}
+    options["cuda_ipc"] = request.param == "cuda ipc"
+    sender = Transport(0, 2, job_id, timeout_s=60, **options)
+    receiver = Transport(1, 2, job_id, timeout_s=60, **options)
+    sender.kind = request.param
+    yield sender, receiver
+    sender.close()
+    receiver.close()
+
+
+@pytest.fixture
+def tcp_pair(job_id):
+    sender = Transport(0, 2, job_id, backends={1: "tcp"}, timeout_s=60)
+    receiver = Transport(1, 2, job_id, backends={0: "tcp"}, timeout_s=60)
+    sender.set_peer_addresses({1: receiver.local_address("tcp")})
+    receiver.set_peer_addresses({0: sender.local_address("tcp")})
+    yield sender, receiver
+    sender.close()
+    receiver.close()
+
+
+def round_trip_every_dtype(sender, receiver):
+    tag = 0
+    for dtype in ALL_DTYPES:
+        for shape in SHAPES:
+            tensor = on_device(random_tensor(torch.Generator().manual_seed(tag), dtype, shape))
+            sender.send(1, make_tag(FWD, tag), tensor)
+            received = receiver.recv(0, make_tag(FWD, tag), dtype=dtype, device="cuda")
+            assert received.is_cuda and same_bits(received.cpu(), tensor.cpu()), (dtype, shape)
+            tag += 1
+    sender.wait_sends(timeout=60)
+
+
+def test_every_dtype_and_shape_device_to_device(pair):
+    sender, receiver = pair
+    round_trip_every_dtype(sender, receiver)
+    if sender.kind == "cuda ipc":  # empty tensors are staged
+        assert sender.device_path_of(1) in ("cuda ipc + slots, registered", "slots, registered + cuda ipc")
+    else:
+        assert sender.device_path_of(1) == "slots, registered"
+
+
+def test_every_dtype_and_shape_through_unregistered_slots(job_id, monkeypatch):
+    monkeypatch.setattr(device_engine.CudaCopyEngine, "register", staticmethod(lambda address, nbytes: "forced"))
+    sender = Transport(0, 2, job_id, timeout_s=60, slot_bytes=4096, num_slots=8)
+    receiver = Transport(1, 2, job_id, timeout_s=60, slot_bytes=4096, num_slots=8)
+    try:
+        round_trip_every_dtype(sender, receiver)
+        assert sender.device_path_of(1) == "slots, not registered"
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_ipc_falls_back_to_the_staged_path_where_it_cannot_work(job_id, monkeypatch, caplog):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # read per send; the allocator
+    sender = Transport(0, 2, job_id, timeout_s=60, cuda_ipc=True)            # itself was set up before
+    receiver = Transport(1, 2, job_id, timeout_s=60, cuda_ipc=True)
+    try:
+        tensor = torch.randn(1000, device="cuda")
+        sender.send(1, make_tag(FWD, 0), tensor)
+        assert torch.equal(receiver.recv(0, make_tag(FWD, 0), device="cuda"), tensor)
+        assert sender.device_path_of(1) == "slots, registered"
+        assert any("expandable segments" in record.getMessage() for record in caplog.records)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_ipc_with_a_receiver_behind_stages_the_rest_in_order(job_id):
+    sender = Transport(0, 2, job_id, timeout_s=60, cuda_ipc=True)
+    receiver = Transport(1, 2, job_id, timeout_s=60, cuda_ipc=True)
+    try:
+        tensors = [torch.full((100_000,), float(index), device="cuda") for index in range(10)]
+        for index, tensor in enumerate(tensors):
+            sender.send(1, make_tag(FWD, index), tensor)
+        sender.wait_sends(timeout=60)
+        assert sender.device_path_of(1) == "cuda ipc + slots, registered"
+        for index, tensor in enumerate(tensors):
+            assert torch.equal(receiver.recv(0, make_tag(FWD, index), device="cuda"), tensor), index
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_every_dtype_and_shape_over_tcp_through_pinned_staging(tcp_pair):
+    sender, receiver = tcp_pair
+    round_trip_every_dtype(sender, receiver)
+    assert sender.device_path_of(1) == "pinned staging"
+
+
+def test_non_contiguous_and_special_views(pair):
+    sender, receiver = pair
+    base = torch.randn(300, 500, device="cuda")
+    complex_base = torch.randn(1000, dtype=torch.complex64, device="cuda")
+    views = [base.t(), base[::3, 1::7], torch.tensor([1.0, 2.0], device="cuda").expand(3, 2),
+             complex_base.conj(), -complex_base, base[:, :0], base.t()[5]]
+    for index, view in enumerate(views):
+        sender.send(1, make_tag(FWD, index), view)
+    for index, view in enumerate(views):
+        received = receiver.recv(0, make_tag(FWD, index), device="cuda")
+        assert torch.equal(received, view.resolve_conj().resolve_neg()), index
+
+
+def test_the_send_waits_for_the_producers_stream_not_the_host(pair):
+    """A tensor still being written by a kernel on a side stream when send() returns arrives complete."""
+    sender, receiver = pair
+    producer = torch.cuda.Stream()
+    expected = []
+    with torch.cuda.stream(producer):
+        for index in range(4):
+            a = torch.randn(2048, 2048, device="cuda")
+            product = a @ a @ a  # long enough to still run when send() returns
+            product += index
+            sender.send(1, make_tag(FWD, index), product)
+            expected.append(product)
+    for index in range(4):
+        received = receiver.recv(0, make_tag(FWD, index), device="cuda")
+        torch.cuda.synchronize()
+        assert torch.equal(received, expected[index]), index
+    sender.wait_sends(timeout=60)
+
+
+def test_large_messages_both_ways(pair):
+    sender, receiver = pair
+    big = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, device="cuda")
+    sender.send(1, make_tag(FWD, 0), big)
+    receiver.send(0, make_tag(FWD, 1), big.flip(0))
+    assert torch.equal(receiver.recv(0, make_tag(FWD, 0), device="cuda"), big)
+    assert torch.equal(sender.recv(1, make_tag(FWD, 1), device="cuda"), big.flip(0))
+    sender.wait_sends(timeout=60)
+    receiver.wait_sends(timeout=60)
+
+
+SENDER = textwrap.dedent("""
+    import sys, torch
+    from megatron_app.transport import Transport, Direction, make_tag
+    t = Transport(0, 2, sys.argv[1], timeout_s=60, cuda_ipc=sys.argv[2] == "ipc")
+    big = torch.ones(64 << 20, dtype=torch.uint8, device="cuda")
+    t.send(1, make_tag(Direction.FORWARD, 0), big).wait()
+    print("sending", flush=True)
+    index = 1
+    while True:
+        t.send(1, make_tag(Direction.FORWARD, index), big)
+        index += 1
+""")
+
+
+@pytest.mark.parametrize("path", ["staged", "ipc"])
+def test_a_rank_killed_mid_send_leaves_no_segment_and_the_peer_reads_peer_died(job_id, path):
+    receiver = Transport(1, 2, job_id, timeout_s=60, cuda_ipc=path == "ipc")
+    sender = subprocess.Popen([sys.executable, "-c", SENDER, job_id, path], stdout=subprocess.PIPE, text=True)
+    try:
+        assert torch.equal(receiver.recv(0, make_tag(FWD, 0), device="cuda"),
+                           torch.ones(64 << 20, dtype=torch.uint8, device="cuda"))
+        assert sender.stdout.readline().strip() == "sending"
+        time.sleep(0.5)  # in the middle of a stream of 64 MiB sends
+        os.kill(sender.pid, signal.SIGKILL)
+        sender.wait(timeout=30)
+        with pytest.raises(PeerDied) as raised:
+            for index in range(1, 10_000):
+                receiver.recv(0, make_tag(FWD, index), device="cuda")
+        assert len(str(raised.value).splitlines()) == 1 and "died" in str(raised.value)
+    finally:
+        if sender.poll() is None:
+            sender.kill()
+            sender.wait()
+        receiver.close()
+    assert job_segments(job_id) == []  # the job_id fixture checks again after cleanup
+
+
+@pytest.mark.parametrize("arena_mib", [0, 1, 256])
+def test_receives_through_the_page_locked_arena_and_around_it(job_id, monkeypatch, arena_mib):
+    """256 MiB: every message lands in the arena and is copied to the device asynchronously; 1 MiB: the larger
+    ones take the chunked path; 0: no arena."""
+    monkeypatch.setenv("MEGATRON_APP_CUDA_RECEIVE_ARENA_MIB", str(arena_mib))
+    sender = Transport(0, 2, job_id, timeout_s=60)
+    receiver = Transport(1, 2, job_id, timeout_s=60)
+    try:
+        tensors = [torch.randn(n, device="cuda") for n in (10, 100_000, 1_000_000, 3, 0, 200_000)] * 3
+        for index, tensor in enumerate(tensors):
+            sender.send(1, make_tag(FWD, index), tensor)
+        received = [receiver.recv(0, make_tag(FWD, index), device="cuda") for index in range(len(tensors))]
+        for index, (got, tensor) in enumerate(zip(received, tensors)):
+            assert torch.equal(got, tensor), index
+        assert (receiver._arena is False) == (arena_mib == 0)
+        if arena_mib:
+            assert receiver._arena.is_pinned()
+    finally:
+        sender.close()
+        receiver.close()

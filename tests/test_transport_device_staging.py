@@ -1,0 +1,413 @@
+"""The device path of the transport (megatron_app/transport/device_staging.py) on CPU: a fake copy engine takes
+host tensors down the path CUDA tensors take (leased shared-memory slots filled by the engine, committed once
+their copies are done, on the stager's thread), so everything but the CUDA lines is tested here.
+tests/test_transport_cuda.py runs the same path with the real engine where CUDA is available."""
+
+import logging
+import threading
+import time
+
+import pytest
+import torch
+from transport_helpers.common import (
+    ALL_DTYPES,
+    job_id_fixture,  # noqa: F401  (provides the job_id fixture)
+    message_for,
+    random_tensor,
+    same_bits,
+)
+from transport_helpers.fake_engine import FakeCopyEngine, FakeCore, FakeIpcEngine
+
+from megatron_app.transport import Direction, Transport, TransportClosed, make_tag
+from megatron_app.transport.device_staging import region_fits_shm, send_through_slots
+
+FWD = Direction.FORWARD
+
+
+def staged_pair(job_id, engine, **options):
+    options = {"slot_bytes": 4096, "num_slots": 8, "timeout_s": 20, **options}
+    sender = Transport(0, 2, job_id, copy_engine=engine, **options)
+    receiver = Transport(1, 2, job_id, **options)
+    return sender, receiver
+
+
+@pytest.fixture
+def pair(job_id):
+    engine = FakeCopyEngine(lag=2)
+    sender, receiver = staged_pair(job_id, engine)
+    yield sender, receiver, engine
+    sender.close()
+    receiver.close()
+
+
+# ---- the chunk pipeline against a fake core ----------------------------------------------------------------------
+@pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096, 4097, 3 * 4096 + 5, 40_000])
+@pytest.mark.parametrize("lag", [0, 1, 5])
+def test_slots_are_committed_in_order_and_only_after_their_copies(nbytes, lag):
+    core, engine = FakeCore(slots=2, slot_bytes=4096), FakeCopyEngine(lag=lag)
+    source = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
+    chunks = send_through_slots(core, engine, 1, 7, 2, (nbytes,), source)
+    assert bytes(core.published) == bytes(source.tolist())  # a premature commit publishes the sentinel
+    assert chunks == max(1, -(-nbytes // 4096)) and core.leased == [] and engine.in_flight == 0
+    assert engine.max_in_flight <= 2
+
+
+def test_the_pipeline_keeps_two_copies_in_flight_when_they_are_slow():
+    core, engine = FakeCore(slots=4, slot_bytes=4096), FakeCopyEngine(lag=100)
+    send_through_slots(core, engine, 1, 7, 2, (5 * 4096,), torch.zeros(5 * 4096, dtype=torch.uint8))
+    assert engine.max_in_flight == 2
+    assert core.events[:3] == ["reserve 0", "reserve 4096", "commit"]
+
+
+def test_a_failed_lease_waits_for_copies_in_flight_before_raising():
+    class FailingCore(FakeCore):
+        def reserve_slot(self, peer, tag, code, shape, nbytes, offset):
+            if offset >= 4096:
+                raise TransportClosed("closed")
+            return super().reserve_slot(peer, tag, code, shape, nbytes, offset)
+
+    core, engine = FailingCore(slots=2), FakeCopyEngine(lag=100)
+    with pytest.raises(TransportClosed):
+        send_through_slots(core, engine, 1, 7, 2, (3 * 4096,), torch.ones(3 * 4096, dtype=torch.uint8))
+    assert engine.in_flight == 0
+
+
+# ---- through a real transport -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (1,), (7, 5), (2, 3, 4, 5), (9000,)], ids=str)
+def test_every_dtype_and_shape_goes_through_the_slots_bit_exactly(pair, dtype, shape):
+    sender, receiver, engine = pair
+    tensor = random_tensor(torch.Generator().manual_seed(len(shape)), dtype, shape)
+    handle = sender.send(1, make_tag(FWD, 0), tensor)
+    received = receiver.recv(0, make_tag(FWD, 0), dtype=dtype)
+    handle.wait(timeout=10)
+    assert handle.done() and same_bits(received, tensor)
+    assert engine.copies >= (1 if tensor.numel() else 0)
+
+
+def test_non_contiguous_views_are_sent_as_their_values(pair):
+    sender, receiver, _ = pair
+    base = torch.arange(24 * 500, dtype=torch.float32).reshape(40, 300)
+    views = [base.t(), base[::3, 1::7], torch.tensor([1.0, 2.0]).expand(3, 2),
+             torch.randn(5, dtype=torch.complex64).conj(), -torch.randn(4, dtype=torch.complex64).conj()]
+    for index, view in enumerate(views):
+        sender.send(1, make_tag(FWD, index), view)
+    for index, view in enumerate(views):
+        received = receiver.recv(0, make_tag(FWD, index))
+        assert torch.equal(received, view.resolve_conj().resolve_neg()), index
+
+
+def test_messages_larger_than_the_ring_stream_through_it(pair):
+    sender, receiver, engine = pair
+    tensor = torch.randn(300_000)  # 1.2 MB through 8 slots of 4 KiB (4 a ring)
+    sender.send(1, make_tag(FWD, 0), tensor)
+    assert torch.equal(receiver.recv(0, make_tag(FWD, 0)), tensor)
+    sender.wait_sends(timeout=10)
+    assert engine.max_in_flight <= 2 and engine.followed == 1
+
+
+def test_host_and_device_sends_to_one_peer_arrive_in_send_order(job_id):
+    engine = FakeCopyEngine(lag=3)
+    engine.handles = lambda tensor: tensor.dtype == torch.float64  # float64 stands for "on the device"
+    sender, receiver = staged_pair(job_id, engine)
+    try:
+        messages = [message_for(seed=5, index=index, max_numel=3000) for index in range(60)]
+        messages = [m.real.double() if i % 3 == 0 and m.is_complex() else m.double() if i % 3 == 0 else m
+                    for i, m in enumerate(messages)]
+        for index, message in enumerate(messages):
+            sender.send(1, make_tag(FWD, index), message)
+        sender.wait_sends(timeout=20)
+        arrived = []
+        while len(arrived) < len(messages):
+            arrived += [key for key in receiver.poll() if key not in arrived]
+        assert arrived == [(0, make_tag(FWD, index)) for index in range(len(messages))]
+        for index, message in enumerate(messages):
+            assert same_bits(receiver.recv(0, make_tag(FWD, index)), message), index
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_slots_are_registered_once_and_unregistered_at_close(job_id):
+    engine = FakeCopyEngine()
+    sender, receiver = staged_pair(job_id, engine)
+    for index in range(3):
+        sender.send(1, make_tag(FWD, index), torch.randn(5000))
+    sender.wait_sends(timeout=10)
+    assert len(engine.registered) == 1 and engine.unregistered == []
+    (address, nbytes), = engine.registered.items()
+    assert nbytes >= 4 * 4096  # this rank's ring in the peer's segment: 4 slots
+    sender.close()
+    receiver.close()
+    assert engine.unregistered == [address]
+
+
+def test_a_failed_registration_falls_back_with_one_log_line(job_id, caplog):
+    engine = FakeCopyEngine(register_problem="cudaHostRegister: out of memory")
+    sender, receiver = staged_pair(job_id, engine)
+    try:
+        with caplog.at_level(logging.WARNING, logger="megatron_app.transport.device_staging"):
+            for index in range(3):
+                sender.send(1, make_tag(FWD, index), torch.full((3000,), float(index)))
+            for index in range(3):
+                assert torch.equal(receiver.recv(0, make_tag(FWD, index)), torch.full((3000,), float(index)))
+        lines = [r.getMessage() for r in caplog.records if "not registered" in r.getMessage()]
+        assert len(lines) == 1 and "out of memory" in lines[0]
+    finally:
+        sender.close()
+        receiver.close()
+    assert engine.unregistered == []
+
+
+def test_a_region_larger_than_dev_shm_is_not_registered():
+    assert region_fits_shm(1 << 20) is None
+    assert "exceed" in region_fits_shm(1 << 62)
+    assert "cannot stat" in region_fits_shm(1, directory="/nonexistent-dir")
+
+
+def test_a_send_to_a_closed_peer_fails_on_its_handle(job_id):
+    engine = FakeCopyEngine()
+    sender, receiver = staged_pair(job_id, engine)
+    try:
+        sender.send(1, make_tag(FWD, 0), torch.ones(10)).wait(timeout=10)
+        receiver.close()
+        handle = sender.send(1, make_tag(FWD, 1), torch.ones(10))
+        with pytest.raises(TransportClosed):
+            handle.wait(timeout=10)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_close_fails_queued_sends_and_stops_the_thread(job_id):
+    class StuckEngine(FakeCopyEngine):
+        """The first copy finishes only when the test says so."""
+        release = threading.Event()
+
+        def wait(self, token):
+            self.release.wait(10)
+            super().wait(token)
+
+    engine = StuckEngine(lag=10**6)
+    sender, receiver = staged_pair(job_id, engine)
+    try:
+        handles = [sender.send(1, make_tag(FWD, i), torch.randn(20_000)) for i in range(3)]
+        threading.Timer(0.3, engine.release.set).start()
+        sender.close()  # the stager is inside the first message: it fails there, the others never start
+        for handle in handles:
+            with pytest.raises(TransportClosed):
+                handle.wait(timeout=10)
+        assert not sender._stager._thread.is_alive()
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_host_tensors_still_take_the_cores_path(pair):
+    sender, receiver, engine = pair
+    engine.handles = lambda tensor: False
+    sender.send(1, make_tag(FWD, 0), torch.arange(10))
+    assert torch.equal(receiver.recv(0, make_tag(FWD, 0)), torch.arange(10))
+    assert engine.copies == 0 and sender._stager is None
+
+
+# ---- CUDA IPC's protocol (device_ipc.py) with a fake engine -------------------------------------------------------
+@pytest.fixture
+def ipc_pair(job_id):
+    engine = FakeIpcEngine()
+    sender = Transport(0, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=engine, cuda_ipc=True)
+    receiver = Transport(1, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=engine,
+                         cuda_ipc=True)
+    yield sender, receiver, engine
+    sender.close()
+    receiver.close()
+
+
+def wait_for_an_acknowledgement(sender, timeout_s=10.0):
+    """Until an IPC acknowledgement has reached the sender's inbox (the receiver sends it when it takes a message;
+    a sender that finds none yet stages the next message, which is right, but not what these tests look at)."""
+    give_up_at = time.monotonic() + timeout_s
+    while not any(tag >> 60 == 0xF for _, tag in sender.poll()):
+        assert time.monotonic() < give_up_at, "no acknowledgement arrived"
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_every_dtype_goes_through_ipc_slots_bit_exactly(ipc_pair, dtype):
+    sender, receiver, engine = ipc_pair
+    for index, shape in enumerate([(), (1,), (7, 5), (2, 3, 4, 5), (9000,)]):
+        tensor = random_tensor(torch.Generator().manual_seed(index), dtype, shape)
+        sender.send(1, make_tag(FWD, index), tensor)
+        received = receiver.recv(0, make_tag(FWD, index), dtype=dtype)
+        assert same_bits(received, tensor), shape
+        wait_for_an_acknowledgement(sender)
+    sender.wait_sends(timeout=10)
+    assert sender.device_path_of(1) == "cuda ipc" and engine.takes == 5
+
+
+def test_ipc_slots_are_reused_once_acknowledged_and_grow_for_larger_messages(ipc_pair):
+    sender, receiver, engine = ipc_pair
+    for index in range(30):
+        tensor = torch.full((1000 * (index + 1),), float(index))
+        sender.send(1, make_tag(FWD, index), tensor).wait(timeout=10)
+        assert torch.equal(receiver.recv(0, make_tag(FWD, index)), tensor)
+        wait_for_an_acknowledgement(sender)
+    assert sender.device_path_of(1) == "cuda ipc"
+    assert engine.buffers_made <= 4 * 2  # 4 slots of >= 1 MiB; 120 KB messages never make one grow twice
+
+
+def test_a_receiver_behind_gets_the_rest_staged_in_order(ipc_pair):
+    sender, receiver, engine = ipc_pair
+    messages = [torch.full((3000,), float(index)) for index in range(12)]
+    for index, message in enumerate(messages):
+        sender.send(1, make_tag(FWD, index), message)
+    sender.wait_sends(timeout=10)  # nothing received yet: 4 slots await their acknowledgements
+    assert sender.device_path_of(1) == "cuda ipc + slots, registered"
+    assert [key for key in receiver.poll()][:12] == [(0, make_tag(FWD, index)) for index in range(12)]
+    for index, message in enumerate(messages):
+        assert torch.equal(receiver.recv(0, make_tag(FWD, index)), message)
+    assert engine.takes == 4
+
+
+@pytest.mark.parametrize("problem", ["ipc_problem", "export_problem"])
+def test_where_ipc_cannot_work_the_link_is_staged_and_says_so_once(job_id, caplog, problem):
+    engine = FakeIpcEngine(**{problem: "not in this container"})
+    sender = Transport(0, 2, job_id, slot_bytes=4096, num_slots=8, copy_engine=engine, cuda_ipc=True)
+    receiver = Transport(1, 2, job_id, slot_bytes=4096, num_slots=8, copy_engine=engine, cuda_ipc=True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="megatron_app.transport.device_staging"):
+            for index in range(3):
+                sender.send(1, make_tag(FWD, index), torch.full((100,), float(index)))
+                assert torch.equal(receiver.recv(0, make_tag(FWD, index)), torch.full((100,), float(index)))
+        lines = [r.getMessage() for r in caplog.records if "IPC" in r.getMessage()]
+        assert len(lines) == 1 and "not in this container" in lines[0]
+        assert sender.device_path_of(1) == "slots, registered"
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_ipc_is_off_unless_asked(job_id, monkeypatch):
+    monkeypatch.delenv("MEGATRON_APP_CUDA_IPC", raising=False)
+    engine = FakeIpcEngine()
+    sender, receiver = staged_pair(job_id, engine)
+    try:
+        sender.send(1, make_tag(FWD, 0), torch.ones(10))
+        assert torch.equal(receiver.recv(0, make_tag(FWD, 0)), torch.ones(10))
+        assert sender.device_path_of(1) == "slots, registered" and engine.buffers_made == 0
+    finally:
+        sender.close()
+        receiver.close()
+
+
+@pytest.mark.parametrize("payload", [b"", b"\x00" * 8, b"MIPC" + b"\xff" * 40])
+def test_a_malformed_ipc_descriptor_is_refused(ipc_pair, payload):
+    from megatron_app.transport.device_ipc import IPC_FLAG
+
+    sender, receiver, _ = ipc_pair
+    body = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
+    request = sender._core.send(1, make_tag(FWD, 0), 9 | IPC_FLAG, [2], body.data_ptr() if payload else 0,
+                                len(payload))
+    if request is not None:
+        request.wait()
+    with pytest.raises(ValueError, match="malformed IPC descriptor"):
+        receiver.recv(0, make_tag(FWD, 0))
+
+
+def test_a_message_over_the_limit_is_refused_at_send(job_id):
+    engine = FakeCopyEngine()
+    sender, receiver = staged_pair(job_id, engine, max_message_bytes=1000)
+    try:
+        with pytest.raises(ValueError, match="exceeds max_message_bytes=1000"):
+            sender.send(1, make_tag(FWD, 0), torch.zeros(1001, dtype=torch.uint8))
+        with pytest.raises(ValueError, match="not among the peers|out of range"):
+            sender.send(5, make_tag(FWD, 0), torch.zeros(10))
+    finally:
+        sender.close()
+        receiver.close()
+
+
+# ---- receives onto the device: the page-locked arena (transport.py) --------------------------------------------
+def arena_pair(job_id, monkeypatch, arena_mib, lag=1):
+    monkeypatch.setenv("MEGATRON_APP_CUDA_RECEIVE_ARENA_MIB", str(arena_mib))
+    engine = FakeCopyEngine(lag=lag)
+    sender = Transport(0, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20)
+    receiver = Transport(1, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=engine)
+    return sender, receiver, engine
+
+
+def in_arena(engine, tensor):
+    base = engine.arena.data_ptr()
+    return base <= tensor.data_ptr() < base + engine.arena.numel()
+
+
+def test_device_receives_come_from_the_arena_and_copy_asynchronously(job_id, monkeypatch):
+    sender, receiver, engine = arena_pair(job_id, monkeypatch, arena_mib=1, lag=3)
+    try:
+        messages = [message_for(seed=3, index=index, max_numel=20_000) for index in range(40)]
+        for index, message in enumerate(messages):
+            sender.send(1, make_tag(FWD, index), message)
+            received = receiver.recv(0, make_tag(FWD, index), device="cpu")  # "cpu" is the fake's device
+            assert same_bits(received, message), index
+        nonempty = sum(1 for message in messages[1:] if message.numel())
+        assert engine.arena is not None and engine.async_receives >= nonempty // 2
+        assert engine.async_receives + engine.chunked_receives >= nonempty
+    finally:
+        sender.close()
+        receiver.close()
+    assert engine.in_flight == 0  # close waited for the copies out of the arena
+
+
+def test_messages_larger_than_the_arena_take_the_chunked_path(job_id, monkeypatch):
+    sender, receiver, engine = arena_pair(job_id, monkeypatch, arena_mib=1)
+    try:
+        for index in range(3):
+            tensor = torch.randn(400_000)  # 1.6 MB
+            sender.send(1, make_tag(FWD, index), tensor)
+            assert torch.equal(receiver.recv(0, make_tag(FWD, index), device="cpu"), tensor)
+        assert engine.async_receives == 0 and engine.chunked_receives == 3
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_host_receives_never_hand_out_arena_memory(job_id, monkeypatch):
+    sender, receiver, engine = arena_pair(job_id, monkeypatch, arena_mib=1)
+    try:
+        for index in range(4):
+            tensor = torch.full((5000,), float(index))
+            sender.send(1, make_tag(FWD, index), tensor)
+            received = receiver.recv(0, make_tag(FWD, index), device="cpu" if index == 0 else None)
+            assert torch.equal(received, tensor)
+            if index:
+                assert not in_arena(engine, received)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+@pytest.mark.parametrize("value, problem", [("x", "a whole number of MiB"), ("-1", ">= 0 MiB")])
+def test_a_bad_arena_size_is_one_clear_error(job_id, monkeypatch, value, problem):
+    monkeypatch.setenv("MEGATRON_APP_CUDA_RECEIVE_ARENA_MIB", value)
+    engine = FakeCopyEngine()
+    sender = Transport(0, 2, job_id, timeout_s=20)
+    receiver = Transport(1, 2, job_id, timeout_s=20, copy_engine=engine)
+    try:
+        sender.send(1, make_tag(FWD, 0), torch.ones(3))
+        with pytest.raises(ValueError, match=problem):
+            receiver.recv(0, make_tag(FWD, 0), device="cpu")
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_no_arena_when_its_size_is_zero(job_id, monkeypatch):
+    sender, receiver, engine = arena_pair(job_id, monkeypatch, arena_mib=0)
+    try:
+        for index in range(3):
+            sender.send(1, make_tag(FWD, index), torch.ones(100))
+            assert torch.equal(receiver.recv(0, make_tag(FWD, index), device="cpu"), torch.ones(100))
+        assert engine.arena is None and engine.chunked_receives == 3
+    finally:
+        sender.close()
+        receiver.close()

@@ -1,0 +1,206 @@
+"""A copy engine for CPU tests of the device path (megatron_app/transport/device_staging.py): host tensors take the
+path CUDA tensors take, with copies that complete late, so a slot committed before its copy finished would carry
+stale bytes and fail the bit-exact checks."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_app.transport.device_engine import host_view
+from megatron_app.transport.device_staging import prepare
+
+
+class FakeCopy:
+    __slots__ = ("destination", "source", "polls_left", "performed")
+
+    def __init__(self, destination, source, polls_left):
+        self.destination = destination
+        self.source = source
+        self.polls_left = polls_left
+        self.performed = False
+
+
+class FakeCopyEngine:
+    def __init__(self, lag: int = 1, register_problem: str | None = None):
+        self.lag = lag                       # done() answers False this many times before the copy happens
+        self.register_problem = register_problem
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.copies = 0
+        self.registered: dict[int, int] = {}
+        self.unregistered: list[int] = []
+        self.followed = 0
+        self.async_receives = 0
+        self.chunked_receives = 0
+        self.arena = None
+
+    @staticmethod
+    def handles(tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cpu"
+
+    @staticmethod
+    def begin(tensor: torch.Tensor):
+        return prepare(tensor), "ready"
+
+    def follow(self, source, ready) -> None:
+        assert ready == "ready"
+        self.followed += 1
+
+    def to_host(self, destination: torch.Tensor, source: torch.Tensor) -> FakeCopy:
+        assert destination.numel() == source.numel() and destination.dtype == source.dtype == torch.uint8
+        self.in_flight += 1
+        self.copies += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        return FakeCopy(destination, source, self.lag)
+
+    def _perform(self, token: FakeCopy) -> None:
+        if not token.performed:
+            token.destination.copy_(token.source)
+            token.performed = True
+            self.in_flight -= 1
+
+    def done(self, token) -> bool:
+        if token is None or token.performed:
+            return True
+        if token.polls_left > 0:
+            token.polls_left -= 1
+            return False
+        self._perform(token)
+        return True
+
+    def wait(self, token) -> None:
+        if token is not None:
+            self._perform(token)
+
+    host_view = staticmethod(host_view)
+
+    @staticmethod
+    def pinned_like(flat: torch.Tensor) -> torch.Tensor:
+        return torch.empty(flat.shape, dtype=torch.uint8)
+
+    # receives: device="cpu" stands for the device; the arena is host memory, page-aligned like pinned memory
+    receive_device = "cpu"
+
+    def receives_onto(self, device) -> bool:
+        return device == self.receive_device
+
+    def receive_arena(self, nbytes: int) -> torch.Tensor:
+        raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
+        start = -raw.data_ptr() % 4096
+        self.arena = raw[start:start + nbytes]
+        return self.arena
+
+    def to_device_async(self, host: torch.Tensor, device):
+        self.async_receives += 1
+        self.in_flight += 1
+        return host.clone(), FakeCopy(torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8), self.lag)
+
+    def to_device(self, host: torch.Tensor, device):
+        self.chunked_receives += 1
+        return host.clone()
+
+    def register(self, address: int, nbytes: int):
+        if self.register_problem is None:
+            self.registered[address] = nbytes
+        return self.register_problem
+
+    def unregister(self, address: int) -> None:
+        self.unregistered.append(address)
+
+
+_EXPORTS: dict[bytes, object] = {}  # "IPC handles" of this process: a fake export is a key into this table
+
+
+class FakeEvent:
+    records = 0
+
+    def record(self, stream=None):
+        self.records += 1
+
+
+class FakeIpcEngine(FakeCopyEngine):
+    """FakeCopyEngine with the IPC half (device_ipc.py): slots are host tensors shared through _EXPORTS, so two
+    transports of one process exercise the descriptor, acknowledgement and fallback logic."""
+
+    def __init__(self, ipc_problem: str | None = None, export_problem: str | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.ipc_problem = ipc_problem
+        self.export_problem = export_problem
+        self.buffers_made = 0
+        self.takes = 0
+
+    def ipc_unavailable_reason(self):
+        return self.ipc_problem
+
+    def ipc_buffer(self, nbytes, device):
+        self.buffers_made += 1
+        return torch.zeros(nbytes, dtype=torch.uint8)
+
+    def export_buffer(self, buffer):
+        if self.export_problem:
+            from megatron_app.transport.device_staging import IpcUnavailable
+            raise IpcUnavailable(self.export_problem)
+        key = f"buffer{id(buffer)}".encode()
+        _EXPORTS[key] = buffer
+        return key
+
+    @staticmethod
+    def open_buffer(blob):
+        return _EXPORTS[blob]
+
+    @staticmethod
+    def ipc_event(device):
+        return FakeEvent()
+
+    @staticmethod
+    def export_event(event):
+        key = f"event{id(event)}".encode()
+        _EXPORTS[key] = event
+        return key
+
+    @staticmethod
+    def open_event(blob, device):
+        return _EXPORTS[blob]
+
+    def ipc_fill(self, destination, source, filled, consumed):
+        destination.copy_(source)
+        filled.record()
+        return None
+
+    def ipc_take(self, view, filled, consumed, dtype, shape, device):
+        self.takes += 1
+        out = torch.empty(shape, dtype=dtype) if view is None else view.clone()
+        consumed.record()
+        return out
+
+
+class FakeCore:
+    """The core's slot-lease calls over a ring of `slots` slots of `slot_bytes`: every leased slot is filled with a
+    sentinel, and what a commit publishes is appended to `published` (so a commit before its copy shows)."""
+
+    SENTINEL = 0xA5
+
+    def __init__(self, slots: int = 2, slot_bytes: int = 4096):
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+        self.memory = torch.zeros(slots * slot_bytes, dtype=torch.uint8)
+        self.head = 0
+        self.leased: list[tuple[int, int]] = []   # (slot, length), oldest first
+        self.published = bytearray()
+        self.events: list[str] = []
+
+    def reserve_slot(self, peer, tag, code, shape, nbytes, offset):
+        assert len(self.leased) < self.slots, "a lease on a ring whose every slot is leased would wait forever"
+        slot = (self.head + len(self.leased)) % self.slots
+        length = min(self.slot_bytes, nbytes - offset)
+        self.memory[slot * self.slot_bytes:(slot + 1) * self.slot_bytes] = self.SENTINEL
+        self.leased.append((slot, length))
+        self.events.append(f"reserve {offset}")
+        return self.memory[slot * self.slot_bytes:].data_ptr(), length
+
+    def commit_slot(self, peer):
+        slot, length = self.leased.pop(0)
+        start = slot * self.slot_bytes
+        self.published += bytes(self.memory[start:start + length].tolist())
+        self.head += 1
+        self.events.append("commit")
