@@ -39,10 +39,12 @@ sys.path.insert(0, str(REPO))
 # Tolerances on the relative difference of per-iteration losses between P=1 and P=2 V=2.
 # fp32 on CUDA: cuBLAS may pick other kernels (other reduction orders) for the other microbatch shapes a layout
 # composes; measured exact or ~1e-7 on the first H200 run, so 2e-5 leaves two orders of margin.
-# bf16: the pipeline tensors and parameters round to 8 bits of mantissa (eps 2^-8 = 3.9e-3); a loss differs by a few
-# ulps when the same sums are taken in other orders: 2e-2 is five ulps of margin (train/mixed_precision docs).
+# bf16: the README's "bf16 and fp16" section derives 2u/sqrt(512) = 3.5e-4 (u = 2^-8; independent roundings of the
+# per-token losses average over >= 512 loss tokens an iteration) and measured 2e-7..1.2e-5 on CPU. On CUDA, flash
+# and cuBLAS kernels add their own order differences (split-K, non-deterministic flash backward): 1e-3 there.
 FP32_TOLERANCE = 2e-5
-BF16_TOLERANCE = 2e-2
+BF16_TOLERANCE = 1e-3
+CPU_BF16_TOLERANCE = 3.5e-4
 # CPU fp32: the same kernels on both layouts; the suite's equality grid holds 1e-6 and better.
 CPU_FP32_TOLERANCE = 1e-5
 
@@ -117,7 +119,7 @@ def equality_flags(row: str, corpus: dict) -> List[str]:
 
 def tolerance_of(row: str, device: str) -> float:
     if "bf16" in row:
-        return BF16_TOLERANCE
+        return BF16_TOLERANCE if device == "cuda" else CPU_BF16_TOLERANCE
     return FP32_TOLERANCE if device == "cuda" else CPU_FP32_TOLERANCE
 
 
