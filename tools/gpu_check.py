@@ -145,7 +145,11 @@ class Check:
         command += ["--trace-dir", str(run_dir / "trace")] if trace else ["--no-trace"]
         env = dict(os.environ, LOG_DIR=str(run_dir / "logs"), PYTHONUNBUFFERED="1")
         started = time.perf_counter()
-        result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        try:
+            result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        except subprocess.TimeoutExpired as expired:
+            result = subprocess.CompletedProcess(command, 124, _text(expired.stdout),
+                                                 _text(expired.stderr) + "\ngpu_check: the run took over 600 s")
         (run_dir / "output.txt").write_text(" ".join(command) + "\n" + result.stdout + result.stderr)
         payload = json.loads(log_json.read_text()) if log_json.exists() else None
         return {"rc": result.returncode, "seconds": round(time.perf_counter() - started, 1), "json": payload,
@@ -187,6 +191,7 @@ class Check:
         selection = [] if self.sizes.device == "cuda" else ["tests/test_core_attention.py", "tests/test_task_clock.py"]
         # The equality rows' tests (marked `training` too) run the same runs as the equality step below: not twice.
         result = subprocess.run([self.python, "-m", "pytest", "-m", "cuda and not training", "-q", "-p", "no:cacheprovider",
+                                 "--timeout", "120",   # a hung CUDA test fails alone instead of eating the budget
                                  f"--junitxml={junit}", *selection], cwd=REPO, capture_output=True, text=True,
                                 timeout=900)
         (self.work / "pytest.txt").write_text(result.stdout + result.stderr)
@@ -351,6 +356,10 @@ def span_coverage(run, skip: int) -> Dict[str, float]:
         if ratios:
             coverage[f"pp{rank.meta.pp_rank}"] = statistics.median(ratios)
     return coverage
+
+
+def _text(output) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
 
 
 def _junit_counts(path: Path) -> dict:
