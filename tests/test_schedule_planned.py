@@ -370,3 +370,36 @@ def test_search_stops_when_told_and_tells_the_predicted_iteration():
     assert asked == [choice.predicted_data_order_makespan]
     assert choice.evaluations == 4 * (MAX_EXTRA_WARMUP + 1)          # the seeded candidates only
     assert choice.predicted_makespan <= choice.predicted_data_order_makespan
+
+
+def test_warm_up_samples_count_only_until_a_later_iteration_reports():
+    """The first iteration's tasks (CUDA and cuBLAS initialisation: on an H200 its first task took 20x the later
+    ones) predict until the second iteration's arrive, then drop out of the fit, also when reported by another rank."""
+    from megatron_app.schedule.length_costs import LengthCostModel
+
+    model = LengthCostModel()
+    for tokens in (100, 200, 300, 400):
+        model.observe(Kind.FORWARD, 0, tokens, tokens * 20e-6, warmup=True)
+    assert model.seconds(Kind.FORWARD, 0, 200) == pytest.approx(4e-3)
+    planner = LengthCostModel()
+    planner.observe_reported(model.take_unreported())
+    for tokens in (100, 200, 300):
+        model.observe(Kind.FORWARD, 0, tokens, tokens * 1e-6)
+    assert model.seconds(Kind.FORWARD, 0, 200) == pytest.approx(2e-4)
+    planner.observe_reported(model.take_unreported())
+    assert planner.seconds(Kind.FORWARD, 0, 200) == pytest.approx(2e-4)
+    assert planner.samples(Kind.FORWARD, 0) == 7    # counted, not fitted
+    planner.observe_reported([(Kind.FORWARD.index, 0, 0, 500.0, 250000.0, 5e-4)])   # the old six-field form
+    assert planner.seconds(Kind.FORWARD, 0, 200) == pytest.approx(2e-4)
+
+
+def test_the_planned_policy_marks_its_first_iteration_as_warm_up():
+    shape = PipelineShape(2, 1, 4)
+    policy = make_policy("planned", shape, 0)
+    policy.use_plan([100, 200, 300, 400], None)
+    for microbatch in range(4):
+        policy.observe(Task(Kind.FORWARD, 0, microbatch), 1.0)
+    assert all(entry[-1] for entry in policy.costs.take_unreported())
+    policy.use_plan([100, 200, 300, 400], None)
+    policy.observe(Task(Kind.FORWARD, 0, 0), 0.1)
+    assert not any(entry[-1] for entry in policy.costs.take_unreported())

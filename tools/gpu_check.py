@@ -58,6 +58,7 @@ class Sizes:
     curve_depths: List[int]
     curve_flags: List[str]
     curve_iters: int
+    curve_skip: int
     prediction_model: List[str]
     prediction_iters: int
     transport_flags: List[str]
@@ -70,10 +71,13 @@ GPU = Sizes(
     equality_model=["--num-layers", "8", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "1024",
                     "--micro-batch-size", "2", "--global-batch-size", "16"],
     equality_iters=3,
-    curve_hidden=[2048, 4096], curve_depths=[1, 2],
-    curve_flags=["--num-attention-heads", "16", "--seq-length", "8192", "--micro-batch-size", "4",
-                 "--global-batch-size", "64", "--bf16"],
-    curve_iters=5,
+    # The first H200 run took 4 documents a microbatch (94-606 tokens): every task was host-bound (5-20 ms at any
+    # length) and the first three iterations still warming up (cuBLAS per new shape). 32 documents a microbatch
+    # (about 1,000-8,192 tokens), depths 2 and 4, the first two iterations left out of the fit.
+    curve_hidden=[2048, 4096], curve_depths=[2, 4],
+    curve_flags=["--num-attention-heads", "16", "--seq-length", "8192", "--micro-batch-size", "32",
+                 "--global-batch-size", "256", "--bf16"],
+    curve_iters=5, curve_skip=2,
     prediction_model=["--num-layers", "8", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length",
                       "4096", "--micro-batch-size", "4", "--global-batch-size", "64", "--bf16"],
     prediction_iters=6,
@@ -89,7 +93,7 @@ CPU = Sizes(
     curve_hidden=[32], curve_depths=[4, 8],
     curve_flags=["--num-attention-heads", "4", "--seq-length", "256", "--micro-batch-size", "4",
                  "--global-batch-size", "16"],
-    curve_iters=3,
+    curve_iters=3, curve_skip=1,
     prediction_model=["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "128",
                       "--micro-batch-size", "2", "--global-batch-size", "8"],
     prediction_iters=3,
@@ -250,7 +254,7 @@ class Check:
                     return {"status": "fail", "error": run["tail"][-1] if run["tail"] else "no output",
                             "run": f"h{hidden}-l{depth}"}
                 traces[depth] = read_trace_dir(run["trace_dir"] / "latest", 1, 1)
-            curves = fit_depth_curves(traces)
+            curves = fit_depth_curves(traces, skip_iterations=self.sizes.curve_skip)
             curves.source.update({"hidden_size": hidden, "device": self.sizes.device,
                                   "flags": " ".join(self.sizes.curve_flags)})
             path = self.out / f"cost_curves_h{hidden}.json"

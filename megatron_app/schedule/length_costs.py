@@ -47,18 +47,25 @@ _SUBSETS = tuple(subset for size in range(_FEATURES, 0, -1) for subset in combin
 
 
 class _Fit:
-    """One regression over its most recent samples, tokens scaled by the first microbatch seen."""
+    """One regression over its most recent samples, tokens scaled by the first microbatch seen. Warm-up samples
+    (the first iteration's: CUDA and cuBLAS initialisation, allocator growth, first-use caches; on an H200 its
+    first task took 20x its later ones) count only until a sample of a later iteration arrives."""
 
     def __init__(self, scale: float, non_negative: bool = True, window: Optional[int] = WINDOW):
         self.scale = scale
         self.non_negative = non_negative
         self.recent = deque(maxlen=window)       # (tokens, squared tokens, seconds)
+        self.warmup = deque(maxlen=window)       # the same, of the warm-up iteration
         self.samples = 0
         self._coefficients: Optional[np.ndarray] = None
         self._seconds_per_token: Optional[float] = None
 
-    def add(self, tokens: float, squared: float, seconds: float) -> None:
-        self.recent.append((tokens, squared, seconds))
+    def add(self, tokens: float, squared: float, seconds: float, warmup: bool = False) -> None:
+        if warmup:
+            self.warmup.append((tokens, squared, seconds))
+        else:
+            self.recent.append((tokens, squared, seconds))
+            self.warmup.clear()
         self.samples += 1
         self._coefficients = None
         self._seconds_per_token: Optional[float] = None
@@ -72,10 +79,15 @@ class _Fit:
         a, b, c = self._coefficients
         return a, b / self.scale, c / self.scale ** 2
 
+    @property
+    def fitted(self):
+        """The samples the fit uses: the recent ones, or the warm-up's while there are none."""
+        return self.recent or self.warmup
+
     def _solve(self) -> np.ndarray:
-        if len({(t, s) for t, s, _ in self.recent}) < _FEATURES:
+        if len({(t, s) for t, s, _ in self.fitted}) < _FEATURES:
             return np.zeros(0)
-        tokens, squared, seconds = np.array(self.recent, dtype=float).T
+        tokens, squared, seconds = np.array(self.fitted, dtype=float).T
         features = np.stack([np.ones_like(tokens), tokens / self.scale, squared / self.scale ** 2], axis=1)
         return _least_squares(features.T @ features, features.T @ seconds,
                               _SUBSETS if self.non_negative else _SUBSETS[:1])
@@ -83,7 +95,7 @@ class _Fit:
     def predict(self, tokens, squared):
         """Works on floats and numpy arrays alike."""
         if self._seconds_per_token is None:
-            self._seconds_per_token = float(np.mean([s / t for t, _, s in self.recent]))
+            self._seconds_per_token = float(np.mean([s / t for t, _, s in self.fitted]))
         linear = self._seconds_per_token * tokens
         affine = self.affine()
         if affine is None:
@@ -132,9 +144,10 @@ class LengthCostModel:
         self.per_rank, self.non_negative, self.window = per_rank, non_negative, window
 
     def observe(self, kind: Kind, chunk: int, length: float, seconds: float,
-                squared_tokens: Optional[float] = None, rank: int = 0, report: bool = True) -> None:
+                squared_tokens: Optional[float] = None, rank: int = 0, report: bool = True,
+                warmup: bool = False) -> None:
         """One measured task. report: keep it for take_unreported() too (a sample this process measured; False for
-        samples another rank reported)."""
+        samples another rank reported). warmup: measured in the warm-up iteration (_Fit)."""
         if not length > 0:
             raise ScheduleConfigError(f"a microbatch length must be > 0, got {length!r}")
         if not seconds >= 0.0:   # also rejects NaN
@@ -145,21 +158,22 @@ class LengthCostModel:
         key = (kind, chunk, rank if self.per_rank else 0)
         if key not in self._fits:
             self._fits[key] = _Fit(float(length), self.non_negative, self.window)
-        self._fits[key].add(float(length), squared, float(seconds))
+        self._fits[key].add(float(length), squared, float(seconds), warmup)
         if report:
-            self._unreported.append((kind.index, chunk, rank, float(length), squared, float(seconds)))
+            self._unreported.append((kind.index, chunk, rank, float(length), squared, float(seconds), warmup))
 
-    def take_unreported(self) -> List[Tuple[int, int, int, float, float, float]]:
+    def take_unreported(self) -> List[Tuple[int, int, int, float, float, float, bool]]:
         """The samples observed here since the last call, as (kind index, chunk, rank, tokens, squared tokens,
-        seconds): what a rank sends the rank that plans (observe_reported there)."""
+        seconds, warm-up): what a rank sends the rank that plans (observe_reported there)."""
         samples = list(self._unreported)
         self._unreported.clear()
         return samples
 
     def observe_reported(self, samples) -> None:
         """Samples another rank measured (take_unreported's tuples)."""
-        for kind, chunk, rank, tokens, squared, seconds in samples:
-            self.observe(KINDS_BY_INDEX[kind], chunk, tokens, seconds, squared, rank=rank, report=False)
+        for kind, chunk, rank, tokens, squared, seconds, *warmup in samples:
+            self.observe(KINDS_BY_INDEX[kind], chunk, tokens, seconds, squared, rank=rank, report=False,
+                         warmup=bool(warmup and warmup[0]))
 
     @property
     def calibrated(self) -> bool:

@@ -64,6 +64,7 @@ class PlannedPolicy(AdaptivePolicy):
             self.name = FIXED_NAME
         self.memory_factor = check_memory_factor(DEFAULT_MEMORY_FACTOR if memory_factor is None else memory_factor)
         self.costs = LengthCostModel()
+        self.iterations_used = 0              # calls of use_plan: the iteration that runs now
         self.search = PlanSearch(shape, evaluations=evaluations)
         self.lengths: Optional[Tuple[int, ...]] = None
         self.squared_tokens: Optional[Tuple[float, ...]] = None
@@ -93,6 +94,7 @@ class PlannedPolicy(AdaptivePolicy):
         """Run the next iteration (next fresh RankState) by `plan` (None: data order); lengths (tokens) and
         squared_tokens (per microbatch, the sum of its attention blocks' squared lengths; None: one block of its
         length) feed learning."""
+        self.iterations_used += 1   # the first one warms up (length_costs._Fit)
         self.lengths = None if lengths is None else _check_lengths(self.shape, lengths)
         self.squared_tokens = None if squared_tokens is None or lengths is None else tuple(squared_tokens)
         plan = plan or Plan(tuple(range(self.shape.num_microbatches)))
@@ -129,7 +131,7 @@ class PlannedPolicy(AdaptivePolicy):
         if self.lengths is not None:
             squared = None if self.squared_tokens is None else self.squared_tokens[task.microbatch]
             self.costs.observe(task.kind, task.chunk, self.lengths[task.microbatch], duration_s, squared,
-                               rank=self.rank)
+                               rank=self.rank, warmup=self.iterations_used <= 1)
 
     def _fits(self, state: RankState, task: Task) -> bool:
         # With reordering every rank runs the same plan, whose peak was checked against the byte cap when it was
