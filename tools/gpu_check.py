@@ -179,7 +179,9 @@ class Check:
             info["megatron_core"] = version("megatron-core")
         except Exception as error:   # noqa: BLE001 (reported, not raised)
             info["megatron_core"] = f"not found ({error})"
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
+        # "-dirty": the tree differs from that commit (a copied working tree keeps its checkout's HEAD).
+        commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"], cwd=REPO,
+                                capture_output=True, text=True)
         info["commit"] = commit.stdout.strip() or "unknown"
         if torch.cuda.is_available():
             info["gpu"] = torch.cuda.get_device_name(0)
