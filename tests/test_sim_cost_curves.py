@@ -109,6 +109,23 @@ def test_a_p1_trace_spread_evenly_keeps_the_whole_models_cost():
         fit_whole_curves(_fake_run(), num_layers=8)
 
 
+def test_p1_traces_at_two_depths_give_one_layer_and_what_the_chunk_adds():
+    """fit_depth_curves: the whole model's growth per layer is one layer; the rest (first + last chunk's extras of a
+    P=1 model, whose one chunk is both) goes to the last chunk."""
+    from megatron_app.sim.cost_curves import fit_depth_curves
+
+    curves = fit_depth_curves({2: _fake_run(P=1, V=1, layers=2), 4: _fake_run(P=1, V=1, layers=4)})
+    for kind in ("forward", "backward"):
+        assert curves.layer[kind] == pytest.approx(LAYER[kind], rel=1e-6)
+        assert curves.first_extra[kind] == (0.0, 0.0, 0.0)
+        assert curves.last_extra[kind] == pytest.approx(FIRST[kind], rel=1e-6, abs=1e-6)
+    assert curves.source["depths"] == [2, 4] and curves.source["tokens_range"][0] >= 100
+    with pytest.raises(ScheduleConfigError, match="two depths"):
+        fit_depth_curves({2: _fake_run(P=1, V=1, layers=2)})
+    with pytest.raises(ScheduleConfigError, match="P=1 V=1"):
+        fit_depth_curves({2: _fake_run(), 4: _fake_run(P=1, V=1, layers=4)})
+
+
 def _write_p1_trace(directory):
     import json
 

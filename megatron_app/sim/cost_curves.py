@@ -155,6 +155,18 @@ def fit_whole_curves(run, num_layers: int, skip_iterations: int = 1) -> CostCurv
     if run.pipeline_parallel * run.model_chunks != 1:
         raise ScheduleConfigError(f"spreading evenly takes a P=1 V=1 run, got P={run.pipeline_parallel} "
                                   f"V={run.model_chunks} (fit it by chunk roles instead)")
+    samples = _whole_model_samples(run, skip_iterations, "the trace")
+    layer = {kind: tuple(v / num_layers for v in _fit(found)) for kind, found in samples.items()}
+    zero = {kind: (0.0, 0.0, 0.0) for kind in FITTED_KINDS}
+    tokens_seen = [t for found in samples.values() for t, _, _ in found]
+    return CostCurves(layer, dict(zero), dict(zero),
+                      {"fit": "whole model (P=1 V=1) spread evenly over its layers", "trace_dir": str(run.trace_dir),
+                       "num_layers": num_layers, "samples": {kind: len(found) for kind, found in samples.items()},
+                       "tokens_range": [min(tokens_seen), max(tokens_seen)]})
+
+
+def _whole_model_samples(run, skip_iterations: int, name: str) -> Dict[str, List[Tuple[float, float, float]]]:
+    """Per fitted kind, (tokens, squared tokens, microseconds) of a P=1 V=1 run's tasks after skip_iterations."""
     samples: Dict[str, List[Tuple[float, float, float]]] = {kind: [] for kind in FITTED_KINDS}
     for rank in run.pipeline_view():
         for iteration in run.iterations()[skip_iterations:]:
@@ -165,15 +177,9 @@ def fit_whole_curves(run, num_layers: int, skip_iterations: int = 1) -> CostCurv
                         (tokens, float(event.extra.get("squared_tokens", tokens * tokens)), event.duration))
     short = [kind for kind, found in samples.items() if len(found) < MIN_SAMPLES]
     if short:
-        raise ScheduleConfigError(f"the trace has too few tasks with tokens for: {', '.join(short)} "
+        raise ScheduleConfigError(f"{name} has too few tasks with tokens for: {', '.join(short)} "
                                   "(run with --variable-seq-lengths, tracing on)")
-    layer = {kind: tuple(v / num_layers for v in _fit(found)) for kind, found in samples.items()}
-    zero = {kind: (0.0, 0.0, 0.0) for kind in FITTED_KINDS}
-    tokens_seen = [t for found in samples.values() for t, _, _ in found]
-    return CostCurves(layer, dict(zero), dict(zero),
-                      {"fit": "whole model (P=1 V=1) spread evenly over its layers", "trace_dir": str(run.trace_dir),
-                       "num_layers": num_layers, "samples": {kind: len(found) for kind, found in samples.items()},
-                       "tokens_range": [min(tokens_seen), max(tokens_seen)]})
+    return samples
 
 
 def fit_depth_curves(runs_by_depth: Dict[int, object], skip_iterations: int = 1) -> CostCurves:
@@ -190,19 +196,8 @@ def fit_depth_curves(runs_by_depth: Dict[int, object], skip_iterations: int = 1)
         if run.pipeline_parallel * run.model_chunks != 1:
             raise ScheduleConfigError(f"fitting by depth takes P=1 V=1 runs, got P={run.pipeline_parallel} "
                                       f"V={run.model_chunks}")
-        samples: Dict[str, List[Tuple[float, float, float]]] = {kind: [] for kind in FITTED_KINDS}
-        for rank in run.pipeline_view():
-            for iteration in run.iterations()[skip_iterations:]:
-                for event in rank.events_of(iteration):
-                    if event.kind in FITTED_KINDS and "tokens" in event.extra:
-                        tokens = float(event.extra["tokens"])
-                        tokens_seen.append(tokens)
-                        samples[event.kind].append(
-                            (tokens, float(event.extra.get("squared_tokens", tokens * tokens)), event.duration))
-        short = [kind for kind, found in samples.items() if len(found) < MIN_SAMPLES]
-        if short:
-            raise ScheduleConfigError(f"the {depth}-layer trace has too few tasks with tokens for: {', '.join(short)}"
-                                      " (run with --variable-seq-lengths, tracing on)")
+        samples = _whole_model_samples(run, skip_iterations, f"the {depth}-layer trace")
+        tokens_seen += [t for found in samples.values() for t, _, _ in found]
         whole[depth] = {kind: _fit(found) for kind, found in samples.items()}
         for kind, found in samples.items():
             counts[f"{kind} {depth} layers"] = len(found)
