@@ -133,14 +133,13 @@ def loss_func(per_token, loss_mask, output_tensor):
 def forward_step_func(per_token, data_iterator, model):
     from megatron_app.train.data_schedule import packed_seq_params_of
 
-    batch = next(data_iterator)
+    host = next(data_iterator)
     device = next(model.parameters()).device
-    tokens, labels, position_ids = (batch.get(key) for key in ("tokens", "labels", "position_ids"))
-    if tokens is not None and not ON_CPU:
-        tokens, labels, position_ids = tokens.to(device), labels.to(device), position_ids.to(device)
-    packed = packed_seq_params_of(batch) if per_token else None       # APP: packed documents' bounds
-    output = model(tokens, position_ids, None, labels=labels, packed_seq_params=packed)
-    loss_mask = batch["loss_mask"].to(device) if "loss_mask" in batch else None
+    batch = {key: value.to(device) if torch.is_tensor(value) else value for key, value in host.items()}   # as NVIDIA's
+    packed = packed_seq_params_of(batch, host) if per_token else None   # APP: packed documents' bounds
+    output = model(batch.get("tokens"), batch.get("position_ids"), None, labels=batch.get("labels"),
+                   packed_seq_params=packed)
+    loss_mask = batch.get("loss_mask")
     return output, partial(loss_func, per_token, loss_mask)
 
 
