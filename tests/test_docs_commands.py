@@ -54,6 +54,7 @@ WHY_NOT_RUN = {
     "sbatch": "it needs a SLURM cluster (tests/test_slurm.py runs one where it can)",
     "tests": "it is the test command, or a part of it that builds sanitizer modules (minutes)",
     "pip": "it installs into the environment",
+    "example": "it trains (tests/test_simple_train_loop.py runs examples/simple_train_loop.py at P=1, P=2 and P=2 V=2)",
     "gpu_check": "it is the GPU proof (minutes on a GPU host); its CPU rehearsal runs in tests/test_gpu_check.py",
 }
 GPU_CHECK_FLAGS = {"--out": True, "--wheels": True, "--steps": True, "--cpu": False}   # flag -> takes a value
@@ -322,6 +323,26 @@ def smoke_gpu_check(arguments: list[str]) -> None:
     assert "--out" in arguments, "tools/gpu_check.sh needs --out DIR"
 
 
+def smoke_torchrun(command: Parsed) -> None:
+    """`torchrun --nproc_per_node N examples/X.py ...`: the example exists, takes every flag given, and N ranks are
+    the pipeline's (--pipeline_parallel, 1 without it)."""
+    argv = command.argv[1:]
+    nproc = 1
+    while argv and argv[0].startswith("--"):
+        flag = argv.pop(0)
+        if flag == "--nproc_per_node":
+            nproc = int(argv.pop(0))
+        elif flag != "--standalone":
+            pytest.fail(f"torchrun {flag}: no smoke form for it in tests/test_docs_commands.py")
+    script, flags = argv[0], argv[1:]
+    assert script.startswith("examples/") and (REPO / script).is_file(), f"{script} is no example of this repository"
+    known = help_flags([PYTHON, str(REPO / script)])
+    unknown = [flag for flag in [*flags, *command.optional_flags] if flag.startswith("--") and flag not in known]
+    assert not unknown, f"{script} has no {', '.join(unknown)}"
+    pipeline = int(flags[flags.index("--pipeline_parallel") + 1]) if "--pipeline_parallel" in flags else 1
+    assert nproc == pipeline, f"{script}: --nproc_per_node {nproc} ranks for a pipeline of {pipeline}"
+
+
 def smoke(command: Command, workspace: Workspace) -> str:
     """Run or check one documented command; what was done, in words."""
     parsed = parse_command(command.text)
@@ -345,6 +366,9 @@ def smoke(command: Command, workspace: Workspace) -> str:
         how = "checked, not run: " + WHY_NOT_RUN["tests"]
     elif argv[0] in ("python", "python3", ".venv/bin/python"):
         result, how = smoke_python(parsed, workspace)
+    elif argv[0] == "torchrun":
+        smoke_torchrun(parsed)
+        how = "flags checked, not run: " + WHY_NOT_RUN["example"]
     elif argv[:2] == ["mkdir", "-p"]:
         workspace.run(argv, parsed.environment)
         how = "ran"
@@ -468,6 +492,10 @@ WRONG_DOCS = {   # what the doc says -> what the failure names
                                           "process_trace.py has no --no-such-option"),
     "long tool's flag that does not exist": ("python tools/loss_sweep.py --iters 3 --no-such-flag",
                                              "unrecognized arguments: --no-such-flag"),
+    "example's flag that does not exist": ("torchrun --nproc_per_node 2 examples/simple_train_loop.py "
+                                           "--pipeline_parallel 2 --no-such-flag", "has no --no-such-flag"),
+    "example on too few ranks": ("torchrun --nproc_per_node 1 examples/simple_train_loop.py --pipeline_parallel 2",
+                                 "--nproc_per_node 1 ranks for a pipeline of 2"),
     "environment nobody reads": ("MEGATRON_APP_NO_SUCH_SETTING=1 bash run_single.sh --pipeline_parallel 2",
                                  "MEGATRON_APP_NO_SUCH_SETTING is read nowhere"),
     "test file that does not exist": ("bash tools/run_tests.sh tests/test_no_such_file.py",

@@ -206,3 +206,23 @@ def test_script_runs_as_a_command(tmp_path):
     assert bad.returncode == 2
     assert bad.stderr.count("\n") == 1 and "model_chunks=1 (asked 3)" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_the_directory_as_an_argument_and_the_shape_read_from_the_trace(tmp_path, capsys, two_iterations):
+    """`process_trace.py DIR`: the run's own P and V name the outputs; a shape given still has to match."""
+    code, stdout, err = run_tool(capsys, two_iterations, "--out-dir", tmp_path / "out")
+    assert (code, err) == (0, ""), err
+    assert stdout.startswith(f"reading {two_iterations}\n") and "pipeline_parallel=2 model_chunks=2" in stdout
+    assert all(p.exists() for p in outputs(tmp_path / "out", 2, 2))
+    code, _, err = run_tool(capsys, two_iterations, "--model_chunks", 1)
+    assert code == 2 and "model_chunks=2 (asked 1)" in err
+    code, _, err = run_tool(capsys, two_iterations, "--trace-dir", tmp_path)
+    assert code == 2 and err.count("\n") == 1 and "two trace directories" in err
+
+
+def test_a_directory_of_runs_gives_its_newest_complete_run_whatever_its_shape(tmp_path, capsys):
+    write_plan(tmp_path / "traces" / "a", plan_greedy(2, 1, 2))
+    code, stdout, err = run_tool(capsys, tmp_path / "traces")
+    assert (code, err) == (0, ""), err
+    assert "pipeline_parallel=2 model_chunks=1" in stdout
+    assert all(p.exists() for p in outputs(tmp_path / "traces" / "a", 2, 1))

@@ -183,3 +183,31 @@ def test_flop_curves_keep_the_calibration_traces_sums_per_kind():
     assert curves.layer["backward"][1] == pytest.approx(
         2 * curves.layer["forward"][1] * sums["backward"]["us"] / sums["backward"]["flops"]
         / (sums["forward"]["us"] / sums["forward"]["flops"]))
+
+
+def test_replayed_lengths_far_outside_the_fitted_range_are_warned_of_once_with_the_factor(capsys):
+    curves = fit_curves(_fake_run(), num_layers=8)
+    low, high = curves.source["tokens_range"]
+    assert 100 <= low < 200 and 1900 < high < 2000
+    shape = PipelineShape(2, 2, 4)
+    curves.durations(shape, 8, [high] * 4, [high * high] * 4)            # within the range: nothing said
+    assert capsys.readouterr().err == ""
+    for _ in range(2):
+        curves.durations(shape, 8, [30 * high] * 4, [(30 * high) ** 2] * 4)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"cost curves: microbatches of up to {30 * high:,.0f} tokens, 30.0x "
+                                               f"the largest the curves were fitted on ({low:,.0f}-{high:,.0f} tokens")
+    fitted = CostCurves(LAYER, FIRST, LAST, {"tokens_range": [100, 2000]})
+    assert "microbatches of 10 tokens, 10.0x below the smallest" in fitted.out_of_range(np.asarray([10.0]))
+    assert fitted.out_of_range(np.asarray([60.0, 3000.0])) is None                     # within 2x: nothing
+    assert CostCurves(LAYER, FIRST, LAST, {}).out_of_range(np.asarray([1e9])) is None   # no range recorded
+
+
+def test_the_fit_summary_says_its_units():
+    from megatron_app.sim.cost_curves import summary
+
+    text = summary(fit_curves(_fake_run(), num_layers=8))
+    assert text.splitlines()[0] == ("per task, in microseconds, for a microbatch of T tokens whose documents' squared "
+                                    "lengths sum to S:")
+    assert "forward: each layer 50.0 + 2.0000 T + 1.000e-03 S us; the first chunk adds 300.0 + 0.5000 T us" in text
+    assert "fitted on microbatches of" in text

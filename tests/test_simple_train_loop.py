@@ -1,7 +1,7 @@
-"""A user's own loop in the shape of NVIDIA's examples/run_simple_mcore_train_loop.py (Megatron's DDP and config
-hooks, model chunks per virtual stage, one data iterator per chunk, get_forward_backward_func after install(),
-optimizer step) at P=2 V=2 gives the losses of Megatron's own schedule at P=1 (Megatron's P > 1 schedules need
-CUDA)."""
+"""examples/simple_train_loop.py, a user's own loop in the shape of NVIDIA's examples/run_simple_mcore_train_loop.py
+(Megatron's DDP and config hooks, model chunks per virtual stage, one data iterator per chunk,
+get_forward_backward_func after install(), keyed dropout 0.1 with set_iteration, optimizer step): at P=2 and P=2 V=2
+it gives the losses of Megatron's own schedule at P=1 (Megatron's P > 1 schedules need CUDA)."""
 
 import json
 
@@ -12,23 +12,62 @@ from pipeline_runs import HELPERS, torchrun
 WORKER = HELPERS / "simple_train_loop_worker.py"
 
 
-def _losses(tmp_path, name, nproc, flags):
+def _run(tmp_path, name, nproc, flags):
     out = tmp_path / name
     out.mkdir()
-    result = torchrun(nproc, [WORKER, *flags, "--out", out])
+    return out, torchrun(nproc, [WORKER, *flags, "--out", out])
+
+
+def _losses(tmp_path, name, nproc, flags):
+    out, result = _run(tmp_path, name, nproc, flags)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return json.loads((out / "losses.json").read_text()), result.stderr
 
 
+def _assert_equal(name, got, want):
+    assert len(got) == len(want) == 3
+    for it, (g, w) in enumerate(zip(got, want), start=1):
+        assert abs(g - w) <= 1e-5 * abs(w), f"{name} iteration {it}: {g} != P=1's {w}"
+
+
 @pytest.mark.slow
 def test_nvidia_shaped_loop_at_p2_v2_matches_megatrons_schedule_at_p1(tmp_path):
-    """Also with a split backward, where DDP's overlapped reduction is driven by its own hooks: each weight's
-    gradient must be registered ready exactly once, by a chunk's last B (LayerNorm, fused biases) or last W."""
+    """Dropout 0.1 (the example's default, Megatron's), keyed: P=2, P=2 V=2 and P=2 V=2 with a split backward, where
+    DDP's overlapped reduction is driven by its own hooks (each weight's gradient must be registered ready exactly
+    once, by a chunk's last B or last W), give Megatron's P=1 losses."""
     reference, _ = _losses(tmp_path, "p1", 1, ["--pipeline_parallel", 1, "--reference"])
-    for name, extra in (("p2v2", []), ("p2v2-split", ["--split-backward"])):
-        pipelined, stderr = _losses(tmp_path, name, 2, ["--pipeline_parallel", 2, "--model_chunks", 2, *extra])
-        assert len(reference) == len(pipelined) == 3
-        for it, (got, want) in enumerate(zip(pipelined, reference), start=1):
-            assert abs(got - want) <= 1e-5 * abs(want), f"{name} iteration {it}: {got} != Megatron's {want}"
+    for name, nproc, extra in (("p2", 2, ["--pipeline_parallel", 2]),
+                               ("p2v2", 2, ["--pipeline_parallel", 2, "--model_chunks", 2]),
+                               ("p2v2-split", 2, ["--pipeline_parallel", 2, "--model_chunks", 2, "--split-backward"])):
+        pipelined, stderr = _losses(tmp_path, name, nproc, extra)
+        _assert_equal(name, pipelined, reference)
         assert stderr.count("megatron_app: rank") == 2, "one line per rank says the schedule is active"
     assert len(reference) == len(set(reference)), "the optimizer step changed nothing"
+
+
+@pytest.mark.slow
+def test_example_with_variable_lengths_through_wrap_data_iterator(tmp_path):
+    """Whole documents through wrap_data_iterator, per-token loss, dropout 0.1 keyed by document: P=2 V=2 under our
+    schedule, its documents packed or regrouped by 'balanced', equals P=1 under Megatron's on the loader's padded
+    microbatches."""
+    flags = ["--variable-lengths"]
+    reference, _ = _losses(tmp_path, "p1", 1, ["--pipeline_parallel", 1, "--reference", *flags,
+                                               "--composition", "loader"])
+    for composition in ("packed", "balanced"):
+        pipelined, _ = _losses(tmp_path, f"p2v2-{composition}", 2, ["--pipeline_parallel", 2, "--model_chunks", 2,
+                                                                   *flags, "--composition", composition])
+        _assert_equal(f"p2v2 {composition}", pipelined, reference)
+
+
+@pytest.mark.slow
+def test_a_misbuilt_stage_is_refused_in_one_line(tmp_path):
+    """Every chunk built with pre_process=True (NVIDIA's one-stage model provider): the first call stops on pipeline
+    rank 1 with one line naming the rank, the chunk and the fix, before any task runs (no AttributeError from the
+    executor)."""
+    _, result = _run(tmp_path, "misbuilt", 2, ["--pipeline_parallel", 2, "--model_chunks", 2, "--misbuild"])
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert ("AppConfigError: pipeline rank 1's model chunk 0 (virtual stage 1 of 4, P=2 V=2) was built with "
+            "pre_process=True; build it with pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,"
+            " vp_stage=0)") in output, output[-3000:]
+    assert "_send_output" not in output and "'NoneType' object has no attribute" not in output, output[-3000:]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
+import torch
 import torch.distributed as dist
 
 from megatron.core.utils import get_model_config, get_model_type
@@ -15,6 +16,7 @@ from megatron_app.schedule import PipelineShape
 
 from .call_contract import ScheduleGroups, full_checkpoint_flags
 from .microbatch_data import MicrobatchReplay
+from .settings import AppConfigError
 
 
 @dataclass(frozen=True)
@@ -70,5 +72,63 @@ class RankPlacement:
                                    split_backward=self.split_backward,
                                    microbatch_group_size=getattr(config, "microbatch_group_size_per_vp_stage",
                                                                  None) if V > 1 else None)
+        check_chunk_layout(chunks, self.pp_rank, len(self.pp_global))
         self.full_checkpoint = full_checkpoint_flags(
             self.shape, self.pp_rank, getattr(config, "num_microbatches_with_partial_activation_checkpoints", None))
+
+
+def _language_module(chunk):
+    """The Megatron language model (GPTModel, MambaModel) inside a chunk's wrappers (DDP, Float16Module), or None
+    for another module: those carry no pipeline layout to check."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.transformer.enums import ModelType
+
+    while not isinstance(chunk, LanguageModule) and isinstance(getattr(chunk, "module", None), torch.nn.Module):
+        chunk = chunk.module
+    if not isinstance(chunk, LanguageModule) or getattr(chunk, "model_type", None) != ModelType.encoder_or_decoder:
+        return None
+    return chunk
+
+
+def check_chunk_layout(chunks: ModelChunks, pp_rank: int, P: int) -> None:
+    """A pipelined call's model chunks must be built for their place: chunk c of pipeline rank r holds virtual
+    stage c * P + r of P x V, so only the first one embeds (pre_process) and only the last one has the output layer
+    and loss (post_process), chunk c has vp_stage c (V > 1), and the config's pipeline sizes are the call's.
+    Otherwise a stage would send None or receive what it does not expect, deep inside the schedule; here the first
+    call stops with one line naming the rank, the chunk and the fix (an AppConfigError)."""
+    if P == 1:
+        return
+    V = len(chunks.models)
+    where = f"P={P} V={V}"
+    config_p = getattr(chunks.config, "pipeline_model_parallel_size", None)
+    config_v = getattr(chunks.config, "virtual_pipeline_model_parallel_size", None) or 1
+    for c, chunk in enumerate(chunks.models):
+        model = _language_module(chunk)
+        if model is None:
+            continue
+        name = f"pipeline rank {pp_rank}'s model chunk {c}"
+        if config_p is not None and config_p != P:
+            raise AppConfigError(
+                f"{name}: its config has pipeline_model_parallel_size={config_p} but the call's pipeline group has "
+                f"{P} ranks; build the TransformerConfig with pipeline_model_parallel_size={P}")
+        if config_v != V:
+            raise AppConfigError(
+                f"{name}: its config has virtual_pipeline_model_parallel_size={config_v if config_v > 1 else None} "
+                f"but this rank passes {V} model chunk(s); build V chunks with "
+                f"virtual_pipeline_model_parallel_size={V if V > 1 else None}")
+        stage = c * P + pp_rank
+        for flag, expected, helper in (("pre_process", stage == 0, "is_pipeline_first_stage"),
+                                       ("post_process", stage == P * V - 1, "is_pipeline_last_stage")):
+            built = getattr(model, flag, None)
+            if built is not None and bool(built) != expected:
+                raise AppConfigError(
+                    f"{name} (virtual stage {stage} of {P * V}, {where}) was built with {flag}={bool(built)}; "
+                    f"build it with {flag}=parallel_state.{helper}(ignore_virtual=False, "
+                    f"vp_stage={c if V > 1 else None})")
+        vp_stage = getattr(model, "vp_stage", None)
+        if V > 1 and vp_stage != c:
+            raise AppConfigError(f"{name} ({where}) was built with vp_stage={vp_stage}; build chunk {c} with "
+                                 f"vp_stage={c}")
+        if V == 1 and vp_stage not in (None, 0):
+            raise AppConfigError(f"{name} ({where}) was built with vp_stage={vp_stage}; with one chunk a rank "
+                                 f"build it with vp_stage=None")

@@ -21,6 +21,7 @@ The simulator takes them with --cost-curves FILE --num-layers L (sim/composition
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -34,6 +35,7 @@ from .costs import DurationTable
 ROLES = ("first", "middle", "last")
 FITTED_KINDS = ("forward", "backward")
 MIN_SAMPLES = 3
+OUT_OF_RANGE_FACTOR = 2.0   # replayed microbatch tokens this far beyond the fitted range: say so, once
 
 
 def role_of(virtual_stage: int, num_virtual_stages: int) -> str:
@@ -83,6 +85,7 @@ class CostCurves:
             raise ScheduleConfigError(f"{num_layers} layers do not split into {P} x {V} chunks")
         layers = num_layers // (P * V)
         t, s = np.asarray(tokens, dtype=float), np.asarray(squared, dtype=float)
+        self.warn_out_of_range(t)
         table = np.zeros((P, len(KINDS_BY_INDEX), V, len(t)))
         for rank in range(P):
             for chunk in range(V):
@@ -90,6 +93,34 @@ class CostCurves:
                 table[rank, Kind.FORWARD.index, chunk] = self.chunk_us("forward", role, layers, t, s)
                 table[rank, Kind.BACKWARD.index, chunk] = self.chunk_us("backward", role, layers, t, s)
         return DurationTable(table)
+
+    def out_of_range(self, tokens: np.ndarray) -> Optional[str]:
+        """One line when microbatches of `tokens` lie more than OUT_OF_RANGE_FACTOR outside the token range the
+        curves were fitted on (the file's source.tokens_range; curves without one are not checked), else None."""
+        fitted = self.source.get("tokens_range")
+        if not fitted or len(tokens) == 0:
+            return None
+        low, high = float(fitted[0]), float(fitted[1])
+        largest, smallest = float(np.max(tokens)), float(np.min(tokens))
+        where = self.source.get("trace_dir") or self.source.get("trace_dirs") or "its trace"
+        if high > 0 and largest > OUT_OF_RANGE_FACTOR * high:
+            return (f"cost curves: microbatches of up to {largest:,.0f} tokens, {largest / high:.1f}x the largest "
+                    f"the curves were fitted on ({low:,.0f}-{high:,.0f} tokens, {where}): their costs are "
+                    f"extrapolated, and they hold only for the model that was traced")
+        if smallest > 0 and smallest * OUT_OF_RANGE_FACTOR < low:
+            return (f"cost curves: microbatches of {smallest:,.0f} tokens, {low / smallest:.1f}x below the smallest "
+                    f"the curves were fitted on ({low:,.0f}-{high:,.0f} tokens, {where}): their costs are "
+                    f"extrapolated")
+        return None
+
+    def warn_out_of_range(self, tokens: np.ndarray) -> None:
+        """out_of_range's line on stderr, the first time only (these curves replay many iterations)."""
+        if getattr(self, "_warned", False):
+            return
+        line = self.out_of_range(tokens)
+        if line is not None:
+            self._warned = True
+            print(line, file=sys.stderr, flush=True)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -121,12 +152,14 @@ def fit_curves(run, num_layers: int, skip_iterations: int = 1) -> CostCurves:
         raise ScheduleConfigError(f"{num_layers} layers do not split into {P} x {V} chunks")
     layers = num_layers // (P * V)
     samples: Dict[Tuple[str, str], List[Tuple[float, float, float]]] = {}
+    tokens_seen: List[float] = []
     for rank in run.pipeline_view():
         for iteration in run.iterations()[skip_iterations:]:
             for event in rank.events_of(iteration):
                 if event.kind not in FITTED_KINDS or "tokens" not in event.extra:
                     continue
                 tokens = float(event.extra["tokens"])
+                tokens_seen.append(tokens)
                 squared = float(event.extra.get("squared_tokens", tokens * tokens))
                 role = role_of(event.chunk * P + rank.meta.pp_rank, P * V)
                 samples.setdefault((event.kind, role), []).append((tokens, squared, event.duration))
@@ -143,7 +176,8 @@ def fit_curves(run, num_layers: int, skip_iterations: int = 1) -> CostCurves:
 
     return CostCurves(layer, extra("first"), extra("last"),
                       {"trace_dir": str(run.trace_dir), "pipeline_parallel": P, "model_chunks": V,
-                       "num_layers": num_layers, "samples": {f"{k} {r}": len(v) for (k, r), v in samples.items()}})
+                       "num_layers": num_layers, "samples": {f"{k} {r}": len(v) for (k, r), v in samples.items()},
+                       "tokens_range": [min(tokens_seen), max(tokens_seen)]})
 
 
 def fit_whole_curves(run, num_layers: int, skip_iterations: int = 1) -> CostCurves:
@@ -216,6 +250,22 @@ def fit_depth_curves(runs_by_depth: Dict[int, object], skip_iterations: int = 1)
                        "trace_dirs": [str(run.trace_dir) for _, run in sorted(runs_by_depth.items())]})
 
 
+def summary(curves: CostCurves) -> str:
+    """The curves in words, with their units: a task of a microbatch of T tokens whose documents' squared lengths
+    sum to S costs, in microseconds, (its layers) x (a + b T + c S) plus its chunk's extra."""
+    lines = ["per task, in microseconds, for a microbatch of T tokens whose documents' squared lengths sum to S:"]
+    for kind in FITTED_KINDS:
+        a, b, c = curves.layer[kind]
+        first, last = curves.first_extra[kind], curves.last_extra[kind]
+        lines.append(f"{kind}: each layer {a:.1f} + {b:.4f} T + {c:.3e} S us; the first chunk adds {first[0]:.1f} + "
+                     f"{first[1]:.4f} T us, the last {last[0]:.1f} + {last[1]:.4f} T us")
+    fitted = curves.source.get("tokens_range")
+    if fitted:
+        lines.append(f"fitted on microbatches of {fitted[0]:,.0f}-{fitted[1]:,.0f} tokens (replaying lengths more "
+                     f"than {OUT_OF_RANGE_FACTOR:.0f}x outside that range is warned of)")
+    return "\n".join(lines)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron_app.trace.cli import EXIT_BAD_INPUT, OneLineArgumentParser
     from megatron_app.trace.reader import read_trace_dir
@@ -248,11 +298,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         curves.source["note"] = args.note
     with open(args.out, "w", encoding="utf-8") as handle:
         json.dump(curves.to_json(), handle, indent=1)
-    for kind in FITTED_KINDS:
-        a, b, c = curves.layer[kind]
-        print(f"{kind}: a layer {a:.1f} us + {b:.4f} us/token + {c:.3e} us/token^2; first chunk adds "
-              f"{curves.first_extra[kind][0]:.1f} us + {curves.first_extra[kind][1]:.4f} us/token, last adds "
-              f"{curves.last_extra[kind][0]:.1f} us + {curves.last_extra[kind][1]:.4f} us/token")
+    print(summary(curves))
     print(f"wrote {args.out}")
     return 0
 

@@ -74,10 +74,13 @@ def iteration_choice(text: str) -> int | str:
 
 def base_parser(prog: str, description: str) -> OneLineArgumentParser:
     parser = OneLineArgumentParser(prog=prog, description=description)
+    parser.add_argument("run_dir", nargs="?", default=None, metavar="DIR",
+                        help="the trace directory, as --trace-dir DIR")
     parser.add_argument("--pipeline_parallel", "--pipeline-parallel", dest="pipeline_parallel", type=positive_int,
-                        required=True, help="pipeline-parallel size P of the traced run")
-    parser.add_argument("--model_chunks", "--model-chunks", dest="model_chunks", type=positive_int, required=True,
-                        help="model chunks per rank V of the traced run")
+                        default=None, help="pipeline-parallel size P of the traced run (default: the trace's own, "
+                                           "from the run chosen)")
+    parser.add_argument("--model_chunks", "--model-chunks", dest="model_chunks", type=positive_int, default=None,
+                        help="model chunks per rank V of the traced run (default: the trace's own)")
     parser.add_argument("--trace-dir", "--trace_dir", dest="trace_dir", default=None,
                         help=f"a run's directory of trace_rank<N>.jsonl files, or a directory of runs (then its "
                              f"newest complete run of the asked shape, 'latest' first; default: ./{DEFAULT_TRACE_DIR})")
@@ -86,7 +89,7 @@ def base_parser(prog: str, description: str) -> OneLineArgumentParser:
     return parser
 
 
-def resolve_trace_dir(given: str | None, pipeline_parallel: int, model_chunks: int) -> ChosenRun:
+def resolve_trace_dir(given: str | None, pipeline_parallel: int | None, model_chunks: int | None) -> ChosenRun:
     """The run to read: under --trace-dir if given, else ./traces, else the current directory when it holds trace
     files (seed usage). A directory of run directories gives its newest complete run of the asked shape."""
     if given is not None:
@@ -102,10 +105,15 @@ def resolve_trace_dir(given: str | None, pipeline_parallel: int, model_chunks: i
 
 def read_chosen_run(args) -> tuple[TraceRun, Path]:
     """Choose the run (saying which on stdout), read it, and return it with the output directory: --out-dir, else
-    the run's own directory, beside its traces."""
+    the run's own directory, beside its traces. A size not given (P, V) is the chosen run's own, set on args."""
+    if args.run_dir is not None:
+        if args.trace_dir is not None and Path(args.trace_dir) != Path(args.run_dir):
+            raise TraceError(f"two trace directories: {args.run_dir} and --trace-dir {args.trace_dir}; give one")
+        args.trace_dir = args.run_dir
     chosen = resolve_trace_dir(args.trace_dir, args.pipeline_parallel, args.model_chunks)
     print(chosen.note)
     run = read_trace_dir(chosen.directory, args.pipeline_parallel, args.model_chunks)
+    args.pipeline_parallel, args.model_chunks = run.pipeline_parallel, run.model_chunks
     return run, Path(args.out_dir) if args.out_dir is not None else chosen.directory
 
 

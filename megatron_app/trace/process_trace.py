@@ -2,6 +2,7 @@
 
     python tools/process_trace.py --pipeline_parallel P --model_chunks V [--trace-dir D] [--iteration K|last|all]
                                   [--out-dir O] [--strict] [--tolerance-us T]
+    python tools/process_trace.py D [...]          # P and V, when not given, are the chosen run's own
 
 Reads the newest complete run of that shape under D (default traces/: traces/latest first) and says which.
 Writes trace_pipeline_<P>_model_chunks_<V>.json (open in ui.perfetto.dev), ..._metrics.json, ..._metrics.csv

@@ -56,8 +56,9 @@ class RunSummary:
     run_id: str
     problem: str | None  # None: every rank file is present and was closed by its tracer
 
-    def mismatch(self, pipeline_parallel: int, model_chunks: int) -> str | None:
-        if (self.pipeline_parallel, self.model_chunks) == (pipeline_parallel, model_chunks):
+    def mismatch(self, pipeline_parallel: int | None, model_chunks: int | None) -> str | None:
+        """None when the run has the asked shape (a size not asked, None, matches any)."""
+        if pipeline_parallel in (None, self.pipeline_parallel) and model_chunks in (None, self.model_chunks):
             return None
         return f"it is a pipeline_parallel={self.pipeline_parallel}, model_chunks={self.model_chunks} run"
 
@@ -117,7 +118,14 @@ class ChosenRun:
     note: str  # one line saying which run was read and why
 
 
-def choose_run(root: Path, pipeline_parallel: int, model_chunks: int) -> ChosenRun:
+def _shape(pipeline_parallel: int | None, model_chunks: int | None) -> str:
+    """The asked shape in words, for messages ("" when none was asked)."""
+    asked = [f"{name}={value}" for name, value in (("pipeline_parallel", pipeline_parallel),
+                                                   ("model_chunks", model_chunks)) if value is not None]
+    return " " + ", ".join(asked) if asked else ""
+
+
+def choose_run(root: Path, pipeline_parallel: int | None, model_chunks: int | None) -> ChosenRun:
     """The run directory the tools read under `root`.
 
     `root` holding trace files itself is one run (a simulator output, or a run directory given directly). Otherwise
@@ -141,15 +149,14 @@ def choose_run(root: Path, pipeline_parallel: int, model_chunks: int) -> ChosenR
         if reason is None:
             which = "latest run" if directory == latest else "newest complete run"
             if skipped:
-                which = f"newest complete pipeline_parallel={pipeline_parallel}, model_chunks={model_chunks} run"
+                which = f"newest complete{_shape(pipeline_parallel, model_chunks)} run"
             note = f"reading {directory} ({which}{', run id ' + summary.run_id if summary.run_id else ''})"
             if skipped:
                 note += f"; skipped {_describe(skipped[0])}" + (f" and {len(skipped) - 1} more" if len(skipped) > 1
                                                                  else "")
             return ChosenRun(directory, note)
         skipped.append((directory, reason, directory == latest))
-    raise TraceError(f"{root}: no complete pipeline_parallel={pipeline_parallel}, model_chunks={model_chunks} run "
-                     f"({_describe(skipped[0])})")
+    raise TraceError(f"{root}: no complete{_shape(pipeline_parallel, model_chunks)} run ({_describe(skipped[0])})")
 
 
 def _latest_run(root: Path) -> Path | None:

@@ -86,6 +86,7 @@ def wrap_data_iterator(data_iterator, config, num_microbatches: int, pg_collecti
     ``micro_batch_size`` documents in reading order, packed or padded).
     """
     from megatron_app.runtime.composition import agree_iteration_plan, job_layout
+    from megatron_app.runtime.keyed_randomness import set_microbatch_documents
 
     layout = job_layout(pg_collection)
     iterators = data_iterator if isinstance(data_iterator, (list, tuple)) else [data_iterator]
@@ -95,6 +96,9 @@ def wrap_data_iterator(data_iterator, config, num_microbatches: int, pg_collecti
     lengths = [int(sample["tokens"].numel()) for sample in batch]
     plan = agree_iteration_plan(lengths, micro_batch_size, composition, pg_collection=pg_collection)
     replica = plan.replica(layout.dp_rank)
+    # Keyed dropout draws each document's masks by document, also under Megatron's own schedule (ours takes the
+    # layout with the plan): the same masks whatever the composition, P, V or schedule.
+    set_microbatch_documents(plan.document_segments(layout.dp_rank))
     planned = replica.composition
     documents = [batch[position] for position in replica.documents]
     if source is None:
