@@ -411,3 +411,56 @@ def test_no_arena_when_its_size_is_zero(job_id, monkeypatch):
     finally:
         sender.close()
         receiver.close()
+
+
+# ---- a peer that died with its IPC exports unopened ----------------------------------------------------------------
+IPC_SENDER = """
+import sys, time, torch
+sys.path.insert(0, sys.argv[2])
+from transport_helpers.fake_engine import FakeIpcEngine
+from megatron_app.transport import Direction, Transport, make_tag
+t = Transport(0, 2, sys.argv[1], slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=FakeIpcEngine(),
+              cuda_ipc=True)
+for index in range(2):  # two IPC slots, each exported with its first message
+    t.send(1, make_tag(Direction.FORWARD, index), torch.arange(100.0)).wait(timeout=20)
+print("sent", flush=True)
+time.sleep(60)
+"""
+
+
+class DeadExporterEngine(FakeIpcEngine):
+    """Opening an export fails as CUDA's rebuild_cuda_tensor fails on the H200 once the exporter was killed."""
+
+    @staticmethod
+    def open_buffer(blob):
+        raise torch.AcceleratorError("CUDA error: invalid resource handle\nCUDA kernel errors might be "
+                                     "asynchronously reported at some other API call")
+
+
+def test_an_ipc_export_of_a_peer_that_died_reads_peer_died_in_one_line(job_id):
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from megatron_app.transport import PeerDied
+
+    receiver = Transport(1, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=DeadExporterEngine(),
+                         cuda_ipc=True)
+    sender = subprocess.Popen([sys.executable, "-c", IPC_SENDER, job_id, str(Path(__file__).parent)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert sender.stdout.readline().strip() == "sent"
+        with pytest.raises(torch.AcceleratorError):  # while the exporter lives, its error is not PeerDied
+            receiver.recv(0, make_tag(FWD, 0))
+        sender.send_signal(signal.SIGKILL)
+        sender.wait(timeout=20)
+        with pytest.raises(PeerDied) as raised:
+            receiver.recv(0, make_tag(FWD, 1))
+        text = str(raised.value)
+        assert len(text.splitlines()) == 1 and "died" in text and "invalid resource handle" in text, text
+    finally:
+        if sender.poll() is None:
+            sender.kill()
+            sender.wait()
+        receiver.close()

@@ -125,6 +125,12 @@ def send_through_slots(core, engine, peer: int, tag: int, code: int, shape, sour
     return chunks
 
 
+def _peer_gone_or(core_transport, peer: int, error: BaseException) -> BaseException:
+    from .transport import peer_gone_or  # transport.py imports this module
+
+    return peer_gone_or(core_transport, peer, error, "a device send")
+
+
 class DeviceSendHandle:
     """Completion of one send that went through the stager (SendHandle's interface)."""
 
@@ -266,7 +272,7 @@ class Stager:
             try:
                 self._send(peer, tag, source, ready, earlier, through_slots, device_tensor)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller through the handle
-                error = exc
+                error = _peer_gone_or(self._core, peer, exc) if isinstance(exc, Exception) else exc
             finally:
                 source = ready = None
             with self._lock:

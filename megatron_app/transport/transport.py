@@ -311,7 +311,10 @@ class Transport(ClosesOnExit):
             return host if device is None else codec.to_device(host, device)
         if self._ipc_receiver is None:
             self._ipc_receiver = IpcReceiver(self._engine())
-        tensor, ack_tag, ack = self._ipc_receiver.take(peer, *message, device=device)
+        try:
+            tensor, ack_tag, ack = self._ipc_receiver.take(peer, *message, device=device)
+        except Exception as error:  # noqa: BLE001 - an exporter that died leaves handles nobody can open
+            raise peer_gone_or(self._core, peer, error, "opening the CUDA IPC memory it exported") from error
         self._send_host(peer, ack_tag, payload_bytes(ack))  # the slot is the sender's again
         return tensor
 
@@ -396,6 +399,23 @@ class Transport(ClosesOnExit):
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
         return f"Transport(rank={self.rank}, world_size={self.world_size}, job_id={self.job_id!r}, {state})"
+
+
+def peer_gone_or(core_transport, peer: int, error: BaseException, doing: str) -> BaseException:
+    """`error`, or PeerDied / TransportClosed in one line when `peer` is gone: what a peer lent (a CUDA IPC handle,
+    an interprocess event) cannot be opened once its process died (CUDA says "invalid resource handle")."""
+    if isinstance(error, (PeerDied, TransportClosed)):
+        return error
+    try:
+        failure = core_transport.peer_failure(peer)
+    except Exception:  # noqa: BLE001 - a closed transport: the original error says more
+        return error
+    if failure is None:
+        return error
+    died, text = failure
+    lines = str(error).strip().splitlines()
+    cause = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    return (PeerDied if died else TransportClosed)(f"{text} ({doing} failed: {cause})")
 
 
 def _close_keeping(close, arena) -> None:

@@ -282,6 +282,18 @@ PYBIND11_MODULE(_shm_tensor_rdma, m) {
             return message_tuple(std::move(*message));
           },
           py::arg("peer"), py::arg("tag"), py::arg("timeout") = py::none())
+      .def(
+          "peer_failure",
+          [](Transport& transport, int peer) -> py::object {
+            std::optional<PeerFailure> failure;
+            {
+              py::gil_scoped_release release;
+              failure = transport.peer_failure(peer);
+            }
+            if (!failure) return py::none();
+            return py::make_tuple(failure->died, failure->text);
+          },
+          py::arg("peer"))
       .def("wait_any", &Transport::wait_any, py::arg("keys"), py::arg("timeout") = py::none(),
            py::call_guard<py::gil_scoped_release>())
       .def("close", &Transport::close, py::call_guard<py::gil_scoped_release>())

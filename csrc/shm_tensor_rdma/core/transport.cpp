@@ -414,6 +414,11 @@ MessageKey Transport::wait_for_keys(const std::vector<MessageKey>& keys, std::op
   }
 }
 
+std::optional<PeerFailure> Transport::peer_failure(int peer) {
+  validate_peer(peer, "receive from");
+  return backend_of_[peer]->failure(peer);
+}
+
 std::optional<MessageKey> Transport::check_senders(const std::vector<MessageKey>& keys) {
   std::vector<int> checked;
   for (const MessageKey& key : keys) {

@@ -54,6 +54,9 @@ class Transport {
   // Blocks until one of `keys` has arrived (without taking it). timeout nullopt means options.timeout_s.
   MessageKey wait_any(const std::vector<MessageKey>& keys, std::optional<double> timeout_s);
   Message recv(int peer, uint64_t tag, std::optional<double> timeout_s);
+  // Why `peer` can no longer send to us (it died, or closed its transport), or nullopt while it can: asked by a
+  // caller that failed to use something the peer lent (a CUDA IPC handle) to tell a dead peer from other errors.
+  std::optional<PeerFailure> peer_failure(int peer);
   // Cancels sends not completed yet (their requests fail with ClosedError), stops all threads, removes this
   // rank's name and any name of this job left by a dead process. Idempotent.
   void close();
