@@ -189,6 +189,7 @@ def test_close_fails_queued_sends_and_stops_the_thread(job_id):
             super().wait(token)
 
     engine = StuckEngine(lag=10**6)
+    engine.ready = False  # producers still running: every send goes to the stager's queue
     sender, receiver = staged_pair(job_id, engine)
     try:
         handles = [sender.send(1, make_tag(FWD, i), torch.randn(20_000)) for i in range(3)]
@@ -209,6 +210,41 @@ def test_host_tensors_still_take_the_cores_path(pair):
     sender.send(1, make_tag(FWD, 0), torch.arange(10))
     assert torch.equal(receiver.recv(0, make_tag(FWD, 0)), torch.arange(10))
     assert engine.copies == 0 and sender._stager is None
+
+
+def test_a_small_ready_send_runs_on_the_callers_thread_and_is_done_on_return(pair):
+    sender, receiver, engine = pair
+    handle = sender.send(1, make_tag(FWD, 0), torch.arange(100.0))
+    assert handle.done() and engine.copy_threads == [threading.current_thread().name]
+    assert torch.equal(receiver.recv(0, make_tag(FWD, 0)), torch.arange(100.0))
+
+
+def test_sends_whose_producer_runs_or_that_are_large_go_to_the_stager(pair, monkeypatch):
+    import megatron_app.transport.device_staging as staging
+
+    sender, receiver, engine = pair
+    engine.ready = False
+    sender.send(1, make_tag(FWD, 0), torch.arange(100.0)).wait(timeout=10)
+    engine.ready = True
+    monkeypatch.setattr(staging, "INLINE_SEND_BYTES", 1000)
+    sender.send(1, make_tag(FWD, 1), torch.arange(1000.0)).wait(timeout=10)
+    assert engine.copy_threads[0] == "megatron_app-stager" and set(engine.copy_threads[1:]) == {"megatron_app-stager"}
+    assert torch.equal(receiver.recv(0, make_tag(FWD, 0)), torch.arange(100.0))
+    assert torch.equal(receiver.recv(0, make_tag(FWD, 1)), torch.arange(1000.0))
+
+
+def test_a_small_send_behind_a_queued_one_keeps_its_place(pair, monkeypatch):
+    import megatron_app.transport.device_staging as staging
+
+    sender, receiver, engine = pair
+    monkeypatch.setattr(staging, "INLINE_SEND_BYTES", 1000)
+    engine.lag = 10**4  # the large message stays in the stager's hands for a while
+    big, small = torch.randn(50_000), torch.arange(10.0)
+    sender.send(1, make_tag(FWD, 0), big)
+    sender.send(1, make_tag(FWD, 0), small)  # same key: arrival order is send order
+    assert same_bits(receiver.recv(0, make_tag(FWD, 0)), big)
+    assert torch.equal(receiver.recv(0, make_tag(FWD, 0)), small)
+    assert threading.current_thread().name not in engine.copy_threads
 
 
 # ---- CUDA IPC's protocol (device_ipc.py) with a fake engine -------------------------------------------------------
@@ -366,6 +402,24 @@ def test_messages_larger_than_the_arena_take_the_chunked_path(job_id, monkeypatc
             sender.send(1, make_tag(FWD, index), tensor)
             assert torch.equal(receiver.recv(0, make_tag(FWD, index), device="cpu"), tensor)
         assert engine.async_receives == 0 and engine.chunked_receives == 3
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_back_to_back_messages_as_large_as_the_arena_all_land_in_it(job_id, monkeypatch):
+    """The buffer of a message whose device copy is done goes back to the arena before the next receive waits:
+    the core takes the next buffer when its first chunk arrives, before recv returns."""
+    sender, receiver, engine = arena_pair(job_id, monkeypatch, arena_mib=1, lag=0)
+    try:
+        for index in range(5):
+            tensor = torch.full((250_000,), float(index))  # 1,000,000 bytes: one at a time fits the arena
+            timer = threading.Timer(0.05, sender.send, (1, make_tag(FWD, index), tensor))
+            timer.start()  # sent while the receiver waits, so its own thread takes the buffer
+            assert torch.equal(receiver.recv(0, make_tag(FWD, index), device="cpu"), tensor)
+            timer.join()
+        # The first arrives before the arena exists (made at the first device receive); every other lands in it.
+        assert engine.chunked_receives == 1 and engine.async_receives == 4
     finally:
         sender.close()
         receiver.close()

@@ -1,6 +1,8 @@
 """Device tensors through the shared-memory transport: copied straight into the peer's slots, off the caller's thread.
 
-A send of a device tensor returns at once. One thread per transport (the stager) then, per message and in order:
+A send of a device tensor returns at once. A small one whose producer's work is done (and nothing queued before it)
+is sent on the caller's thread (INLINE_SEND_BYTES: a hand-off costs two thread wake-ups); otherwise one thread per
+transport (the stager) then, per message and in order:
 waits for the producer's stream (an event recorded at send()), leases the peer's next slot from the core
 (`reserve_slot`), has the copy engine copy that chunk device-to-host straight into the slot, and commits each
 slot (`commit_slot`) as soon as its copy is done, while the next chunk's copy runs: the receiver copies chunk k out
@@ -14,6 +16,7 @@ lines are CudaCopyEngine (device_engine.py), the one interface:
 
     engine.handles(tensor) -> bool        tensors that take this path
     engine.begin(tensor) -> (source, ready)  prepared tensor, event of the producer's stream (sender's thread)
+    engine.ready_within(ready, seconds) -> bool   whether `ready` completed, polled for up to `seconds`
     engine.follow(source, ready)          the engine's copies of `source` wait for `ready` (stager's thread)
     engine.to_host(dst, src) -> token     copy src (a flat uint8 device view) into dst (a host uint8 view)
     engine.done(token) / engine.wait(token)
@@ -46,6 +49,15 @@ LOG = logging.getLogger(__name__)
 # busy (chunk k+1 is queued behind chunk k) and never needs more than the 2 slots every ring has.
 PIPELINE_DEPTH = 2
 SHM_DIRECTORY = "/dev/shm"
+# A device send of at most this many bytes to a link that lends slots runs on the caller's thread when the stager
+# is idle and the producer's work is done: handing it to the stager costs two thread wake-ups (the stager's and,
+# the caller still holding the GIL, the GIL's), which on the H200 host made a ~300-500 us floor per message; the
+# copy itself takes ~20 us a MiB there. Larger sends, and sends whose producer is still running, go to the stager.
+INLINE_SEND_BYTES = 1 << 20
+# How long send() polls the producer's event before it leaves the send to the stager: a tensor just received
+# (its host-to-device copy in flight) or just computed by a short kernel is usually ready within this; when it is
+# not, the device is behind the host and the wait costs the device nothing.
+READY_SPIN_S = 50e-6
 
 
 class IpcUnavailable(RuntimeError):
@@ -198,6 +210,9 @@ class Stager:
         A device tensor is ordered after its producer's stream here, on the caller's thread."""
         handle = DeviceSendHandle(peer, tag)
         source, ready = self.engine.begin(tensor) if device_tensor else (prepare(tensor), None)
+        if device_tensor and lends_slots and source.numel() * source.element_size() <= INLINE_SEND_BYTES and \
+                self._idle(earlier) and self.engine.ready_within(ready, READY_SPIN_S):
+            return self._send_inline(handle, peer, tag, source, ready)
         with self._lock:
             if self._stopping:
                 raise core.TransportClosed("the transport is closed")
@@ -208,6 +223,26 @@ class Stager:
                 self._handles = [h for h in self._handles if not h.done() or h._error is not None]
             self._handles.append(handle)
             self._lock.notify_all()
+        return handle
+
+    def _idle(self, earlier: list) -> bool:
+        """Whether a send may run on the caller's thread now without overtaking anything to its peer: nothing
+        queued or in progress on the stager, and the core's earlier sends to the peer done."""
+        with self._lock:
+            if self._stopping or self._queue or self._working:
+                return False
+        return all(handle.done() for handle in earlier)
+
+    def _send_inline(self, handle: DeviceSendHandle, peer: int, tag: int, source: torch.Tensor, ready):
+        """The stager's work for one message, done on the caller's thread (the handle is done on return)."""
+        error = None
+        try:
+            self._send(peer, tag, source, ready, [], True, True)
+        except Exception as exc:  # noqa: BLE001 - handed to the caller through the handle, as from the stager
+            error = _peer_gone_or(self._core, peer, exc)
+        with self._lock:
+            self._handles.append(handle)
+            handle._finish(error)
         return handle
 
     def wait_idle(self, timeout: Optional[float] = None) -> None:

@@ -279,6 +279,8 @@ class Transport(ClosesOnExit):
             peer, tag = _key_arg((peer, tag))
         if timeout is not None:
             timeout = _timeout_arg(timeout)
+        if self._keepalive:
+            self._release_arena_copies()
         if dtype is None:
             return self._decode(peer, self._core.recv(peer, tag, timeout), device)
         while True:
@@ -293,6 +295,8 @@ class Transport(ClosesOnExit):
         if timeout is not None:
             timeout = _timeout_arg(timeout)
         keys = keys if isinstance(keys, list) else list(keys)
+        if self._keepalive:
+            self._release_arena_copies()
         try:  # the core converts and range-checks the keys itself: no per-key Python work on the hot path
             return self._core.wait_any(keys, timeout)
         except TypeError:
@@ -336,8 +340,7 @@ class Transport(ClosesOnExit):
         asynchronously, the host buffer kept until the copy is done. Elsewhere (the arena full, or none): through
         page-locked chunks."""
         engine = self._engine()
-        while self._keepalive and engine.done(self._keepalive[0][0]):
-            self._keepalive.popleft()  # their buffers go back to the arena
+        self._release_arena_copies()
         if self._arena is None:
             self._start_arena(engine)
         if self._in_arena(host):
@@ -345,6 +348,15 @@ class Transport(ClosesOnExit):
             self._keepalive.append((token, host))
             return tensor
         return engine.to_device(host, device)
+
+    def _release_arena_copies(self) -> None:
+        """Gives the arena back the buffers whose copies to the device are done. Also called before a blocking
+        receive: the core takes the next message's buffer when its first chunk arrives, before recv returns, so a
+        buffer released only then (as before) left a message as large as the arena outside it, every other time
+        (the 256 MiB row of the H200 bench: 5.6 GB/s, through pageable memory and page-locked chunks)."""
+        engine = self._copy_engine
+        while self._keepalive and engine.done(self._keepalive[0][0]):
+            self._keepalive.popleft()
 
     def _start_arena(self, engine) -> None:
         nbytes = receive_arena_bytes()
