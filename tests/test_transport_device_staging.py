@@ -247,6 +247,21 @@ def test_a_small_send_behind_a_queued_one_keeps_its_place(pair, monkeypatch):
     assert threading.current_thread().name not in engine.copy_threads
 
 
+def test_a_transport_with_device_traffic_polls_longer_before_it_sleeps(job_id):
+    from megatron_app.transport.transport import DEVICE_WAIT_SPIN_US
+
+    engine = FakeCopyEngine()
+    sender, receiver = staged_pair(job_id, engine)
+    try:
+        assert sender._core.wait_spin_us == receiver._core.wait_spin_us == 50  # host tensors: the core's spin
+        sender.send(1, make_tag(FWD, 0), torch.ones(10)).wait(timeout=10)
+        assert torch.equal(receiver.recv(0, make_tag(FWD, 0)), torch.ones(10))
+        assert sender._core.wait_spin_us == DEVICE_WAIT_SPIN_US and receiver._core.wait_spin_us == 50
+    finally:
+        sender.close()
+        receiver.close()
+
+
 # ---- CUDA IPC's protocol (device_ipc.py) with a fake engine -------------------------------------------------------
 @pytest.fixture
 def ipc_pair(job_id):

@@ -29,6 +29,11 @@ LOG = logging.getLogger(__name__)
 # Page-locked memory a transport receives device-bound messages into (0: none; messages then take the chunked path).
 ARENA_ENV = "MEGATRON_APP_CUDA_RECEIVE_ARENA_MIB"
 DEFAULT_ARENA_MIB = 256
+# How long a blocked receive of a transport that carries device tensors polls before it sleeps (the core's default,
+# for host tensors, is 50 us): a device message's turnaround (CUDA calls and a device copy on each side) outlasts
+# 50 us, and a thread woken from sleep on the H200 host cost ~300 us. The spin yields, and gives up at the first
+# sign of CPU contention (csrc/shm_tensor_rdma/core/doorbell.cpp), so a rank that waits long still sleeps.
+DEVICE_WAIT_SPIN_US = 200
 
 TransportTimeout = core.TransportTimeout
 PeerDied = core.PeerDied
@@ -165,6 +170,7 @@ class Transport(ClosesOnExit):
         self._arena = None  # page-locked receive buffers (None: not tried yet; False: none)
         self._arena_finalizer = None
         self._keepalive: collections.deque = collections.deque()  # (copy token, host buffer) still being copied
+        self._device_traffic = False  # set at the first device send or receive (DEVICE_WAIT_SPIN_US)
 
     # -- links to other hosts ------------------------------------------------------------------------------------
     @property
@@ -232,6 +238,9 @@ class Transport(ClosesOnExit):
         if self._copy_engine is None:
             from .device_engine import CudaCopyEngine  # the CUDA lines, imported where CUDA tensors are sent
             self._copy_engine = CudaCopyEngine()
+        if not self._device_traffic:
+            self._device_traffic = True  # the first device send or receive: wait as device messages need
+            self._core.set_wait_spin_us(DEVICE_WAIT_SPIN_US)
         return self._copy_engine
 
     def _start_stager(self) -> Stager:

@@ -410,7 +410,7 @@ MessageKey Transport::wait_for_keys(const std::vector<MessageKey>& keys, std::op
       throw TimeoutError("rank " + std::to_string(options_.rank) + " timed out after " + format_seconds(limit_s) +
                          " waiting for " + describe_keys(keys));
     }
-    bell.spin_wait(seen, kSpinBeforeSleep, std::min(next_liveness_check, give_up_at) - now);
+    bell.spin_wait(seen, wait_spin(), std::min(next_liveness_check, give_up_at) - now);
   }
 }
 

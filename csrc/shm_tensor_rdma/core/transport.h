@@ -61,6 +61,13 @@ class Transport {
   // rank's name and any name of this job left by a dead process. Idempotent.
   void close();
   bool closed() const { return closing_.load(); }
+  // How long a blocked receive polls before it sleeps (default kSpinBeforeSleep). A transport that carries device
+  // tensors spins longer: a message's turnaround there (CUDA calls, a device copy each way) outlasts 50 us, and a
+  // sleeping thread's wake-up on a GPU host was measured at ~300 us. The spin still yields to contention.
+  void set_wait_spin(std::chrono::microseconds spin) { wait_spin_us_.store(spin.count(), std::memory_order_relaxed); }
+  std::chrono::microseconds wait_spin() const {
+    return std::chrono::microseconds(wait_spin_us_.load(std::memory_order_relaxed));
+  }
   // Run by blocking calls about every kWaitTick; what it throws ends the wait.
   void set_interrupt_check(InterruptCheck check) { interrupt_check_ = std::move(check); }
   // Runs on every complete incoming message before it is published, whatever backend carried it (the loss layer).
@@ -118,6 +125,7 @@ class Transport {
   std::vector<bool> sends_inline_;                  // per rank: its backend's sends_inline()
   std::unique_ptr<WorkerPool> workers_;
   std::atomic<bool> closing_{false};
+  std::atomic<int64_t> wait_spin_us_{kSpinBeforeSleep.count()};
   std::mutex close_mutex_;
 
   std::mutex requests_mutex_;
