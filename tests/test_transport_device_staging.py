@@ -262,6 +262,17 @@ def test_a_transport_with_device_traffic_polls_longer_before_it_sleeps(job_id):
         receiver.close()
 
 
+def test_the_device_wait_spin_can_be_set_for_a_host(job_id, monkeypatch):
+    monkeypatch.setenv("MEGATRON_APP_DEVICE_WAIT_SPIN_US", "80")
+    sender, receiver = staged_pair(job_id, FakeCopyEngine())
+    try:
+        sender.send(1, make_tag(FWD, 0), torch.ones(10)).wait(timeout=10)
+        assert sender._core.wait_spin_us == 80
+    finally:
+        sender.close()
+        receiver.close()
+
+
 # ---- CUDA IPC's protocol (device_ipc.py) with a fake engine -------------------------------------------------------
 @pytest.fixture
 def ipc_pair(job_id):

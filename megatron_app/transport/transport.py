@@ -34,6 +34,7 @@ DEFAULT_ARENA_MIB = 256
 # 50 us, and a thread woken from sleep on the H200 host cost ~300 us. The spin yields, and gives up at the first
 # sign of CPU contention (csrc/shm_tensor_rdma/core/doorbell.cpp), so a rank that waits long still sleeps.
 DEVICE_WAIT_SPIN_US = 200
+DEVICE_WAIT_SPIN_ENV = "MEGATRON_APP_DEVICE_WAIT_SPIN_US"  # overrides it (a GPU host's A/B: 50 is the core's own)
 
 TransportTimeout = core.TransportTimeout
 PeerDied = core.PeerDied
@@ -240,7 +241,7 @@ class Transport(ClosesOnExit):
             self._copy_engine = CudaCopyEngine()
         if not self._device_traffic:
             self._device_traffic = True  # the first device send or receive: wait as device messages need
-            self._core.set_wait_spin_us(DEVICE_WAIT_SPIN_US)
+            self._core.set_wait_spin_us(device_wait_spin_us())
         return self._copy_engine
 
     def _start_stager(self) -> Stager:
@@ -442,6 +443,19 @@ def peer_gone_or(core_transport, peer: int, error: BaseException, doing: str) ->
 def _close_keeping(close, arena) -> None:
     """Closes the core while `arena` (held by the caller's reference) is still alive."""
     close()
+
+
+def device_wait_spin_us() -> int:
+    """Microseconds a blocked receive of a transport with device traffic polls before it sleeps (DEVICE_WAIT_SPIN_ENV,
+    else DEVICE_WAIT_SPIN_US)."""
+    text = os.environ.get(DEVICE_WAIT_SPIN_ENV, str(DEVICE_WAIT_SPIN_US))
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{DEVICE_WAIT_SPIN_ENV} must be a whole number of microseconds, got {text!r}") from None
+    if not 0 <= value <= 10000:
+        raise ValueError(f"{DEVICE_WAIT_SPIN_ENV} must be 0..10000 us, got {value}")
+    return value
 
 
 def receive_arena_bytes() -> int:
