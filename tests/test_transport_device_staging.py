@@ -307,6 +307,38 @@ def test_every_dtype_goes_through_ipc_slots_bit_exactly(ipc_pair, dtype):
     assert sender.device_path_of(1) == "cuda ipc" and engine.takes == 5
 
 
+def test_an_ipc_send_on_the_callers_thread_returns_before_its_copy_and_is_done_with_it(job_id):
+    """The copy into an IPC slot runs after the receiver's last read of that slot, which its device may reach
+    only much later: send() does not wait for it, the handle does."""
+    from transport_helpers.fake_engine import FakeCopy
+
+    class LateIpcCopies(FakeIpcEngine):
+        def ipc_fill(self, destination, source, filled, consumed):
+            self.in_flight += 1
+            filled.record()
+            return FakeCopy(destination, source, polls_left=3)
+
+    engine = LateIpcCopies()
+    sender = Transport(0, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=engine, cuda_ipc=True)
+    receiver = Transport(1, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=FakeIpcEngine(),
+                         cuda_ipc=True)
+    try:
+        tensor = torch.arange(100.0)
+        handle = sender.send(1, make_tag(FWD, 0), tensor)
+        assert engine.in_flight == 1 and not handle.done()  # returned with the copy pending
+        handle.wait(timeout=10)
+        assert engine.in_flight == 0 and handle.done()
+        assert torch.equal(receiver.recv(0, make_tag(FWD, 0)), tensor)
+        wait_for_an_acknowledgement(sender)
+        sender.send(1, make_tag(FWD, 1), tensor)
+        sender.wait_sends(timeout=10)  # waits for the pending copy too
+        assert engine.in_flight == 0 and sender.device_path_of(1) == "cuda ipc"
+        assert torch.equal(receiver.recv(0, make_tag(FWD, 1)), tensor)
+    finally:
+        sender.close()
+        receiver.close()
+
+
 def test_ipc_slots_are_reused_once_acknowledged_and_grow_for_larger_messages(ipc_pair):
     sender, receiver, engine = ipc_pair
     for index in range(30):

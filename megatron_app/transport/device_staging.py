@@ -36,6 +36,7 @@ import collections
 import logging
 import os
 import threading
+import time
 from typing import Callable, Optional
 
 import torch
@@ -144,9 +145,11 @@ def _peer_gone_or(core_transport, peer: int, error: BaseException) -> BaseExcept
 
 
 class DeviceSendHandle:
-    """Completion of one send that went through the stager (SendHandle's interface)."""
+    """Completion of one send that went through the stager or ran on the caller's thread (SendHandle's interface).
+    An IPC send on the caller's thread finishes with its device copy still pending (`_pending`, the engine's
+    token; `_source` kept alive until it is done): done() asks the engine, wait() waits for it."""
 
-    __slots__ = ("peer", "tag", "_event", "_error", "_reported")
+    __slots__ = ("peer", "tag", "_event", "_error", "_reported", "_pending", "_source", "_engine")
 
     def __init__(self, peer: int, tag: int):
         self.peer = peer
@@ -154,19 +157,41 @@ class DeviceSendHandle:
         self._event = threading.Event()
         self._error: Optional[BaseException] = None
         self._reported = False
+        self._pending = self._source = self._engine = None
 
     completed_on_return = False
 
-    def _finish(self, error: Optional[BaseException] = None) -> None:
+    def _finish(self, error: Optional[BaseException] = None, pending=None, source=None, engine=None) -> None:
         self._error = error
+        if pending is not None:
+            self._pending, self._source, self._engine = pending, source, engine
         self._event.set()
 
+    def _copy_done(self, block: bool) -> bool:
+        if self._pending is None:
+            return True
+        if block:
+            self._engine.wait(self._pending)
+        elif not self._engine.done(self._pending):
+            return False
+        self._pending = self._source = None
+        return True
+
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._event.is_set() and self._copy_done(block=False)
 
     def wait(self, timeout: Optional[float] = None) -> None:
         if not self._event.wait(timeout):
             raise core.TransportTimeout(f"send to peer {self.peer} (tag {self.tag}) not done after {timeout} s")
+        if timeout is None:
+            self._copy_done(block=True)
+        else:  # a device copy has no timed wait: poll it
+            give_up_at = time.monotonic() + timeout
+            while not self._copy_done(block=False):
+                if time.monotonic() >= give_up_at:
+                    raise core.TransportTimeout(f"send to peer {self.peer} (tag {self.tag}): its device copy not "
+                                                f"done after {timeout} s")
+                time.sleep(50e-6)
         if self._error is not None:
             self._reported = True
             raise self._error
@@ -235,14 +260,14 @@ class Stager:
 
     def _send_inline(self, handle: DeviceSendHandle, peer: int, tag: int, source: torch.Tensor, ready):
         """The stager's work for one message, done on the caller's thread (the handle is done on return)."""
-        error = None
+        error = pending = None
         try:
-            self._send(peer, tag, source, ready, [], True, True)
+            pending = self._send(peer, tag, source, ready, [], True, True)
         except Exception as exc:  # noqa: BLE001 - handed to the caller through the handle, as from the stager
             error = _peer_gone_or(self._core, peer, exc)
         with self._lock:
             self._handles.append(handle)
-            handle._finish(error)
+            handle._finish(error, pending, source, self.engine)
         return handle
 
     def wait_idle(self, timeout: Optional[float] = None) -> None:
@@ -251,6 +276,8 @@ class Stager:
             if not self._lock.wait_for(lambda: not self._queue and not self._working, timeout):
                 raise core.TransportTimeout(f"device sends still in flight after {timeout} s")
             handles, self._handles = self._handles, []
+        for handle in handles:
+            handle._copy_done(block=True)  # IPC copies of sends made on the caller's thread
         for handle in handles:
             if handle._error is not None and not handle._reported:
                 handle._reported = True
@@ -305,7 +332,7 @@ class Stager:
                 self._working = True
             error = None
             try:
-                self._send(peer, tag, source, ready, earlier, through_slots, device_tensor)
+                self.engine.wait(self._send(peer, tag, source, ready, earlier, through_slots, device_tensor))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller through the handle
                 error = _peer_gone_or(self._core, peer, exc) if isinstance(exc, Exception) else exc
             finally:
@@ -317,7 +344,8 @@ class Stager:
                 self._lock.notify_all()
 
     def _send(self, peer: int, tag: int, source: torch.Tensor, ready, earlier: list, through_slots: bool,
-              device_tensor: bool) -> None:
+              device_tensor: bool):
+        """Sends one message; returns the token of a device copy still reading `source` (IPC), or None."""
         for handle in earlier:  # the core's sends to this peer posted before this one
             handle.wait()
         if device_tensor:
@@ -328,8 +356,10 @@ class Stager:
         if not device_tensor:  # a host tensor queued behind device sends: the core's ordinary send
             self._core_send(peer, tag, code, shape, flat)
             return
-        if through_slots and self._ipc is not None and flat.numel() and self._send_by_ipc(peer, tag, code, shape, flat):
-            return
+        if through_slots and self._ipc is not None and flat.numel():
+            sent, pending = self._send_by_ipc(peer, tag, code, shape, flat)
+            if sent:
+                return pending
         if through_slots:
             self._ensure_region(peer)
             self._took(peer, "slots, registered" if self._regions[peer] else "slots, not registered")
@@ -342,24 +372,24 @@ class Stager:
             self.engine.wait(self.engine.to_host(host, flat))
         self._core_send(peer, tag, code, shape, host)
 
-    def _send_by_ipc(self, peer: int, tag: int, code: int, shape, flat: torch.Tensor) -> bool:
-        """True once sent through CUDA IPC (device_ipc.py); False: take the staged path (IPC cannot serve this
-        peer, said once, or every IPC slot to it awaits the receiver)."""
+    def _send_by_ipc(self, peer: int, tag: int, code: int, shape, flat: torch.Tensor) -> tuple[bool, object]:
+        """(True, the copy's token) once sent through CUDA IPC (device_ipc.py); (False, None): take the staged path
+        (IPC cannot serve this peer, said once, or every IPC slot to it awaits the receiver)."""
         if peer not in self._ipc_off:
             reason = self.engine.ipc_unavailable_reason()
             if reason is None:
                 try:
-                    sent = self._ipc.send(peer, tag, code, shape, flat)
+                    sent, pending = self._ipc.send(peer, tag, code, shape, flat)
                 except IpcUnavailable as error:
                     reason = str(error)
                 else:
                     if sent:
                         self._took(peer, "cuda ipc")
-                    return sent
+                    return sent, pending
             self._ipc_off[peer] = reason
             self._say_fallback(f"CUDA IPC to peer {peer} is off ({reason}): device tensors to it are staged "
                                "through shared memory")
-        return False
+        return False, None
 
     def _core_send(self, peer: int, tag: int, code: int, shape, host: torch.Tensor) -> None:
         """The core's ordinary send of the flat uint8 host tensor `host`, waited for."""
