@@ -339,6 +339,18 @@ def test_an_ipc_send_on_the_callers_thread_returns_before_its_copy_and_is_done_w
         receiver.close()
 
 
+def test_ipc_sends_of_any_size_whose_producer_runs_go_on_the_callers_thread(ipc_pair, monkeypatch):
+    import megatron_app.transport.device_staging as staging
+
+    sender, receiver, engine = ipc_pair
+    monkeypatch.setattr(staging, "INLINE_SEND_BYTES", 1000)
+    engine.ready = False  # the device waits for the producer, not the host
+    tensor = torch.randn(50_000)
+    assert sender.send(1, make_tag(FWD, 0), tensor).done()
+    assert same_bits(receiver.recv(0, make_tag(FWD, 0)), tensor)
+    assert sender.device_path_of(1) == "cuda ipc" and engine.copy_threads == []
+
+
 def test_ipc_slots_are_reused_once_acknowledged_and_grow_for_larger_messages(ipc_pair):
     sender, receiver, engine = ipc_pair
     for index in range(30):

@@ -51,7 +51,7 @@ LOG = logging.getLogger(__name__)
 PIPELINE_DEPTH = 2
 SHM_DIRECTORY = "/dev/shm"
 # A device send of at most this many bytes to a link that lends slots runs on the caller's thread when the stager
-# is idle and the producer's work is done: handing it to the stager costs two thread wake-ups (the stager's and,
+# is idle and the producer's work is done (an IPC send, which never waits on the host, whatever its size): handing it to the stager costs two thread wake-ups (the stager's and,
 # the caller still holding the GIL, the GIL's), which on the H200 host made a ~300-500 us floor per message; the
 # copy itself takes ~20 us a MiB there. Larger sends, and sends whose producer is still running, go to the stager.
 INLINE_SEND_BYTES = 1 << 20
@@ -235,9 +235,13 @@ class Stager:
         A device tensor is ordered after its producer's stream here, on the caller's thread."""
         handle = DeviceSendHandle(peer, tag)
         source, ready = self.engine.begin(tensor) if device_tensor else (prepare(tensor), None)
-        if device_tensor and lends_slots and source.numel() * source.element_size() <= INLINE_SEND_BYTES and \
-                self._idle(earlier) and self.engine.ready_within(ready, READY_SPIN_S):
-            return self._send_inline(handle, peer, tag, source, ready)
+        if device_tensor and lends_slots and self._idle(earlier):
+            nbytes = source.numel() * source.element_size()
+            if self._ipc is not None and nbytes and peer not in self._ipc_off and \
+                    self._ipc_inline(handle, peer, tag, source, ready):
+                return handle
+            if nbytes <= INLINE_SEND_BYTES and self.engine.ready_within(ready, READY_SPIN_S):
+                return self._send_inline(handle, peer, tag, source, ready)
         with self._lock:
             if self._stopping:
                 raise core.TransportClosed("the transport is closed")
@@ -257,6 +261,24 @@ class Stager:
             if self._stopping or self._queue or self._working:
                 return False
         return all(handle.done() for handle in earlier)
+
+    def _ipc_inline(self, handle: DeviceSendHandle, peer: int, tag: int, source: torch.Tensor, ready) -> bool:
+        """An IPC send of any size on the caller's thread: it never waits on the host (the copy waits for the
+        producer and for the receiver's last read of the slot on the device; the handle waits for the copy). False,
+        nothing sent, when IPC cannot take it now (every slot awaits the receiver, or IPC is off for the peer)."""
+        error = pending = None
+        try:
+            self.engine.follow(source, ready)
+            sent, pending = self._send_by_ipc(peer, tag, dtype_code(source.dtype), tuple(source.shape),
+                                              flat_bytes(source))
+        except Exception as exc:  # noqa: BLE001 - handed to the caller through the handle, as from the stager
+            sent, error = True, _peer_gone_or(self._core, peer, exc)
+        if not sent:
+            return False
+        with self._lock:
+            self._handles.append(handle)
+            handle._finish(error, pending, source, self.engine)
+        return True
 
     def _send_inline(self, handle: DeviceSendHandle, peer: int, tag: int, source: torch.Tensor, ready):
         """The stager's work for one message, done on the caller's thread (the handle is done on return)."""
