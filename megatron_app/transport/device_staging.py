@@ -138,9 +138,24 @@ def send_through_slots(core, engine, peer: int, tag: int, code: int, shape, sour
     return chunks
 
 
-def _peer_gone_or(core_transport, peer: int, error: BaseException) -> BaseException:
-    from .transport import peer_gone_or  # transport.py imports this module
+def peer_gone_or(core_transport, peer: int, error: BaseException, doing: str) -> BaseException:
+    """`error`, or PeerDied / TransportClosed in one line when `peer` is gone: what a peer lent (a CUDA IPC handle,
+    an interprocess event) cannot be opened once its process died (CUDA says "invalid resource handle")."""
+    if isinstance(error, (core.PeerDied, core.TransportClosed)):
+        return error
+    try:
+        failure = core_transport.peer_failure(peer)
+    except Exception:  # noqa: BLE001 - a closed transport: the original error says more
+        return error
+    if failure is None:
+        return error
+    died, text = failure
+    lines = str(error).strip().splitlines()
+    cause = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    return (core.PeerDied if died else core.TransportClosed)(f"{text} ({doing} failed: {cause})")
 
+
+def _peer_gone_or(core_transport, peer: int, error: BaseException) -> BaseException:
     return peer_gone_or(core_transport, peer, error, "a device send")
 
 

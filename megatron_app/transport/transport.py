@@ -20,7 +20,7 @@ from . import codec
 from ._core import core
 from .backends import SHM
 from .device_ipc import IpcReceiver, ipc_requested, is_descriptor, payload_bytes, IPC_FLAG
-from .device_staging import Stager
+from .device_staging import Stager, peer_gone_or
 from .dtypes import dtype_from_code
 from .protocol import ClosesOnExit
 from .tags import MAX_TAG, describe_tag, validate_tag
@@ -421,23 +421,6 @@ class Transport(ClosesOnExit):
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
         return f"Transport(rank={self.rank}, world_size={self.world_size}, job_id={self.job_id!r}, {state})"
-
-
-def peer_gone_or(core_transport, peer: int, error: BaseException, doing: str) -> BaseException:
-    """`error`, or PeerDied / TransportClosed in one line when `peer` is gone: what a peer lent (a CUDA IPC handle,
-    an interprocess event) cannot be opened once its process died (CUDA says "invalid resource handle")."""
-    if isinstance(error, (PeerDied, TransportClosed)):
-        return error
-    try:
-        failure = core_transport.peer_failure(peer)
-    except Exception:  # noqa: BLE001 - a closed transport: the original error says more
-        return error
-    if failure is None:
-        return error
-    died, text = failure
-    lines = str(error).strip().splitlines()
-    cause = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
-    return (PeerDied if died else TransportClosed)(f"{text} ({doing} failed: {cause})")
 
 
 def _close_keeping(close, arena) -> None:
