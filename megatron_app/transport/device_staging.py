@@ -51,9 +51,10 @@ LOG = logging.getLogger(__name__)
 PIPELINE_DEPTH = 2
 SHM_DIRECTORY = "/dev/shm"
 # A device send of at most this many bytes to a link that lends slots runs on the caller's thread when the stager
-# is idle and the producer's work is done (an IPC send, which never waits on the host, whatever its size): handing it to the stager costs two thread wake-ups (the stager's and,
-# the caller still holding the GIL, the GIL's), which on the H200 host made a ~300-500 us floor per message; the
-# copy itself takes ~20 us a MiB there. Larger sends, and sends whose producer is still running, go to the stager.
+# is idle and the producer's work is done (an IPC send, which never waits on the host, whatever its size): handing
+# it to the stager costs two thread wake-ups (the stager's and, the caller still holding the GIL, the GIL's), which
+# on the H200 host made a ~300-500 us floor per message; the copy itself takes ~20 us a MiB there. Larger sends,
+# and sends whose producer is still running, go to the stager.
 INLINE_SEND_BYTES = 1 << 20
 # How long send() polls the producer's event before it leaves the send to the stager: a tensor just received
 # (its host-to-device copy in flight) or just computed by a short kernel is usually ready within this; when it is
