@@ -145,6 +145,8 @@ def test_cuda_section_rehearsed_on_host_tensors(tmp_path):
     document = json.loads(out.read_text())
     assert document["device"] == "cuda" and document["cuda"]["device"] == "host (rehearsal)"
     check_cuda_rows(document["cuda"]["rows"], [64 * 1024])
+    row = document["cuda"]["rows"][0]  # the device path's code ran (a host engine), not the core's host path
+    assert row["ours_path"] == row["ipc_path"] == "slots, not registered"
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal where CUDA is absent")

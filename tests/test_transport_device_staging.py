@@ -189,6 +189,7 @@ def test_close_fails_queued_sends_and_stops_the_thread(job_id):
             super().wait(token)
 
     engine = StuckEngine(lag=10**6)
+    engine.ready = False  # producers still running: every send goes to the stager's queue
     sender, receiver = staged_pair(job_id, engine)
     try:
         handles = [sender.send(1, make_tag(FWD, i), torch.randn(20_000)) for i in range(3)]
@@ -209,6 +210,67 @@ def test_host_tensors_still_take_the_cores_path(pair):
     sender.send(1, make_tag(FWD, 0), torch.arange(10))
     assert torch.equal(receiver.recv(0, make_tag(FWD, 0)), torch.arange(10))
     assert engine.copies == 0 and sender._stager is None
+
+
+def test_a_small_ready_send_runs_on_the_callers_thread_and_is_done_on_return(pair):
+    sender, receiver, engine = pair
+    handle = sender.send(1, make_tag(FWD, 0), torch.arange(100.0))
+    assert handle.done() and engine.copy_threads == [threading.current_thread().name]
+    assert torch.equal(receiver.recv(0, make_tag(FWD, 0)), torch.arange(100.0))
+
+
+def test_sends_whose_producer_runs_or_that_are_large_go_to_the_stager(pair, monkeypatch):
+    import megatron_app.transport.device_staging as staging
+
+    sender, receiver, engine = pair
+    engine.ready = False
+    sender.send(1, make_tag(FWD, 0), torch.arange(100.0)).wait(timeout=10)
+    engine.ready = True
+    monkeypatch.setattr(staging, "INLINE_SEND_BYTES", 1000)
+    sender.send(1, make_tag(FWD, 1), torch.arange(1000.0)).wait(timeout=10)
+    assert engine.copy_threads[0] == "megatron_app-stager" and set(engine.copy_threads[1:]) == {"megatron_app-stager"}
+    assert torch.equal(receiver.recv(0, make_tag(FWD, 0)), torch.arange(100.0))
+    assert torch.equal(receiver.recv(0, make_tag(FWD, 1)), torch.arange(1000.0))
+
+
+def test_a_small_send_behind_a_queued_one_keeps_its_place(pair, monkeypatch):
+    import megatron_app.transport.device_staging as staging
+
+    sender, receiver, engine = pair
+    monkeypatch.setattr(staging, "INLINE_SEND_BYTES", 1000)
+    engine.lag = 10**4  # the large message stays in the stager's hands for a while
+    big, small = torch.randn(50_000), torch.arange(10.0)
+    sender.send(1, make_tag(FWD, 0), big)
+    sender.send(1, make_tag(FWD, 0), small)  # same key: arrival order is send order
+    assert same_bits(receiver.recv(0, make_tag(FWD, 0)), big)
+    assert torch.equal(receiver.recv(0, make_tag(FWD, 0)), small)
+    assert threading.current_thread().name not in engine.copy_threads
+
+
+def test_a_transport_with_device_traffic_polls_longer_before_it_sleeps(job_id):
+    from megatron_app.transport.transport import DEVICE_WAIT_SPIN_US
+
+    engine = FakeCopyEngine()
+    sender, receiver = staged_pair(job_id, engine)
+    try:
+        assert sender._core.wait_spin_us == receiver._core.wait_spin_us == 50  # host tensors: the core's spin
+        sender.send(1, make_tag(FWD, 0), torch.ones(10)).wait(timeout=10)
+        assert torch.equal(receiver.recv(0, make_tag(FWD, 0)), torch.ones(10))
+        assert sender._core.wait_spin_us == DEVICE_WAIT_SPIN_US and receiver._core.wait_spin_us == 50
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_the_device_wait_spin_can_be_set_for_a_host(job_id, monkeypatch):
+    monkeypatch.setenv("MEGATRON_APP_DEVICE_WAIT_SPIN_US", "80")
+    sender, receiver = staged_pair(job_id, FakeCopyEngine())
+    try:
+        sender.send(1, make_tag(FWD, 0), torch.ones(10)).wait(timeout=10)
+        assert sender._core.wait_spin_us == 80
+    finally:
+        sender.close()
+        receiver.close()
 
 
 # ---- CUDA IPC's protocol (device_ipc.py) with a fake engine -------------------------------------------------------
@@ -243,6 +305,50 @@ def test_every_dtype_goes_through_ipc_slots_bit_exactly(ipc_pair, dtype):
         wait_for_an_acknowledgement(sender)
     sender.wait_sends(timeout=10)
     assert sender.device_path_of(1) == "cuda ipc" and engine.takes == 5
+
+
+def test_an_ipc_send_on_the_callers_thread_returns_before_its_copy_and_is_done_with_it(job_id):
+    """The copy into an IPC slot runs after the receiver's last read of that slot, which its device may reach
+    only much later: send() does not wait for it, the handle does."""
+    from transport_helpers.fake_engine import FakeCopy
+
+    class LateIpcCopies(FakeIpcEngine):
+        def ipc_fill(self, destination, source, filled, consumed):
+            self.in_flight += 1
+            filled.record()
+            return FakeCopy(destination, source, polls_left=3)
+
+    engine = LateIpcCopies()
+    sender = Transport(0, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=engine, cuda_ipc=True)
+    receiver = Transport(1, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=FakeIpcEngine(),
+                         cuda_ipc=True)
+    try:
+        tensor = torch.arange(100.0)
+        handle = sender.send(1, make_tag(FWD, 0), tensor)
+        assert engine.in_flight == 1 and not handle.done()  # returned with the copy pending
+        handle.wait(timeout=10)
+        assert engine.in_flight == 0 and handle.done()
+        assert torch.equal(receiver.recv(0, make_tag(FWD, 0)), tensor)
+        wait_for_an_acknowledgement(sender)
+        sender.send(1, make_tag(FWD, 1), tensor)
+        sender.wait_sends(timeout=10)  # waits for the pending copy too
+        assert engine.in_flight == 0 and sender.device_path_of(1) == "cuda ipc"
+        assert torch.equal(receiver.recv(0, make_tag(FWD, 1)), tensor)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_ipc_sends_of_any_size_whose_producer_runs_go_on_the_callers_thread(ipc_pair, monkeypatch):
+    import megatron_app.transport.device_staging as staging
+
+    sender, receiver, engine = ipc_pair
+    monkeypatch.setattr(staging, "INLINE_SEND_BYTES", 1000)
+    engine.ready = False  # the device waits for the producer, not the host
+    tensor = torch.randn(50_000)
+    assert sender.send(1, make_tag(FWD, 0), tensor).done()
+    assert same_bits(receiver.recv(0, make_tag(FWD, 0)), tensor)
+    assert sender.device_path_of(1) == "cuda ipc" and engine.copy_threads == []
 
 
 def test_ipc_slots_are_reused_once_acknowledged_and_grow_for_larger_messages(ipc_pair):
@@ -371,6 +477,24 @@ def test_messages_larger_than_the_arena_take_the_chunked_path(job_id, monkeypatc
         receiver.close()
 
 
+def test_back_to_back_messages_as_large_as_the_arena_all_land_in_it(job_id, monkeypatch):
+    """The buffer of a message whose device copy is done goes back to the arena before the next receive waits:
+    the core takes the next buffer when its first chunk arrives, before recv returns."""
+    sender, receiver, engine = arena_pair(job_id, monkeypatch, arena_mib=1, lag=0)
+    try:
+        for index in range(5):
+            tensor = torch.full((250_000,), float(index))  # 1,000,000 bytes: one at a time fits the arena
+            timer = threading.Timer(0.05, sender.send, (1, make_tag(FWD, index), tensor))
+            timer.start()  # sent while the receiver waits, so its own thread takes the buffer
+            assert torch.equal(receiver.recv(0, make_tag(FWD, index), device="cpu"), tensor)
+            timer.join()
+        # The first arrives before the arena exists (made at the first device receive); every other lands in it.
+        assert engine.chunked_receives == 1 and engine.async_receives == 4
+    finally:
+        sender.close()
+        receiver.close()
+
+
 def test_host_receives_never_hand_out_arena_memory(job_id, monkeypatch):
     sender, receiver, engine = arena_pair(job_id, monkeypatch, arena_mib=1)
     try:
@@ -410,4 +534,57 @@ def test_no_arena_when_its_size_is_zero(job_id, monkeypatch):
         assert engine.arena is None and engine.chunked_receives == 3
     finally:
         sender.close()
+        receiver.close()
+
+
+# ---- a peer that died with its IPC exports unopened ----------------------------------------------------------------
+IPC_SENDER = """
+import sys, time, torch
+sys.path.insert(0, sys.argv[2])
+from transport_helpers.fake_engine import FakeIpcEngine
+from megatron_app.transport import Direction, Transport, make_tag
+t = Transport(0, 2, sys.argv[1], slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=FakeIpcEngine(),
+              cuda_ipc=True)
+for index in range(2):  # two IPC slots, each exported with its first message
+    t.send(1, make_tag(Direction.FORWARD, index), torch.arange(100.0)).wait(timeout=20)
+print("sent", flush=True)
+time.sleep(60)
+"""
+
+
+class DeadExporterEngine(FakeIpcEngine):
+    """Opening an export fails as CUDA's rebuild_cuda_tensor fails on the H200 once the exporter was killed."""
+
+    @staticmethod
+    def open_buffer(blob):
+        raise torch.AcceleratorError("CUDA error: invalid resource handle\nCUDA kernel errors might be "
+                                     "asynchronously reported at some other API call")
+
+
+def test_an_ipc_export_of_a_peer_that_died_reads_peer_died_in_one_line(job_id):
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from megatron_app.transport import PeerDied
+
+    receiver = Transport(1, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=DeadExporterEngine(),
+                         cuda_ipc=True)
+    sender = subprocess.Popen([sys.executable, "-c", IPC_SENDER, job_id, str(Path(__file__).parent)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert sender.stdout.readline().strip() == "sent"
+        with pytest.raises(torch.AcceleratorError):  # while the exporter lives, its error is not PeerDied
+            receiver.recv(0, make_tag(FWD, 0))
+        sender.send_signal(signal.SIGKILL)
+        sender.wait(timeout=20)
+        with pytest.raises(PeerDied) as raised:
+            receiver.recv(0, make_tag(FWD, 1))
+        text = str(raised.value)
+        assert len(text.splitlines()) == 1 and "died" in text and "invalid resource handle" in text, text
+    finally:
+        if sender.poll() is None:
+            sender.kill()
+            sender.wait()
         receiver.close()

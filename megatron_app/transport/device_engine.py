@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import time
 from typing import Optional
 
 import torch
@@ -179,6 +180,17 @@ class CudaCopyEngine:
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(tensor.device))
         return tensor, ready
+
+    @staticmethod
+    def ready_within(ready, seconds: float) -> bool:
+        """Whether the producer's event completed, polled (no sleep) for up to `seconds`."""
+        if ready.query():
+            return True
+        give_up_at = time.perf_counter() + seconds
+        while time.perf_counter() < give_up_at:
+            if ready.query():
+                return True
+        return False
 
     def follow(self, source: torch.Tensor, ready) -> None:
         """The side stream waits (on the device, not the host) for the producer's event."""

@@ -105,12 +105,14 @@ class IpcSender:
         slot.awaiting = False
         return True
 
-    def send(self, peer: int, tag: int, code: int, shape, flat: torch.Tensor) -> bool:
-        """Sends through a slot; False (nothing sent) when every slot awaits its acknowledgement."""
+    def send(self, peer: int, tag: int, code: int, shape, flat: torch.Tensor) -> tuple[bool, object]:
+        """Sends through a slot: (True, the copy's token: `flat` may be written once it is done), or (False, None),
+        nothing sent, when every slot awaits its acknowledgement. Never waits for the copy: it runs after the
+        receiver's last read of the slot, which its device may reach only much later."""
         found = self._free_slot(peer)
         if found is None:
             self.staged_because_behind += 1
-            return False
+            return False, None
         index, slot = found
         nbytes = flat.numel()
         buffer_blob = event_blob = b""
@@ -130,8 +132,7 @@ class IpcSender:
         request = self._core.send(peer, tag, code | IPC_FLAG, list(shape), body.data_ptr(), body.numel())
         if request is not None:
             request.wait()
-        self.engine.wait(token)  # the source may be released (and written) once its copy is done
-        return True
+        return True, token
 
 
 class _ReceiveSlot:

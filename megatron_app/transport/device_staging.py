@@ -1,6 +1,8 @@
 """Device tensors through the shared-memory transport: copied straight into the peer's slots, off the caller's thread.
 
-A send of a device tensor returns at once. One thread per transport (the stager) then, per message and in order:
+A send of a device tensor returns at once. A small one whose producer's work is done (and nothing queued before it)
+is sent on the caller's thread (INLINE_SEND_BYTES: a hand-off costs two thread wake-ups); otherwise one thread per
+transport (the stager) then, per message and in order:
 waits for the producer's stream (an event recorded at send()), leases the peer's next slot from the core
 (`reserve_slot`), has the copy engine copy that chunk device-to-host straight into the slot, and commits each
 slot (`commit_slot`) as soon as its copy is done, while the next chunk's copy runs: the receiver copies chunk k out
@@ -14,6 +16,7 @@ lines are CudaCopyEngine (device_engine.py), the one interface:
 
     engine.handles(tensor) -> bool        tensors that take this path
     engine.begin(tensor) -> (source, ready)  prepared tensor, event of the producer's stream (sender's thread)
+    engine.ready_within(ready, seconds) -> bool   whether `ready` completed, polled for up to `seconds`
     engine.follow(source, ready)          the engine's copies of `source` wait for `ready` (stager's thread)
     engine.to_host(dst, src) -> token     copy src (a flat uint8 device view) into dst (a host uint8 view)
     engine.done(token) / engine.wait(token)
@@ -33,6 +36,7 @@ import collections
 import logging
 import os
 import threading
+import time
 from typing import Callable, Optional
 
 import torch
@@ -46,6 +50,16 @@ LOG = logging.getLogger(__name__)
 # busy (chunk k+1 is queued behind chunk k) and never needs more than the 2 slots every ring has.
 PIPELINE_DEPTH = 2
 SHM_DIRECTORY = "/dev/shm"
+# A device send of at most this many bytes to a link that lends slots runs on the caller's thread when the stager
+# is idle and the producer's work is done (an IPC send, which never waits on the host, whatever its size): handing
+# it to the stager costs two thread wake-ups (the stager's and, the caller still holding the GIL, the GIL's), which
+# on the H200 host made a ~300-500 us floor per message; the copy itself takes ~20 us a MiB there. Larger sends,
+# and sends whose producer is still running, go to the stager.
+INLINE_SEND_BYTES = 1 << 20
+# How long send() polls the producer's event before it leaves the send to the stager: a tensor just received
+# (its host-to-device copy in flight) or just computed by a short kernel is usually ready within this; when it is
+# not, the device is behind the host and the wait costs the device nothing.
+READY_SPIN_S = 50e-6
 
 
 class IpcUnavailable(RuntimeError):
@@ -125,10 +139,33 @@ def send_through_slots(core, engine, peer: int, tag: int, code: int, shape, sour
     return chunks
 
 
-class DeviceSendHandle:
-    """Completion of one send that went through the stager (SendHandle's interface)."""
+def peer_gone_or(core_transport, peer: int, error: BaseException, doing: str) -> BaseException:
+    """`error`, or PeerDied / TransportClosed in one line when `peer` is gone: what a peer lent (a CUDA IPC handle,
+    an interprocess event) cannot be opened once its process died (CUDA says "invalid resource handle")."""
+    if isinstance(error, (core.PeerDied, core.TransportClosed)):
+        return error
+    try:
+        failure = core_transport.peer_failure(peer)
+    except Exception:  # noqa: BLE001 - a closed transport: the original error says more
+        return error
+    if failure is None:
+        return error
+    died, text = failure
+    lines = str(error).strip().splitlines()
+    cause = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    return (core.PeerDied if died else core.TransportClosed)(f"{text} ({doing} failed: {cause})")
 
-    __slots__ = ("peer", "tag", "_event", "_error", "_reported")
+
+def _peer_gone_or(core_transport, peer: int, error: BaseException) -> BaseException:
+    return peer_gone_or(core_transport, peer, error, "a device send")
+
+
+class DeviceSendHandle:
+    """Completion of one send that went through the stager or ran on the caller's thread (SendHandle's interface).
+    An IPC send on the caller's thread finishes with its device copy still pending (`_pending`, the engine's
+    token; `_source` kept alive until it is done): done() asks the engine, wait() waits for it."""
+
+    __slots__ = ("peer", "tag", "_event", "_error", "_reported", "_pending", "_source", "_engine")
 
     def __init__(self, peer: int, tag: int):
         self.peer = peer
@@ -136,19 +173,41 @@ class DeviceSendHandle:
         self._event = threading.Event()
         self._error: Optional[BaseException] = None
         self._reported = False
+        self._pending = self._source = self._engine = None
 
     completed_on_return = False
 
-    def _finish(self, error: Optional[BaseException] = None) -> None:
+    def _finish(self, error: Optional[BaseException] = None, pending=None, source=None, engine=None) -> None:
         self._error = error
+        if pending is not None:
+            self._pending, self._source, self._engine = pending, source, engine
         self._event.set()
 
+    def _copy_done(self, block: bool) -> bool:
+        if self._pending is None:
+            return True
+        if block:
+            self._engine.wait(self._pending)
+        elif not self._engine.done(self._pending):
+            return False
+        self._pending = self._source = None
+        return True
+
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._event.is_set() and self._copy_done(block=False)
 
     def wait(self, timeout: Optional[float] = None) -> None:
         if not self._event.wait(timeout):
             raise core.TransportTimeout(f"send to peer {self.peer} (tag {self.tag}) not done after {timeout} s")
+        if timeout is None:
+            self._copy_done(block=True)
+        else:  # a device copy has no timed wait: poll it
+            give_up_at = time.monotonic() + timeout
+            while not self._copy_done(block=False):
+                if time.monotonic() >= give_up_at:
+                    raise core.TransportTimeout(f"send to peer {self.peer} (tag {self.tag}): its device copy not "
+                                                f"done after {timeout} s")
+                time.sleep(50e-6)
         if self._error is not None:
             self._reported = True
             raise self._error
@@ -192,6 +251,13 @@ class Stager:
         A device tensor is ordered after its producer's stream here, on the caller's thread."""
         handle = DeviceSendHandle(peer, tag)
         source, ready = self.engine.begin(tensor) if device_tensor else (prepare(tensor), None)
+        if device_tensor and lends_slots and self._idle(earlier):
+            nbytes = source.numel() * source.element_size()
+            if self._ipc is not None and nbytes and peer not in self._ipc_off and \
+                    self._ipc_inline(handle, peer, tag, source, ready):
+                return handle
+            if nbytes <= INLINE_SEND_BYTES and self.engine.ready_within(ready, READY_SPIN_S):
+                return self._send_inline(handle, peer, tag, source, ready)
         with self._lock:
             if self._stopping:
                 raise core.TransportClosed("the transport is closed")
@@ -204,12 +270,52 @@ class Stager:
             self._lock.notify_all()
         return handle
 
+    def _idle(self, earlier: list) -> bool:
+        """Whether a send may run on the caller's thread now without overtaking anything to its peer: nothing
+        queued or in progress on the stager, and the core's earlier sends to the peer done."""
+        with self._lock:
+            if self._stopping or self._queue or self._working:
+                return False
+        return all(handle.done() for handle in earlier)
+
+    def _ipc_inline(self, handle: DeviceSendHandle, peer: int, tag: int, source: torch.Tensor, ready) -> bool:
+        """An IPC send of any size on the caller's thread: it never waits on the host (the copy waits for the
+        producer and for the receiver's last read of the slot on the device; the handle waits for the copy). False,
+        nothing sent, when IPC cannot take it now (every slot awaits the receiver, or IPC is off for the peer)."""
+        error = pending = None
+        try:
+            self.engine.follow(source, ready)
+            sent, pending = self._send_by_ipc(peer, tag, dtype_code(source.dtype), tuple(source.shape),
+                                              flat_bytes(source))
+        except Exception as exc:  # noqa: BLE001 - handed to the caller through the handle, as from the stager
+            sent, error = True, _peer_gone_or(self._core, peer, exc)
+        if not sent:
+            return False
+        with self._lock:
+            self._handles.append(handle)
+            handle._finish(error, pending, source, self.engine)
+        return True
+
+    def _send_inline(self, handle: DeviceSendHandle, peer: int, tag: int, source: torch.Tensor, ready):
+        """The stager's work for one message, done on the caller's thread (the handle is done on return)."""
+        error = pending = None
+        try:
+            pending = self._send(peer, tag, source, ready, [], True, True)
+        except Exception as exc:  # noqa: BLE001 - handed to the caller through the handle, as from the stager
+            error = _peer_gone_or(self._core, peer, exc)
+        with self._lock:
+            self._handles.append(handle)
+            handle._finish(error, pending, source, self.engine)
+        return handle
+
     def wait_idle(self, timeout: Optional[float] = None) -> None:
         """Waits until everything queued is done; raises the first error not reported by a handle yet."""
         with self._lock:
             if not self._lock.wait_for(lambda: not self._queue and not self._working, timeout):
                 raise core.TransportTimeout(f"device sends still in flight after {timeout} s")
             handles, self._handles = self._handles, []
+        for handle in handles:
+            handle._copy_done(block=True)  # IPC copies of sends made on the caller's thread
         for handle in handles:
             if handle._error is not None and not handle._reported:
                 handle._reported = True
@@ -264,9 +370,9 @@ class Stager:
                 self._working = True
             error = None
             try:
-                self._send(peer, tag, source, ready, earlier, through_slots, device_tensor)
+                self.engine.wait(self._send(peer, tag, source, ready, earlier, through_slots, device_tensor))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller through the handle
-                error = exc
+                error = _peer_gone_or(self._core, peer, exc) if isinstance(exc, Exception) else exc
             finally:
                 source = ready = None
             with self._lock:
@@ -276,7 +382,8 @@ class Stager:
                 self._lock.notify_all()
 
     def _send(self, peer: int, tag: int, source: torch.Tensor, ready, earlier: list, through_slots: bool,
-              device_tensor: bool) -> None:
+              device_tensor: bool):
+        """Sends one message; returns the token of a device copy still reading `source` (IPC), or None."""
         for handle in earlier:  # the core's sends to this peer posted before this one
             handle.wait()
         if device_tensor:
@@ -287,8 +394,10 @@ class Stager:
         if not device_tensor:  # a host tensor queued behind device sends: the core's ordinary send
             self._core_send(peer, tag, code, shape, flat)
             return
-        if through_slots and self._ipc is not None and flat.numel() and self._send_by_ipc(peer, tag, code, shape, flat):
-            return
+        if through_slots and self._ipc is not None and flat.numel():
+            sent, pending = self._send_by_ipc(peer, tag, code, shape, flat)
+            if sent:
+                return pending
         if through_slots:
             self._ensure_region(peer)
             self._took(peer, "slots, registered" if self._regions[peer] else "slots, not registered")
@@ -301,24 +410,24 @@ class Stager:
             self.engine.wait(self.engine.to_host(host, flat))
         self._core_send(peer, tag, code, shape, host)
 
-    def _send_by_ipc(self, peer: int, tag: int, code: int, shape, flat: torch.Tensor) -> bool:
-        """True once sent through CUDA IPC (device_ipc.py); False: take the staged path (IPC cannot serve this
-        peer, said once, or every IPC slot to it awaits the receiver)."""
+    def _send_by_ipc(self, peer: int, tag: int, code: int, shape, flat: torch.Tensor) -> tuple[bool, object]:
+        """(True, the copy's token) once sent through CUDA IPC (device_ipc.py); (False, None): take the staged path
+        (IPC cannot serve this peer, said once, or every IPC slot to it awaits the receiver)."""
         if peer not in self._ipc_off:
             reason = self.engine.ipc_unavailable_reason()
             if reason is None:
                 try:
-                    sent = self._ipc.send(peer, tag, code, shape, flat)
+                    sent, pending = self._ipc.send(peer, tag, code, shape, flat)
                 except IpcUnavailable as error:
                     reason = str(error)
                 else:
                     if sent:
                         self._took(peer, "cuda ipc")
-                    return sent
+                    return sent, pending
             self._ipc_off[peer] = reason
             self._say_fallback(f"CUDA IPC to peer {peer} is off ({reason}): device tensors to it are staged "
                                "through shared memory")
-        return False
+        return False, None
 
     def _core_send(self, peer: int, tag: int, code: int, shape, host: torch.Tensor) -> None:
         """The core's ordinary send of the flat uint8 host tensor `host`, waited for."""

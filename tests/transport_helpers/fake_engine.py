@@ -4,6 +4,8 @@ stale bytes and fail the bit-exact checks."""
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from megatron_app.transport.device_engine import host_view
@@ -27,6 +29,7 @@ class FakeCopyEngine:
         self.in_flight = 0
         self.max_in_flight = 0
         self.copies = 0
+        self.copy_threads: list[str] = []  # the thread that started each copy
         self.registered: dict[int, int] = {}
         self.unregistered: list[int] = []
         self.followed = 0
@@ -42,6 +45,12 @@ class FakeCopyEngine:
     def begin(tensor: torch.Tensor):
         return prepare(tensor), "ready"
 
+    ready = True  # what ready_within answers: False stands for a producer still running (the stager sends)
+
+    def ready_within(self, ready, seconds) -> bool:
+        assert ready == "ready"
+        return self.ready
+
     def follow(self, source, ready) -> None:
         assert ready == "ready"
         self.followed += 1
@@ -50,6 +59,7 @@ class FakeCopyEngine:
         assert destination.numel() == source.numel() and destination.dtype == source.dtype == torch.uint8
         self.in_flight += 1
         self.copies += 1
+        self.copy_threads.append(threading.current_thread().name)
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         return FakeCopy(destination, source, self.lag)
 

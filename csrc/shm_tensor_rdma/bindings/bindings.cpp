@@ -282,6 +282,28 @@ PYBIND11_MODULE(_shm_tensor_rdma, m) {
             return message_tuple(std::move(*message));
           },
           py::arg("peer"), py::arg("tag"), py::arg("timeout") = py::none())
+      .def(
+          "peer_failure",
+          [](Transport& transport, int peer) -> py::object {
+            std::optional<PeerFailure> failure;
+            {
+              py::gil_scoped_release release;
+              failure = transport.peer_failure(peer);
+            }
+            if (!failure) return py::none();
+            return py::make_tuple(failure->died, failure->text);
+          },
+          py::arg("peer"))
+      .def(
+          "set_wait_spin_us",
+          [](Transport& transport, int64_t microseconds) {
+            if (microseconds < 0 || microseconds > 10000) {
+              throw std::invalid_argument("wait spin must be 0..10000 us, got " + std::to_string(microseconds));
+            }
+            transport.set_wait_spin(std::chrono::microseconds(microseconds));
+          },
+          py::arg("microseconds"))
+      .def_property_readonly("wait_spin_us", [](const Transport& transport) { return transport.wait_spin().count(); })
       .def("wait_any", &Transport::wait_any, py::arg("keys"), py::arg("timeout") = py::none(),
            py::call_guard<py::gil_scoped_release>())
       .def("close", &Transport::close, py::call_guard<py::gil_scoped_release>())

@@ -410,8 +410,13 @@ MessageKey Transport::wait_for_keys(const std::vector<MessageKey>& keys, std::op
       throw TimeoutError("rank " + std::to_string(options_.rank) + " timed out after " + format_seconds(limit_s) +
                          " waiting for " + describe_keys(keys));
     }
-    bell.spin_wait(seen, kSpinBeforeSleep, std::min(next_liveness_check, give_up_at) - now);
+    bell.spin_wait(seen, wait_spin(), std::min(next_liveness_check, give_up_at) - now);
   }
+}
+
+std::optional<PeerFailure> Transport::peer_failure(int peer) {
+  validate_peer(peer, "receive from");
+  return backend_of_[peer]->failure(peer);
 }
 
 std::optional<MessageKey> Transport::check_senders(const std::vector<MessageKey>& keys) {

@@ -54,10 +54,20 @@ class Transport {
   // Blocks until one of `keys` has arrived (without taking it). timeout nullopt means options.timeout_s.
   MessageKey wait_any(const std::vector<MessageKey>& keys, std::optional<double> timeout_s);
   Message recv(int peer, uint64_t tag, std::optional<double> timeout_s);
+  // Why `peer` can no longer send to us (it died, or closed its transport), or nullopt while it can: asked by a
+  // caller that failed to use something the peer lent (a CUDA IPC handle) to tell a dead peer from other errors.
+  std::optional<PeerFailure> peer_failure(int peer);
   // Cancels sends not completed yet (their requests fail with ClosedError), stops all threads, removes this
   // rank's name and any name of this job left by a dead process. Idempotent.
   void close();
   bool closed() const { return closing_.load(); }
+  // How long a blocked receive polls before it sleeps (default kSpinBeforeSleep). A transport that carries device
+  // tensors spins longer: a message's turnaround there (CUDA calls, a device copy each way) outlasts 50 us, and a
+  // sleeping thread's wake-up on a GPU host was measured at ~300 us. The spin still yields to contention.
+  void set_wait_spin(std::chrono::microseconds spin) { wait_spin_us_.store(spin.count(), std::memory_order_relaxed); }
+  std::chrono::microseconds wait_spin() const {
+    return std::chrono::microseconds(wait_spin_us_.load(std::memory_order_relaxed));
+  }
   // Run by blocking calls about every kWaitTick; what it throws ends the wait.
   void set_interrupt_check(InterruptCheck check) { interrupt_check_ = std::move(check); }
   // Runs on every complete incoming message before it is published, whatever backend carried it (the loss layer).
@@ -115,6 +125,7 @@ class Transport {
   std::vector<bool> sends_inline_;                  // per rank: its backend's sends_inline()
   std::unique_ptr<WorkerPool> workers_;
   std::atomic<bool> closing_{false};
+  std::atomic<int64_t> wait_spin_us_{kSpinBeforeSleep.count()};
   std::mutex close_mutex_;
 
   std::mutex requests_mutex_;

@@ -11,7 +11,9 @@ Each size, one way (a ping-pong's round trip / 2, both ends' device tensors read
   gloo       torch.distributed gloo between the two processes with the CUDA tensor moved to and from the host
              around each send/recv (gloo's send/recv carry host memory)
 Repetitions fill about `seconds` per size and method, at least 2 (plus one warm-up): 256 MiB runs a few times.
-plan["device"] "cpu" rehearses the same code on host tensors (the test suite runs it; its numbers mean nothing).
+plan["device"] "cpu" rehearses the same code on host tensors (the test suite runs it): a host copy engine takes them
+down the device path (the stager, the leased slots, the receive arena), so its numbers are that machinery's cost on
+this host with memcpy for every device copy; IPC has no host stand-in across processes (that column is staged).
 """
 
 from __future__ import annotations
@@ -26,6 +28,81 @@ from megatron_app.bench.transport.links import KIB, MIB
 CUDA_SIZES = [64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]
 CUDA_QUICK_SIZES = [64 * KIB, 1 * MIB]
 METHODS = ("ours", "ipc", "d2d", "pinned", "pageable", "gloo")
+
+
+class RehearsalEngine:
+    """The copy engine of device_staging.py for host tensors, synchronous: `--rehearsal` runs the CUDA section's
+    transport code (stager, slots, arena) with a memcpy where a device copy would be."""
+
+    @staticmethod
+    def handles(tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cpu"
+
+    @staticmethod
+    def begin(tensor: torch.Tensor):
+        from megatron_app.transport.device_staging import prepare
+
+        return prepare(tensor), None
+
+    @staticmethod
+    def ready_within(ready, seconds: float) -> bool:
+        return True
+
+    @staticmethod
+    def follow(source, ready) -> None:
+        pass
+
+    @staticmethod
+    def to_host(destination: torch.Tensor, source: torch.Tensor):
+        destination.copy_(source)
+
+    @staticmethod
+    def done(token) -> bool:
+        return True
+
+    @staticmethod
+    def wait(token) -> None:
+        pass
+
+    @staticmethod
+    def host_view(address: int, nbytes: int) -> torch.Tensor:
+        from megatron_app.transport.device_engine import host_view
+
+        return host_view(address, nbytes)
+
+    @staticmethod
+    def pinned_like(flat: torch.Tensor) -> torch.Tensor:
+        return torch.empty(flat.shape, dtype=torch.uint8)
+
+    @staticmethod
+    def register(address: int, nbytes: int):
+        return "a rehearsal on host tensors registers nothing"
+
+    @staticmethod
+    def unregister(address: int) -> None:
+        pass
+
+    @staticmethod
+    def receives_onto(device) -> bool:
+        return torch.device(device).type == "cpu"
+
+    @staticmethod
+    def receive_arena(nbytes: int) -> torch.Tensor:
+        raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
+        start = -raw.data_ptr() % 4096
+        return raw[start:start + nbytes]
+
+    @staticmethod
+    def to_device_async(host: torch.Tensor, device):
+        return host.clone(), None
+
+    @staticmethod
+    def to_device(host: torch.Tensor, device) -> torch.Tensor:
+        return host.clone()
+
+    @staticmethod
+    def ipc_unavailable_reason() -> str:
+        return "a rehearsal on host tensors has no IPC"
 
 
 def cuda_unavailable_reason() -> str | None:
@@ -109,8 +186,11 @@ def run_cuda_section(plan: dict, rank: int) -> list:
     if device.cuda:
         torch.cuda.set_device(0)
     peer = 1 - rank
-    transports = {"ours": Transport(rank, 2, plan["job_id"], timeout_s=120, cuda_ipc=False),
-                  "ipc": Transport(rank, 2, plan["job_id"] + "i", timeout_s=120, cuda_ipc=True)}
+    engines = {"ours": None, "ipc": None} if device.cuda else {"ours": RehearsalEngine(), "ipc": RehearsalEngine()}
+    transports = {"ours": Transport(rank, 2, plan["job_id"], timeout_s=120, cuda_ipc=False,
+                                    copy_engine=engines["ours"]),
+                  "ipc": Transport(rank, 2, plan["job_id"] + "i", timeout_s=120, cuda_ipc=True,
+                                   copy_engine=engines["ipc"])}
     rows = []
     counter = [0]
     for size in plan["sizes"]:
