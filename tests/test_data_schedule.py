@@ -87,3 +87,23 @@ def test_a_pipeline_stage_without_data_gets_the_first_stages_plan_and_bounds(tmp
     mp.start_processes(_pipeline_rank, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
     first, second = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert first == second == {"count": 2, "tokens": 14, "told": [8, 6], "bounds": [[0, 3, 8], [0, 2, 6]]}
+
+
+def test_keyed_dropout_keys_each_iterations_documents_apart():
+    """The document at one position of the global batch gets another key each iteration (set_iteration, or the
+    advance after a training call), so its dropout masks differ between iterations; without keyed randomness the
+    positions are the ids."""
+    from megatron_app.runtime.job import current_job
+    from megatron_app.runtime.keyed_randomness import KeyedRandomness, set_iteration
+
+    current_job().keyed_randomness = state = KeyedRandomness(seed=5)
+    try:
+        seen = []
+        for iteration in (3, 4):
+            set_iteration(iteration)
+            wrap_data_iterator(_loader(), None, len(LENGTHS), composition="packed", micro_batch_size=2)
+            seen.append(sorted(s.document for mb in state.microbatch_documents for s in mb))
+        assert seen == [[12, 13, 14, 15], [16, 17, 18, 19]]
+    finally:
+        current_job().keyed_randomness = None
+    wrap_data_iterator(_loader(), None, len(LENGTHS), composition="packed", micro_batch_size=2)

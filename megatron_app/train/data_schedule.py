@@ -75,6 +75,17 @@ def _bounds_only(lengths: Sequence[int], composition: Composition) -> List[Dict[
     return batches
 
 
+def _document_ids(count: int) -> range:
+    """What keyed dropout keys this call's documents on: their place in the run's stream of global batches (the
+    keyed iteration, which set_iteration sets and a resumed run continues, times the batch, plus the position), so a
+    position draws other masks each iteration; the same on every rank and layout."""
+    from megatron_app.runtime.job import current_job
+
+    keyed = current_job().keyed_randomness
+    first = 0 if keyed is None else keyed.iteration * count
+    return range(first, first + count)
+
+
 def wrap_data_iterator(data_iterator, config, num_microbatches: int, pg_collection=None, *,
                        composition: str = BALANCED, micro_batch_size: int = 1):
     """(iterator of the planned microbatches, their count, tokens computed, sum of squared document lengths).
@@ -94,7 +105,8 @@ def wrap_data_iterator(data_iterator, config, num_microbatches: int, pg_collecti
     mine = None if source is None else [_sample(next(source)) for _ in range(num_microbatches)]
     batch = _gather_global_batch(mine, layout.dp_rank, layout.num_replicas, micro_batch_size)
     lengths = [int(sample["tokens"].numel()) for sample in batch]
-    plan = agree_iteration_plan(lengths, micro_batch_size, composition, pg_collection=pg_collection)
+    plan = agree_iteration_plan(lengths, micro_batch_size, composition, pg_collection=pg_collection,
+                                document_ids=_document_ids(len(batch)))
     replica = plan.replica(layout.dp_rank)
     # Keyed dropout draws each document's masks by document, also under Megatron's own schedule (ours takes the
     # layout with the plan): the same masks whatever the composition, P, V or schedule.
