@@ -242,9 +242,13 @@ def test_a_small_send_behind_a_queued_one_keeps_its_place(pair, monkeypatch):
     big, small = torch.randn(50_000), torch.arange(10.0)
     sender.send(1, make_tag(FWD, 0), big)
     sender.send(1, make_tag(FWD, 0), small)  # same key: arrival order is send order
+    # Still busy after small's send: small was queued behind big (an inline send needs an idle stager). Under load the
+    # big copy can finish before small is sent; then small goes inline, which is right too: only the order counts.
+    queued_behind = sender._stager.busy_with(1)
     assert same_bits(receiver.recv(0, make_tag(FWD, 0)), big)
     assert torch.equal(receiver.recv(0, make_tag(FWD, 0)), small)
-    assert threading.current_thread().name not in engine.copy_threads
+    if queued_behind:
+        assert threading.current_thread().name not in engine.copy_threads
 
 
 def test_a_transport_with_device_traffic_polls_longer_before_it_sleeps(job_id):

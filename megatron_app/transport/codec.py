@@ -5,29 +5,19 @@ import math
 import torch
 
 from .dtypes import CODE_TO_DTYPE, dtype_code, dtype_from_code
+from .sendable import prepare
 
 
 def encode(tensor) -> tuple:
     """(dtype_code, shape, data_ptr, nbytes, host_tensor): a host-contiguous view of `tensor` for the core.
     The core reads host_tensor's memory until the send completes. Transport.send hands CUDA tensors to the stager
     (device_staging.py); other callers get them staged here via pinned memory."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"can only send torch.Tensor, got {type(tensor).__name__}")
-    if tensor.layout != torch.strided or tensor.is_quantized:
-        raise ValueError(f"can only send dense tensors, got layout {tensor.layout}")
+    tensor = prepare(tensor)
     code = dtype_code(tensor.dtype)
-    if tensor.requires_grad:
-        tensor = tensor.detach()
-    if tensor.is_conj():
-        tensor = tensor.resolve_conj()
-    if tensor.is_neg():
-        tensor = tensor.resolve_neg()
     if tensor.is_cuda:
         tensor = _stage_on_host(tensor)
     elif not tensor.is_cpu:
         raise ValueError(f"cannot send a tensor on device {tensor.device}")
-    if not tensor.is_contiguous():
-        tensor = tensor.contiguous()
     nbytes = tensor.nbytes
     return code, tensor.shape, tensor.data_ptr() if nbytes else 0, nbytes, tensor
 

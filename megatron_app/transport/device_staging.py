@@ -42,6 +42,7 @@ from typing import Callable, Optional
 import torch
 
 from ._core import core
+from .sendable import prepare
 from .dtypes import dtype_code
 
 LOG = logging.getLogger(__name__)
@@ -70,24 +71,6 @@ def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor (any dtype, 0-d and empty included)."""
     flat = tensor.reshape(-1)
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
-
-
-def prepare(tensor) -> torch.Tensor:
-    """What encode() does before the bytes are taken: dense, detached, conj/neg resolved, contiguous."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"can only send torch.Tensor, got {type(tensor).__name__}")
-    if tensor.layout != torch.strided or tensor.is_quantized:
-        raise ValueError(f"can only send dense tensors, got layout {tensor.layout}")
-    dtype_code(tensor.dtype)  # ValueError for dtypes the wire cannot carry
-    if tensor.requires_grad:
-        tensor = tensor.detach()
-    if tensor.is_conj():
-        tensor = tensor.resolve_conj()
-    if tensor.is_neg():
-        tensor = tensor.resolve_neg()
-    if not tensor.is_contiguous():
-        tensor = tensor.contiguous()
-    return tensor
 
 
 def region_fits_shm(nbytes: int, directory: str = SHM_DIRECTORY) -> Optional[str]:
