@@ -114,3 +114,18 @@ def test_modules_that_are_no_megatron_language_model_are_not_checked(gpt):
     linear = torch.nn.Linear(2, 1)
     linear.pre_process = True
     check_chunk_layout(SimpleNamespace(models=[linear], config=gpt[0]), 1, 2)
+
+
+def test_data_iterators_against_the_chunks_are_one_line_naming_the_fix():
+    import torch
+
+    from megatron_app.runtime.call_setup import ModelChunks
+    from megatron_app.runtime.settings import AppConfigError
+
+    chunks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+    with pytest.raises(AppConfigError,
+                       match=r"^(rank \d+: )?got 1 data iterators for 2 model chunks; pass one per chunk") as raised:
+        ModelChunks(chunks, [iter([])])
+    assert len(str(raised.value).splitlines()) == 1
+    with pytest.raises(AppConfigError, match="with 2 model chunks, data_iterator must be a list"):
+        ModelChunks(chunks, iter([]))

@@ -30,6 +30,11 @@ class CallRequest:
     force_all_reduce: bool
 
 
+def _this_rank() -> str:
+    """'rank N: ' where torch.distributed runs (a refusal names the rank that made it), else ''."""
+    return f"rank {dist.get_rank()}: " if dist.is_available() and dist.is_initialized() else ""
+
+
 class ModelChunks:
     """This rank's model chunks, one replayable data iterator each, their config, model type and device."""
 
@@ -38,12 +43,14 @@ class ModelChunks:
         V = len(self.models)
         if isinstance(data_iterator, (list, tuple)):
             if len(data_iterator) != V:
-                raise ValueError(f"got {len(data_iterator)} data iterators for {V} model chunks")
+                raise AppConfigError(f"{_this_rank()}got {len(data_iterator)} data iterators for {V} model chunks; pass "
+                                     "one per chunk, in chunk order (None for a chunk that reads no data)")
             iterators = list(data_iterator)
         elif V == 1:
             iterators = [data_iterator]
         else:
-            raise ValueError("with several model chunks, data_iterator must be a list with one iterator per chunk")
+            raise AppConfigError(f"{_this_rank()}with {V} model chunks, data_iterator must be a list with one iterator "
+                                 "per chunk (None for a chunk that reads no data)")
         self.data: List[Optional[MicrobatchReplay]] = [None if it is None else MicrobatchReplay(it)
                                                        for it in iterators]
         self.config = get_model_config(self.models[0])
