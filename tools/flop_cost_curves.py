@@ -35,7 +35,8 @@ from typing import Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_app.sim.cost_curves import FITTED_KINDS, CostCurves  # noqa: E402
+from megatron_app.schedule import ScheduleConfigError  # noqa: E402
+from megatron_app.sim.cost_curves import FITTED_KINDS, CostCurves, whole_model_samples  # noqa: E402
 
 BACKWARD_OVER_FORWARD_FLOPS = 2.0
 
@@ -53,21 +54,18 @@ def calibrate(run, num_layers: int, hidden: int, ffn: int, vocab: int, skip_iter
         raise SystemExit("flop_cost_curves: calibrate on a P=1 V=1 trace (its task sums are the device's time)")
     per_token, per_square = flops_per_layer(hidden, ffn, attention_scale)
     sums = {kind: {"us": 0.0, "flops": 0.0, "tasks": 0} for kind in FITTED_KINDS}
-    for rank in run.pipeline_view():
-        for iteration in run.iterations()[skip_iterations:]:
-            for event in rank.events_of(iteration):
-                if event.kind not in FITTED_KINDS or "tokens" not in event.extra:
-                    continue
-                tokens = float(event.extra["tokens"])
-                squared = float(event.extra.get("squared_tokens", tokens * tokens))
-                forward = num_layers * (per_token * tokens + per_square * squared) + 2.0 * hidden * vocab * tokens
-                factor = 1.0 if event.kind == "forward" else BACKWARD_OVER_FORWARD_FLOPS
-                sums[event.kind]["us"] += event.duration
-                sums[event.kind]["flops"] += factor * forward
-                sums[event.kind]["tasks"] += 1
-    for kind, entry in sums.items():
-        if entry["tasks"] == 0:
-            raise SystemExit(f"flop_cost_curves: the trace has no {kind} tasks with tokens")
+    try:
+        samples = whole_model_samples(run, skip_iterations, "the trace")
+    except ScheduleConfigError as error:
+        raise SystemExit(f"flop_cost_curves: {error}") from None
+    for kind, found in samples.items():
+        factor = 1.0 if kind == "forward" else BACKWARD_OVER_FORWARD_FLOPS
+        for tokens, squared, micros in found:
+            forward = num_layers * (per_token * tokens + per_square * squared) + 2.0 * hidden * vocab * tokens
+            sums[kind]["us"] += micros
+            sums[kind]["flops"] += factor * forward
+            sums[kind]["tasks"] += 1
+    for entry in sums.values():
         entry["tflops"] = entry["flops"] / entry["us"] / 1e6
     return sums
 

@@ -189,7 +189,7 @@ def fit_whole_curves(run, num_layers: int, skip_iterations: int = 1) -> CostCurv
     if run.pipeline_parallel * run.model_chunks != 1:
         raise ScheduleConfigError(f"spreading evenly takes a P=1 V=1 run, got P={run.pipeline_parallel} "
                                   f"V={run.model_chunks} (fit it by chunk roles instead)")
-    samples = _whole_model_samples(run, skip_iterations, "the trace")
+    samples = whole_model_samples(run, skip_iterations, "the trace")
     layer = {kind: tuple(v / num_layers for v in _fit(found)) for kind, found in samples.items()}
     zero = {kind: (0.0, 0.0, 0.0) for kind in FITTED_KINDS}
     tokens_seen = [t for found in samples.values() for t, _, _ in found]
@@ -199,7 +199,7 @@ def fit_whole_curves(run, num_layers: int, skip_iterations: int = 1) -> CostCurv
                        "tokens_range": [min(tokens_seen), max(tokens_seen)]})
 
 
-def _whole_model_samples(run, skip_iterations: int, name: str) -> Dict[str, List[Tuple[float, float, float]]]:
+def whole_model_samples(run, skip_iterations: int, name: str) -> Dict[str, List[Tuple[float, float, float]]]:
     """Per fitted kind, (tokens, squared tokens, microseconds) of a P=1 V=1 run's tasks after skip_iterations."""
     samples: Dict[str, List[Tuple[float, float, float]]] = {kind: [] for kind in FITTED_KINDS}
     for rank in run.pipeline_view():
@@ -230,7 +230,7 @@ def fit_depth_curves(runs_by_depth: Dict[int, object], skip_iterations: int = 1)
         if run.pipeline_parallel * run.model_chunks != 1:
             raise ScheduleConfigError(f"fitting by depth takes P=1 V=1 runs, got P={run.pipeline_parallel} "
                                       f"V={run.model_chunks}")
-        samples = _whole_model_samples(run, skip_iterations, f"the {depth}-layer trace")
+        samples = whole_model_samples(run, skip_iterations, f"the {depth}-layer trace")
         tokens_seen += [t for found in samples.values() for t, _, _ in found]
         whole[depth] = {kind: _fit(found) for kind, found in samples.items()}
         for kind, found in samples.items():
