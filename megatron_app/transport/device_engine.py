@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import weakref
 import time
 from typing import Optional
 
@@ -87,8 +88,8 @@ def _ipc_unavailable_reason() -> Optional[str]:
 
 # What this process exported, by export blob: a receiver in the exporting process itself (two transports of one
 # process: tests, a single-process emulation) cannot open its own handles (CUDA: "invalid device context") and takes
-# the object instead.
-_EXPORTED_HERE: dict = {}
+# the object instead. Weak: a ring slot that grows frees its old buffer.
+_EXPORTED_HERE: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
 
 def _export_buffer(buffer: torch.Tensor) -> bytes:
