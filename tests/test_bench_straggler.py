@@ -117,11 +117,25 @@ def start_child(body, *args):
     lines = [child.stdout.readline()]
     while lines[-1] and not lines[-1].startswith("running"):
         lines.append(child.stdout.readline())
-    assert lines[-1].startswith("running"), lines
-    kids = [pid for pid in competitors() if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
-            == str(child.pid)]
-    assert len(kids) == 1
+    kids = []
+
+    def found():
+        kids[:] = [pid for pid in competitors() if parent_of(pid) == child.pid]
+        return len(kids) == 1
+
+    # Popen returns once the competitor's exec has begun; its command line (the mark) is readable a moment later.
+    if not (lines[-1].startswith("running") and wait_until(found, timeout=10.0)):
+        child.kill()          # a leftover child would keep its competitor alive into the next tests
+        child.wait()
+        pytest.fail(f"the child's competitor was not found: {kids}, {lines}")
     return child, kids[0]
+
+
+def parent_of(pid):
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError):
+        return None
 
 
 def test_the_competitor_dies_with_a_benchmark_killed_outright():
@@ -222,6 +236,7 @@ def test_a_failed_run_ends_its_jobs_processes_and_the_competitor(fake_job):
     plan = Straggler("steady", 1, (CORES[0], CORES[-1]), 2)
     with pytest.raises(RuntimeError, match="run failed"):
         with slowed(plan, job, SlowdownRecord("planned", 0)):
+            assert wait_until(competitors)
             competitor = competitors()
             raise RuntimeError("run failed")
     for name in ("rank0", "rank1", "agent"):     # the agent ignores SIGTERM: SIGKILL after the grace period
