@@ -23,11 +23,11 @@ def rehearsal(tmp_path_factory):
 def test_the_rehearsal_runs_every_step_and_writes_both_reports(rehearsal):
     out, result = rehearsal
     report = json.loads((out / "report.json").read_text())
-    assert list(report["steps"]) == ["setup", "host", "pytest", "equality", "curves", "prediction", "transport",
-                                     "composition"]
+    assert list(report["steps"]) == ["setup", "host", "pytest", "equality", "own-loop", "curves", "prediction",
+                                     "transport", "composition"]
     text = (out / "report.txt").read_text()
     assert text.startswith("gpu_check: ") and all(name in text for name in report["steps"])
-    for name in ("setup", "host", "equality", "curves", "transport", "composition"):
+    for name in ("setup", "host", "equality", "own-loop", "curves", "transport", "composition"):
         assert report["steps"][name]["status"] == "pass", (name, report["steps"][name], result.stdout[-2000:])
     # no CUDA here: the cuda-marked tests skip, and the report says why
     assert report["steps"]["pytest"]["status"] == "skip" and report["steps"]["pytest"]["skipped"] > 0
@@ -49,6 +49,20 @@ def test_the_equality_rows_hold_their_tolerance(rehearsal):
     assert set(rows) == {"mock-fp32", "balanced-fp32-dropout"}
     for row in rows.values():
         assert row["max_relative_difference"] <= row["tolerance"] and len(row["losses_p1"]) == 2
+
+
+@pytest.mark.slow
+def test_the_users_own_loop_runs_and_matches_megatrons_schedule(rehearsal):
+    """examples/simple_train_loop.py, P=2 V=2 under our schedule against P=1 under Megatron's (dropout 0.1): fixed
+    lengths and whole documents regrouped by `balanced`, three iterations each, within the stated tolerance."""
+    out, _ = rehearsal
+    rows = json.loads((out / "report.json").read_text())["steps"]["own-loop"]["rows"]
+    assert set(rows) == {"fixed", "balanced"}
+    for row in rows.values():
+        assert len(row["losses_p1"]) == len(row["losses_p2v2"]) == 3
+        assert row["max_relative_difference"] <= row["tolerance"] == 1e-5
+    assert rows["fixed"]["losses_p1"] != rows["balanced"]["losses_p1"], "the two rows ran other data"
+    assert "own-loop" in (out / "report.txt").read_text()
 
 
 @pytest.mark.slow
