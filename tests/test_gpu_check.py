@@ -72,11 +72,20 @@ def test_the_curves_are_the_simulators_cost_curves(rehearsal):
     curves = out / "cost_curves_h32.json"
     source = json.loads(curves.read_text())["source"]
     assert source["fit"].startswith("by depth") and source["depths"] == [4, 8]
+    # the traced model, from the runs' trace headers (its depth left out: the curves are per layer)
+    model = source["model"]
+    assert {k: model[k] for k in ("hidden_size", "num_attention_heads", "ffn_hidden_size", "params_dtype",
+                                  "tensor_parallel")} == {"hidden_size": 32, "num_attention_heads": 4,
+                                                          "ffn_hidden_size": 128, "params_dtype": "float32",
+                                                          "tensor_parallel": 1}
+    assert model["vocab_size"] > 0 and "num_layers" not in model
     result = subprocess.run([sys.executable, "-m", "megatron_app.sim", "--pipeline_parallel", "2", "--model_chunks",
-                             "2", "--microbatches", "4", "--policy", "planned", "--cost-curves", str(curves),
-                             "--num-layers", "8", "--length-sigma", "0.9", "--iterations", "1"],
+                             "2", "--microbatches", "4", "--cost-curves", str(curves), "--num-layers", "8",
+                             "--lengths-file", "docs/results/lengths/copyright_2048.txt",
+                             "--documents-per-microbatch", "2", "--iterations", "2"],
                             cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
+    assert f"cost curves {curves}: the traced model (hidden_size 32, num_attention_heads 4" in result.stderr
 
 
 def test_bad_flags_get_one_line_and_exit_2(tmp_path):

@@ -267,7 +267,8 @@ class Check:
                 rows[row] = {**entry, "status": "fail", "error": failed["error"]}
                 continue
             a, b = reference["losses"], pipelined["losses"]
-            worst = max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b)) if a and len(a) == len(b) else float("inf")
+            worst = (max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b)) if a and len(a) == len(b)
+                     else float("inf"))
             rows[row] = {**entry, "status": "pass" if worst <= tolerance else "fail", "losses_p1": a,
                          "losses_p2v2": b, "max_relative_difference": worst}
         status = "pass" if all(r["status"] == "pass" for r in rows.values()) else "fail"
