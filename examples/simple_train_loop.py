@@ -9,8 +9,8 @@ examples/run_simple_mcore_train_loop.py (Megatron-LM), our own code, with pipeli
 
 The same file runs on CPU (gloo) and CUDA (nccl; gloo where ranks share a GPU, e.g. P=2 on one card), the device by
 --device (auto: CUDA when a GPU is visible): every line that differs is marked "CPU:" and is listed in
-docs/your-loop.md; tools/gpu_check.sh runs it on a GPU (its own-loop step). Steps NVIDIA's file does not need but a pipelined loop does are marked "PIPELINE:"; the ones
-our drop-in adds are marked "APP:". Dropout is Megatron's default 0.1, keyed by (seed, iteration, microbatch, layer)
+docs/your-loop.md; tools/gpu_check.sh runs it on a GPU (its own-loop step). Steps NVIDIA's file does not need but a
+pipelined loop does are marked "PIPELINE:"; the ones our drop-in adds are marked "APP:". Dropout is Megatron's default 0.1, keyed by (seed, iteration, microbatch, layer)
 so that any P, V and schedule gives the same masks, and so the same losses: P=2 V=2 under our schedule equals P=1
 under Megatron's own (tests/test_simple_train_loop.py). --reference runs Megatron's own schedule (no install()).
 """

@@ -231,6 +231,9 @@ def test_curves_record_the_traced_model_and_a_replay_for_another_warns_once_nami
 
     curves = fit_curves(_traced(_fake_run(), MODEL), num_layers=8)
     assert curves.source["model"] == MODEL
+    with pytest.raises(ScheduleConfigError, match="^the trace is of a 8-layer model, not 4 layers: fit it with "
+                                                  "--num-layers 8$"):
+        fit_curves(_traced(_fake_run(), MODEL), num_layers=4)
     path = tmp_path / "c.json"
     path.write_text(json.dumps(curves.to_json()))
     curves = CostCurves.load(str(path))

@@ -198,6 +198,7 @@ def fit_curves(run, num_layers: int, skip_iterations: int = 1) -> CostCurves:
         raise ScheduleConfigError("fitting needs a middle chunk: at least 3 virtual stages (P x V >= 3)")
     if num_layers % (P * V):
         raise ScheduleConfigError(f"{num_layers} layers do not split into {P} x {V} chunks")
+    _check_layers(run, num_layers)
     layers = num_layers // (P * V)
     samples: Dict[Tuple[str, str], List[Tuple[float, float, float]]] = {}
     tokens_seen: List[float] = []
@@ -238,6 +239,7 @@ def fit_whole_curves(run, num_layers: int, skip_iterations: int = 1) -> CostCurv
     if run.pipeline_parallel * run.model_chunks != 1:
         raise ScheduleConfigError(f"spreading evenly takes a P=1 V=1 run, got P={run.pipeline_parallel} "
                                   f"V={run.model_chunks} (fit it by chunk roles instead)")
+    _check_layers(run, num_layers)
     samples = whole_model_samples(run, skip_iterations, "the trace")
     layer = {kind: tuple(v / num_layers for v in _fit(found)) for kind, found in samples.items()}
     zero = {kind: (0.0, 0.0, 0.0) for kind in FITTED_KINDS}
@@ -300,6 +302,15 @@ def fit_depth_curves(runs_by_depth: Dict[int, object], skip_iterations: int = 1)
                                    "tokens_range": [min(tokens_seen), max(tokens_seen)],
                                    "trace_dirs": [str(run.trace_dir) for _, run in sorted(runs_by_depth.items())]},
                                   model))
+
+
+def _check_layers(run, num_layers: int) -> None:
+    """The layer count a fit is told must be the traced model's, where its trace records one: a layer's cost is the
+    chunk's divided by its layers."""
+    traced = (traced_model(run) or {}).get("num_layers")
+    if traced is not None and traced != num_layers:
+        raise ScheduleConfigError(f"the trace is of a {traced}-layer model, not {num_layers} layers: fit it with "
+                                  f"--num-layers {traced}")
 
 
 def _with_model(source: dict, model: Optional[dict]) -> dict:
