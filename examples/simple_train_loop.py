@@ -7,9 +7,10 @@ examples/run_simple_mcore_train_loop.py (Megatron-LM), our own code, with pipeli
     torchrun --nproc_per_node 2 examples/simple_train_loop.py --pipeline_parallel 2 --model_chunks 2 \\
         --variable-lengths --composition balanced                       # whole documents through wrap_data_iterator
 
-The same file runs on CPU (gloo) and CUDA (nccl): every line that differs is marked "CPU:" and is listed in
-docs/your-loop.md. Steps NVIDIA's file does not need but a pipelined loop does are marked "PIPELINE:"; the ones
-our drop-in adds are marked "APP:". Dropout is Megatron's default 0.1, keyed by (seed, iteration, microbatch, layer)
+The same file runs on CPU (gloo) and CUDA (nccl; gloo where ranks share a GPU, e.g. P=2 on one card), the device by
+--device (auto: CUDA when a GPU is visible): every line that differs is marked "CPU:" and is listed in
+docs/your-loop.md; tools/gpu_check.sh runs it on a GPU (its own-loop step). Steps NVIDIA's file does not need but a
+pipelined loop does are marked "PIPELINE:"; the ones our drop-in adds are marked "APP:". Dropout is Megatron's default 0.1, keyed by (seed, iteration, microbatch, layer)
 so that any P, V and schedule gives the same masks, and so the same losses: P=2 V=2 under our schedule equals P=1
 under Megatron's own (tests/test_simple_train_loop.py). --reference runs Megatron's own schedule (no install()).
 """
@@ -25,28 +26,29 @@ import torch
 import torch.distributed as dist
 
 SEQ, MBS, MICROBATCHES, ITERS, VOCAB, SEED = 16, 2, 4, 3, 128, 1234
-ON_CPU = not torch.cuda.is_available()
 
 
-def initialize_distributed(P, V):
+def initialize_distributed(P, V, on_cpu):
     from megatron.core import parallel_state
 
-    if ON_CPU:
+    if on_cpu:
         dist.init_process_group(backend="gloo")                         # CPU: gloo instead of nccl
         torch.cuda.current_device = lambda: "cpu"                       # CPU: Megatron's DDP buffers ask for it
     else:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group(backend="nccl")
+        gpus = torch.cuda.device_count()
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % gpus)    # more ranks than GPUs: they share them
+        # NCCL refuses two ranks on one GPU: ranks sharing GPUs use gloo, which takes CUDA tensors too
+        dist.init_process_group(backend="nccl" if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= gpus else "gloo")
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=1, pipeline_model_parallel_size=P,
         virtual_pipeline_model_parallel_size=V if V > 1 else None)     # PIPELINE: V chunks a rank
-    if not ON_CPU:
+    if not on_cpu:
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
         model_parallel_cuda_manual_seed(SEED)                           # CPU: left out (CUDA generators only)
 
 
-def model_provider(P, V, dropout):
+def model_provider(P, V, dropout, on_cpu):
     """This rank's V model chunks: chunk c is virtual stage c * P + pipeline rank."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -75,7 +77,7 @@ def model_provider(P, V, dropout):
     for chunk in chunks:   # APP: the embedding's dropout keyed by document too (the spec's dropouts already are)
         if chunk.pre_process:
             chunk.embedding.embedding_dropout = DocumentDropout(config.hidden_dropout)
-        if not ON_CPU:
+        if not on_cpu:
             chunk.cuda()
     # Only to compare layouts: every parameter drawn from its global name, so P=1 and P=2 V=2 start equal.
     reinitialize_by_global_name(chunks, config, SEED)
@@ -162,9 +164,14 @@ def main():
     parser.add_argument("--reference", action="store_true", help="Megatron's own schedule (no install())")
     parser.add_argument("--split-backward", action="store_true",
                         help="install(split_backward=True), with DDP's overlapped reduction driven by its hooks")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="auto (the default): CUDA when a GPU is visible, else CPU")
     parser.add_argument("--out", help="folder for losses.json (last stage) and each rank's first iteration time")
     opts = parser.parse_args()
     P, V = opts.pipeline_parallel, opts.model_chunks
+    on_cpu = opts.device == "cpu" or (opts.device == "auto" and not torch.cuda.is_available())
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False)")
 
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -174,13 +181,13 @@ def main():
     from megatron_app.train.cpu_compat import CudaDeviceToCpu
     from megatron_app.train.data_schedule import wrap_data_iterator
 
-    initialize_distributed(P, V)
-    config, chunks = model_provider(P, V, opts.dropout)
+    initialize_distributed(P, V, on_cpu)
+    config, chunks = model_provider(P, V, opts.dropout, on_cpu)
     if opts.variable_lengths:
         config.calculate_per_token_loss = True                          # APP (variable lengths): per-token loss
         config.variable_seq_lengths = True
     enable_keyed_randomness(chunks, SEED)                               # APP: masks independent of the schedule
-    with CudaDeviceToCpu() if ON_CPU else contextlib.nullcontext():    # CPU: device="cuda" inside Megatron
+    with CudaDeviceToCpu() if on_cpu else contextlib.nullcontext():    # CPU: device="cuda" inside Megatron
         model = wrap_with_ddp(config, chunks, overlap_grad_reduce=opts.split_backward)
         optimizer = torch.optim.Adam([p for m in model for p in m.parameters()], lr=1e-3)
         if not opts.reference:

@@ -129,3 +129,16 @@ def test_data_iterators_against_the_chunks_are_one_line_naming_the_fix():
     assert len(str(raised.value).splitlines()) == 1
     with pytest.raises(AppConfigError, match="with 2 model chunks, data_iterator must be a list"):
         ModelChunks(chunks, iter([]))
+
+
+def test_the_model_shape_the_trace_header_records(gpt):
+    """RankPlacement.model (written into the trace header, carried on by cost curves): the config's sizes and the
+    language model's vocabulary; a module that is no language model gives no vocabulary."""
+    import torch
+
+    from megatron_app.runtime.call_setup import model_shape_of
+
+    shape = model_shape_of(_chunks(gpt, 2, 2, 1))
+    assert shape == {"num_layers": 2, "hidden_size": 16, "num_attention_heads": 2, "ffn_hidden_size": 64,
+                     "vocab_size": 32, "params_dtype": "float32", "tensor_parallel": 1}
+    assert model_shape_of(SimpleNamespace(models=[torch.nn.Linear(2, 1)], config=gpt[0]))["vocab_size"] is None

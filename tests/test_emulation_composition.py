@@ -108,3 +108,28 @@ def test_simulated_emulation_with_host_cost_is_the_composition_simulators_loader
     without_host = simulate_emulation(EmulationSpec.parse("10,20", seed=1, lengths=lengths), PipelineShape(2, 2, 4),
                                       "interleaved", 3)
     assert all(a.makespan_us > b.makespan_us for a, b in zip(emulated, without_host))
+
+
+def test_emulated_run_replaying_another_models_curves_says_so_once_and_its_trace_records_its_model(tmp_path):
+    """--emulate-cost-curves fitted on another model (hidden 32 where this run's is 16): one line, on rank 0, once,
+    naming what differs; the run's own trace header records the model it computed (runtime/call_setup.py)."""
+    from megatron_app.sim.cost_curves import CostCurves
+    from megatron_app.trace.reader import read_trace_dir
+
+    layer = {"forward": (5.0, 0.01, 0.0), "backward": (10.0, 0.02, 0.0)}
+    zero = {"forward": (0.0, 0.0, 0.0), "backward": (0.0, 0.0, 0.0)}
+    traced = {"hidden_size": 32, "num_attention_heads": 1, "ffn_hidden_size": 128, "vocab_size": 64,
+              "params_dtype": "float32", "tensor_parallel": 1}
+    curves = tmp_path / "curves.json"
+    curves.write_text(json.dumps(CostCurves(layer, zero, zero, {"model": traced}).to_json()))
+    run = [str(a) for a in _train_args(tmp_path, "--documents-per-microbatch", 2, "--composition", "packed",
+                                       "--emulate-cost-curves", curves, "--trace-dir", tmp_path / "trace")]
+    (tmp_path / "runs.json").write_text(json.dumps([run]))
+    result = forked_ranks(2, [HELPERS / "train_runs_worker.py", tmp_path / "runs.json"], timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    said = [line for line in (result.stdout + result.stderr).splitlines() if "replayed for another model" in line]
+    assert said == [f"cost curves {curves}: replayed for another model than the traced one (hidden_size 32 -> 16, "
+                    "ffn_hidden_size 128 -> 64): the task costs are the traced model's, not this one's"], said
+    trace = read_trace_dir(tmp_path / "trace" / "latest", 2, 2)
+    assert trace.pipeline_view()[1].meta.extra["model"] == dict(traced, hidden_size=16, ffn_hidden_size=64,
+                                                                 num_layers=4, vocab_size=None)

@@ -23,11 +23,11 @@ def rehearsal(tmp_path_factory):
 def test_the_rehearsal_runs_every_step_and_writes_both_reports(rehearsal):
     out, result = rehearsal
     report = json.loads((out / "report.json").read_text())
-    assert list(report["steps"]) == ["setup", "host", "pytest", "equality", "curves", "prediction", "transport",
-                                     "composition"]
+    assert list(report["steps"]) == ["setup", "host", "pytest", "equality", "own-loop", "curves", "prediction",
+                                     "transport", "composition"]
     text = (out / "report.txt").read_text()
     assert text.startswith("gpu_check: ") and all(name in text for name in report["steps"])
-    for name in ("setup", "host", "equality", "curves", "transport", "composition"):
+    for name in ("setup", "host", "equality", "own-loop", "curves", "transport", "composition"):
         assert report["steps"][name]["status"] == "pass", (name, report["steps"][name], result.stdout[-2000:])
     # no CUDA here: the cuda-marked tests skip, and the report says why
     assert report["steps"]["pytest"]["status"] == "skip" and report["steps"]["pytest"]["skipped"] > 0
@@ -52,17 +52,40 @@ def test_the_equality_rows_hold_their_tolerance(rehearsal):
 
 
 @pytest.mark.slow
+def test_the_users_own_loop_runs_and_matches_megatrons_schedule(rehearsal):
+    """examples/simple_train_loop.py, P=2 V=2 under our schedule against P=1 under Megatron's (dropout 0.1): fixed
+    lengths and whole documents regrouped by `balanced`, three iterations each, within the stated tolerance."""
+    out, _ = rehearsal
+    rows = json.loads((out / "report.json").read_text())["steps"]["own-loop"]["rows"]
+    assert set(rows) == {"fixed", "balanced"}
+    for row in rows.values():
+        assert len(row["losses_p1"]) == len(row["losses_p2v2"]) == 3
+        assert row["max_relative_difference"] <= row["tolerance"] == 1e-5
+    assert rows["fixed"]["losses_p1"] != rows["balanced"]["losses_p1"], "the two rows ran other data"
+    assert "own-loop" in (out / "report.txt").read_text()
+
+
+@pytest.mark.slow
 def test_the_curves_are_the_simulators_cost_curves(rehearsal):
     """The fitted file loads as --cost-curves and the simulator runs a composition row with it."""
     out, _ = rehearsal
     curves = out / "cost_curves_h32.json"
     source = json.loads(curves.read_text())["source"]
     assert source["fit"].startswith("by depth") and source["depths"] == [4, 8]
+    # the traced model, from the runs' trace headers (its depth left out: the curves are per layer)
+    model = source["model"]
+    assert {k: model[k] for k in ("hidden_size", "num_attention_heads", "ffn_hidden_size", "params_dtype",
+                                  "tensor_parallel")} == {"hidden_size": 32, "num_attention_heads": 4,
+                                                          "ffn_hidden_size": 128, "params_dtype": "float32",
+                                                          "tensor_parallel": 1}
+    assert model["vocab_size"] > 0 and "num_layers" not in model
     result = subprocess.run([sys.executable, "-m", "megatron_app.sim", "--pipeline_parallel", "2", "--model_chunks",
-                             "2", "--microbatches", "4", "--policy", "planned", "--cost-curves", str(curves),
-                             "--num-layers", "8", "--length-sigma", "0.9", "--iterations", "1"],
+                             "2", "--microbatches", "4", "--cost-curves", str(curves), "--num-layers", "8",
+                             "--lengths-file", "docs/results/lengths/copyright_2048.txt",
+                             "--documents-per-microbatch", "2", "--iterations", "2"],
                             cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
+    assert f"cost curves {curves}: the traced model (hidden_size 32, num_attention_heads 4" in result.stderr
 
 
 def test_bad_flags_get_one_line_and_exit_2(tmp_path):

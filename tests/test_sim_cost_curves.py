@@ -126,12 +126,14 @@ def test_p1_traces_at_two_depths_give_one_layer_and_what_the_chunk_adds():
         fit_depth_curves({2: _fake_run(), 4: _fake_run(P=1, V=1, layers=4)})
 
 
-def _write_p1_trace(directory):
+def _write_p1_trace(directory, model=None):
     import json
 
     header = {"schema_version": "1.4", "format": "megatron_app.trace", "global_rank": 0, "pp_rank": 0, "tp_rank": 0,
               "dp_rank": 0, "pipeline_parallel": 1, "model_chunks": 1, "microbatches": 4, "policy": "planned",
               "host": "test", "source": "runtime", "clock_offset_us": 0.0}
+    if model is not None:
+        header["extra"] = {"model": model}
     lines, clock = [json.dumps(header)], 0.0
     for iteration in (1, 2, 3):
         for microbatch, tokens in enumerate((512, 1024, 2048, 4096)):
@@ -211,3 +213,122 @@ def test_the_fit_summary_says_its_units():
                                     "lengths sum to S:")
     assert "forward: each layer 50.0 + 2.0000 T + 1.000e-03 S us; the first chunk adds 300.0 + 0.5000 T us" in text
     assert "fitted on microbatches of" in text
+
+
+MODEL = {"num_layers": 8, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 256, "vocab_size": 128,
+         "params_dtype": "float32", "tensor_parallel": 1}
+
+
+def _traced(run, model):
+    """The fake run as a trace whose header records `model` (runtime traces do: meta.extra["model"])."""
+    for rank in run.pipeline_view():
+        rank.meta.extra = {"model": dict(model)}
+    return run
+
+
+def test_curves_record_the_traced_model_and_a_replay_for_another_warns_once_naming_what_differs(capsys, tmp_path):
+    import json
+
+    curves = fit_curves(_traced(_fake_run(), MODEL), num_layers=8)
+    assert curves.source["model"] == MODEL
+    with pytest.raises(ScheduleConfigError, match="^the trace is of a 8-layer model, not 4 layers: fit it with "
+                                                  "--num-layers 8$"):
+        fit_curves(_traced(_fake_run(), MODEL), num_layers=4)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(curves.to_json()))
+    curves = CostCurves.load(str(path))
+    assert curves.model_mismatch(dict(MODEL, num_layers=32)) is None      # per layer: any depth replays them
+    other = dict(MODEL, hidden_size=128, params_dtype="bfloat16", vocab_size=None)   # None: not known, not compared
+    for _ in range(2):
+        curves.warn_model(other)
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"cost curves {path}: replayed for another model than the traced one (hidden_size 64 -> 128, "
+                   "params_dtype float32 -> bfloat16): the task costs are the traced model's, not this one's"]
+    assert curves.replay_note(16) == (f"cost curves {path}: the traced model (num_layers 8, hidden_size 64, "
+                                      "num_attention_heads 4, ffn_hidden_size 256, vocab_size 128, params_dtype "
+                                      "float32, tensor_parallel 1) replayed at 16 layers")
+
+
+def test_old_curves_without_a_model_still_load_and_say_once_that_nothing_is_checked(capsys, tmp_path):
+    import json
+
+    old = CostCurves(LAYER, FIRST, LAST, {"tokens_range": [100, 2000]}).to_json()   # as files written before
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    curves = CostCurves.load(str(path))
+    assert curves.model is None and curves.layer == {k: tuple(v) for k, v in LAYER.items()}
+    for _ in range(3):
+        curves.warn_model(MODEL)
+    assert capsys.readouterr().err.splitlines() == [
+        f"cost curves {path}: the file records no traced model (fitted before curve files recorded one): whether "
+        "they are this model's costs is not checked"]
+    assert "records no traced model" in curves.replay_note(8)
+
+
+def test_a_depth_fit_takes_one_model_and_records_it_without_its_depth():
+    from megatron_app.sim.cost_curves import fit_depth_curves, summary
+
+    runs = {2: _traced(_fake_run(P=1, V=1, layers=2), dict(MODEL, num_layers=2)),
+            4: _traced(_fake_run(P=1, V=1, layers=4), dict(MODEL, num_layers=4))}
+    curves = fit_depth_curves(runs)
+    assert curves.source["model"] == {k: v for k, v in MODEL.items() if k != "num_layers"}
+    assert "traced model: hidden_size 64, num_attention_heads 4" in summary(curves)
+    runs[4] = _traced(_fake_run(P=1, V=1, layers=4), dict(MODEL, num_layers=4, hidden_size=128))
+    with pytest.raises(ScheduleConfigError, match="^fitting by depth takes one model at several depths: the 2- and "
+                                                  "4-layer traces differ in hidden_size 64 -> 128$"):
+        fit_depth_curves(runs)
+    assert "model" not in fit_depth_curves({2: _fake_run(P=1, V=1, layers=2),      # traces that record none
+                                            4: _fake_run(P=1, V=1, layers=4)}).source
+
+
+def test_the_emulation_says_once_when_its_model_is_not_the_traced_one(capsys, tmp_path):
+    """The trainer's emulated chunks are built from its flags: rank 0 compares that model with the curves'."""
+    import json
+
+    from megatron_app.emulation.spec import spec_from_args
+    from megatron_app.trace.model_shape import model_shape
+    from megatron_app.train.args import parse_args
+    from megatron_app.train.model import build_transformer_config
+
+    path = tmp_path / "curves.json"
+    path.write_text(json.dumps(CostCurves(LAYER, FIRST, LAST, {"model": dict(MODEL, hidden_size=32)}).to_json()))
+    flags = ["--pipeline_parallel", "2", "--model_chunks", "2", "--emulate-compute", "10,20", "--emulate-lengths-file",
+             "docs/results/lengths/copyright_2048.txt", "--documents-per-microbatch", "2", "--num-layers", "8",
+             "--hidden-size", "64", "--num-attention-heads", "4", "--emulate-cost-curves", str(path)]
+    args = parse_args(flags, environ={"WORLD_SIZE": "2", "MASTER_ADDR": "localhost"})
+    spec = spec_from_args(args)
+    replayed = model_shape(build_transformer_config(args), args.vocab_size)
+    assert replayed["hidden_size"] == 64 and replayed["num_layers"] == 8
+    assert spec.cost_curves.model_mismatch(replayed).startswith(
+        f"cost curves {path}: replayed for another model than the traced one (hidden_size 32 -> 64")
+
+
+def test_the_simulator_refuses_curves_it_would_ignore(capsys):
+    """--cost-curves cost composed microbatches: without --documents-per-microbatch they used to be ignored."""
+    from megatron_app.sim.cli import parse_args
+
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--pipeline_parallel", "2", "--microbatches", "4", "--cost-curves", "c.json"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and err[-1].endswith("error: --cost-curves needs --documents-per-microbatch (the "
+                                                       "curves cost composed microbatches; without it they were "
+                                                       "ignored)")
+
+
+def test_flop_curves_refuse_flags_of_another_model_than_the_traced_one(tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "flop_cost_curves_tool", Path(__file__).resolve().parents[1] / "tools" / "flop_cost_curves.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    _write_p1_trace(tmp_path, model=MODEL)
+    flags = ["--trace-dir", str(tmp_path), "--num-layers", "8", "--vocab-size", "128", "--ffn-hidden-size", "256",
+             "--out", str(tmp_path / "c.json")]
+    with pytest.raises(SystemExit, match=r"^flop_cost_curves: the flags describe another model than the traced one "
+                                         r"\(hidden_size 64 -> 128\): give the traced model's sizes$"):
+        tool.main(flags + ["--hidden-size", "128"])
+    assert tool.main(flags + ["--hidden-size", "64"]) == 0
+    assert json.loads((tmp_path / "c.json").read_text())["source"]["model"] == MODEL

@@ -36,7 +36,8 @@ from typing import Optional, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_app.schedule import ScheduleConfigError  # noqa: E402
-from megatron_app.sim.cost_curves import FITTED_KINDS, CostCurves, whole_model_samples  # noqa: E402
+from megatron_app.sim.cost_curves import FITTED_KINDS, CostCurves, traced_model, whole_model_samples  # noqa: E402
+from megatron_app.trace.model_shape import model_differences  # noqa: E402
 
 BACKWARD_OVER_FORWARD_FLOPS = 2.0
 
@@ -101,6 +102,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     ffn = args.ffn_hidden_size or 4 * args.hidden_size
     run = read_trace_dir(args.trace_dir, 1, 1)
+    flagged = {"num_layers": args.num_layers, "hidden_size": args.hidden_size, "ffn_hidden_size": ffn,
+               "vocab_size": args.vocab_size}
+    traced = traced_model(run)    # the trace header's (traces written before it recorded one: the flags')
+    differs = [] if traced is None else model_differences(traced, flagged) + (
+        [f"num_layers {traced['num_layers']} -> {args.num_layers}"] if traced.get("num_layers") not in
+        (None, args.num_layers) else [])
+    if differs:
+        raise SystemExit("flop_cost_curves: the flags describe another model than the traced one "
+                         f"({', '.join(differs)}): give the traced model's sizes")
     sums = calibrate(run, args.num_layers, args.hidden_size, ffn, args.vocab_size, args.skip_iterations,
                      args.attention_scale)
     per_token, per_square = flops_per_layer(args.hidden_size, ffn, args.attention_scale)
@@ -113,7 +123,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "backward_over_forward_flops": BACKWARD_OVER_FORWARD_FLOPS,
               "calibration": {kind: {"tasks": s["tasks"], "summed_ms": s["us"] / 1e3,
                                      "achieved_tflops": s["tflops"]} for kind, s in sums.items()},
-              "note": args.note}
+              "note": args.note, "model": traced or flagged}
     curves = curves_from_flops(sums, args.hidden_size, ffn, args.vocab_size, source, args.attention_scale)
     Path(args.out).write_text(json.dumps(curves.to_json(), indent=1))
     for kind in FITTED_KINDS:

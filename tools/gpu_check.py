@@ -8,6 +8,8 @@ Steps (each one passes, fails or is skipped with its reason; one failing step ne
   setup       tools/setup_env.sh's time (measured by gpu_check.sh)
   pytest      the tests marked `cuda` (all of them on a GPU host; on CPU they skip, which is reported)
   equality    P=1 against P=2 V=2 on one device: per-iteration losses within each row's tolerance
+  own-loop    examples/simple_train_loop.py (a user's own Megatron loop) as its CI test runs it: P=2 V=2 under
+              our schedule against P=1 under Megatron's, dropout 0.1, fixed and variable lengths
   curves      event-timed cost curves from P=1 runs at two depths, in the simulator's --cost-curves format
   prediction  predicted against measured iteration after warm-up (P=1 and P=2 V=2), and a rank's compute spans
               against its forward_backward call's span (the trace's iteration event)
@@ -65,6 +67,7 @@ class Sizes:
     device: str
     parallel_runs: int
     rows: List[str] = field(default_factory=list)
+    own_loop_rows: List[str] = field(default_factory=list)
 
 
 GPU = Sizes(
@@ -85,6 +88,7 @@ GPU = Sizes(
     device="cuda", parallel_runs=7,   # every row at once: the runs share the GPU (16 cores for their processes)
     rows=["mock-fp32", "mock-bf16", "loader-fp32-dropout", "packed-fp32-dropout", "balanced-fp32-dropout",
           "packed-bf16-dropout", "balanced-bf16-dropout"],
+    own_loop_rows=["fixed", "packed", "balanced"],
 )
 CPU = Sizes(
     equality_model=["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "128",
@@ -100,6 +104,7 @@ CPU = Sizes(
     transport_flags=["--backends", "shm", "--quick"],
     device="cpu", parallel_runs=1,
     rows=["mock-fp32", "balanced-fp32-dropout"],
+    own_loop_rows=["fixed", "balanced"],
 )
 
 
@@ -238,6 +243,59 @@ class Check:
         status = "pass" if all(r["status"] == "pass" for r in rows.values()) else "fail"
         return {"status": status, "rows": rows}
 
+    def own_loop(self) -> dict:
+        """examples/simple_train_loop.py under torchrun, as tests/test_simple_train_loop.py runs it on CPU: P=2 V=2
+        under our schedule against P=1 under Megatron's own (--reference), dropout 0.1 (the example's default);
+        row `fixed` on fixed-length microbatches, rows `packed` / `balanced` on whole documents through
+        wrap_data_iterator against P=1 on the loader's padded microbatches. The example's own size (4 layers,
+        hidden 32, 3 iterations): it proves the user's loop runs on this device, not a speed."""
+        reference = ["--pipeline_parallel", "1", "--reference"]
+        runs = {"p1-fixed": (1, reference),
+                "p1-documents": (1, [*reference, "--variable-lengths", "--composition", "loader"])}
+        for row in self.sizes.own_loop_rows:
+            flags = [] if row == "fixed" else ["--variable-lengths", "--composition", row]
+            runs[f"p2v2-{row}"] = (2, ["--pipeline_parallel", "2", "--model_chunks", "2", *flags])
+        with ThreadPoolExecutor(max_workers=self.sizes.parallel_runs) as pool:
+            done = dict(zip(runs, pool.map(lambda name: self.example(name, *runs[name]), runs)))
+        tolerance = FP32_TOLERANCE if self.sizes.device == "cuda" else CPU_FP32_TOLERANCE
+        rows = {}
+        for row in self.sizes.own_loop_rows:
+            reference, pipelined = done["p1-fixed" if row == "fixed" else "p1-documents"], done[f"p2v2-{row}"]
+            entry = {"tolerance": tolerance, "seconds": [reference["seconds"], pipelined["seconds"]]}
+            failed = next((run for run in (reference, pipelined) if run["rc"] or run["losses"] is None), None)
+            if failed is not None:
+                rows[row] = {**entry, "status": "fail", "error": failed["error"]}
+                continue
+            a, b = reference["losses"], pipelined["losses"]
+            worst = (max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b)) if a and len(a) == len(b)
+                     else float("inf"))
+            rows[row] = {**entry, "status": "pass" if worst <= tolerance else "fail", "losses_p1": a,
+                         "losses_p2v2": b, "max_relative_difference": worst}
+        status = "pass" if all(r["status"] == "pass" for r in rows.values()) else "fail"
+        return {"status": status, "rows": rows}
+
+    def example(self, name: str, ranks: int, flags: List[str]) -> dict:
+        """One torchrun of examples/simple_train_loop.py; returns {'rc', 'seconds', 'losses', 'error'}."""
+        run_dir = self.work / f"own-loop-{name}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True)
+        command = [self.python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+                   "--max_restarts", "0", str(REPO / "examples" / "simple_train_loop.py"), "--device",
+                   self.sizes.device, "--out", str(run_dir), *flags]
+        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                   PYTHONWARNINGS="ignore")
+        started = time.perf_counter()
+        try:
+            result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired as expired:
+            result = subprocess.CompletedProcess(command, 124, _text(expired.stdout),
+                                                 _text(expired.stderr) + "\ngpu_check: the run took over 300 s")
+        (run_dir / "output.txt").write_text(" ".join(command) + "\n" + result.stdout + result.stderr)
+        losses = run_dir / "losses.json"
+        return {"rc": result.returncode, "seconds": round(time.perf_counter() - started, 1),
+                "losses": json.loads(losses.read_text()) if losses.exists() else None,
+                "error": _error_line(result.stdout + result.stderr)}
+
     def curves(self) -> dict:
         from megatron_app.sim.cost_curves import fit_depth_curves
         from megatron_app.trace.reader import read_trace_dir
@@ -364,6 +422,14 @@ def span_coverage(run, skip: int) -> Dict[str, float]:
     return coverage
 
 
+def _error_line(output: str) -> str:
+    """A failed run's own error: the last line naming an exception, not torchrun's report of its child's exit
+    (ChildFailedError, which follows it); else the output's last line."""
+    lines = output.strip().splitlines()
+    named = [line.strip() for line in lines if ("Error" in line or "error:" in line) and "ChildFailedError" not in line]
+    return named[-1] if named else (lines[-1] if lines else "no output")
+
+
 def _text(output) -> str:
     return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
 
@@ -381,7 +447,7 @@ def _junit_counts(path: Path) -> dict:
             "skipped": skipped}
 
 
-STEPS = ("host", "pytest", "equality", "curves", "prediction", "transport", "composition")
+STEPS = ("host", "pytest", "equality", "own-loop", "curves", "prediction", "transport", "composition")
 
 # The simulator's composition rows (BENCHMARKS.md, "Microbatch composition"): (name, corpus lengths, P, V, m, D,
 # layers of the simulated model: the curves' layer cost times this, spread over P x V chunks).
@@ -441,7 +507,7 @@ def main(argv=None) -> int:
         print(f"gpu_check: {name} ...", flush=True)
         step_start = time.perf_counter()
         try:
-            result = getattr(check, name)()
+            result = getattr(check, name.replace("-", "_"))()
         except Exception as error:   # noqa: BLE001 (a step's failure is its report line, the rest still run)
             result = {"status": "fail", "error": f"{type(error).__name__}: {error}"}
         result["seconds"] = round(time.perf_counter() - step_start, 1)

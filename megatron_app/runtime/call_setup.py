@@ -13,6 +13,7 @@ import torch.distributed as dist
 from megatron.core.utils import get_model_config, get_model_type
 
 from megatron_app.schedule import PipelineShape
+from megatron_app.trace.model_shape import model_shape
 
 from .call_contract import ScheduleGroups, full_checkpoint_flags
 from .microbatch_data import MicrobatchReplay
@@ -62,7 +63,8 @@ class ModelChunks:
 
 class RankPlacement:
     """The call's pipeline shape and this rank's place in it: pipeline rank and group members, the tensor-parallel
-    group, and which forwards Megatron's partial recomputation checkpoints fully."""
+    group, which forwards Megatron's partial recomputation checkpoints fully, and the shape of the model its chunks
+    are part of (`model`, recorded in the trace header: cost curves fitted on the trace carry it on)."""
 
     def __init__(self, groups: ScheduleGroups, chunks: ModelChunks, request: CallRequest, split_backward: bool):
         self.pp_group, self.tp_group, self.cp_size = groups.pp, groups.tp, groups.cp_size
@@ -80,6 +82,7 @@ class RankPlacement:
                                    microbatch_group_size=getattr(config, "microbatch_group_size_per_vp_stage",
                                                                  None) if V > 1 else None)
         check_chunk_layout(chunks, self.pp_rank, len(self.pp_global))
+        self.model = model_shape_of(chunks)
         self.full_checkpoint = full_checkpoint_flags(
             self.shape, self.pp_rank, getattr(config, "num_microbatches_with_partial_activation_checkpoints", None))
 
@@ -95,6 +98,14 @@ def _language_module(chunk):
     if not isinstance(chunk, LanguageModule) or getattr(chunk, "model_type", None) != ModelType.encoder_or_decoder:
         return None
     return chunk
+
+
+def model_shape_of(chunks: ModelChunks) -> dict:
+    """The model's shape (trace/model_shape.py) from the chunks' config, with the vocabulary of the first chunk
+    that is a Megatron language model (None when none is: another module)."""
+    vocab = next((model.vocab_size for model in map(_language_module, chunks.models)
+                  if model is not None and getattr(model, "vocab_size", None) is not None), None)
+    return model_shape(chunks.config, vocab)
 
 
 def check_chunk_layout(chunks: ModelChunks, pp_rank: int, P: int) -> None:

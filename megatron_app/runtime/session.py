@@ -184,7 +184,7 @@ class RuntimeSession:
 
             dp_rank = parallel_state.get_data_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
             tracer = self.ensure_tracer(pp_rank, tp_rank, dp_rank, shape.num_stages, shape.num_chunks,
-                                        num_microbatches)
+                                        num_microbatches, placement.model)
         return policy, transport, tracer
 
     def ensure_transport(self, pp_global_ranks: List[int]):
@@ -215,7 +215,7 @@ class RuntimeSession:
         """The open transports, one per pipeline group this process has called in."""
         return list(self._transports.values())
 
-    def ensure_tracer(self, pp_rank: int, tp_rank: int, dp_rank: int, P: int, V: int, m: int):
+    def ensure_tracer(self, pp_rank: int, tp_rank: int, dp_rank: int, P: int, V: int, m: int, model=None):
         if self.tracer is None:
             from megatron_app.trace import TraceMeta, Tracer
 
@@ -227,7 +227,7 @@ class RuntimeSession:
             meta = TraceMeta(dist.get_rank(), pp_rank, tp_rank, dp_rank, pipeline_parallel=P, model_chunks=V,
                              microbatches=m, policy=self.settings.policy_name, host=socket.gethostname(),
                              source="runtime", clock_offset_us=offset,
-                             extra={"torch": torch.__version__, "links": self._link_backends()})
+                             extra={"torch": torch.__version__, "links": self._link_backends(), "model": model})
             self.tracer = Tracer(self.settings.trace_dir or ".", meta, enabled=enabled)
         return self.tracer
 

@@ -138,6 +138,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.slow_factor is not None and args.slow_rank is None:
         parser.error("--slow-factor needs --slow-rank")
+    if args.cost_curves is not None and args.documents_per_microbatch is None:
+        parser.error("--cost-curves needs --documents-per-microbatch (the curves cost composed microbatches; "
+                     "without it they were ignored)")
     if args.data_parallel > 1 and args.documents_per_microbatch is None:
         parser.error("--data-parallel needs --documents-per-microbatch (it compares compositions across replicas)")
     if args.slow_replica is not None and args.slow_replica >= args.data_parallel:
@@ -216,14 +219,16 @@ def _run_compositions(args: argparse.Namespace) -> int:
 
     linear, quadratic = args.length_cost
     lengths = MicrobatchLengths.from_file(args.lengths_file, linear=linear, quadratic=quadratic)
+    curves = None if args.cost_curves is None else CostCurves.load(args.cost_curves)
+    if curves is not None:   # the simulator's model is the traced one at --num-layers: say which, once
+        print(curves.replay_note(args.num_layers), file=sys.stderr, flush=True)
     config = CompositionSimConfig(
         args.pipeline_parallel, args.model_chunks, args.microbatches, args.documents_per_microbatch, lengths,
         forward_us=args.fwd_ms * US_PER_MS, backward_us=args.bwd_ms * US_PER_MS,
         host_us=DEFAULT_HOST_US if args.host_ms is None else args.host_ms * US_PER_MS,
         iterations=max(args.iterations, 2), seed=args.seed, memory_factor=args.memory_factor or 1.0,
         data_parallel=args.data_parallel, allreduce_us=args.allreduce_ms * US_PER_MS,
-        cost_curves=None if args.cost_curves is None else CostCurves.load(args.cost_curves),
-        num_layers=args.num_layers,
+        cost_curves=curves, num_layers=args.num_layers,
         replica_speeds=None if args.slow_replica is None else tuple(
             1.0 / args.replica_slowdown if r == args.slow_replica else 1.0 for r in range(args.data_parallel)))
     results = [simulate_composition(config, row)
@@ -241,7 +246,8 @@ def _run_compositions(args: argparse.Namespace) -> int:
                                   "host_us": config.host_us, "lengths": lengths.describe(), "seed": config.seed,
                                   "iterations": config.iterations, "data_parallel": config.data_parallel,
                                   "replica_speeds": list(config.speeds), "allreduce_us": config.allreduce_us,
-                                  "cost_curves": args.cost_curves, "num_layers": config.num_layers},
+                                  "cost_curves": args.cost_curves, "num_layers": config.num_layers,
+                                  "traced_model": None if curves is None else curves.model},
                        "results": [r.to_dict() for r in results]}, handle, indent=1)
     return 0
 

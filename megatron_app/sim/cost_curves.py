@@ -29,6 +29,7 @@ import numpy as np
 
 from megatron_app.schedule import PipelineShape, ScheduleConfigError
 from megatron_app.schedule.tasks import KINDS_BY_INDEX, Kind
+from megatron_app.trace.model_shape import NOT_COMPARED, describe, model_differences
 
 from .costs import DurationTable
 
@@ -102,16 +103,55 @@ class CostCurves:
             return None
         low, high = float(fitted[0]), float(fitted[1])
         largest, smallest = float(np.max(tokens)), float(np.min(tokens))
-        where = self.source.get("trace_dir") or self.source.get("trace_dirs") or "its trace"
+        where = self.source.get("trace_dir") or ", ".join(self.source.get("trace_dirs") or ()) or "its trace"
         if high > 0 and largest > OUT_OF_RANGE_FACTOR * high:
-            return (f"cost curves: microbatches of up to {largest:,.0f} tokens, {largest / high:.1f}x the largest "
+            return (f"{self._name()}: microbatches of up to {largest:,.0f} tokens, {largest / high:.1f}x the largest "
                     f"the curves were fitted on ({low:,.0f}-{high:,.0f} tokens, {where}): their costs are "
                     f"extrapolated, and they hold only for the model that was traced")
         if smallest > 0 and smallest * OUT_OF_RANGE_FACTOR < low:
-            return (f"cost curves: microbatches of {smallest:,.0f} tokens, {low / smallest:.1f}x below the smallest "
+            return (f"{self._name()}: microbatches of {smallest:,.0f} tokens, {low / smallest:.1f}x below the smallest "
                     f"the curves were fitted on ({low:,.0f}-{high:,.0f} tokens, {where}): their costs are "
                     f"extrapolated")
         return None
+
+    @property
+    def model(self) -> Optional[dict]:
+        """The traced model's shape (trace/model_shape.py), None for curves fitted before files recorded one."""
+        return self.source.get("model")
+
+    def _name(self) -> str:
+        return getattr(self, "path", None) or "cost curves"
+
+    def model_mismatch(self, replayed: dict) -> Optional[str]:
+        """One line when `replayed` (the model a run replays these curves for) differs from the traced one in any
+        field but the layer count (curves are per layer), or when the file records no traced model; else None."""
+        traced = self.model
+        if traced is None:
+            return (f"{self._name()}: the file records no traced model (fitted before curve files recorded one): "
+                    f"whether they are this model's costs is not checked")
+        differs = model_differences(traced, replayed)
+        if not differs:
+            return None
+        return (f"{self._name()}: replayed for another model than the traced one ({', '.join(differs)}): the task "
+                f"costs are the traced model's, not this one's")
+
+    def warn_model(self, replayed: dict) -> None:
+        """model_mismatch's line on stderr, once."""
+        if getattr(self, "_warned_model", False):
+            return
+        line = self.model_mismatch(replayed)
+        if line is not None:
+            self._warned_model = True
+            print(line, file=sys.stderr, flush=True)
+
+    def replay_note(self, num_layers: int) -> str:
+        """What the simulator replays, in one line: the traced model at num_layers layers (it has no model of its
+        own to compare), or that the file names none."""
+        traced = self.model
+        if traced is None:
+            return (f"{self._name()}: the file records no traced model (fitted before curve files recorded one): "
+                    f"replayed at {num_layers} layers for whatever model was traced")
+        return f"{self._name()}: the traced model ({describe(traced)}) replayed at {num_layers} layers"
 
     def warn_out_of_range(self, tokens: np.ndarray) -> None:
         """out_of_range's line on stderr, the first time only (these curves replay many iterations)."""
@@ -138,9 +178,17 @@ class CostCurves:
     def load(cls, path: str) -> "CostCurves":
         try:
             with open(path, encoding="utf-8") as handle:
-                return cls.from_json(json.load(handle))
+                curves = cls.from_json(json.load(handle))
         except (OSError, ValueError) as error:
             raise ScheduleConfigError(f"cannot read cost curves {path}: {error}") from None
+        curves.path = f"cost curves {path}"   # names the file in its warnings (not written back: not a field)
+        return curves
+
+
+def traced_model(run) -> Optional[dict]:
+    """The model shape the run's trace header records (runtime traces from this version on), else None."""
+    view = run.pipeline_view()
+    return (getattr(view[0].meta, "extra", None) or {}).get("model") if view else None
 
 
 def fit_curves(run, num_layers: int, skip_iterations: int = 1) -> CostCurves:
@@ -150,6 +198,7 @@ def fit_curves(run, num_layers: int, skip_iterations: int = 1) -> CostCurves:
         raise ScheduleConfigError("fitting needs a middle chunk: at least 3 virtual stages (P x V >= 3)")
     if num_layers % (P * V):
         raise ScheduleConfigError(f"{num_layers} layers do not split into {P} x {V} chunks")
+    _check_layers(run, num_layers)
     layers = num_layers // (P * V)
     samples: Dict[Tuple[str, str], List[Tuple[float, float, float]]] = {}
     tokens_seen: List[float] = []
@@ -175,9 +224,10 @@ def fit_curves(run, num_layers: int, skip_iterations: int = 1) -> CostCurves:
         return {kind: tuple(f - layers * m for f, m in zip(fits[(kind, role)], layer[kind])) for kind in FITTED_KINDS}
 
     return CostCurves(layer, extra("first"), extra("last"),
-                      {"trace_dir": str(run.trace_dir), "pipeline_parallel": P, "model_chunks": V,
-                       "num_layers": num_layers, "samples": {f"{k} {r}": len(v) for (k, r), v in samples.items()},
-                       "tokens_range": [min(tokens_seen), max(tokens_seen)]})
+                      _with_model({"trace_dir": str(run.trace_dir), "pipeline_parallel": P, "model_chunks": V,
+                                   "num_layers": num_layers,
+                                   "samples": {f"{k} {r}": len(v) for (k, r), v in samples.items()},
+                                   "tokens_range": [min(tokens_seen), max(tokens_seen)]}, traced_model(run)))
 
 
 def fit_whole_curves(run, num_layers: int, skip_iterations: int = 1) -> CostCurves:
@@ -189,14 +239,16 @@ def fit_whole_curves(run, num_layers: int, skip_iterations: int = 1) -> CostCurv
     if run.pipeline_parallel * run.model_chunks != 1:
         raise ScheduleConfigError(f"spreading evenly takes a P=1 V=1 run, got P={run.pipeline_parallel} "
                                   f"V={run.model_chunks} (fit it by chunk roles instead)")
+    _check_layers(run, num_layers)
     samples = whole_model_samples(run, skip_iterations, "the trace")
     layer = {kind: tuple(v / num_layers for v in _fit(found)) for kind, found in samples.items()}
     zero = {kind: (0.0, 0.0, 0.0) for kind in FITTED_KINDS}
     tokens_seen = [t for found in samples.values() for t, _, _ in found]
     return CostCurves(layer, dict(zero), dict(zero),
-                      {"fit": "whole model (P=1 V=1) spread evenly over its layers", "trace_dir": str(run.trace_dir),
-                       "num_layers": num_layers, "samples": {kind: len(found) for kind, found in samples.items()},
-                       "tokens_range": [min(tokens_seen), max(tokens_seen)]})
+                      _with_model({"fit": "whole model (P=1 V=1) spread evenly over its layers",
+                                   "trace_dir": str(run.trace_dir), "num_layers": num_layers,
+                                   "samples": {kind: len(found) for kind, found in samples.items()},
+                                   "tokens_range": [min(tokens_seen), max(tokens_seen)]}, traced_model(run)))
 
 
 def whole_model_samples(run, skip_iterations: int, name: str) -> Dict[str, List[Tuple[float, float, float]]]:
@@ -235,6 +287,7 @@ def fit_depth_curves(runs_by_depth: Dict[int, object], skip_iterations: int = 1)
         whole[depth] = {kind: _fit(found) for kind, found in samples.items()}
         for kind, found in samples.items():
             counts[f"{kind} {depth} layers"] = len(found)
+    model = _one_model_at_depths(runs_by_depth)
     depths = np.asarray(sorted(whole), dtype=float)
     layer, last_extra = {}, {}
     for kind in FITTED_KINDS:
@@ -245,9 +298,42 @@ def fit_depth_curves(runs_by_depth: Dict[int, object], skip_iterations: int = 1)
         last_extra[kind] = tuple(float(v) for v in intercepts)
     zero = {kind: (0.0, 0.0, 0.0) for kind in FITTED_KINDS}
     return CostCurves(layer, zero, last_extra,
-                      {"fit": "by depth (P=1 V=1)", "depths": [int(d) for d in depths], "samples": counts,
-                       "tokens_range": [min(tokens_seen), max(tokens_seen)],
-                       "trace_dirs": [str(run.trace_dir) for _, run in sorted(runs_by_depth.items())]})
+                      _with_model({"fit": "by depth (P=1 V=1)", "depths": [int(d) for d in depths], "samples": counts,
+                                   "tokens_range": [min(tokens_seen), max(tokens_seen)],
+                                   "trace_dirs": [str(run.trace_dir) for _, run in sorted(runs_by_depth.items())]},
+                                  model))
+
+
+def _check_layers(run, num_layers: int) -> None:
+    """The layer count a fit is told must be the traced model's, where its trace records one: a layer's cost is the
+    chunk's divided by its layers."""
+    traced = (traced_model(run) or {}).get("num_layers")
+    if traced is not None and traced != num_layers:
+        raise ScheduleConfigError(f"the trace is of a {traced}-layer model, not {num_layers} layers: fit it with "
+                                  f"--num-layers {traced}")
+
+
+def _with_model(source: dict, model: Optional[dict]) -> dict:
+    """The curves' source with the traced model's shape, when the trace recorded one."""
+    if model is not None:
+        source["model"] = dict(model)
+    return source
+
+
+def _one_model_at_depths(runs_by_depth: Dict[int, object]) -> Optional[dict]:
+    """The model the depth runs traced, its layer count left out (the depths are listed instead); None when a trace
+    records none. Runs of different models (beyond their depth) cannot make one curve: refused in one line."""
+    models = {depth: traced_model(run) for depth, run in sorted(runs_by_depth.items())}
+    known = {depth: model for depth, model in models.items() if model is not None}
+    if len(known) < len(models):
+        return None
+    (first_depth, first), *rest = known.items()
+    for depth, model in rest:
+        differs = model_differences(first, model)
+        if differs:
+            raise ScheduleConfigError(f"fitting by depth takes one model at several depths: the {first_depth}- and "
+                                      f"{depth}-layer traces differ in {', '.join(differs)}")
+    return {name: value for name, value in first.items() if name not in NOT_COMPARED}
 
 
 def summary(curves: CostCurves) -> str:
@@ -259,6 +345,9 @@ def summary(curves: CostCurves) -> str:
         first, last = curves.first_extra[kind], curves.last_extra[kind]
         lines.append(f"{kind}: each layer {a:.1f} + {b:.4f} T + {c:.3e} S us; the first chunk adds {first[0]:.1f} + "
                      f"{first[1]:.4f} T us, the last {last[0]:.1f} + {last[1]:.4f} T us")
+    model = curves.model
+    lines.append(f"traced model: {describe(model)}" if model is not None else
+                 "traced model: not recorded (a trace written before trace headers recorded it)")
     fitted = curves.source.get("tokens_range")
     if fitted:
         lines.append(f"fitted on microbatches of {fitted[0]:,.0f}-{fitted[1]:,.0f} tokens (replaying lengths more "

@@ -26,6 +26,7 @@ from megatron_app.runtime.job import current_session
 from megatron_app.schedule import PipelineShape
 from megatron_app.schedule.composition import LOADER
 from megatron_app.schedule.iteration_plan import IterationPlan
+from megatron_app.trace.model_shape import model_shape
 
 from .forward_backward import tell_microbatch_lengths
 from .step import loss_func
@@ -68,6 +69,8 @@ class ComputeEmulation:
 
         args = self.args
         config = build_transformer_config(args)
+        if self.spec.cost_curves is not None and dist.get_rank() == 0:   # the same line on every rank: one says it
+            self.spec.cost_curves.warn_model(model_shape(config, args.vocab_size))
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         chunks = []
         for chunk in range(args.model_chunks):

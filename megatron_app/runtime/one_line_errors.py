@@ -1,0 +1,65 @@
+"""A user's own training script that our refusal stops ends in one line, not a traceback.
+
+Our refusals (a misbuilt model at the first call, a bad install() argument) are AppConfigErrors whose message names
+the rank and the fix; the frames above it are our runtime's and Megatron's, of no use to the user. install_excepthook()
+puts, once per process, a hook in front of the interpreter's: an uncaught AppConfigError is printed as
+
+    megatron_app: rank 1: AppConfigError: pipeline rank 1's model chunk 0 (...) was built with pre_process=True; ...
+
+and the process exits with status 1 as after any uncaught exception (the interpreter's rule: a hook only prints).
+Any other exception goes to the hook that was there before (Python's, or torch.distributed's, which prefixes each
+line with "[rankN]: "), unchanged. torch.distributed.init_process_group wraps whatever hook it finds: called before
+it, ours is the one wrapped, and the line gets torch's "[rankN]: " prefix; still one line. An AppConfigError that
+ends a thread other than the main one is printed the same way by a hook in front of threading.excepthook (the thread
+ends; the process goes on, as Python does for any exception in a thread).
+
+megatron_app.install() (the drop-in for a user's own loop) calls it. The trainer (python -m megatron_app.train) does
+not: its launcher reads the ranks' tracebacks and ends with one line of its own (train/run_ranks.py).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+from .settings import AppConfigError
+
+PREFIX = "megatron_app"
+_installed = False   # process-wide by nature: sys.excepthook is the process's
+
+
+def one_line(error: BaseException) -> str:
+    """'megatron_app: rank R: AppConfigError: message' (no rank outside torch.distributed; a message that already
+    begins with this rank does not say it twice)."""
+    import torch.distributed as dist
+
+    rank = f"rank {dist.get_rank()}: " if dist.is_available() and dist.is_initialized() else ""
+    message = " ".join(str(error).split("\n"))
+    if rank and message.startswith(rank):
+        message = message[len(rank):]
+    return f"{PREFIX}: {rank}{type(error).__name__}: {message}"
+
+
+def install_excepthook() -> None:
+    """Chain our hooks in front of sys.excepthook and threading.excepthook, once per process."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    previous, previous_thread = sys.excepthook, threading.excepthook
+
+    def excepthook(kind, value, traceback):
+        if isinstance(value, AppConfigError):
+            print(one_line(value), file=sys.stderr, flush=True)
+        else:
+            previous(kind, value, traceback)
+
+    def thread_excepthook(args):
+        if isinstance(args.exc_value, AppConfigError):
+            where = f" (thread {args.thread.name})" if args.thread is not None else ""
+            print(one_line(args.exc_value) + where, file=sys.stderr, flush=True)
+        else:
+            previous_thread(args)
+
+    sys.excepthook = excepthook
+    threading.excepthook = thread_excepthook
