@@ -7,9 +7,11 @@ waits for the producer's stream (an event recorded at send()), leases the peer's
 (`reserve_slot`), has the copy engine copy that chunk device-to-host straight into the slot, and commits each
 slot (`commit_slot`) as soon as its copy is done, while the next chunk's copy runs: the receiver copies chunk k out
 while chunk k+1 crosses the bus. Links that lend no slots (tcp, rdma) get the tensor staged through pinned memory
-by the same thread, then the core's ordinary send. On the receiving side the core copies messages into a page-locked
-arena (transport.py) and the receive copies them to the device asynchronously; CUDA IPC (device_ipc.py) skips the
-host altogether.
+by the same thread, then the core's ordinary send. On the receiving side a blocking recv(device=...) of a message
+that has not arrived yet claims it (receive_through_slots): its chunks stay in this rank's registered slots and
+are copied to the device straight from there, each slot given back once its copy is done; a message that arrived
+before it was asked for has been copied into a page-locked arena by the core (transport.py) and goes to the device
+from there. CUDA IPC (device_ipc.py) skips the host altogether.
 
 Everything here but the copy engine is device-independent and runs on CPU in the tests (a fake engine); the CUDA
 lines are CudaCopyEngine (device_engine.py), the one interface:
@@ -24,6 +26,8 @@ lines are CudaCopyEngine (device_engine.py), the one interface:
     engine.pinned_like(flat)              page-locked host bytes for a link that lends no slots
     engine.register(address, nbytes) -> None or why not / engine.unregister(address)
     engine.to_device(host, device) -> tensor   (receive: host-to-device)
+    engine.empty(shape, dtype, device) -> tensor   a receive's destination
+    engine.from_host(dst, src) -> token   copy src (a host uint8 view of a slot) into dst (a flat uint8 device view)
 
 Lifetime rule: as on CPU, the sent tensor must not be written until its handle is done (the stager reads it).
 Order: messages to one peer leave in send() order, whichever path each takes (host tensors posted while a device
@@ -43,7 +47,7 @@ import torch
 
 from ._core import core
 from .sendable import prepare
-from .dtypes import dtype_code
+from .dtypes import dtype_code, dtype_from_code
 
 LOG = logging.getLogger(__name__)
 
@@ -120,6 +124,117 @@ def send_through_slots(core, engine, peer: int, tag: int, code: int, shape, sour
                 pass
         raise
     return chunks
+
+
+def receive_through_slots(core, engine, peer: int, device, timeout=None, depth: int = PIPELINE_DEPTH,
+                          host_view: Optional[Callable] = None, device_bound: Optional[Callable] = None):
+    """Receives the message claimed from `peer` (core.claim_receive) straight out of this rank's slots: each chunk
+    is copied by `engine` from its slot into the destination tensor on `device`, with up to `depth` copies in
+    flight, so the sender's copy of chunk k+1 into its next slot overlaps ours of chunk k.
+
+    Slot lifetime rule: a slot is released to the sender (core.release_claimed_chunk) only after the engine's copy
+    out of it is done (engine.wait / engine.done on its token): the sender may overwrite a released slot at once.
+    At most depth - 1 slots are held while the next chunk is awaited, so a ring of two slots never stalls.
+
+    Returns the tensor (its copies done), or, for a message that `device_bound(code)` says is not a device tensor's
+    bytes (a CUDA IPC descriptor), the core's message tuple (code, shape, nbytes, host bytes) gathered on the host.
+    Any failure withdraws the claim (core.cancel_claim; after a chunk was taken that closes the link) and raises."""
+    view = host_view or engine.host_view
+    in_flight: collections.deque = collections.deque()
+    try:
+        code, shape, nbytes, offset, length, address = core.next_claimed_chunk(peer, timeout)
+        on_device = device_bound is None or device_bound(code)
+        if on_device:
+            target = engine.empty(tuple(shape), dtype_from_code(code), device)
+            if target.numel() * target.element_size() != nbytes:
+                raise ValueError(f"received a malformed message: shape {tuple(shape)} does not describe its "
+                                 f"{nbytes} bytes")
+            destination = flat_bytes(target)
+        else:
+            target = destination = torch.empty(nbytes, dtype=torch.uint8)
+        received = 0
+        while True:
+            if offset != received:
+                raise RuntimeError(f"the core handed out byte {offset} where byte {received} comes next")
+            if length:
+                part = view(address, length)
+                if on_device:
+                    in_flight.append(engine.from_host(destination[offset:offset + length], part))
+                else:
+                    destination[offset:offset + length].copy_(part)
+                    in_flight.append(None)
+            else:
+                in_flight.append(None)
+            received += length
+            if received >= nbytes:
+                break
+            # Free what is done; never wait for the next chunk holding `depth` slots.
+            while len(in_flight) >= depth or (in_flight and engine.done(in_flight[0])):
+                engine.wait(in_flight.popleft())
+                core.release_claimed_chunk(peer)
+            code_k, _, nbytes_k, offset, length, address = core.next_claimed_chunk(peer, timeout)
+            if (code_k, nbytes_k) != (code, nbytes):
+                raise RuntimeError("the core handed out a chunk of another message")
+        while in_flight:
+            engine.wait(in_flight.popleft())
+            core.release_claimed_chunk(peer)
+    except BaseException:
+        for token in in_flight:  # nothing may read a slot once the claim is gone
+            try:
+                engine.wait(token)
+            except BaseException:  # noqa: BLE001 - the first error is the one raised
+                pass
+        try:
+            core.cancel_claim(peer)
+        except Exception:  # noqa: BLE001 - a closed transport: the original error says more
+            pass
+        raise
+    if on_device:
+        return target
+    return code, tuple(shape), nbytes, target.numpy()  # a buffer, as the core's own message tuples carry
+
+
+class ReceiveRegions:
+    """This rank's slots of each peer's ring, registered with the device once (receive_through_slots copies out of
+    them); unregistered by release(), before the core unmaps its segment."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._regions: dict[int, Optional[tuple[int, int]]] = {}
+        self._views: dict[int, tuple[int, int, torch.Tensor]] = {}
+        self._said = False
+
+    def view_for(self, core, peer: int) -> Callable:
+        """A host_view for receive_through_slots over `peer`'s ring (registering it first)."""
+        if peer not in self._views:
+            address, nbytes = core.receive_region(peer)
+            problem = self.engine.register(address, nbytes)
+            self._regions[peer] = (address, nbytes) if problem is None else None
+            if problem is not None and not self._said:
+                self._said = True
+                LOG.warning("megatron_app.transport: receive slots from peer %d not registered with the device (%s): "
+                            "device tensors from it are copied at pageable speed", peer, problem)
+            self._views[peer] = (address, nbytes, self.engine.host_view(address, nbytes))
+        base, nbytes, whole = self._views[peer]
+
+        def view(address: int, length: int) -> torch.Tensor:
+            start = address - base
+            if not 0 <= start <= start + length <= nbytes:
+                raise RuntimeError(f"the core handed out a slot outside peer {peer}'s receive region")
+            return whole[start:start + length]
+
+        return view
+
+    def registered(self, peer: int) -> bool:
+        return bool(self._regions.get(peer))
+
+    def release(self, _core=None) -> None:
+        """Unregisters every region (`_core`, unused, keeps the core mapped until this ran)."""
+        regions, self._regions = self._regions, {}
+        self._views.clear()
+        for region in regions.values():
+            if region is not None:
+                self.engine.unregister(region[0])
 
 
 def peer_gone_or(core_transport, peer: int, error: BaseException, doing: str) -> BaseException:

@@ -20,7 +20,7 @@ from . import codec
 from ._core import core
 from .backends import SHM
 from .device_ipc import IpcReceiver, ipc_requested, is_descriptor, payload_bytes, IPC_FLAG
-from .device_staging import Stager, peer_gone_or
+from .device_staging import ReceiveRegions, Stager, peer_gone_or, receive_through_slots
 from .dtypes import dtype_from_code
 from .protocol import ClosesOnExit
 from .tags import MAX_TAG, describe_tag, validate_tag
@@ -35,6 +35,9 @@ DEFAULT_ARENA_MIB = 256
 # sign of CPU contention (csrc/shm_tensor_rdma/core/doorbell.cpp), so a rank that waits long still sleeps.
 DEVICE_WAIT_SPIN_US = 200
 DEVICE_WAIT_SPIN_ENV = "MEGATRON_APP_DEVICE_WAIT_SPIN_US"  # overrides it (a GPU host's A/B: 50 is the core's own)
+# A blocking recv(device=...) of a message not arrived yet takes it straight from this rank's registered slots
+# (device_staging.receive_through_slots); "0" turns that off (every device-bound message through the arena).
+SLOT_RECEIVE_ENV = "MEGATRON_APP_CUDA_RECEIVE_FROM_SLOTS"
 
 TransportTimeout = core.TransportTimeout
 PeerDied = core.PeerDied
@@ -172,6 +175,10 @@ class Transport(ClosesOnExit):
         self._arena_finalizer = None
         self._keepalive: collections.deque = collections.deque()  # (copy token, host buffer) still being copied
         self._device_traffic = False  # set at the first device send or receive (DEVICE_WAIT_SPIN_US)
+        self._receive_regions: ReceiveRegions | None = None  # registered receive slots (receive_through_slots)
+        self._regions_finalizer = None
+        self._loss_attached = False
+        self._slot_receives = os.environ.get(SLOT_RECEIVE_ENV, "1") != "0"
 
     # -- links to other hosts ------------------------------------------------------------------------------------
     @property
@@ -198,6 +205,7 @@ class Transport(ClosesOnExit):
     def attach_loss_injector(self, injector) -> None:
         """Run `injector` (a loss_injection.LossInjector) on every message this rank receives; None detaches."""
         core.attach_loss_injector(self._core, injector)
+        self._loss_attached = injector is not None  # claimed receives bypass the arrival hook: not while it runs
 
     # -- sending -----------------------------------------------------------------------------------------------
     def send(self, peer: int, tag: int, tensor: torch.Tensor) -> SendHandle:
@@ -292,6 +300,10 @@ class Transport(ClosesOnExit):
         if self._keepalive:
             self._release_arena_copies()
         if dtype is None:
+            if device is not None and self._slot_receives and not self._loss_attached:
+                received = self._recv_from_slots(peer, tag, timeout, device)
+                if received is not None:
+                    return received
             return self._decode(peer, self._core.recv(peer, tag, timeout), device)
         while True:
             self._core.wait_any([(peer, tag)], timeout)
@@ -331,6 +343,34 @@ class Transport(ClosesOnExit):
             raise peer_gone_or(self._core, peer, error, "opening the CUDA IPC memory it exported") from error
         self._send_host(peer, ack_tag, payload_bytes(ack))  # the slot is the sender's again
         return tensor
+
+    # -- device receives: straight from the slots, or through the arena -------------------------------------------
+    def _recv_from_slots(self, peer: int, tag: int, timeout, device):
+        """The message (peer, tag) on `device`, copied straight out of this rank's registered slots as its chunks
+        arrive (device_staging.receive_through_slots); None when it cannot go that way (not a device receive over
+        shared memory, or the message arrived already: the core then hands it over from its buffer)."""
+        if not self._receives_onto(device) or self._core.backend_of(peer) != SHM:
+            return None
+        engine = self._engine()
+        if self._receive_regions is None:
+            self._receive_regions = ReceiveRegions(engine)
+            # Unregistered before the core unmaps the segment, also when nobody calls close() (the finalizer holds
+            # the core until it ran).
+            self._regions_finalizer = weakref.finalize(self, self._receive_regions.release, self._core)
+        view = self._receive_regions.view_for(self._core, peer)
+        if not self._core.claim_receive(peer, tag):
+            return None
+        try:
+            received = receive_through_slots(self._core, engine, peer, device, timeout, host_view=view,
+                                             device_bound=lambda code: not is_descriptor(code))
+        except Exception as error:  # noqa: BLE001 - a dead sender in one line
+            raised = peer_gone_or(self._core, peer, error, "a receive straight from the slots")
+            if raised is error:
+                raise
+            raise raised from None
+        if isinstance(received, torch.Tensor):
+            return received
+        return self._decode(peer, received, device)  # a CUDA IPC descriptor, gathered on the host
 
     # -- device receives: the arena --------------------------------------------------------------------------------
     def _receives_onto(self, device) -> bool:
@@ -411,6 +451,8 @@ class Transport(ClosesOnExit):
         if self._stager_finalizer is not None:
             self._stager_finalizer()  # stager.stop(core.close): fails queued sends, unregisters the slots
         self._core.close()
+        if self._regions_finalizer is not None:
+            self._regions_finalizer()  # the core keeps its mapping until it is destroyed
         self._pending.clear()
         while self._keepalive:  # copies out of the arena still running
             token, _ = self._keepalive.popleft()

@@ -35,6 +35,7 @@ class FakeCopyEngine:
         self.followed = 0
         self.async_receives = 0
         self.chunked_receives = 0
+        self.slot_receives = 0             # copies out of a receive slot (from_host)
         self.arena = None
 
     @staticmethod
@@ -108,6 +109,19 @@ class FakeCopyEngine:
     def to_device(self, host: torch.Tensor, device):
         self.chunked_receives += 1
         return host.clone()
+
+    @staticmethod
+    def empty(shape, dtype, device) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
+    def from_host(self, destination: torch.Tensor, source: torch.Tensor) -> FakeCopy:
+        """A copy out of a receive slot that happens only when done()/wait() complete it: a slot given back to the
+        sender before that would be read after the sender overwrote it."""
+        assert destination.numel() == source.numel() and destination.dtype == source.dtype == torch.uint8
+        self.slot_receives += 1
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        return FakeCopy(destination, source, self.lag)
 
     def register(self, address: int, nbytes: int):
         if self.register_problem is None:

@@ -101,6 +101,14 @@ class RehearsalEngine:
         return host.clone()
 
     @staticmethod
+    def empty(shape, dtype, device) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
+    @staticmethod
+    def from_host(destination: torch.Tensor, source: torch.Tensor):
+        destination.copy_(source)
+
+    @staticmethod
     def ipc_unavailable_reason() -> str:
         return "a rehearsal on host tensors has no IPC"
 
