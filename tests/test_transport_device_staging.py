@@ -914,3 +914,38 @@ def test_the_event_wait_mode_is_chosen_by_name_or_environment(monkeypatch):
     monkeypatch.setenv(EVENT_WAIT_ENV, "sleep")
     with pytest.raises(ValueError, match=f"^{EVENT_WAIT_ENV} must be one of spin, block, got 'sleep'$"):
         CudaCopyEngine()
+
+
+def test_ipc_sent_tensors_are_let_go_once_their_copies_are_done_without_wait_sends(job_id):
+    """A ping-pong never calls wait_sends: each IPC send's handle kept its tensor alive until then, so on a GPU
+    every received tensor stayed allocated and the next receive needed fresh device memory (cudaMalloc)."""
+    import gc
+    import weakref
+
+    from transport_helpers.fake_engine import FakeCopy
+
+    class LateIpcCopies(FakeIpcEngine):
+        def ipc_fill(self, destination, source, filled, consumed):
+            destination.copy_(source)
+            filled.record()
+            return FakeCopy(torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8), polls_left=1)
+
+    sender = Transport(0, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=LateIpcCopies(),
+                       cuda_ipc=True)
+    receiver = Transport(1, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=FakeIpcEngine(),
+                         cuda_ipc=True)
+    try:
+        sent = []
+        for index in range(40):
+            tensor = torch.full((1000,), float(index))
+            sent.append(weakref.ref(tensor))
+            sender.send(1, make_tag(FWD, index), tensor)
+            del tensor
+            assert torch.equal(receiver.recv(0, make_tag(FWD, index)), torch.full((1000,), float(index)))
+            wait_for_an_acknowledgement(sender)
+        gc.collect()
+        assert sender.device_path_of(1) == "cuda ipc"
+        assert len(sender._stager._handles) <= 2 and sum(ref() is not None for ref in sent) <= 2
+    finally:
+        sender.close()
+        receiver.close()

@@ -329,7 +329,7 @@ class Stager:
         self._queue: collections.deque = collections.deque()
         self._queued_per_peer: collections.Counter = collections.Counter()
         self._lock = threading.Condition()
-        self._handles: list[DeviceSendHandle] = []
+        self._handles: collections.deque = collections.deque()  # DeviceSendHandle, oldest first (_remember)
         self._regions: dict[int, Optional[tuple[int, int]]] = {}  # peer -> registered (address, bytes) or None
         self._region_views: dict[int, tuple[int, int, torch.Tensor]] = {}
         self._fallback_said: set = set()
@@ -362,9 +362,7 @@ class Stager:
             self._queue.append((handle, peer, tag, source, ready, list(earlier), device_tensor and lends_slots,
                                 device_tensor))
             self._queued_per_peer[peer] += 1
-            if len(self._handles) >= 256:  # a caller that never calls wait_sends: forget what succeeded
-                self._handles = [h for h in self._handles if not h.done() or h._error is not None]
-            self._handles.append(handle)
+            self._remember(handle)
             self._lock.notify_all()
         return handle
 
@@ -390,7 +388,7 @@ class Stager:
         if not sent:
             return False
         with self._lock:
-            self._handles.append(handle)
+            self._remember(handle)
             handle._finish(error, pending, source, self.engine)
         return True
 
@@ -402,16 +400,29 @@ class Stager:
         except Exception as exc:  # noqa: BLE001 - handed to the caller through the handle, as from the stager
             error = _peer_gone_or(self._core, peer, exc)
         with self._lock:
-            self._handles.append(handle)
+            self._remember(handle)
             handle._finish(error, pending, source, self.engine)
         return handle
+
+    def _remember(self, handle: DeviceSendHandle) -> None:
+        """Keeps `handle` for wait_idle (its error, its IPC copy), forgetting first the oldest ones that succeeded
+        and whose copies are done (done() also drops the sent tensor an IPC copy kept alive). Every send prunes: a
+        caller that never calls wait_sends (a ping-pong, a training loop between flushes) would otherwise keep every
+        IPC-sent tensor alive, and the caching allocator would get fresh device memory for each message it receives
+        (cudaMalloc: it synchronises the device). Caller holds the lock."""
+        handles = self._handles
+        while handles and handles[0]._error is None and handles[0].done():
+            handles.popleft()
+        if len(handles) >= 256:  # an old send still copying: forget what succeeded behind it
+            self._handles = handles = collections.deque(h for h in handles if not h.done() or h._error is not None)
+        handles.append(handle)
 
     def wait_idle(self, timeout: Optional[float] = None) -> None:
         """Waits until everything queued is done; raises the first error not reported by a handle yet."""
         with self._lock:
             if not self._lock.wait_for(lambda: not self._queue and not self._working, timeout):
                 raise core.TransportTimeout(f"device sends still in flight after {timeout} s")
-            handles, self._handles = self._handles, []
+            handles, self._handles = self._handles, collections.deque()
         for handle in handles:
             handle._copy_done(block=True)  # IPC copies of sends made on the caller's thread
         for handle in handles:
