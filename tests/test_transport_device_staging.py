@@ -949,3 +949,59 @@ def test_ipc_sent_tensors_are_let_go_once_their_copies_are_done_without_wait_sen
     finally:
         sender.close()
         receiver.close()
+
+
+# ---- CUDA IPC: the slot lent to the receiver (device_ipc.py's lifetime rule) -----------------------------------------
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_every_dtype_is_lent_from_its_ipc_slot_bit_exactly(ipc_pair, dtype):
+    sender, receiver, engine = ipc_pair
+    for index, shape in enumerate([(), (1,), (7, 5), (2, 3, 4, 5), (9000,), (3, 0)]):
+        tensor = random_tensor(torch.Generator().manual_seed(index), dtype, shape)
+        sender.send(1, make_tag(FWD, index), tensor)
+        received = receiver.recv(0, make_tag(FWD, index), device="cpu")  # "cpu" is the fake's device
+        assert same_bits(received, tensor), shape
+        del received
+        receiver.poll()  # the lent slot's acknowledgement goes out with the next call
+        if tensor.numel():
+            wait_for_an_acknowledgement(sender)
+    sender.wait_sends(timeout=10)
+    # (3, 0): an empty tensor takes the staged path (no IPC slot for nothing)
+    assert sender.device_path_of(1) == "cuda ipc + slots, registered" and engine.lends == 5 and engine.takes == 0
+
+
+def test_a_lent_slot_is_not_refilled_while_its_tensor_lives(ipc_pair):
+    sender, receiver, engine = ipc_pair
+    held = []
+    for index in range(6):  # 4 slots: the receiver holding 4 lent tensors makes the rest go staged
+        sender.send(1, make_tag(FWD, index), torch.full((2000,), float(index)))
+        held.append(receiver.recv(0, make_tag(FWD, index), device="cpu"))
+        held[-1][:10] = -1.0  # the receiver may write into what it holds
+    sender.wait_sends(timeout=10)
+    assert engine.lends == 4 and sender.device_path_of(1) == "cuda ipc + slots, registered"
+    for index, tensor in enumerate(held):
+        assert torch.equal(tensor[10:], torch.full((1990,), float(index))) and bool((tensor[:10] == -1).all())
+    assert not any(tag >> 60 == 0xF for _, tag in sender.poll())  # nothing acknowledged while held
+    del held[0], tensor
+    receiver.poll()
+    wait_for_an_acknowledgement(sender)
+    sender.send(1, make_tag(FWD, 6), torch.full((2000,), 6.0))
+    assert torch.equal(receiver.recv(0, make_tag(FWD, 6), device="cpu"), torch.full((2000,), 6.0))
+    assert engine.lends == 5  # the slot given back carried the next message
+    for index, tensor in enumerate(held, start=1):  # the slots still held were left alone
+        assert torch.equal(tensor[10:], torch.full((1990,), float(index)))
+
+
+def test_ipc_lending_can_be_turned_off(job_id, monkeypatch):
+    monkeypatch.setenv("MEGATRON_APP_CUDA_IPC_LEND", "0")
+    engine = FakeIpcEngine()
+    sender = Transport(0, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=engine, cuda_ipc=True)
+    receiver = Transport(1, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=engine,
+                         cuda_ipc=True)
+    try:
+        sender.send(1, make_tag(FWD, 0), torch.arange(100.0))
+        assert torch.equal(receiver.recv(0, make_tag(FWD, 0), device="cpu"), torch.arange(100.0))
+        assert engine.lends == 0 and engine.takes == 1
+        wait_for_an_acknowledgement(sender)  # a copy is acknowledged at once
+    finally:
+        sender.close()
+        receiver.close()

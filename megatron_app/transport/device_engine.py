@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import sys
 import weakref
 import time
 from typing import Optional
@@ -168,6 +169,44 @@ def _ipc_take(view, filled, consumed, dtype, shape, device) -> torch.Tensor:
             out.copy_(view)
         consumed.record(stream)
     return out.to(device)
+
+
+class _LentSlot:
+    """The owner torch sees behind a lent IPC slot's tensor (torch.as_tensor over __cuda_array_interface__ keeps it
+    alive from the tensor's storage): it dies with the last view of the tensor, and its finalizer gives the slot
+    back (device_ipc.py)."""
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer = buffer
+        self.__cuda_array_interface__ = {"shape": (buffer.numel(),), "typestr": "|u1",
+                                         "data": (buffer.data_ptr(), False), "version": 2}
+
+
+def _ipc_lend(buffer, filled, dtype, shape, device, on_release) -> Optional[torch.Tensor]:
+    """The slot `buffer` (flat uint8) as the received tensor, ordered after the sender's `filled` event on the
+    current stream; `on_release` runs when its last view dies. None (nothing lent) where the receive wants another
+    device (the receiver's kernels would read the slot across the link: it copies instead) or this torch does not
+    keep the owner of an array-interface tensor alive."""
+    target = torch.device(device)
+    if target.type != "cuda":
+        return None
+    if (target.index if target.index is not None else torch.cuda.current_device()) != buffer.device.index:
+        return None
+    torch.cuda.current_stream(buffer.device).wait_event(filled)
+    lease = _LentSlot(buffer)
+    references = sys.getrefcount(lease)
+    with torch.cuda.device(buffer.device):
+        flat = torch.as_tensor(lease, device=buffer.device)
+    if sys.getrefcount(lease) <= references or flat.data_ptr() != buffer.data_ptr():
+        return None
+    weakref.finalize(lease, on_release)
+    return flat.view(dtype).reshape(shape)
+
+
+def _ipc_release(consumed, device) -> None:
+    """A lent slot's tensor died: `consumed` recorded on the stream current now (what was queued there reading it)."""
+    with torch.cuda.device(device):
+        consumed.record(torch.cuda.current_stream(device))
 
 
 class CudaCopyEngine:
@@ -332,6 +371,8 @@ class CudaCopyEngine:
     export_event = staticmethod(_export_event)
     open_event = staticmethod(_open_event)
     ipc_take = staticmethod(_ipc_take)
+    ipc_lend = staticmethod(_ipc_lend)
+    ipc_release = staticmethod(_ipc_release)
 
     @staticmethod
     def ipc_buffer(nbytes: int, device) -> torch.Tensor:

@@ -214,6 +214,8 @@ class Transport(ClosesOnExit):
             peer = _int_arg(peer, "peer")
         if type(tag) is not int or not 0 <= tag <= MAX_TAG:
             tag = validate_tag(tag)
+        if self._ipc_receiver is not None and self._ipc_receiver.released:
+            self._flush_ipc_acks()
         if isinstance(tensor, torch.Tensor):
             if tensor.is_cuda if self._copy_engine is None else self._copy_engine.handles(tensor):
                 return self._send_staged(peer, tag, tensor, device_tensor=True)
@@ -280,11 +282,15 @@ class Transport(ClosesOnExit):
     # -- receiving ---------------------------------------------------------------------------------------------
     def poll(self) -> list[tuple[int, int]]:
         """(peer, tag) of every message fully arrived and not yet taken, oldest first. Never blocks."""
+        if self._ipc_receiver is not None and self._ipc_receiver.released:
+            self._flush_ipc_acks()
         return self._core.poll()
 
     def try_recv(self, peer: int, tag: int, dtype: torch.dtype | None = None, device=None):
         """Takes the message (peer, tag) if it has arrived, else returns None. Never blocks."""
         peer, tag = _key_arg((peer, tag))
+        if self._ipc_receiver is not None and self._ipc_receiver.released:
+            self._flush_ipc_acks()
         if dtype is not None and not self._has_dtype(peer, tag, dtype):
             return None
         message = self._core.try_take(peer, tag)
@@ -299,6 +305,8 @@ class Transport(ClosesOnExit):
             timeout = _timeout_arg(timeout)
         if self._keepalive:
             self._release_arena_copies()
+        if self._ipc_receiver is not None and self._ipc_receiver.released:
+            self._flush_ipc_acks()
         if dtype is None:
             if device is not None and self._slot_receives and not self._loss_attached:
                 received = self._recv_from_slots(peer, tag, timeout, device)
@@ -319,6 +327,8 @@ class Transport(ClosesOnExit):
         keys = keys if isinstance(keys, list) else list(keys)
         if self._keepalive:
             self._release_arena_copies()
+        if self._ipc_receiver is not None and self._ipc_receiver.released:
+            self._flush_ipc_acks()
         try:  # the core converts and range-checks the keys itself: no per-key Python work on the hot path
             return self._core.wait_any(keys, timeout)
         except TypeError:
@@ -341,8 +351,19 @@ class Transport(ClosesOnExit):
             tensor, ack_tag, ack = self._ipc_receiver.take(peer, *message, device=device)
         except Exception as error:  # noqa: BLE001 - an exporter that died leaves handles nobody can open
             raise peer_gone_or(self._core, peer, error, "opening the CUDA IPC memory it exported") from error
-        self._send_host(peer, ack_tag, payload_bytes(ack))  # the slot is the sender's again
+        if ack_tag is not None:  # copied: the slot is the sender's again (lent: once the tensor dies)
+            self._send_host(peer, ack_tag, payload_bytes(ack))
         return tensor
+
+    def _flush_ipc_acks(self) -> None:
+        """Acknowledges the CUDA IPC slots whose lent tensors died since the last call (device_ipc.py)."""
+        released = self._ipc_receiver.released
+        while released:
+            peer, tag, ack = released.popleft()
+            try:
+                self._send_host(peer, tag, payload_bytes(ack))
+            except (PeerDied, TransportClosed):
+                pass  # a sender that is gone waits for nothing
 
     # -- device receives: straight from the slots, or through the arena -------------------------------------------
     def _recv_from_slots(self, peer: int, tag: int, timeout, device):

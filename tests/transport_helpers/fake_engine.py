@@ -5,7 +5,9 @@ stale bytes and fail the bit-exact checks."""
 from __future__ import annotations
 
 import threading
+import weakref
 
+import numpy
 import torch
 
 from megatron_app.transport.device_engine import host_view
@@ -142,6 +144,15 @@ class FakeEvent:
         self.records += 1
 
 
+class _HostLease:
+    """An owner of a host slot's bytes, through the array interface (numpy keeps it as the array's base)."""
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer = buffer
+        self.__array_interface__ = {"shape": (buffer.numel(),), "typestr": "|u1", "data": (buffer.data_ptr(), False),
+                                    "version": 3}
+
+
 class FakeIpcEngine(FakeCopyEngine):
     """FakeCopyEngine with the IPC half (device_ipc.py): slots are host tensors shared through _EXPORTS, so two
     transports of one process exercise the descriptor, acknowledgement and fallback logic."""
@@ -152,6 +163,7 @@ class FakeIpcEngine(FakeCopyEngine):
         self.export_problem = export_problem
         self.buffers_made = 0
         self.takes = 0
+        self.lends = 0
 
     def ipc_unavailable_reason(self):
         return self.ipc_problem
@@ -190,6 +202,21 @@ class FakeIpcEngine(FakeCopyEngine):
         destination.copy_(source)
         filled.record()
         return None
+
+    def ipc_lend(self, buffer, filled, dtype, shape, device, on_release):
+        """The slot itself as the received tensor, alive (with its owner) as long as any view of it, as torch keeps
+        a __cuda_array_interface__ owner alive; None for another device."""
+        if device != self.receive_device:
+            return None
+        lease = _HostLease(buffer)
+        flat = torch.from_numpy(numpy.asarray(lease))  # the array's base is the lease
+        weakref.finalize(lease, on_release)
+        self.lends += 1
+        return flat.view(dtype).reshape(shape)
+
+    @staticmethod
+    def ipc_release(consumed, device):
+        consumed.record()
 
     def ipc_take(self, view, filled, consumed, dtype, shape, device):
         self.takes += 1
