@@ -621,8 +621,10 @@ class FakeReceiveCore:
         self.max_held_while_waiting = 0  # slots held when the next chunk was asked for
         self.cancelled = False
         self.events: list[str] = []
+        self.timeouts: list = []
 
     def next_claimed_chunk(self, peer, timeout=None):
+        self.timeouts.append(timeout)
         assert len(self.handed) < self.slots, "a chunk asked for with every slot held would never come"
         self.max_held_while_waiting = max(self.max_held_while_waiting, len(self.handed))
         slot = self.taken % self.slots
@@ -661,6 +663,8 @@ def test_a_slot_is_given_back_only_after_the_copy_out_of_it(nbytes, lag):
     assert core.handed == [] and engine.in_flight == 0 and not core.cancelled
     assert core.taken == max(1, -(-nbytes // 4096)) and core.events.count("release") == core.taken
     assert core.max_held_while_waiting <= 1  # depth 2: one slot held while the next chunk crosses
+    # The caller's timeout bounds the wait for the message; once it arrives, giving up would close the link.
+    assert core.timeouts == [10] + [None] * (core.taken - 1)
 
 
 def test_two_copies_out_of_the_slots_are_in_flight_when_they_are_slow():

@@ -136,9 +136,11 @@ def receive_through_slots(core, engine, peer: int, device, timeout=None, depth: 
     out of it is done (engine.wait / engine.done on its token): the sender may overwrite a released slot at once.
     At most depth - 1 slots are held while the next chunk is awaited, so a ring of two slots never stalls.
 
-    Returns the tensor (its copies done), or, for a message that `device_bound(code)` says is not a device tensor's
-    bytes (a CUDA IPC descriptor), the core's message tuple (code, shape, nbytes, host bytes) gathered on the host.
-    Any failure withdraws the claim (core.cancel_claim; after a chunk was taken that closes the link) and raises."""
+    `timeout` bounds the wait for the first chunk (the claim is then withdrawn cleanly); later chunks wait up to
+    the transport's timeout_s. Returns the tensor (its copies done), or, for a message that `device_bound(code)`
+    says is not a device tensor's bytes (a CUDA IPC descriptor), the core's message tuple (code, shape, nbytes,
+    host bytes) gathered on the host. Any failure withdraws the claim (core.cancel_claim; after a chunk was taken
+    that closes the link) and raises."""
     view = host_view or engine.host_view
     in_flight: collections.deque = collections.deque()
     try:
@@ -172,7 +174,9 @@ def receive_through_slots(core, engine, peer: int, device, timeout=None, depth: 
             while len(in_flight) >= depth or (in_flight and engine.done(in_flight[0])):
                 engine.wait(in_flight.popleft())
                 core.release_claimed_chunk(peer)
-            code_k, _, nbytes_k, offset, length, address = core.next_claimed_chunk(peer, timeout)
+            # `timeout` bounded the wait for the message; once it is arriving, giving up would close the link
+            # (a claimed message cannot be resumed): the rest waits as long as the transport's own timeout.
+            code_k, _, nbytes_k, offset, length, address = core.next_claimed_chunk(peer, None)
             if (code_k, nbytes_k) != (code, nbytes):
                 raise RuntimeError("the core handed out a chunk of another message")
         while in_flight:

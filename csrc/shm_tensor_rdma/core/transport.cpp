@@ -435,7 +435,9 @@ ReceivedChunk Transport::next_claimed_chunk(int peer, std::optional<double> time
   if (std::optional<ReceivedChunk> chunk = backend.next_claimed_chunk(peer)) return *chunk;
   const double limit_s = timeout_s ? *timeout_s : options_.timeout_s;
   const auto give_up_at = deadline_after(limit_s);
-  auto next_liveness_check = Clock::now();  // a peer already gone is reported at once
+  // Not at once: this runs once per chunk that is not there yet, and a liveness check reads the peer's process
+  // state (a dead peer is reported within a tick).
+  auto next_liveness_check = Clock::now() + kWaitTick;
   Doorbell& bell = *arrivals_;
   std::unique_ptr<Backend::ForegroundWait> waiting_here = backend.foreground_wait();
   const auto what = [&] {
