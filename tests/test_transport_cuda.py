@@ -209,8 +209,10 @@ def test_a_rank_killed_mid_send_leaves_no_segment_and_the_peer_reads_peer_died(j
 @pytest.mark.parametrize("arena_mib", [0, 1, 256])
 def test_receives_through_the_page_locked_arena_and_around_it(job_id, monkeypatch, arena_mib):
     """256 MiB: every message lands in the arena and is copied to the device asynchronously; 1 MiB: the larger
-    ones take the chunked path; 0: no arena."""
+    ones take the chunked path; 0: no arena. (Receives straight from the slots, which take messages not arrived
+    when they are asked for, are off: this is the path of messages that arrived first.)"""
     monkeypatch.setenv("MEGATRON_APP_CUDA_RECEIVE_ARENA_MIB", str(arena_mib))
+    monkeypatch.setenv("MEGATRON_APP_CUDA_RECEIVE_FROM_SLOTS", "0")
     sender = Transport(0, 2, job_id, timeout_s=60)
     receiver = Transport(1, 2, job_id, timeout_s=60)
     try:

@@ -967,3 +967,29 @@ def test_ipc_lending_can_be_turned_off(job_id, monkeypatch):
     finally:
         sender.close()
         receiver.close()
+
+
+@pytest.mark.parametrize("nbytes", [1, 4096, 3 * 4096 + 5])
+def test_the_last_copies_can_be_left_to_the_callers_stream_and_their_slots_given_back_later(nbytes):
+    from megatron_app.transport.device_staging import receive_through_slots
+
+    payload = bytes(range(256)) * (nbytes // 256) + bytes(nbytes % 256)
+    core, engine = FakeReceiveCore(payload, slots=2), FakeCopyEngine(lag=100)
+    deferred = []
+    received = receive_through_slots(core, engine, 0, "cpu", 10, defer=deferred.append)
+    assert bytes(received.tolist()) == payload and engine.ordered_after == 1
+    assert deferred and core.events.count("release") == core.taken - len(deferred)  # still held
+    for token in deferred:
+        engine.wait(token)
+        core.release_claimed_chunk(0)
+    assert core.handed == []
+
+
+def test_a_receive_from_the_slots_gives_its_last_slot_back_at_the_next_call(slot_pair):
+    sender, receiver, engine = slot_pair
+    first, = receive_claimed(sender, receiver, [torch.arange(3000.0)])
+    assert torch.equal(first, torch.arange(3000.0))
+    assert engine.ordered_after == 1 and 1 <= len(receiver._unreleased) <= 2  # the claim holds the ring until...
+    sender.send(1, make_tag(FWD, 7), torch.ones(5)).wait(timeout=20)
+    assert torch.equal(receiver.recv(0, make_tag(FWD, 7)), torch.ones(5))  # ...the next call gives it back
+    assert not receiver._unreleased

@@ -285,6 +285,12 @@ class CudaCopyEngine:
         target.record_stream(torch.cuda.current_stream(device))
         return target
 
+    @staticmethod
+    def order_after(tensor: torch.Tensor, token) -> None:
+        """The current stream of `tensor`'s device waits for the receive copy `token` (copies on the receive stream
+        complete in order: the last one's event covers them all)."""
+        torch.cuda.current_stream(tensor.device).wait_event(token)
+
     def from_host(self, destination: torch.Tensor, source: torch.Tensor):
         """Copies `source` (a host view of a registered slot) into the device view `destination` on the receive
         stream; the returned event completes with the copy (only then may the slot be given back)."""

@@ -28,6 +28,7 @@ lines are CudaCopyEngine (device_engine.py), the one interface:
     engine.to_device(host, device) -> tensor   (receive: host-to-device)
     engine.empty(shape, dtype, device) -> tensor   a receive's destination
     engine.from_host(dst, src) -> token   copy src (a host uint8 view of a slot) into dst (a flat uint8 device view)
+    engine.order_after(tensor, token)     the caller's stream waits (on the device) for the copy `token`
 
 Lifetime rule: as on CPU, the sent tensor must not be written until its handle is done (the stager reads it).
 Order: messages to one peer leave in send() order, whichever path each takes (host tensors posted while a device
@@ -127,7 +128,8 @@ def send_through_slots(core, engine, peer: int, tag: int, code: int, shape, sour
 
 
 def receive_through_slots(core, engine, peer: int, device, timeout=None, depth: int = PIPELINE_DEPTH,
-                          host_view: Optional[Callable] = None, device_bound: Optional[Callable] = None):
+                          host_view: Optional[Callable] = None, device_bound: Optional[Callable] = None,
+                          defer: Optional[Callable] = None):
     """Receives the message claimed from `peer` (core.claim_receive) straight out of this rank's slots: each chunk
     is copied by `engine` from its slot into the destination tensor on `device`, with up to `depth` copies in
     flight, so the sender's copy of chunk k+1 into its next slot overlaps ours of chunk k.
@@ -140,7 +142,12 @@ def receive_through_slots(core, engine, peer: int, device, timeout=None, depth: 
     the transport's timeout_s. Returns the tensor (its copies done), or, for a message that `device_bound(code)`
     says is not a device tensor's bytes (a CUDA IPC descriptor), the core's message tuple (code, shape, nbytes,
     host bytes) gathered on the host. Any failure withdraws the claim (core.cancel_claim; after a chunk was taken
-    that closes the link) and raises."""
+    that closes the link) and raises.
+
+    With `defer`, the copies still running when the last chunk was issued are not waited for on the host: the
+    caller's stream is ordered after them (engine.order_after) and each token goes to defer(token), whose owner
+    releases its slot once engine.wait(token) returned (the lifetime rule, later); until then the claim holds the
+    ring, so the owner must do that before the next receive from `peer`."""
     view = host_view or engine.host_view
     in_flight: collections.deque = collections.deque()
     try:
@@ -179,6 +186,10 @@ def receive_through_slots(core, engine, peer: int, device, timeout=None, depth: 
             code_k, _, nbytes_k, offset, length, address = core.next_claimed_chunk(peer, None)
             if (code_k, nbytes_k) != (code, nbytes):
                 raise RuntimeError("the core handed out a chunk of another message")
+        if on_device and defer is not None and any(token is not None for token in in_flight):
+            engine.order_after(target, [token for token in in_flight if token is not None][-1])
+            while in_flight:
+                defer(in_flight.popleft())
         while in_flight:
             engine.wait(in_flight.popleft())
             core.release_claimed_chunk(peer)

@@ -176,6 +176,10 @@ class Transport(ClosesOnExit):
         self._keepalive: collections.deque = collections.deque()  # (copy token, host buffer) still being copied
         self._device_traffic = False  # set at the first device send or receive (DEVICE_WAIT_SPIN_US)
         self._receive_regions: ReceiveRegions | None = None  # registered receive slots (receive_through_slots)
+        # (peer, copy token) of a claimed receive's last chunks, whose copies the caller's stream was ordered after
+        # instead of the host waiting: each slot goes back once its copy is done, before this transport's next
+        # receive call (the claim holds the peer's ring until then).
+        self._unreleased: collections.deque = collections.deque()
         self._regions_finalizer = None
         self._loss_attached = False
         self._slot_receives = os.environ.get(SLOT_RECEIVE_ENV, "1") != "0"
@@ -284,6 +288,8 @@ class Transport(ClosesOnExit):
         """(peer, tag) of every message fully arrived and not yet taken, oldest first. Never blocks."""
         if self._ipc_receiver is not None and self._ipc_receiver.released:
             self._flush_ipc_acks()
+        if self._unreleased:
+            self._release_claimed_slots()
         return self._core.poll()
 
     def try_recv(self, peer: int, tag: int, dtype: torch.dtype | None = None, device=None):
@@ -291,6 +297,8 @@ class Transport(ClosesOnExit):
         peer, tag = _key_arg((peer, tag))
         if self._ipc_receiver is not None and self._ipc_receiver.released:
             self._flush_ipc_acks()
+        if self._unreleased:
+            self._release_claimed_slots()
         if dtype is not None and not self._has_dtype(peer, tag, dtype):
             return None
         message = self._core.try_take(peer, tag)
@@ -307,6 +315,8 @@ class Transport(ClosesOnExit):
             self._release_arena_copies()
         if self._ipc_receiver is not None and self._ipc_receiver.released:
             self._flush_ipc_acks()
+        if self._unreleased:
+            self._release_claimed_slots()
         if dtype is None:
             if device is not None and self._slot_receives and not self._loss_attached:
                 received = self._recv_from_slots(peer, tag, timeout, device)
@@ -329,6 +339,8 @@ class Transport(ClosesOnExit):
             self._release_arena_copies()
         if self._ipc_receiver is not None and self._ipc_receiver.released:
             self._flush_ipc_acks()
+        if self._unreleased:
+            self._release_claimed_slots()
         try:  # the core converts and range-checks the keys itself: no per-key Python work on the hot path
             return self._core.wait_any(keys, timeout)
         except TypeError:
@@ -381,9 +393,11 @@ class Transport(ClosesOnExit):
         view = self._receive_regions.view_for(self._core, peer)
         if not self._core.claim_receive(peer, tag):
             return None
+        unreleased = self._unreleased
         try:
             received = receive_through_slots(self._core, engine, peer, device, timeout, host_view=view,
-                                             device_bound=lambda code: not is_descriptor(code))
+                                             device_bound=lambda code: not is_descriptor(code),
+                                             defer=lambda token: unreleased.append((peer, token)))
         except Exception as error:  # noqa: BLE001 - a dead sender in one line
             raised = peer_gone_or(self._core, peer, error, "a receive straight from the slots")
             if raised is error:
@@ -392,6 +406,15 @@ class Transport(ClosesOnExit):
         if isinstance(received, torch.Tensor):
             return received
         return self._decode(peer, received, device)  # a CUDA IPC descriptor, gathered on the host
+
+    def _release_claimed_slots(self) -> None:
+        """Gives back the slots of claimed receives' last chunks (self._unreleased), each after its copy."""
+        unreleased = self._unreleased
+        while unreleased:
+            peer, token = unreleased[0]
+            self._copy_engine.wait(token)
+            unreleased.popleft()
+            self._core.release_claimed_chunk(peer)
 
     # -- device receives: the arena --------------------------------------------------------------------------------
     def _receives_onto(self, device) -> bool:
@@ -469,6 +492,8 @@ class Transport(ClosesOnExit):
     def close(self) -> None:
         """Stops the transport. Sends not completed yet fail with TransportClosed: call wait_sends() first to
         flush them. Idempotent."""
+        while self._unreleased:  # copies out of claimed slots still running (the slots stay mapped until then)
+            self._copy_engine.wait(self._unreleased.popleft()[1])
         if self._stager_finalizer is not None:
             self._stager_finalizer()  # stager.stop(core.close): fails queued sends, unregisters the slots
         self._core.close()

@@ -38,6 +38,8 @@ class FakeCopyEngine:
         self.async_receives = 0
         self.chunked_receives = 0
         self.slot_receives = 0             # copies out of a receive slot (from_host)
+        self.ordered_after = 0             # receives that left their last copies to the caller's stream
+        self._receive_copies: list[FakeCopy] = []
         self.arena = None
 
     @staticmethod
@@ -123,7 +125,18 @@ class FakeCopyEngine:
         self.slot_receives += 1
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        return FakeCopy(destination, source, self.lag)
+        token = FakeCopy(destination, source, self.lag)
+        self._receive_copies.append(token)
+        return token
+
+    def order_after(self, tensor: torch.Tensor, token: FakeCopy) -> None:
+        """On a device the caller's stream would wait for the copy; here the host has the data only once it ran."""
+        self.ordered_after += 1
+        while self._receive_copies:  # copies on one stream complete in order: this one's event covers those before
+            earlier = self._receive_copies.pop(0)
+            self.wait(earlier)
+            if earlier is token:
+                break
 
     def register(self, address: int, nbytes: int):
         if self.register_problem is None:

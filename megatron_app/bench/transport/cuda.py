@@ -118,6 +118,10 @@ class RehearsalEngine:
         destination.copy_(source)
 
     @staticmethod
+    def order_after(tensor: torch.Tensor, token) -> None:
+        pass
+
+    @staticmethod
     def ipc_unavailable_reason() -> str:
         return "a rehearsal on host tensors has no IPC"
 
