@@ -199,7 +199,7 @@ def _ipc_lend(buffer, filled, dtype, shape, device, on_release) -> Optional[torc
         flat = torch.as_tensor(lease, device=buffer.device)
     if sys.getrefcount(lease) <= references or flat.data_ptr() != buffer.data_ptr():
         return None
-    weakref.finalize(lease, on_release)
+    weakref.finalize(lease, on_release).atexit = False  # no CUDA calls while the interpreter shuts down
     return flat.view(dtype).reshape(shape)
 
 
@@ -282,7 +282,8 @@ class CudaCopyEngine:
             device = torch.device("cuda", torch.cuda.current_device())
         with torch.cuda.stream(self._receive_stream(device)):
             target = torch.empty(shape, dtype=dtype, device=device)
-        target.record_stream(torch.cuda.current_stream(device))
+        if target.numel():
+            target.record_stream(torch.cuda.current_stream(device))
         return target
 
     @staticmethod

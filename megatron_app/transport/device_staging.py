@@ -216,28 +216,29 @@ class ReceiveRegions:
     def __init__(self, engine):
         self.engine = engine
         self._regions: dict[int, Optional[tuple[int, int]]] = {}
-        self._views: dict[int, tuple[int, int, torch.Tensor]] = {}
+        self._views: dict[int, Callable] = {}
         self._said = False
 
     def view_for(self, core, peer: int) -> Callable:
         """A host_view for receive_through_slots over `peer`'s ring (registering it first)."""
-        if peer not in self._views:
-            address, nbytes = core.receive_region(peer)
-            problem = self.engine.register(address, nbytes)
-            self._regions[peer] = (address, nbytes) if problem is None else None
+        view = self._views.get(peer)
+        if view is None:
+            base, nbytes = core.receive_region(peer)
+            problem = self.engine.register(base, nbytes)
+            self._regions[peer] = (base, nbytes) if problem is None else None
             if problem is not None and not self._said:
                 self._said = True
                 LOG.warning("megatron_app.transport: receive slots from peer %d not registered with the device (%s): "
                             "device tensors from it are copied at pageable speed", peer, problem)
-            self._views[peer] = (address, nbytes, self.engine.host_view(address, nbytes))
-        base, nbytes, whole = self._views[peer]
+            whole = self.engine.host_view(base, nbytes)
 
-        def view(address: int, length: int) -> torch.Tensor:
-            start = address - base
-            if not 0 <= start <= start + length <= nbytes:
-                raise RuntimeError(f"the core handed out a slot outside peer {peer}'s receive region")
-            return whole[start:start + length]
+            def view(address: int, length: int) -> torch.Tensor:
+                start = address - base
+                if not 0 <= start <= start + length <= nbytes:
+                    raise RuntimeError(f"the core handed out a slot outside peer {peer}'s receive region")
+                return whole[start:start + length]
 
+            self._views[peer] = view
         return view
 
     def registered(self, peer: int) -> bool:

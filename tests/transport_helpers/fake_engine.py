@@ -223,7 +223,7 @@ class FakeIpcEngine(FakeCopyEngine):
             return None
         lease = _HostLease(buffer)
         flat = torch.from_numpy(numpy.asarray(lease))  # the array's base is the lease
-        weakref.finalize(lease, on_release)
+        weakref.finalize(lease, on_release).atexit = False
         self.lends += 1
         return flat.view(dtype).reshape(shape)
 
