@@ -790,11 +790,14 @@ def test_a_claim_that_timed_out_before_its_message_leaves_the_link_usable(slot_p
     assert torch.equal(receiver.recv(0, make_tag(FWD, 0)), torch.arange(100.0))  # the withdrawn claim let it pass
 
 
-def test_receives_from_the_slots_can_be_turned_off(job_id, monkeypatch):
-    monkeypatch.setenv("MEGATRON_APP_CUDA_RECEIVE_FROM_SLOTS", "0")
+@pytest.mark.parametrize("how", ["environment", "argument"])
+def test_receives_from_the_slots_can_be_turned_off(job_id, monkeypatch, how):
+    if how == "environment":
+        monkeypatch.setenv("MEGATRON_APP_CUDA_RECEIVE_FROM_SLOTS", "0")
     engine = FakeCopyEngine()
     sender = Transport(0, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20)
-    receiver = Transport(1, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=engine)
+    receiver = Transport(1, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=engine,
+                         **({"receive_from_slots": False} if how == "argument" else {}))
     try:
         threading.Timer(0.1, lambda: sender.send(1, make_tag(FWD, 0), torch.arange(100.0))).start()
         assert torch.equal(receiver.recv(0, make_tag(FWD, 0), device="cpu"), torch.arange(100.0))

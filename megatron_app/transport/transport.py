@@ -125,6 +125,7 @@ class Transport(ClosesOnExit):
         admission_secret: bytes = b"",
         copy_engine=None,
         cuda_ipc: bool | None = None,
+        receive_from_slots: bool | None = None,
     ):
         if not isinstance(job_id, str):
             raise TypeError(f"job_id must be a str, got {type(job_id).__name__}")
@@ -182,7 +183,9 @@ class Transport(ClosesOnExit):
         self._unreleased: collections.deque = collections.deque()
         self._regions_finalizer = None
         self._loss_attached = False
-        self._slot_receives = os.environ.get(SLOT_RECEIVE_ENV, "1") != "0"
+        # A blocking device receive takes a message not arrived yet straight from the slots (None: SLOT_RECEIVE_ENV).
+        self._slot_receives = (os.environ.get(SLOT_RECEIVE_ENV, "1") != "0" if receive_from_slots is None
+                               else bool(receive_from_slots))
 
     # -- links to other hosts ------------------------------------------------------------------------------------
     @property

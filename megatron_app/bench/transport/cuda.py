@@ -12,6 +12,8 @@ Each size, one way (a ping-pong's round trip / 2, both ends' device tensors read
              around each send/recv (gloo's send/recv carry host memory)
   ours_block, ipc_block   ours and ipc with blocking-sync copy events (MEGATRON_APP_CUDA_EVENT_WAIT=block) instead of
              spinning ones: `faster_wait_ours` / `faster_wait_ipc` say which wait was faster at each size
+  ours_arena ours with receives through the page-locked arena instead of straight from the registered slots
+             (MEGATRON_APP_CUDA_RECEIVE_FROM_SLOTS=0): `slots_over_arena` is ours' time over this one's
 Once per section, the floor a device message pays between two processes sharing the GPU before any copy:
   turn_us    one way of a ping-pong in which each side runs a one-element device op, waits for it, and sends a
              4-byte host tensor through our transport
@@ -33,10 +35,12 @@ from megatron_app.bench.transport.links import KIB, MIB
 
 CUDA_SIZES = [64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]
 CUDA_QUICK_SIZES = [64 * KIB, 1 * MIB]
-METHODS = ("ours", "ours_block", "ipc", "ipc_block", "d2d", "pinned", "pageable", "gloo")
-# Our transports, by method: (CUDA IPC on, event wait mode of the copy engine).
-TRANSPORTS = {"ours": (False, "spin"), "ours_block": (False, "block"), "ipc": (True, "spin"),
-              "ipc_block": (True, "block")}
+METHODS = ("ours", "ours_block", "ours_arena", "ipc", "ipc_block", "d2d", "pinned", "pageable", "gloo")
+# Our transports, by method: (job id suffix, CUDA IPC on, event wait mode of the copy engine, receives straight
+# from the slots).
+TRANSPORTS = {"ours": ("", False, "spin", True), "ours_block": ("b", False, "block", True),
+              "ours_arena": ("a", False, "spin", False), "ipc": ("i", True, "spin", True),
+              "ipc_block": ("ib", True, "block", True)}
 
 
 class RehearsalEngine:
@@ -239,10 +243,10 @@ def run_cuda_section(plan: dict, rank: int) -> list:
         torch.cuda.set_device(0)
     peer = 1 - rank
     transports = {}
-    for suffix, (name, (ipc, wait)) in zip(("", "b", "i", "ib"), TRANSPORTS.items()):
+    for name, (suffix, ipc, wait, slots) in TRANSPORTS.items():
         engine = CudaCopyEngine(event_wait=wait) if device.cuda else RehearsalEngine()
         transports[name] = Transport(rank, 2, plan["job_id"] + suffix, timeout_s=120, cuda_ipc=ipc,
-                                     copy_engine=engine)
+                                     copy_engine=engine, receive_from_slots=slots)
     floor = message_floor(device, transports["ours"], rank)
     rows = []
     counter = [0]
@@ -294,6 +298,7 @@ def run_cuda_section(plan: dict, rank: int) -> list:
             row["ours_over_d2d"] = row["ours_gbs"] / row["d2d_gbs"]
             row["ours_over_gloo"] = row["ours_gbs"] / row["gloo_gbs"]
             row["ipc_over_d2d"] = row["ipc_gbs"] / row["d2d_gbs"]
+            row["slots_over_arena"] = row["ours_s"] / row["ours_arena_s"]
             for name in ("ours", "ipc"):
                 row[f"{name}_block_over_spin"] = row[f"{name}_block_s"] / row[f"{name}_s"]
                 row[f"faster_wait_{name}"] = "spin" if row[f"{name}_s"] <= row[f"{name}_block_s"] else "block"
@@ -312,4 +317,5 @@ CUDA_COLUMNS = [("size", "size", 0), ("ours us", "ours_us", 1), ("ours GB/s", "o
                 ("ours/d2d", "ours_over_d2d", 4), ("ours/gloo", "ours_over_gloo", 2),
                 ("ipc/d2d", "ipc_over_d2d", 3), ("ours blk us", "ours_block_us", 1),
                 ("ipc blk us", "ipc_block_us", 1), ("ours blk/spin", "ours_block_over_spin", 2),
-                ("ipc blk/spin", "ipc_block_over_spin", 2)]
+                ("ipc blk/spin", "ipc_block_over_spin", 2), ("arena us", "ours_arena_us", 1),
+                ("slots/arena", "slots_over_arena", 2)]
