@@ -988,11 +988,46 @@ def test_the_last_copies_can_be_left_to_the_callers_stream_and_their_slots_given
     assert core.handed == []
 
 
-def test_a_receive_from_the_slots_gives_its_last_slot_back_at_the_next_call(slot_pair):
+def test_a_receive_from_the_slots_gives_its_last_slots_back_without_another_call(slot_pair):
+    """A rank that stops calling the transport after a receive (computing, in a collective with the peer) must not
+    keep the peer's ring held: the releaser's thread gives the slots back once their copies are done."""
     sender, receiver, engine = slot_pair
     first, = receive_claimed(sender, receiver, [torch.arange(3000.0)])
-    assert torch.equal(first, torch.arange(3000.0))
-    assert engine.ordered_after == 1 and 1 <= len(receiver._unreleased) <= 2  # the claim holds the ring until...
-    sender.send(1, make_tag(FWD, 7), torch.ones(5)).wait(timeout=20)
-    assert torch.equal(receiver.recv(0, make_tag(FWD, 7)), torch.ones(5))  # ...the next call gives it back
-    assert not receiver._unreleased
+    assert torch.equal(first, torch.arange(3000.0)) and engine.ordered_after == 1
+    big = torch.randn(30_000)  # larger than the ring: it arrives only once the claim's last slots were given back
+    handle = sender.send(1, make_tag(FWD, 7), big)
+    give_up_at = time.monotonic() + 20
+    while receiver._core.peek(0, make_tag(FWD, 7)) is None:  # the core's own call: the transport settles nothing
+        assert time.monotonic() < give_up_at, "the claimed receive kept the ring"
+        time.sleep(0.001)
+    handle.wait(timeout=20)
+    assert not receiver._releaser.pending() and same_bits(receiver.recv(0, make_tag(FWD, 7)), big)
+
+
+def test_the_slot_releaser_gives_each_slot_back_only_after_its_copy():
+    from transport_helpers.fake_engine import FakeCopy
+
+    from megatron_app.transport.device_staging import SlotReleaser
+
+    tokens = [FakeCopy(torch.zeros(4, dtype=torch.uint8), torch.ones(4, dtype=torch.uint8), polls_left=10)
+              for _ in range(5)]
+
+    class Core:
+        released = []
+
+        def release_claimed_chunk(self, peer):
+            self.released.append((peer, tokens[len(self.released)].performed))
+
+    engine = FakeCopyEngine()
+    engine.in_flight = len(tokens)
+    releaser = SlotReleaser(Core(), engine)
+    try:
+        for token in tokens:
+            releaser.add(3, token)
+        give_up_at = time.monotonic() + 20
+        while len(Core.released) < len(tokens):
+            assert time.monotonic() < give_up_at, "the releaser's thread gave nothing back"
+            time.sleep(0.001)
+        assert Core.released == [(3, True)] * 5 and not releaser.pending()
+    finally:
+        releaser.stop()

@@ -146,8 +146,8 @@ def receive_through_slots(core, engine, peer: int, device, timeout=None, depth: 
 
     With `defer`, the copies still running when the last chunk was issued are not waited for on the host: the
     caller's stream is ordered after them (engine.order_after) and each token goes to defer(token), whose owner
-    releases its slot once engine.wait(token) returned (the lifetime rule, later); until then the claim holds the
-    ring, so the owner must do that before the next receive from `peer`."""
+    releases its slot once engine.wait(token) returned (the lifetime rule, later: SlotReleaser); until then the
+    claim holds the ring, so the owner must do that before the next receive from `peer`, and soon."""
     view = host_view or engine.host_view
     in_flight: collections.deque = collections.deque()
     try:
@@ -207,6 +207,66 @@ def receive_through_slots(core, engine, peer: int, device, timeout=None, depth: 
     if on_device:
         return target
     return code, tuple(shape), nbytes, target.numpy()  # a buffer, as the core's own message tuples carry
+
+
+class SlotReleaser:
+    """Gives back the slots of claimed receives' last chunks (receive_through_slots' `defer`) once their copies are
+    done, on its own thread: a rank that stops calling the transport (computing, or in a collective with the peer)
+    never keeps its peer's ring held (the peer's sends would stall, and a peer that waits for them in turn would never
+    join the collective). The transport's receive calls settle() first as well, so the next receive from the peer
+    finds its ring free. Releases go in copy order, one releaser at a time."""
+
+    def __init__(self, core, engine):
+        self._core = core
+        self._engine = engine
+        self._pending: collections.deque = collections.deque()  # (peer, copy token), oldest first
+        self._settling = threading.Lock()
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="megatron_app-slot-releaser", daemon=True)
+        self._thread.start()
+
+    def add(self, peer: int, token) -> None:
+        with self._wake:
+            self._pending.append((peer, token))
+            self._wake.notify()
+
+    def pending(self) -> bool:
+        return bool(self._pending)
+
+    def settle(self) -> None:
+        """Waits for each pending copy and gives its slot back."""
+        with self._settling:
+            while self._pending:
+                peer, token = self._pending[0]
+                self._engine.wait(token)
+                self._pending.popleft()
+                self._core.release_claimed_chunk(peer)
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                self._wake.wait_for(lambda: self._pending or self._stopping)
+                if self._stopping:
+                    return
+            try:
+                self.settle()
+            except Exception as error:  # noqa: BLE001 - a closed transport; the caller's next call says more
+                LOG.debug("megatron_app.transport: releasing received slots failed: %s", error)
+                with self._wake:
+                    self._wake.wait_for(lambda: self._stopping)
+                return
+
+    def stop(self) -> None:
+        """Stops the thread; copies still reading slots are waited for (their slots stay the receiver's). Idempotent."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify_all()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+        with self._settling:
+            while self._pending:
+                self._engine.wait(self._pending.popleft()[1])
 
 
 class ReceiveRegions:

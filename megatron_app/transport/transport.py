@@ -20,7 +20,7 @@ from . import codec
 from ._core import core
 from .backends import SHM
 from .device_ipc import IpcReceiver, ipc_requested, is_descriptor, payload_bytes, IPC_FLAG
-from .device_staging import ReceiveRegions, Stager, peer_gone_or, receive_through_slots
+from .device_staging import ReceiveRegions, SlotReleaser, Stager, peer_gone_or, receive_through_slots
 from .dtypes import dtype_from_code
 from .protocol import ClosesOnExit
 from .tags import MAX_TAG, describe_tag, validate_tag
@@ -177,10 +177,10 @@ class Transport(ClosesOnExit):
         self._keepalive: collections.deque = collections.deque()  # (copy token, host buffer) still being copied
         self._device_traffic = False  # set at the first device send or receive (DEVICE_WAIT_SPIN_US)
         self._receive_regions: ReceiveRegions | None = None  # registered receive slots (receive_through_slots)
-        # (peer, copy token) of a claimed receive's last chunks, whose copies the caller's stream was ordered after
-        # instead of the host waiting: each slot goes back once its copy is done, before this transport's next
-        # receive call (the claim holds the peer's ring until then).
-        self._unreleased: collections.deque = collections.deque()
+        # Gives back the slots of claimed receives' last chunks, whose copies the caller's stream was ordered after
+        # instead of the host waiting: each once its copy is done (its own thread; receive calls settle it first).
+        self._releaser: SlotReleaser | None = None
+        self._releaser_finalizer = None
         self._regions_finalizer = None
         self._loss_attached = False
         # A blocking device receive takes a message not arrived yet straight from the slots (None: SLOT_RECEIVE_ENV).
@@ -291,8 +291,8 @@ class Transport(ClosesOnExit):
         """(peer, tag) of every message fully arrived and not yet taken, oldest first. Never blocks."""
         if self._ipc_receiver is not None and self._ipc_receiver.released:
             self._flush_ipc_acks()
-        if self._unreleased:
-            self._release_claimed_slots()
+        if self._releaser is not None and self._releaser.pending():
+            self._releaser.settle()
         return self._core.poll()
 
     def try_recv(self, peer: int, tag: int, dtype: torch.dtype | None = None, device=None):
@@ -300,8 +300,8 @@ class Transport(ClosesOnExit):
         peer, tag = _key_arg((peer, tag))
         if self._ipc_receiver is not None and self._ipc_receiver.released:
             self._flush_ipc_acks()
-        if self._unreleased:
-            self._release_claimed_slots()
+        if self._releaser is not None and self._releaser.pending():
+            self._releaser.settle()
         if dtype is not None and not self._has_dtype(peer, tag, dtype):
             return None
         message = self._core.try_take(peer, tag)
@@ -318,8 +318,8 @@ class Transport(ClosesOnExit):
             self._release_arena_copies()
         if self._ipc_receiver is not None and self._ipc_receiver.released:
             self._flush_ipc_acks()
-        if self._unreleased:
-            self._release_claimed_slots()
+        if self._releaser is not None and self._releaser.pending():
+            self._releaser.settle()
         if dtype is None:
             if device is not None and self._slot_receives and not self._loss_attached:
                 received = self._recv_from_slots(peer, tag, timeout, device)
@@ -342,8 +342,8 @@ class Transport(ClosesOnExit):
             self._release_arena_copies()
         if self._ipc_receiver is not None and self._ipc_receiver.released:
             self._flush_ipc_acks()
-        if self._unreleased:
-            self._release_claimed_slots()
+        if self._releaser is not None and self._releaser.pending():
+            self._releaser.settle()
         try:  # the core converts and range-checks the keys itself: no per-key Python work on the hot path
             return self._core.wait_any(keys, timeout)
         except TypeError:
@@ -394,13 +394,16 @@ class Transport(ClosesOnExit):
             # the core until it ran).
             self._regions_finalizer = weakref.finalize(self, self._receive_regions.release, self._core)
         view = self._receive_regions.view_for(self._core, peer)
+        if self._releaser is None:
+            self._releaser = SlotReleaser(self._core, engine)
+            self._releaser_finalizer = weakref.finalize(self, self._releaser.stop)
         if not self._core.claim_receive(peer, tag):
             return None
-        unreleased = self._unreleased
+        releaser = self._releaser
         try:
             received = receive_through_slots(self._core, engine, peer, device, timeout, host_view=view,
                                              device_bound=lambda code: not is_descriptor(code),
-                                             defer=lambda token: unreleased.append((peer, token)))
+                                             defer=lambda token: releaser.add(peer, token))
         except Exception as error:  # noqa: BLE001 - a dead sender in one line
             raised = peer_gone_or(self._core, peer, error, "a receive straight from the slots")
             if raised is error:
@@ -409,15 +412,6 @@ class Transport(ClosesOnExit):
         if isinstance(received, torch.Tensor):
             return received
         return self._decode(peer, received, device)  # a CUDA IPC descriptor, gathered on the host
-
-    def _release_claimed_slots(self) -> None:
-        """Gives back the slots of claimed receives' last chunks (self._unreleased), each after its copy."""
-        unreleased = self._unreleased
-        while unreleased:
-            peer, token = unreleased[0]
-            self._copy_engine.wait(token)
-            unreleased.popleft()
-            self._core.release_claimed_chunk(peer)
 
     # -- device receives: the arena --------------------------------------------------------------------------------
     def _receives_onto(self, device) -> bool:
@@ -495,8 +489,8 @@ class Transport(ClosesOnExit):
     def close(self) -> None:
         """Stops the transport. Sends not completed yet fail with TransportClosed: call wait_sends() first to
         flush them. Idempotent."""
-        while self._unreleased:  # copies out of claimed slots still running (the slots stay mapped until then)
-            self._copy_engine.wait(self._unreleased.popleft()[1])
+        if self._releaser_finalizer is not None:
+            self._releaser_finalizer()  # copies out of claimed slots still running are waited for
         if self._stager_finalizer is not None:
             self._stager_finalizer()  # stager.stop(core.close): fails queued sends, unregisters the slots
         self._core.close()
