@@ -180,8 +180,7 @@ class Transport(ClosesOnExit):
         # Gives back the slots of claimed receives' last chunks, whose copies the caller's stream was ordered after
         # instead of the host waiting: each once its copy is done (its own thread; receive calls settle it first).
         self._releaser: SlotReleaser | None = None
-        self._releaser_finalizer = None
-        self._regions_finalizer = None
+        self._receive_finalizer = None
         self._loss_attached = False
         # A blocking device receive takes a message not arrived yet straight from the slots (None: SLOT_RECEIVE_ENV).
         self._slot_receives = (os.environ.get(SLOT_RECEIVE_ENV, "1") != "0" if receive_from_slots is None
@@ -390,13 +389,12 @@ class Transport(ClosesOnExit):
         engine = self._engine()
         if self._receive_regions is None:
             self._receive_regions = ReceiveRegions(engine)
-            # Unregistered before the core unmaps the segment, also when nobody calls close() (the finalizer holds
-            # the core until it ran).
-            self._regions_finalizer = weakref.finalize(self, self._receive_regions.release, self._core)
-        view = self._receive_regions.view_for(self._core, peer)
-        if self._releaser is None:
             self._releaser = SlotReleaser(self._core, engine)
-            self._releaser_finalizer = weakref.finalize(self, self._releaser.stop)
+            # One finalizer, in this order, also when nobody calls close(): the copies still reading slots finish,
+            # then the slots are unregistered, before the core unmaps the segment (the finalizer holds the core).
+            self._receive_finalizer = weakref.finalize(self, _stop_receiving, self._releaser, self._receive_regions,
+                                                       self._core)
+        view = self._receive_regions.view_for(self._core, peer)
         if not self._core.claim_receive(peer, tag):
             return None
         releaser = self._releaser
@@ -489,13 +487,11 @@ class Transport(ClosesOnExit):
     def close(self) -> None:
         """Stops the transport. Sends not completed yet fail with TransportClosed: call wait_sends() first to
         flush them. Idempotent."""
-        if self._releaser_finalizer is not None:
-            self._releaser_finalizer()  # copies out of claimed slots still running are waited for
         if self._stager_finalizer is not None:
             self._stager_finalizer()  # stager.stop(core.close): fails queued sends, unregisters the slots
         self._core.close()
-        if self._regions_finalizer is not None:
-            self._regions_finalizer()  # the core keeps its mapping until it is destroyed
+        if self._receive_finalizer is not None:
+            self._receive_finalizer()  # the core keeps its mapping until it is destroyed
         self._pending.clear()
         while self._keepalive:  # copies out of the arena still running
             token, _ = self._keepalive.popleft()
@@ -506,6 +502,13 @@ class Transport(ClosesOnExit):
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
         return f"Transport(rank={self.rank}, world_size={self.world_size}, job_id={self.job_id!r}, {state})"
+
+
+def _stop_receiving(releaser, regions, _core) -> None:
+    """Stops the slot releaser (waiting for copies still reading slots), then unregisters the receive slots;
+    `_core`, unused, keeps the segment mapped until then."""
+    releaser.stop()
+    regions.release()
 
 
 def _close_keeping(close, arena) -> None:
