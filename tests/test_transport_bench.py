@@ -132,9 +132,15 @@ def check_cuda_rows(rows, sizes):
     assert [row["size"] for row in rows] == sizes
     for row in rows:
         assert row["bit_exact"] is True
-        for method in ("ours", "ipc", "d2d", "pinned", "pageable", "gloo"):
+        for method in ("ours", "ours_block", "ours_arena", "ipc", "ipc_block", "d2d", "pinned", "pageable", "gloo"):
             assert row[f"{method}_gbs"] > 0 and row[f"{method}_us"] > 0, method
         assert row["ours_over_pinned"] == pytest.approx(row["ours_gbs"] / row["pinned_gbs"])
+        for name in ("ours", "ipc"):  # both event waits measured, the faster named
+            faster = "spin" if row[f"{name}_s"] <= row[f"{name}_block_s"] else "block"
+            assert row[f"faster_wait_{name}"] == faster
+            assert row[f"{name}_block_over_spin"] == pytest.approx(row[f"{name}_block_s"] / row[f"{name}_s"])
+        assert row["turn_us"] > 0 and row["host_msg_us"] > 0
+        assert row["slots_over_arena"] == pytest.approx(row["ours_s"] / row["ours_arena_s"])
 
 
 def test_cuda_section_rehearsed_on_host_tensors(tmp_path):
@@ -142,6 +148,7 @@ def test_cuda_section_rehearsed_on_host_tensors(tmp_path):
     result = run_bench("--device", "cuda", "--rehearsal", "--sizes", "64K", "--seconds", "0.01", "--json", str(out))
     assert result.returncode == 0, result.stderr
     assert "cuda: two processes on one host (rehearsal)" in result.stdout and "bit-exact: yes" in result.stdout
+    assert "faster event wait, ours: 64K " in result.stdout and "per message between the two processes" in result.stdout
     document = json.loads(out.read_text())
     assert document["device"] == "cuda" and document["cuda"]["device"] == "host (rehearsal)"
     check_cuda_rows(document["cuda"]["rows"], [64 * 1024])

@@ -209,8 +209,10 @@ def test_a_rank_killed_mid_send_leaves_no_segment_and_the_peer_reads_peer_died(j
 @pytest.mark.parametrize("arena_mib", [0, 1, 256])
 def test_receives_through_the_page_locked_arena_and_around_it(job_id, monkeypatch, arena_mib):
     """256 MiB: every message lands in the arena and is copied to the device asynchronously; 1 MiB: the larger
-    ones take the chunked path; 0: no arena."""
+    ones take the chunked path; 0: no arena. (Receives straight from the slots, which take messages not arrived
+    when they are asked for, are off: this is the path of messages that arrived first.)"""
     monkeypatch.setenv("MEGATRON_APP_CUDA_RECEIVE_ARENA_MIB", str(arena_mib))
+    monkeypatch.setenv("MEGATRON_APP_CUDA_RECEIVE_FROM_SLOTS", "0")
     sender = Transport(0, 2, job_id, timeout_s=60)
     receiver = Transport(1, 2, job_id, timeout_s=60)
     try:
@@ -223,6 +225,150 @@ def test_receives_through_the_page_locked_arena_and_around_it(job_id, monkeypatc
         assert (receiver._arena is False) == (arena_mib == 0)
         if arena_mib:
             assert receiver._arena.is_pinned()
+    finally:
+        sender.close()
+        receiver.close()
+
+
+# ---- receives straight from the registered slots (device_staging.receive_through_slots) --------------------------
+@pytest.mark.parametrize("event_wait", ["spin", "block"])
+def test_every_dtype_and_shape_received_straight_from_registered_slots(job_id, event_wait):
+    from transport_helpers.claims import receive_claimed
+
+    sender = Transport(0, 2, job_id, timeout_s=60, copy_engine=device_engine.CudaCopyEngine(event_wait=event_wait))
+    receiver = Transport(1, 2, job_id, timeout_s=60,
+                         copy_engine=device_engine.CudaCopyEngine(event_wait=event_wait))
+    try:
+        tensors = [on_device(random_tensor(torch.Generator().manual_seed(index), dtype, shape))
+                   for index, (dtype, shape) in enumerate((d, s) for d in ALL_DTYPES for s in SHAPES)]
+        received = receive_claimed(sender, receiver, tensors, device="cuda")
+        for index, (got, tensor) in enumerate(zip(received, tensors)):
+            assert got.is_cuda and same_bits(got.cpu(), tensor.cpu()), (index, tensor.dtype, tuple(tensor.shape))
+        assert receiver._receive_regions.registered(0)  # the receiver's own slots, page-locked for the device
+        assert receiver._arena is None  # nothing went through the arena
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_large_message_streams_through_the_registered_slots_while_the_receiver_computes(job_id):
+    """64 MiB through 16 slots of 1 MiB: the receiver's copies run on their own stream, the result is complete
+    when recv returns, and the caller's stream (busy with a matmul) may use it at once."""
+    from transport_helpers.claims import receive_claimed
+
+    sender = Transport(0, 2, job_id, timeout_s=60)
+    receiver = Transport(1, 2, job_id, timeout_s=60)
+    try:
+        big = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, device="cuda")
+        busy = torch.randn(4096, 4096, device="cuda")
+        busy = busy @ busy  # queued on the current stream while the message arrives
+        got, = receive_claimed(sender, receiver, [big], device="cuda")
+        assert torch.equal(got, big) and torch.isfinite(busy).any()
+        assert receiver._receive_regions.registered(0)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+STALLING_SENDER = textwrap.dedent("""
+    import sys, time, torch
+    from megatron_app.transport import Transport, Direction, make_tag
+    from megatron_app.transport.device_engine import CudaCopyEngine
+
+    class Stalls(CudaCopyEngine):
+        copies = 0
+        def to_host(self, destination, source):
+            Stalls.copies += 1
+            if Stalls.copies == 9:
+                print("stalled", flush=True)
+                time.sleep(120)
+            return super().to_host(destination, source)
+
+    t = Transport(0, 2, sys.argv[1], timeout_s=60, copy_engine=Stalls())
+    big = torch.ones(64 << 20, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    t.send(1, make_tag(Direction.FORWARD, 0), big)
+    time.sleep(120)
+""")
+
+
+def test_a_sender_killed_inside_a_message_taken_from_the_slots_reads_peer_died(job_id):
+    import threading
+
+    from transport_helpers.claims import ClaimSignal
+
+    receiver = Transport(1, 2, job_id, timeout_s=60)
+    claim = receiver._core = ClaimSignal(receiver._core)
+    sender = subprocess.Popen([sys.executable, "-c", STALLING_SENDER, job_id], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    said = []
+
+    def start_then_kill():
+        said.append(sender.stdout.readline().strip())
+        claim.claimed.wait(60)
+        sender.stdin.write("go\n")
+        sender.stdin.flush()
+        said.append(sender.stdout.readline().strip())
+        os.kill(sender.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=start_then_kill)
+    killer.start()
+    try:
+        with pytest.raises(PeerDied) as raised:
+            receiver.recv(0, make_tag(FWD, 0), device="cuda")
+        text = str(raised.value)
+        assert said == ["ready", "stalled"] and len(text.splitlines()) == 1 and "died" in text, (said, text)
+        # The link is closed, the next receive says so at once.
+        with pytest.raises(PeerDied):
+            receiver.recv(0, make_tag(FWD, 1), device="cuda", timeout=10)
+    finally:
+        killer.join(60)
+        if sender.poll() is None:
+            sender.kill()
+        sender.wait(timeout=30)
+        receiver.close()
+    assert job_segments(job_id) == []
+
+
+# ---- CUDA IPC: the slot lent to the receiver ----------------------------------------------------------------------
+def test_an_ipc_slot_is_lent_and_given_back_when_its_tensor_dies(job_id):
+    sender = Transport(0, 2, job_id, timeout_s=60, cuda_ipc=True)
+    receiver = Transport(1, 2, job_id, timeout_s=60, cuda_ipc=True)
+    try:
+        for index in range(12):  # 3 times round the 4 slots: each comes back once its tensor is dropped
+            tensor = torch.full((1 << 20,), float(index), device="cuda")
+            sender.send(1, make_tag(FWD, index), tensor)
+            got = receiver.recv(0, make_tag(FWD, index), device="cuda")
+            assert torch.equal(got, tensor), index
+            got.add_(1)  # the receiver's to write while it holds it
+            torch.cuda.synchronize()
+            del got
+            receiver.poll()  # the acknowledgement goes out with the next call
+            deadline = time.monotonic() + 30
+            while not any(tag >> 60 == 0xF for _, tag in sender.poll()):
+                assert time.monotonic() < deadline, "the lent slot was never given back"
+                time.sleep(0.001)
+        sender.wait_sends(timeout=60)
+        assert receiver._ipc_receiver.lent == 12 and sender.device_path_of(1) == "cuda ipc"
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_lent_ipc_slot_keeps_its_bytes_while_held_and_later_messages_go_staged(job_id):
+    sender = Transport(0, 2, job_id, timeout_s=60, cuda_ipc=True)
+    receiver = Transport(1, 2, job_id, timeout_s=60, cuda_ipc=True)
+    try:
+        held = []
+        for index in range(7):
+            sender.send(1, make_tag(FWD, index), torch.full((300_000,), float(index), device="cuda"))
+            held.append(receiver.recv(0, make_tag(FWD, index), device="cuda"))
+        sender.wait_sends(timeout=60)
+        assert receiver._ipc_receiver.lent == 4 and sender.device_path_of(1) == "cuda ipc + slots, registered"
+        for index, tensor in enumerate(held):
+            assert torch.equal(tensor, torch.full((300_000,), float(index), device="cuda")), index
     finally:
         sender.close()
         receiver.close()

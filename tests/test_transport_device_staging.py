@@ -16,6 +16,7 @@ from transport_helpers.common import (
     random_tensor,
     same_bits,
 )
+from transport_helpers.claims import ClaimSignal, receive_claimed
 from transport_helpers.fake_engine import FakeCopyEngine, FakeCore, FakeIpcEngine
 
 from megatron_app.transport import Direction, Transport, TransportClosed, make_tag
@@ -439,7 +440,10 @@ def test_a_message_over_the_limit_is_refused_at_send(job_id):
 
 # ---- receives onto the device: the page-locked arena (transport.py) --------------------------------------------
 def arena_pair(job_id, monkeypatch, arena_mib, lag=1):
+    """The arena is where messages that arrived before they were asked for wait: these tests send while the
+    receiver waits, which would take them straight from the slots, so that path is off here."""
     monkeypatch.setenv("MEGATRON_APP_CUDA_RECEIVE_ARENA_MIB", str(arena_mib))
+    monkeypatch.setenv("MEGATRON_APP_CUDA_RECEIVE_FROM_SLOTS", "0")
     engine = FakeCopyEngine(lag=lag)
     sender = Transport(0, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20)
     receiver = Transport(1, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=engine)
@@ -592,3 +596,438 @@ def test_an_ipc_export_of_a_peer_that_died_reads_peer_died_in_one_line(job_id):
             sender.kill()
             sender.wait()
         receiver.close()
+
+
+# ---- receives straight from the slots (device_staging.receive_through_slots) ---------------------------------------
+class FakeReceiveCore:
+    """The core's claimed-receive calls over a ring of `slots` slots of `slot_bytes` carrying `payload`: a released
+    slot is refilled at once with a sentinel (the sender reusing it), so a copy that reads its slot after the
+    release brings the sentinel into the result."""
+
+    SENTINEL = 0x5A
+
+    def __init__(self, payload: bytes, slots: int = 2, slot_bytes: int = 4096, code=None, shape=None):
+        from megatron_app.transport.dtypes import dtype_code
+
+        self.payload = payload
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+        self.code = dtype_code(torch.uint8) if code is None else code
+        self.shape = list(shape if shape is not None else [len(payload)])
+        self.memory = torch.zeros(slots * slot_bytes, dtype=torch.uint8)
+        self.next_offset = 0
+        self.handed: list[int] = []      # slots handed out and not released, oldest first
+        self.taken = 0                   # chunks handed out
+        self.max_held_while_waiting = 0  # slots held when the next chunk was asked for
+        self.cancelled = False
+        self.events: list[str] = []
+        self.timeouts: list = []
+
+    def next_claimed_chunk(self, peer, timeout=None):
+        self.timeouts.append(timeout)
+        assert len(self.handed) < self.slots, "a chunk asked for with every slot held would never come"
+        self.max_held_while_waiting = max(self.max_held_while_waiting, len(self.handed))
+        slot = self.taken % self.slots
+        length = min(self.slot_bytes, len(self.payload) - self.next_offset)
+        start = slot * self.slot_bytes
+        self.memory[start:start + length] = torch.frombuffer(
+            bytearray(self.payload[self.next_offset:self.next_offset + length]), dtype=torch.uint8) \
+            if length else self.memory[start:start]
+        chunk = (self.code, self.shape, len(self.payload), self.next_offset, length, self.memory[start:].data_ptr())
+        self.next_offset += length
+        self.handed.append(slot)
+        self.taken += 1
+        self.events.append("take")
+        return chunk
+
+    def release_claimed_chunk(self, peer):
+        slot = self.handed.pop(0)
+        self.memory[slot * self.slot_bytes:(slot + 1) * self.slot_bytes] = self.SENTINEL
+        self.events.append("release")
+        return not self.handed and self.next_offset == len(self.payload)
+
+    def cancel_claim(self, peer):
+        self.cancelled = True
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096, 4097, 3 * 4096 + 5, 40_000])
+@pytest.mark.parametrize("lag", [0, 1, 5])
+def test_a_slot_is_given_back_only_after_the_copy_out_of_it(nbytes, lag):
+    from megatron_app.transport.device_staging import receive_through_slots
+
+    payload = bytes(torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
+                                  generator=torch.Generator().manual_seed(nbytes)).tolist())
+    core, engine = FakeReceiveCore(payload, slots=2), FakeCopyEngine(lag=lag)
+    received = receive_through_slots(core, engine, 0, "cpu", 10)
+    assert received.dtype == torch.uint8 and bytes(received.tolist()) == payload  # a late copy reads the sentinel
+    assert core.handed == [] and engine.in_flight == 0 and not core.cancelled
+    assert core.taken == max(1, -(-nbytes // 4096)) and core.events.count("release") == core.taken
+    assert core.max_held_while_waiting <= 1  # depth 2: one slot held while the next chunk crosses
+    # The caller's timeout bounds the wait for the message; once it arrives, giving up would close the link.
+    assert core.timeouts == [10] + [None] * (core.taken - 1)
+
+
+def test_two_copies_out_of_the_slots_are_in_flight_when_they_are_slow():
+    from megatron_app.transport.device_staging import receive_through_slots
+
+    core, engine = FakeReceiveCore(bytes(range(256)) * 80, slots=4), FakeCopyEngine(lag=100)
+    receive_through_slots(core, engine, 0, "cpu", 10)
+    assert engine.max_in_flight == 2 and core.events[:3] == ["take", "take", "release"]
+
+
+def test_a_failed_copy_out_of_a_slot_cancels_the_claim_after_the_copies_in_flight():
+    from megatron_app.transport.device_staging import receive_through_slots
+
+    class FailingCopies(FakeCopyEngine):
+        def from_host(self, destination, source):
+            if self.slot_receives == 2:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return super().from_host(destination, source)
+
+    core, engine = FakeReceiveCore(bytes(5 * 4096), slots=4), FailingCopies(lag=100)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        receive_through_slots(core, engine, 0, "cpu", 10)
+    assert core.cancelled and engine.in_flight == 0
+
+
+def test_a_shape_that_does_not_describe_the_bytes_is_refused():
+    from megatron_app.transport.device_staging import receive_through_slots
+    from megatron_app.transport.dtypes import dtype_code
+
+    core = FakeReceiveCore(bytes(12), code=dtype_code(torch.float32), shape=[2])
+    with pytest.raises(ValueError, match="malformed"):
+        receive_through_slots(core, FakeCopyEngine(), 0, "cpu", 10)
+    assert core.cancelled
+
+
+@pytest.fixture
+def slot_pair(job_id):
+    sender_engine, receiver_engine = FakeCopyEngine(lag=2), FakeCopyEngine(lag=3)
+    sender = Transport(0, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=sender_engine)
+    receiver = Transport(1, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=receiver_engine)
+    yield sender, receiver, receiver_engine
+    sender.close()
+    receiver.close()
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_every_dtype_and_shape_is_received_straight_from_the_slots_bit_exactly(slot_pair, dtype):
+    sender, receiver, engine = slot_pair
+    shapes = [(), (0,), (3, 0, 2), (1,), (7, 5), (2, 3, 4, 5), (9000,)]
+    tensors = [random_tensor(torch.Generator().manual_seed(index), dtype, shape) for index, shape in enumerate(shapes)]
+    for index, (received, tensor) in enumerate(zip(receive_claimed(sender, receiver, tensors), tensors)):
+        assert same_bits(received, tensor), shapes[index]
+    assert engine.slot_receives >= sum(-(-t.numel() * t.element_size() // 4096) for t in tensors)
+    assert engine.in_flight == 0 and engine.arena is None  # nothing went through the arena
+
+
+def test_non_contiguous_views_are_received_straight_from_the_slots_as_their_values(slot_pair):
+    sender, receiver, engine = slot_pair
+    base = torch.arange(24 * 500, dtype=torch.float32).reshape(40, 300)
+    views = [base.t(), base[::3, 1::7], torch.tensor([1.0, 2.0]).expand(3, 2),
+             torch.randn(5, dtype=torch.complex64).conj(), -torch.randn(4, dtype=torch.complex64).conj()]
+    for index, (received, view) in enumerate(zip(receive_claimed(sender, receiver, views), views)):
+        assert torch.equal(received, view.resolve_conj().resolve_neg()), index
+    assert engine.slot_receives > 0
+
+
+def test_a_message_larger_than_the_ring_streams_through_the_slots_with_late_copies(job_id):
+    sender_engine, receiver_engine = FakeCopyEngine(lag=1), FakeCopyEngine(lag=50)
+    sender = Transport(0, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=sender_engine)
+    receiver = Transport(1, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=receiver_engine)
+    try:
+        tensor = random_tensor(torch.Generator().manual_seed(3), torch.float64, (150_000,))  # 1.2 MB, 4 slots
+        received, = receive_claimed(sender, receiver, [tensor])
+        assert same_bits(received, tensor)  # a slot given back before its late copy would carry the next bytes
+        assert receiver_engine.slot_receives >= 1_200_000 // 4096 and receiver_engine.max_in_flight == 2
+        assert len(receiver_engine.registered) == 1  # this rank's ring for the peer, registered once
+        # The ring drains the ordinary way again afterwards: a message that arrives before it is asked for.
+        sender.send(1, make_tag(FWD, 99), torch.arange(10.0)).wait(timeout=20)
+        assert torch.equal(receiver.recv(0, make_tag(FWD, 99), device="cpu"), torch.arange(10.0))
+    finally:
+        sender.close()
+        receiver.close()
+    (address, _), = receiver_engine.registered.items()
+    assert receiver_engine.unregistered == [address]
+
+
+def test_messages_ahead_of_a_claimed_one_arrive_the_ordinary_way(slot_pair):
+    sender, receiver, engine = slot_pair
+    signal = receiver._core = ClaimSignal(receiver._core)
+    ahead = torch.randn(30_000)  # larger than the ring: it must be copied out for the claimed one to come
+
+    def send_both():
+        signal.claimed.wait(20)
+        sender.send(1, make_tag(FWD, 0), ahead)
+        sender.send(1, make_tag(FWD, 1), torch.arange(5000.0)).wait(timeout=20)
+
+    thread = threading.Thread(target=send_both)
+    thread.start()
+    try:
+        assert torch.equal(receiver.recv(0, make_tag(FWD, 1), device="cpu"), torch.arange(5000.0))
+    finally:
+        thread.join(30)
+    assert same_bits(receiver.recv(0, make_tag(FWD, 0)), ahead)
+
+
+def test_a_message_already_here_is_not_claimed(slot_pair):
+    sender, receiver, engine = slot_pair
+    sender.send(1, make_tag(FWD, 0), torch.arange(100.0)).wait(timeout=20)
+    while (0, make_tag(FWD, 0)) not in receiver.poll():
+        time.sleep(0.001)
+    assert not receiver._core.claim_receive(0, make_tag(FWD, 0))
+    assert torch.equal(receiver.recv(0, make_tag(FWD, 0), device="cpu"), torch.arange(100.0))
+    assert engine.slot_receives == 0
+
+
+def test_a_claim_that_timed_out_before_its_message_leaves_the_link_usable(slot_pair):
+    from megatron_app.transport import TransportTimeout
+
+    sender, receiver, engine = slot_pair
+    with pytest.raises(TransportTimeout):
+        receiver.recv(0, make_tag(FWD, 0), timeout=0.05, device="cpu")
+    sender.send(1, make_tag(FWD, 0), torch.arange(100.0)).wait(timeout=20)
+    assert torch.equal(receiver.recv(0, make_tag(FWD, 0)), torch.arange(100.0))  # the withdrawn claim let it pass
+
+
+@pytest.mark.parametrize("how", ["environment", "argument"])
+def test_receives_from_the_slots_can_be_turned_off(job_id, monkeypatch, how):
+    if how == "environment":
+        monkeypatch.setenv("MEGATRON_APP_CUDA_RECEIVE_FROM_SLOTS", "0")
+    engine = FakeCopyEngine()
+    sender = Transport(0, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20)
+    receiver = Transport(1, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=engine,
+                         **({"receive_from_slots": False} if how == "argument" else {}))
+    try:
+        threading.Timer(0.1, lambda: sender.send(1, make_tag(FWD, 0), torch.arange(100.0))).start()
+        assert torch.equal(receiver.recv(0, make_tag(FWD, 0), device="cpu"), torch.arange(100.0))
+        assert engine.slot_receives == 0
+    finally:
+        time.sleep(0.2)
+        sender.close()
+        receiver.close()
+
+
+STALLING_SENDER = """
+import sys, time, torch
+sys.path.insert(0, sys.argv[2])
+from transport_helpers.fake_engine import FakeCopyEngine
+from megatron_app.transport import Direction, Transport, make_tag
+
+class Stalls(FakeCopyEngine):
+    def wait(self, token):
+        if self.copies > 6:
+            print("stalled", flush=True)
+            time.sleep(60)
+        super().wait(token)
+
+t = Transport(0, 2, sys.argv[1], slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=Stalls())
+sys.stdin.readline()
+t.send(1, make_tag(Direction.FORWARD, 0), torch.arange(40_000.0))
+time.sleep(60)
+"""
+
+
+def test_a_sender_killed_mid_message_leaves_the_slot_receive_with_peer_died_in_one_line(job_id):
+    import signal as signals
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from megatron_app.transport import PeerDied
+    from transport_helpers.common import job_segments
+
+    engine = FakeCopyEngine()
+    receiver = Transport(1, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=engine)
+    claim = receiver._core = ClaimSignal(receiver._core)
+    sender = subprocess.Popen([sys.executable, "-c", STALLING_SENDER, job_id, str(Path(__file__).parent)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    stalled = []
+
+    def start_then_kill():
+        claim.claimed.wait(20)
+        sender.stdin.write("go\n")
+        sender.stdin.flush()
+        stalled.append(sender.stdout.readline().strip())
+        sender.send_signal(signals.SIGKILL)
+
+    killer = threading.Thread(target=start_then_kill)
+    killer.start()
+    try:
+        with pytest.raises(PeerDied) as raised:
+            receiver.recv(0, make_tag(FWD, 0), device="cpu")
+        text = str(raised.value)
+        assert stalled == ["stalled"] and len(text.splitlines()) == 1 and "died" in text, text
+        assert engine.slot_receives >= 1 and engine.in_flight == 0  # it was inside the message, copies finished
+    finally:
+        killer.join(30)
+        if sender.poll() is None:
+            sender.kill()
+        sender.wait(timeout=20)
+        receiver.close()
+    assert job_segments(job_id) == []
+
+
+def test_the_event_wait_mode_is_chosen_by_name_or_environment(monkeypatch):
+    from megatron_app.transport.device_engine import EVENT_WAIT_ENV, CudaCopyEngine, event_wait_mode
+
+    monkeypatch.delenv(EVENT_WAIT_ENV, raising=False)
+    assert event_wait_mode() == "spin" and CudaCopyEngine().event_wait == "spin"
+    assert CudaCopyEngine(event_wait="block").event_wait == "block"
+    monkeypatch.setenv(EVENT_WAIT_ENV, "block")
+    assert CudaCopyEngine().event_wait == "block" and CudaCopyEngine(event_wait="spin").event_wait == "spin"
+    monkeypatch.setenv(EVENT_WAIT_ENV, "sleep")
+    with pytest.raises(ValueError, match=f"^{EVENT_WAIT_ENV} must be one of spin, block, got 'sleep'$"):
+        CudaCopyEngine()
+
+
+def test_ipc_sent_tensors_are_let_go_once_their_copies_are_done_without_wait_sends(job_id):
+    """A ping-pong never calls wait_sends: each IPC send's handle kept its tensor alive until then, so on a GPU
+    every received tensor stayed allocated and the next receive needed fresh device memory (cudaMalloc)."""
+    import gc
+    import weakref
+
+    from transport_helpers.fake_engine import FakeCopy
+
+    class LateIpcCopies(FakeIpcEngine):
+        def ipc_fill(self, destination, source, filled, consumed):
+            destination.copy_(source)
+            filled.record()
+            return FakeCopy(torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8), polls_left=1)
+
+    sender = Transport(0, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=LateIpcCopies(),
+                       cuda_ipc=True)
+    receiver = Transport(1, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=FakeIpcEngine(),
+                         cuda_ipc=True)
+    try:
+        sent = []
+        for index in range(40):
+            tensor = torch.full((1000,), float(index))
+            sent.append(weakref.ref(tensor))
+            sender.send(1, make_tag(FWD, index), tensor)
+            del tensor
+            assert torch.equal(receiver.recv(0, make_tag(FWD, index)), torch.full((1000,), float(index)))
+            wait_for_an_acknowledgement(sender)
+        gc.collect()
+        assert sender.device_path_of(1) == "cuda ipc"
+        assert len(sender._stager._handles) <= 2 and sum(ref() is not None for ref in sent) <= 2
+    finally:
+        sender.close()
+        receiver.close()
+
+
+# ---- CUDA IPC: the slot lent to the receiver (device_ipc.py's lifetime rule) -----------------------------------------
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_every_dtype_is_lent_from_its_ipc_slot_bit_exactly(ipc_pair, dtype):
+    sender, receiver, engine = ipc_pair
+    for index, shape in enumerate([(), (1,), (7, 5), (2, 3, 4, 5), (9000,), (3, 0)]):
+        tensor = random_tensor(torch.Generator().manual_seed(index), dtype, shape)
+        sender.send(1, make_tag(FWD, index), tensor)
+        received = receiver.recv(0, make_tag(FWD, index), device="cpu")  # "cpu" is the fake's device
+        assert same_bits(received, tensor), shape
+        del received
+        receiver.poll()  # the lent slot's acknowledgement goes out with the next call
+        if tensor.numel():
+            wait_for_an_acknowledgement(sender)
+    sender.wait_sends(timeout=10)
+    # (3, 0): an empty tensor takes the staged path (no IPC slot for nothing)
+    assert sender.device_path_of(1) == "cuda ipc + slots, registered" and engine.lends == 5 and engine.takes == 0
+
+
+def test_a_lent_slot_is_not_refilled_while_its_tensor_lives(ipc_pair):
+    sender, receiver, engine = ipc_pair
+    held = []
+    for index in range(6):  # 4 slots: the receiver holding 4 lent tensors makes the rest go staged
+        sender.send(1, make_tag(FWD, index), torch.full((2000,), float(index)))
+        held.append(receiver.recv(0, make_tag(FWD, index), device="cpu"))
+        held[-1][:10] = -1.0  # the receiver may write into what it holds
+    sender.wait_sends(timeout=10)
+    assert engine.lends == 4 and sender.device_path_of(1) == "cuda ipc + slots, registered"
+    for index, tensor in enumerate(held):
+        assert torch.equal(tensor[10:], torch.full((1990,), float(index))) and bool((tensor[:10] == -1).all())
+    assert not any(tag >> 60 == 0xF for _, tag in sender.poll())  # nothing acknowledged while held
+    del held[0], tensor
+    receiver.poll()
+    wait_for_an_acknowledgement(sender)
+    sender.send(1, make_tag(FWD, 6), torch.full((2000,), 6.0))
+    assert torch.equal(receiver.recv(0, make_tag(FWD, 6), device="cpu"), torch.full((2000,), 6.0))
+    assert engine.lends == 5  # the slot given back carried the next message
+    for index, tensor in enumerate(held, start=1):  # the slots still held were left alone
+        assert torch.equal(tensor[10:], torch.full((1990,), float(index)))
+
+
+def test_ipc_lending_can_be_turned_off(job_id, monkeypatch):
+    monkeypatch.setenv("MEGATRON_APP_CUDA_IPC_LEND", "0")
+    engine = FakeIpcEngine()
+    sender = Transport(0, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=engine, cuda_ipc=True)
+    receiver = Transport(1, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=engine,
+                         cuda_ipc=True)
+    try:
+        sender.send(1, make_tag(FWD, 0), torch.arange(100.0))
+        assert torch.equal(receiver.recv(0, make_tag(FWD, 0), device="cpu"), torch.arange(100.0))
+        assert engine.lends == 0 and engine.takes == 1
+        wait_for_an_acknowledgement(sender)  # a copy is acknowledged at once
+    finally:
+        sender.close()
+        receiver.close()
+
+
+@pytest.mark.parametrize("nbytes", [1, 4096, 3 * 4096 + 5])
+def test_the_last_copies_can_be_left_to_the_callers_stream_and_their_slots_given_back_later(nbytes):
+    from megatron_app.transport.device_staging import receive_through_slots
+
+    payload = bytes(range(256)) * (nbytes // 256) + bytes(nbytes % 256)
+    core, engine = FakeReceiveCore(payload, slots=2), FakeCopyEngine(lag=100)
+    deferred = []
+    received = receive_through_slots(core, engine, 0, "cpu", 10, defer=deferred.append)
+    assert bytes(received.tolist()) == payload and engine.ordered_after == 1
+    assert deferred and core.events.count("release") == core.taken - len(deferred)  # still held
+    for token in deferred:
+        engine.wait(token)
+        core.release_claimed_chunk(0)
+    assert core.handed == []
+
+
+def test_a_receive_from_the_slots_gives_its_last_slots_back_without_another_call(slot_pair):
+    """A rank that stops calling the transport after a receive (computing, in a collective with the peer) must not
+    keep the peer's ring held: the releaser's thread gives the slots back once their copies are done."""
+    sender, receiver, engine = slot_pair
+    first, = receive_claimed(sender, receiver, [torch.arange(3000.0)])
+    assert torch.equal(first, torch.arange(3000.0)) and engine.ordered_after == 1
+    big = torch.randn(30_000)  # larger than the ring: it arrives only once the claim's last slots were given back
+    handle = sender.send(1, make_tag(FWD, 7), big)
+    give_up_at = time.monotonic() + 20
+    while receiver._core.peek(0, make_tag(FWD, 7)) is None:  # the core's own call: the transport settles nothing
+        assert time.monotonic() < give_up_at, "the claimed receive kept the ring"
+        time.sleep(0.001)
+    handle.wait(timeout=20)
+    assert not receiver._releaser.pending() and same_bits(receiver.recv(0, make_tag(FWD, 7)), big)
+
+
+def test_the_slot_releaser_gives_each_slot_back_only_after_its_copy():
+    from transport_helpers.fake_engine import FakeCopy
+
+    from megatron_app.transport.device_staging import SlotReleaser
+
+    tokens = [FakeCopy(torch.zeros(4, dtype=torch.uint8), torch.ones(4, dtype=torch.uint8), polls_left=10)
+              for _ in range(5)]
+
+    class Core:
+        released = []
+
+        def release_claimed_chunk(self, peer):
+            self.released.append((peer, tokens[len(self.released)].performed))
+
+    engine = FakeCopyEngine()
+    engine.in_flight = len(tokens)
+    releaser = SlotReleaser(Core(), engine)
+    try:
+        for token in tokens:
+            releaser.add(3, token)
+        give_up_at = time.monotonic() + 20
+        while len(Core.released) < len(tokens):
+            assert time.monotonic() < give_up_at, "the releaser's thread gave nothing back"
+            time.sleep(0.001)
+        assert Core.released == [(3, True)] * 5 and not releaser.pending()
+    finally:
+        releaser.stop()

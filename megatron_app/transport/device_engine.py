@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import sys
 import weakref
 import time
 from typing import Optional
@@ -24,6 +25,20 @@ HOST_REGISTER_PORTABLE = 1
 # Host-to-device copies of a received message go in chunks of this size through page-locked memory, so the host
 # copy of chunk k+1 overlaps the device copy of chunk k.
 RECEIVE_CHUNK_BYTES = 4 << 20
+# How the host waits for a copy's event: "spin" (plain events: synchronize() polls, a core busy meanwhile, no
+# wake-up) or "block" (cudaEventBlockingSync: the thread sleeps until the device signals it). Spin is the default:
+# small sends wait for their copy on the caller's thread, where a wake-up could cost more than the copy. The bench
+# (tools/bench_transport.py --device cuda) measures both on each size.
+EVENT_WAIT_ENV = "MEGATRON_APP_CUDA_EVENT_WAIT"
+EVENT_WAIT_MODES = ("spin", "block")
+
+
+def event_wait_mode(value: Optional[str] = None) -> str:
+    """The wait mode `value` names, else EVENT_WAIT_ENV's, else "spin"; ValueError in one line for another word."""
+    mode = value if value is not None else os.environ.get(EVENT_WAIT_ENV, "spin")
+    if mode not in EVENT_WAIT_MODES:
+        raise ValueError(f"{EVENT_WAIT_ENV} must be one of {', '.join(EVENT_WAIT_MODES)}, got {mode!r}")
+    return mode
 
 
 def host_view(address: int, nbytes: int) -> torch.Tensor:
@@ -156,14 +171,59 @@ def _ipc_take(view, filled, consumed, dtype, shape, device) -> torch.Tensor:
     return out.to(device)
 
 
+class _LentSlot:
+    """The owner torch sees behind a lent IPC slot's tensor (torch.as_tensor over __cuda_array_interface__ keeps it
+    alive from the tensor's storage): it dies with the last view of the tensor, and its finalizer gives the slot
+    back (device_ipc.py)."""
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer = buffer
+        self.__cuda_array_interface__ = {"shape": (buffer.numel(),), "typestr": "|u1",
+                                         "data": (buffer.data_ptr(), False), "version": 2}
+
+
+def _ipc_lend(buffer, filled, dtype, shape, device, on_release) -> Optional[torch.Tensor]:
+    """The slot `buffer` (flat uint8) as the received tensor, ordered after the sender's `filled` event on the
+    current stream; `on_release` runs when its last view dies. None (nothing lent) where the receive wants another
+    device (the receiver's kernels would read the slot across the link: it copies instead) or this torch does not
+    keep the owner of an array-interface tensor alive."""
+    target = torch.device(device)
+    if target.type != "cuda":
+        return None
+    if (target.index if target.index is not None else torch.cuda.current_device()) != buffer.device.index:
+        return None
+    torch.cuda.current_stream(buffer.device).wait_event(filled)
+    lease = _LentSlot(buffer)
+    references = sys.getrefcount(lease)
+    with torch.cuda.device(buffer.device):
+        flat = torch.as_tensor(lease, device=buffer.device)
+    if sys.getrefcount(lease) <= references or flat.data_ptr() != buffer.data_ptr():
+        return None
+    weakref.finalize(lease, on_release).atexit = False  # no CUDA calls while the interpreter shuts down
+    return flat.view(dtype).reshape(shape)
+
+
+def _ipc_release(consumed, device) -> None:
+    """A lent slot's tensor died: `consumed` recorded on the stream current now (what was queued there reading it)."""
+    with torch.cuda.device(device):
+        consumed.record(torch.cuda.current_stream(device))
+
+
 class CudaCopyEngine:
     """Device-to-host copies on one side stream per device, ordered after the producer's stream by an event;
-    completion by plain events, which spin when waited on: small sends wait for their copy on the caller's thread,
-    where a blocking event's wake-up would cost more than the copy. (On an H200 blocking and spinning events left the
-    same 340-560 us floor per message: that was the stager's thread hand-off, since bypassed for small sends.)"""
+    host-to-device copies of a receive on another side stream. Completion by events, waited for as `event_wait`
+    says (event_wait_mode: spinning by default; small sends wait for their copy on the caller's thread, where a
+    blocking event's wake-up could cost more than the copy. On an H200 blocking and spinning events left the same
+    340-560 us floor per message, measured before sends of up to 1 MiB left the stager's thread.)"""
 
-    def __init__(self):
+    def __init__(self, event_wait: Optional[str] = None):
+        self.event_wait = event_wait_mode(event_wait)
+        self._blocking = self.event_wait == "block"
         self._streams: dict[int, torch.cuda.Stream] = {}
+        self._receive_streams: dict[int, torch.cuda.Stream] = {}
+
+    def _event(self) -> "torch.cuda.Event":
+        return torch.cuda.Event(blocking=self._blocking)
 
     @staticmethod
     def handles(tensor: torch.Tensor) -> bool:
@@ -202,7 +262,43 @@ class CudaCopyEngine:
         stream = self._stream(source.device)
         with torch.cuda.stream(stream):
             destination.copy_(source, non_blocking=True)
-            done = torch.cuda.Event()
+            done = self._event()
+            done.record(stream)
+        return done
+
+    # ---- receives straight from the slots (device_staging.receive_through_slots) ----
+    def _receive_stream(self, device: torch.device) -> "torch.cuda.Stream":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = self._receive_streams.get(index)
+        if stream is None:
+            stream = self._receive_streams[index] = torch.cuda.Stream(device=index)
+        return stream
+
+    def empty(self, shape, dtype, device) -> torch.Tensor:
+        """A receive's destination: allocated on the receive stream (its memory free of the caller's queued work
+        there), then marked as used by the caller's stream (record_stream), which owns it from then on."""
+        device = torch.device(device)
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        with torch.cuda.stream(self._receive_stream(device)):
+            target = torch.empty(shape, dtype=dtype, device=device)
+        if target.numel():
+            target.record_stream(torch.cuda.current_stream(device))
+        return target
+
+    @staticmethod
+    def order_after(tensor: torch.Tensor, token) -> None:
+        """The current stream of `tensor`'s device waits for the receive copy `token` (copies on the receive stream
+        complete in order: the last one's event covers them all)."""
+        torch.cuda.current_stream(tensor.device).wait_event(token)
+
+    def from_host(self, destination: torch.Tensor, source: torch.Tensor):
+        """Copies `source` (a host view of a registered slot) into the device view `destination` on the receive
+        stream; the returned event completes with the copy (only then may the slot be given back)."""
+        stream = self._receive_stream(destination.device)
+        with torch.cuda.stream(stream):
+            destination.copy_(source, non_blocking=True)
+            done = self._event()
             done.record(stream)
         return done
 
@@ -265,13 +361,12 @@ class CudaCopyEngine:
         start = -raw.data_ptr() % page
         return raw[start:start + nbytes]   # a view: keeps the whole allocation alive
 
-    @staticmethod
-    def to_device_async(host: torch.Tensor, device):
+    def to_device_async(self, host: torch.Tensor, device):
         """(host's tensor on `device`, event of the copy): page-locked `host` copied on the current stream; `host`
         must live until the event is done."""
         target = torch.empty(host.shape, dtype=host.dtype, device=device)
         target.copy_(host, non_blocking=True)
-        done = torch.cuda.Event()
+        done = self._event()
         done.record(torch.cuda.current_stream(target.device))
         return target, done
 
@@ -283,6 +378,8 @@ class CudaCopyEngine:
     export_event = staticmethod(_export_event)
     open_event = staticmethod(_open_event)
     ipc_take = staticmethod(_ipc_take)
+    ipc_lend = staticmethod(_ipc_lend)
+    ipc_release = staticmethod(_ipc_release)
 
     @staticmethod
     def ipc_buffer(nbytes: int, device) -> torch.Tensor:
@@ -297,6 +394,6 @@ class CudaCopyEngine:
                 stream.wait_event(consumed)
             destination.copy_(source, non_blocking=True)
             filled.record(stream)
-            done = torch.cuda.Event()
+            done = self._event()
             done.record(stream)
         return done

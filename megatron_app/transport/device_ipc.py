@@ -9,6 +9,16 @@ on its current stream (no host wait), copies the slot into a tensor of its own (
 the receiver's; the slot is the sender's again once the receiver's copy is done), records its own interprocess
 "consumed" event for the slot and acknowledges on ack_tag(slot) (exporting that event with the first ack).
 
+Lending (the default; MEGATRON_APP_CUDA_IPC_LEND=0 copies instead): where the receive asks for the slot's own
+device, the receiver copies nothing: recv returns a tensor over the slot itself (the message crosses in one device
+copy, the sender's), ordered after the sender's `filled` event on the receiver's current stream. Lifetime rule: the
+slot is the receiver's for as long as that tensor (or any view of it) lives; when the last reference dies, the
+receiver records `consumed` on the stream current at that moment and the acknowledgement goes out with the
+transport's next call (send, recv, try_recv, poll, wait_any). Work on other streams that reads the tensor must be
+ordered before it is dropped (as with record_stream). A receiver that holds IPC_SLOTS tensors from one peer makes
+that peer's further messages take the staged path until it lets one go; the tensor stays valid while the sender's
+process lives.
+
 The sender never waits for the receiver's process: when every slot still awaits its acknowledgement (the receiver
 is behind), the message takes the staged path (shared-memory slots) instead, so a rank whose receiver is busy
 elsewhere never blocks other traffic. Both paths share the core's link, so messages stay in order.
@@ -19,6 +29,7 @@ segments, an export that fails) the link falls back to the staged path and says 
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import struct
@@ -30,6 +41,7 @@ from ._core import core
 from .dtypes import dtype_from_code
 
 IPC_ENV = "MEGATRON_APP_CUDA_IPC"
+LEND_ENV = "MEGATRON_APP_CUDA_IPC_LEND"
 IPC_SLOTS = 4
 IPC_FLAG = 1 << 15                 # on a message's dtype code: the payload is a descriptor, the data in a slot
 MIN_SLOT_BYTES = 1 << 20
@@ -41,6 +53,10 @@ _MAGIC, _VERSION = 0x4350494D, 1          # "MIPC"
 
 def ipc_requested(value: Optional[bool]) -> bool:
     return value if value is not None else os.environ.get(IPC_ENV, "0") == "1"
+
+
+def lend_requested() -> bool:
+    return os.environ.get(LEND_ENV, "1") != "0"
 
 
 def ack_tag(slot: int) -> int:
@@ -147,15 +163,41 @@ class _ReceiveSlot:
 
 
 class IpcReceiver:
-    """The receiving half, run on the thread that takes the message."""
+    """The receiving half, run on the thread that takes the message. `released`: acknowledgements of lent slots
+    whose tensors died, (peer, ack tag, ack payload), for the transport to send."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, lend: Optional[bool] = None):
         self.engine = engine
+        self.lend = (lend_requested() if lend is None else lend) and hasattr(engine, "ipc_lend")
         self._slots: dict[tuple[int, int], _ReceiveSlot] = {}
+        self.released: collections.deque = collections.deque()
+        self.lent = 0
+
+    @staticmethod
+    def _ack(slot: "_ReceiveSlot", index: int, generation: int, engine) -> bytes:
+        event_blob = b""
+        if not slot.consumed_said:
+            event_blob = engine.export_event(slot.consumed)
+            slot.consumed_said = True
+        return _ACK.pack(_MAGIC, _VERSION, index, generation, len(event_blob)) + event_blob
+
+    def _on_release(self, peer: int, index: int, generation: int, slot: "_ReceiveSlot"):
+        """What runs when a lent slot's tensor dies (any thread): `consumed` recorded, the acknowledgement queued."""
+        engine, released, device = self.engine, self.released, slot.buffer.device
+
+        def release() -> None:
+            try:
+                engine.ipc_release(slot.consumed, device)
+                released.append((peer, ack_tag(index), self._ack(slot, index, generation, engine)))
+            except Exception:  # noqa: BLE001 - at interpreter exit, or CUDA gone: nobody waits for this slot
+                pass
+
+        return release
 
     def take(self, peer: int, code: int, shape, nbytes: int, payload, device) -> tuple[torch.Tensor, int, bytes]:
-        """(the tensor on `device` (its own memory), ack tag, ack payload) for a descriptor from `peer`. Every
-        field is checked before it is used: the descriptor comes from another process."""
+        """(the tensor on `device`, ack tag, ack payload) for a descriptor from `peer`: the tensor is the slot itself
+        where it can be lent (ack tag None: the acknowledgement waits for the tensor's death, see `released`), else
+        a copy of its own. Every field is checked before it is used: the descriptor comes from another process."""
         dtype = dtype_from_code(code & ~IPC_FLAG)
         data = bytes(memoryview(payload)) if nbytes else b""
         if len(data) < _DESCRIPTOR.size:
@@ -180,12 +222,13 @@ class IpcReceiver:
                              f"{size} bytes, which this rank never opened")
         if slot.consumed is None:
             slot.consumed = self.engine.ipc_event(slot.buffer.device)
+        if self.lend and size and device is not None:
+            tensor = self.engine.ipc_lend(slot.buffer[:size], slot.filled, dtype, tuple(shape), device,
+                                          self._on_release(peer, index, generation, slot))
+            if tensor is not None:  # the acknowledgement goes out once the tensor dies (`released`)
+                self.lent += 1
+                return tensor, None, b""
         view = slot.buffer[:size].view(dtype).reshape(tuple(shape)) if size else None
         tensor = self.engine.ipc_take(view, slot.filled, slot.consumed, dtype, tuple(shape),
                                       device if device is not None else "cpu")
-        event_blob = b""
-        if not slot.consumed_said:
-            event_blob = self.engine.export_event(slot.consumed)
-            slot.consumed_said = True
-        ack = _ACK.pack(_MAGIC, _VERSION, index, generation, len(event_blob)) + event_blob
-        return tensor, ack_tag(index), ack
+        return tensor, ack_tag(index), self._ack(slot, index, generation, self.engine)

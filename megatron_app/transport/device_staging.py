@@ -7,9 +7,11 @@ waits for the producer's stream (an event recorded at send()), leases the peer's
 (`reserve_slot`), has the copy engine copy that chunk device-to-host straight into the slot, and commits each
 slot (`commit_slot`) as soon as its copy is done, while the next chunk's copy runs: the receiver copies chunk k out
 while chunk k+1 crosses the bus. Links that lend no slots (tcp, rdma) get the tensor staged through pinned memory
-by the same thread, then the core's ordinary send. On the receiving side the core copies messages into a page-locked
-arena (transport.py) and the receive copies them to the device asynchronously; CUDA IPC (device_ipc.py) skips the
-host altogether.
+by the same thread, then the core's ordinary send. On the receiving side a blocking recv(device=...) of a message
+that has not arrived yet claims it (receive_through_slots): its chunks stay in this rank's registered slots and
+are copied to the device straight from there, each slot given back once its copy is done; a message that arrived
+before it was asked for has been copied into a page-locked arena by the core (transport.py) and goes to the device
+from there. CUDA IPC (device_ipc.py) skips the host altogether.
 
 Everything here but the copy engine is device-independent and runs on CPU in the tests (a fake engine); the CUDA
 lines are CudaCopyEngine (device_engine.py), the one interface:
@@ -24,6 +26,9 @@ lines are CudaCopyEngine (device_engine.py), the one interface:
     engine.pinned_like(flat)              page-locked host bytes for a link that lends no slots
     engine.register(address, nbytes) -> None or why not / engine.unregister(address)
     engine.to_device(host, device) -> tensor   (receive: host-to-device)
+    engine.empty(shape, dtype, device) -> tensor   a receive's destination
+    engine.from_host(dst, src) -> token   copy src (a host uint8 view of a slot) into dst (a flat uint8 device view)
+    engine.order_after(tensor, token)     the caller's stream waits (on the device) for the copy `token`
 
 Lifetime rule: as on CPU, the sent tensor must not be written until its handle is done (the stager reads it).
 Order: messages to one peer leave in send() order, whichever path each takes (host tensors posted while a device
@@ -43,7 +48,7 @@ import torch
 
 from ._core import core
 from .sendable import prepare
-from .dtypes import dtype_code
+from .dtypes import dtype_code, dtype_from_code
 
 LOG = logging.getLogger(__name__)
 
@@ -120,6 +125,192 @@ def send_through_slots(core, engine, peer: int, tag: int, code: int, shape, sour
                 pass
         raise
     return chunks
+
+
+def receive_through_slots(core, engine, peer: int, device, timeout=None, depth: int = PIPELINE_DEPTH,
+                          host_view: Optional[Callable] = None, device_bound: Optional[Callable] = None,
+                          defer: Optional[Callable] = None):
+    """Receives the message claimed from `peer` (core.claim_receive) straight out of this rank's slots: each chunk
+    is copied by `engine` from its slot into the destination tensor on `device`, with up to `depth` copies in
+    flight, so the sender's copy of chunk k+1 into its next slot overlaps ours of chunk k.
+
+    Slot lifetime rule: a slot is released to the sender (core.release_claimed_chunk) only after the engine's copy
+    out of it is done (engine.wait / engine.done on its token): the sender may overwrite a released slot at once.
+    At most depth - 1 slots are held while the next chunk is awaited, so a ring of two slots never stalls.
+
+    `timeout` bounds the wait for the first chunk (the claim is then withdrawn cleanly); later chunks wait up to
+    the transport's timeout_s. Returns the tensor (its copies done), or, for a message that `device_bound(code)`
+    says is not a device tensor's bytes (a CUDA IPC descriptor), the core's message tuple (code, shape, nbytes,
+    host bytes) gathered on the host. Any failure withdraws the claim (core.cancel_claim; after a chunk was taken
+    that closes the link) and raises.
+
+    With `defer`, the copies still running when the last chunk was issued are not waited for on the host: the
+    caller's stream is ordered after them (engine.order_after) and each token goes to defer(token), whose owner
+    releases its slot once engine.wait(token) returned (the lifetime rule, later: SlotReleaser); until then the
+    claim holds the ring, so the owner must do that before the next receive from `peer`, and soon."""
+    view = host_view or engine.host_view
+    in_flight: collections.deque = collections.deque()
+    try:
+        code, shape, nbytes, offset, length, address = core.next_claimed_chunk(peer, timeout)
+        on_device = device_bound is None or device_bound(code)
+        if on_device:
+            target = engine.empty(tuple(shape), dtype_from_code(code), device)
+            if target.numel() * target.element_size() != nbytes:
+                raise ValueError(f"received a malformed message: shape {tuple(shape)} does not describe its "
+                                 f"{nbytes} bytes")
+            destination = flat_bytes(target)
+        else:
+            target = destination = torch.empty(nbytes, dtype=torch.uint8)
+        received = 0
+        while True:
+            if offset != received:
+                raise RuntimeError(f"the core handed out byte {offset} where byte {received} comes next")
+            if length:
+                part = view(address, length)
+                if on_device:
+                    in_flight.append(engine.from_host(destination[offset:offset + length], part))
+                else:
+                    destination[offset:offset + length].copy_(part)
+                    in_flight.append(None)
+            else:
+                in_flight.append(None)
+            received += length
+            if received >= nbytes:
+                break
+            # Free what is done; never wait for the next chunk holding `depth` slots.
+            while len(in_flight) >= depth or (in_flight and engine.done(in_flight[0])):
+                engine.wait(in_flight.popleft())
+                core.release_claimed_chunk(peer)
+            # `timeout` bounded the wait for the message; once it is arriving, giving up would close the link
+            # (a claimed message cannot be resumed): the rest waits as long as the transport's own timeout.
+            code_k, _, nbytes_k, offset, length, address = core.next_claimed_chunk(peer, None)
+            if (code_k, nbytes_k) != (code, nbytes):
+                raise RuntimeError("the core handed out a chunk of another message")
+        if on_device and defer is not None and any(token is not None for token in in_flight):
+            engine.order_after(target, [token for token in in_flight if token is not None][-1])
+            while in_flight:
+                defer(in_flight.popleft())
+        while in_flight:
+            engine.wait(in_flight.popleft())
+            core.release_claimed_chunk(peer)
+    except BaseException:
+        for token in in_flight:  # nothing may read a slot once the claim is gone
+            try:
+                engine.wait(token)
+            except BaseException:  # noqa: BLE001 - the first error is the one raised
+                pass
+        try:
+            core.cancel_claim(peer)
+        except Exception:  # noqa: BLE001 - a closed transport: the original error says more
+            pass
+        raise
+    if on_device:
+        return target
+    return code, tuple(shape), nbytes, target.numpy()  # a buffer, as the core's own message tuples carry
+
+
+class SlotReleaser:
+    """Gives back the slots of claimed receives' last chunks (receive_through_slots' `defer`) once their copies are
+    done, on its own thread: a rank that stops calling the transport (computing, or in a collective with the peer)
+    never keeps its peer's ring held (the peer's sends would stall, and a peer that waits for them in turn would never
+    join the collective). The transport's receive calls settle() first as well, so the next receive from the peer
+    finds its ring free. Releases go in copy order, one releaser at a time."""
+
+    def __init__(self, core, engine):
+        self._core = core
+        self._engine = engine
+        self._pending: collections.deque = collections.deque()  # (peer, copy token), oldest first
+        self._settling = threading.Lock()
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="megatron_app-slot-releaser", daemon=True)
+        self._thread.start()
+
+    def add(self, peer: int, token) -> None:
+        with self._wake:
+            self._pending.append((peer, token))
+            self._wake.notify()
+
+    def pending(self) -> bool:
+        return bool(self._pending)
+
+    def settle(self) -> None:
+        """Waits for each pending copy and gives its slot back."""
+        with self._settling:
+            while self._pending:
+                peer, token = self._pending[0]
+                self._engine.wait(token)
+                self._pending.popleft()
+                self._core.release_claimed_chunk(peer)
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                self._wake.wait_for(lambda: self._pending or self._stopping)
+                if self._stopping:
+                    return
+            try:
+                self.settle()
+            except Exception as error:  # noqa: BLE001 - a closed transport; the caller's next call says more
+                LOG.debug("megatron_app.transport: releasing received slots failed: %s", error)
+                with self._wake:
+                    self._wake.wait_for(lambda: self._stopping)
+                return
+
+    def stop(self) -> None:
+        """Stops the thread; copies still reading slots are waited for (their slots stay the receiver's). Idempotent."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify_all()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+        with self._settling:
+            while self._pending:
+                self._engine.wait(self._pending.popleft()[1])
+
+
+class ReceiveRegions:
+    """This rank's slots of each peer's ring, registered with the device once (receive_through_slots copies out of
+    them); unregistered by release(), before the core unmaps its segment."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._regions: dict[int, Optional[tuple[int, int]]] = {}
+        self._views: dict[int, Callable] = {}
+        self._said = False
+
+    def view_for(self, core, peer: int) -> Callable:
+        """A host_view for receive_through_slots over `peer`'s ring (registering it first)."""
+        view = self._views.get(peer)
+        if view is None:
+            base, nbytes = core.receive_region(peer)
+            problem = self.engine.register(base, nbytes)
+            self._regions[peer] = (base, nbytes) if problem is None else None
+            if problem is not None and not self._said:
+                self._said = True
+                LOG.warning("megatron_app.transport: receive slots from peer %d not registered with the device (%s): "
+                            "device tensors from it are copied at pageable speed", peer, problem)
+            whole = self.engine.host_view(base, nbytes)
+
+            def view(address: int, length: int) -> torch.Tensor:
+                start = address - base
+                if not 0 <= start <= start + length <= nbytes:
+                    raise RuntimeError(f"the core handed out a slot outside peer {peer}'s receive region")
+                return whole[start:start + length]
+
+            self._views[peer] = view
+        return view
+
+    def registered(self, peer: int) -> bool:
+        return bool(self._regions.get(peer))
+
+    def release(self, _core=None) -> None:
+        """Unregisters every region (`_core`, unused, keeps the core mapped until this ran)."""
+        regions, self._regions = self._regions, {}
+        self._views.clear()
+        for region in regions.values():
+            if region is not None:
+                self.engine.unregister(region[0])
 
 
 def peer_gone_or(core_transport, peer: int, error: BaseException, doing: str) -> BaseException:
@@ -214,7 +405,7 @@ class Stager:
         self._queue: collections.deque = collections.deque()
         self._queued_per_peer: collections.Counter = collections.Counter()
         self._lock = threading.Condition()
-        self._handles: list[DeviceSendHandle] = []
+        self._handles: collections.deque = collections.deque()  # DeviceSendHandle, oldest first (_remember)
         self._regions: dict[int, Optional[tuple[int, int]]] = {}  # peer -> registered (address, bytes) or None
         self._region_views: dict[int, tuple[int, int, torch.Tensor]] = {}
         self._fallback_said: set = set()
@@ -247,9 +438,7 @@ class Stager:
             self._queue.append((handle, peer, tag, source, ready, list(earlier), device_tensor and lends_slots,
                                 device_tensor))
             self._queued_per_peer[peer] += 1
-            if len(self._handles) >= 256:  # a caller that never calls wait_sends: forget what succeeded
-                self._handles = [h for h in self._handles if not h.done() or h._error is not None]
-            self._handles.append(handle)
+            self._remember(handle)
             self._lock.notify_all()
         return handle
 
@@ -275,7 +464,7 @@ class Stager:
         if not sent:
             return False
         with self._lock:
-            self._handles.append(handle)
+            self._remember(handle)
             handle._finish(error, pending, source, self.engine)
         return True
 
@@ -287,16 +476,29 @@ class Stager:
         except Exception as exc:  # noqa: BLE001 - handed to the caller through the handle, as from the stager
             error = _peer_gone_or(self._core, peer, exc)
         with self._lock:
-            self._handles.append(handle)
+            self._remember(handle)
             handle._finish(error, pending, source, self.engine)
         return handle
+
+    def _remember(self, handle: DeviceSendHandle) -> None:
+        """Keeps `handle` for wait_idle (its error, its IPC copy), forgetting first the oldest ones that succeeded
+        and whose copies are done (done() also drops the sent tensor an IPC copy kept alive). Every send prunes: a
+        caller that never calls wait_sends (a ping-pong, a training loop between flushes) would otherwise keep every
+        IPC-sent tensor alive, and the caching allocator would get fresh device memory for each message it receives
+        (cudaMalloc: it synchronises the device). Caller holds the lock."""
+        handles = self._handles
+        while handles and handles[0]._error is None and handles[0].done():
+            handles.popleft()
+        if len(handles) >= 256:  # an old send still copying: forget what succeeded behind it
+            self._handles = handles = collections.deque(h for h in handles if not h.done() or h._error is not None)
+        handles.append(handle)
 
     def wait_idle(self, timeout: Optional[float] = None) -> None:
         """Waits until everything queued is done; raises the first error not reported by a handle yet."""
         with self._lock:
             if not self._lock.wait_for(lambda: not self._queue and not self._working, timeout):
                 raise core.TransportTimeout(f"device sends still in flight after {timeout} s")
-            handles, self._handles = self._handles, []
+            handles, self._handles = self._handles, collections.deque()
         for handle in handles:
             handle._copy_done(block=True)  # IPC copies of sends made on the caller's thread
         for handle in handles:

@@ -20,7 +20,7 @@ from . import codec
 from ._core import core
 from .backends import SHM
 from .device_ipc import IpcReceiver, ipc_requested, is_descriptor, payload_bytes, IPC_FLAG
-from .device_staging import Stager, peer_gone_or
+from .device_staging import ReceiveRegions, SlotReleaser, Stager, peer_gone_or, receive_through_slots
 from .dtypes import dtype_from_code
 from .protocol import ClosesOnExit
 from .tags import MAX_TAG, describe_tag, validate_tag
@@ -35,6 +35,9 @@ DEFAULT_ARENA_MIB = 256
 # sign of CPU contention (csrc/shm_tensor_rdma/core/doorbell.cpp), so a rank that waits long still sleeps.
 DEVICE_WAIT_SPIN_US = 200
 DEVICE_WAIT_SPIN_ENV = "MEGATRON_APP_DEVICE_WAIT_SPIN_US"  # overrides it (a GPU host's A/B: 50 is the core's own)
+# A blocking recv(device=...) of a message not arrived yet takes it straight from this rank's registered slots
+# (device_staging.receive_through_slots); "0" turns that off (every device-bound message through the arena).
+SLOT_RECEIVE_ENV = "MEGATRON_APP_CUDA_RECEIVE_FROM_SLOTS"
 
 TransportTimeout = core.TransportTimeout
 PeerDied = core.PeerDied
@@ -122,6 +125,7 @@ class Transport(ClosesOnExit):
         admission_secret: bytes = b"",
         copy_engine=None,
         cuda_ipc: bool | None = None,
+        receive_from_slots: bool | None = None,
     ):
         if not isinstance(job_id, str):
             raise TypeError(f"job_id must be a str, got {type(job_id).__name__}")
@@ -172,6 +176,15 @@ class Transport(ClosesOnExit):
         self._arena_finalizer = None
         self._keepalive: collections.deque = collections.deque()  # (copy token, host buffer) still being copied
         self._device_traffic = False  # set at the first device send or receive (DEVICE_WAIT_SPIN_US)
+        self._receive_regions: ReceiveRegions | None = None  # registered receive slots (receive_through_slots)
+        # Gives back the slots of claimed receives' last chunks, whose copies the caller's stream was ordered after
+        # instead of the host waiting: each once its copy is done (its own thread; receive calls settle it first).
+        self._releaser: SlotReleaser | None = None
+        self._receive_finalizer = None
+        self._loss_attached = False
+        # A blocking device receive takes a message not arrived yet straight from the slots (None: SLOT_RECEIVE_ENV).
+        self._slot_receives = (os.environ.get(SLOT_RECEIVE_ENV, "1") != "0" if receive_from_slots is None
+                               else bool(receive_from_slots))
 
     # -- links to other hosts ------------------------------------------------------------------------------------
     @property
@@ -198,6 +211,7 @@ class Transport(ClosesOnExit):
     def attach_loss_injector(self, injector) -> None:
         """Run `injector` (a loss_injection.LossInjector) on every message this rank receives; None detaches."""
         core.attach_loss_injector(self._core, injector)
+        self._loss_attached = injector is not None  # claimed receives bypass the arrival hook: not while it runs
 
     # -- sending -----------------------------------------------------------------------------------------------
     def send(self, peer: int, tag: int, tensor: torch.Tensor) -> SendHandle:
@@ -206,6 +220,8 @@ class Transport(ClosesOnExit):
             peer = _int_arg(peer, "peer")
         if type(tag) is not int or not 0 <= tag <= MAX_TAG:
             tag = validate_tag(tag)
+        if self._ipc_receiver is not None and self._ipc_receiver.released:
+            self._flush_ipc_acks()
         if isinstance(tensor, torch.Tensor):
             if tensor.is_cuda if self._copy_engine is None else self._copy_engine.handles(tensor):
                 return self._send_staged(peer, tag, tensor, device_tensor=True)
@@ -272,11 +288,19 @@ class Transport(ClosesOnExit):
     # -- receiving ---------------------------------------------------------------------------------------------
     def poll(self) -> list[tuple[int, int]]:
         """(peer, tag) of every message fully arrived and not yet taken, oldest first. Never blocks."""
+        if self._ipc_receiver is not None and self._ipc_receiver.released:
+            self._flush_ipc_acks()
+        if self._releaser is not None and self._releaser.pending():
+            self._releaser.settle()
         return self._core.poll()
 
     def try_recv(self, peer: int, tag: int, dtype: torch.dtype | None = None, device=None):
         """Takes the message (peer, tag) if it has arrived, else returns None. Never blocks."""
         peer, tag = _key_arg((peer, tag))
+        if self._ipc_receiver is not None and self._ipc_receiver.released:
+            self._flush_ipc_acks()
+        if self._releaser is not None and self._releaser.pending():
+            self._releaser.settle()
         if dtype is not None and not self._has_dtype(peer, tag, dtype):
             return None
         message = self._core.try_take(peer, tag)
@@ -291,7 +315,15 @@ class Transport(ClosesOnExit):
             timeout = _timeout_arg(timeout)
         if self._keepalive:
             self._release_arena_copies()
+        if self._ipc_receiver is not None and self._ipc_receiver.released:
+            self._flush_ipc_acks()
+        if self._releaser is not None and self._releaser.pending():
+            self._releaser.settle()
         if dtype is None:
+            if device is not None and self._slot_receives and not self._loss_attached:
+                received = self._recv_from_slots(peer, tag, timeout, device)
+                if received is not None:
+                    return received
             return self._decode(peer, self._core.recv(peer, tag, timeout), device)
         while True:
             self._core.wait_any([(peer, tag)], timeout)
@@ -307,6 +339,10 @@ class Transport(ClosesOnExit):
         keys = keys if isinstance(keys, list) else list(keys)
         if self._keepalive:
             self._release_arena_copies()
+        if self._ipc_receiver is not None and self._ipc_receiver.released:
+            self._flush_ipc_acks()
+        if self._releaser is not None and self._releaser.pending():
+            self._releaser.settle()
         try:  # the core converts and range-checks the keys itself: no per-key Python work on the hot path
             return self._core.wait_any(keys, timeout)
         except TypeError:
@@ -329,8 +365,51 @@ class Transport(ClosesOnExit):
             tensor, ack_tag, ack = self._ipc_receiver.take(peer, *message, device=device)
         except Exception as error:  # noqa: BLE001 - an exporter that died leaves handles nobody can open
             raise peer_gone_or(self._core, peer, error, "opening the CUDA IPC memory it exported") from error
-        self._send_host(peer, ack_tag, payload_bytes(ack))  # the slot is the sender's again
+        if ack_tag is not None:  # copied: the slot is the sender's again (lent: once the tensor dies)
+            self._send_host(peer, ack_tag, payload_bytes(ack))
         return tensor
+
+    def _flush_ipc_acks(self) -> None:
+        """Acknowledges the CUDA IPC slots whose lent tensors died since the last call (device_ipc.py)."""
+        released = self._ipc_receiver.released
+        while released:
+            peer, tag, ack = released.popleft()
+            try:
+                self._send_host(peer, tag, payload_bytes(ack))
+            except (PeerDied, TransportClosed):
+                pass  # a sender that is gone waits for nothing
+
+    # -- device receives: straight from the slots, or through the arena -------------------------------------------
+    def _recv_from_slots(self, peer: int, tag: int, timeout, device):
+        """The message (peer, tag) on `device`, copied straight out of this rank's registered slots as its chunks
+        arrive (device_staging.receive_through_slots); None when it cannot go that way (not a device receive over
+        shared memory, or the message arrived already: the core then hands it over from its buffer)."""
+        if not self._receives_onto(device) or self._core.backend_of(peer) != SHM:
+            return None
+        engine = self._engine()
+        if self._receive_regions is None:
+            self._receive_regions = ReceiveRegions(engine)
+            self._releaser = SlotReleaser(self._core, engine)
+            # One finalizer, in this order, also when nobody calls close(): the copies still reading slots finish,
+            # then the slots are unregistered, before the core unmaps the segment (the finalizer holds the core).
+            self._receive_finalizer = weakref.finalize(self, _stop_receiving, self._releaser, self._receive_regions,
+                                                       self._core)
+        view = self._receive_regions.view_for(self._core, peer)
+        if not self._core.claim_receive(peer, tag):
+            return None
+        releaser = self._releaser
+        try:
+            received = receive_through_slots(self._core, engine, peer, device, timeout, host_view=view,
+                                             device_bound=lambda code: not is_descriptor(code),
+                                             defer=lambda token: releaser.add(peer, token))
+        except Exception as error:  # noqa: BLE001 - a dead sender in one line
+            raised = peer_gone_or(self._core, peer, error, "a receive straight from the slots")
+            if raised is error:
+                raise
+            raise raised from None
+        if isinstance(received, torch.Tensor):
+            return received
+        return self._decode(peer, received, device)  # a CUDA IPC descriptor, gathered on the host
 
     # -- device receives: the arena --------------------------------------------------------------------------------
     def _receives_onto(self, device) -> bool:
@@ -411,6 +490,8 @@ class Transport(ClosesOnExit):
         if self._stager_finalizer is not None:
             self._stager_finalizer()  # stager.stop(core.close): fails queued sends, unregisters the slots
         self._core.close()
+        if self._receive_finalizer is not None:
+            self._receive_finalizer()  # the core keeps its mapping until it is destroyed
         self._pending.clear()
         while self._keepalive:  # copies out of the arena still running
             token, _ = self._keepalive.popleft()
@@ -421,6 +502,13 @@ class Transport(ClosesOnExit):
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
         return f"Transport(rank={self.rank}, world_size={self.world_size}, job_id={self.job_id!r}, {state})"
+
+
+def _stop_receiving(releaser, regions, _core) -> None:
+    """Stops the slot releaser (waiting for copies still reading slots), then unregisters the receive slots;
+    `_core`, unused, keeps the segment mapped until then."""
+    releaser.stop()
+    regions.release()
 
 
 def _close_keeping(close, arena) -> None:

@@ -5,7 +5,9 @@ stale bytes and fail the bit-exact checks."""
 from __future__ import annotations
 
 import threading
+import weakref
 
+import numpy
 import torch
 
 from megatron_app.transport.device_engine import host_view
@@ -35,6 +37,9 @@ class FakeCopyEngine:
         self.followed = 0
         self.async_receives = 0
         self.chunked_receives = 0
+        self.slot_receives = 0             # copies out of a receive slot (from_host)
+        self.ordered_after = 0             # receives that left their last copies to the caller's stream
+        self._receive_copies: list[FakeCopy] = []
         self.arena = None
 
     @staticmethod
@@ -109,6 +114,30 @@ class FakeCopyEngine:
         self.chunked_receives += 1
         return host.clone()
 
+    @staticmethod
+    def empty(shape, dtype, device) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
+    def from_host(self, destination: torch.Tensor, source: torch.Tensor) -> FakeCopy:
+        """A copy out of a receive slot that happens only when done()/wait() complete it: a slot given back to the
+        sender before that would be read after the sender overwrote it."""
+        assert destination.numel() == source.numel() and destination.dtype == source.dtype == torch.uint8
+        self.slot_receives += 1
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        token = FakeCopy(destination, source, self.lag)
+        self._receive_copies.append(token)
+        return token
+
+    def order_after(self, tensor: torch.Tensor, token: FakeCopy) -> None:
+        """On a device the caller's stream would wait for the copy; here the host has the data only once it ran."""
+        self.ordered_after += 1
+        while self._receive_copies:  # copies on one stream complete in order: this one's event covers those before
+            earlier = self._receive_copies.pop(0)
+            self.wait(earlier)
+            if earlier is token:
+                break
+
     def register(self, address: int, nbytes: int):
         if self.register_problem is None:
             self.registered[address] = nbytes
@@ -128,6 +157,15 @@ class FakeEvent:
         self.records += 1
 
 
+class _HostLease:
+    """An owner of a host slot's bytes, through the array interface (numpy keeps it as the array's base)."""
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer = buffer
+        self.__array_interface__ = {"shape": (buffer.numel(),), "typestr": "|u1", "data": (buffer.data_ptr(), False),
+                                    "version": 3}
+
+
 class FakeIpcEngine(FakeCopyEngine):
     """FakeCopyEngine with the IPC half (device_ipc.py): slots are host tensors shared through _EXPORTS, so two
     transports of one process exercise the descriptor, acknowledgement and fallback logic."""
@@ -138,6 +176,7 @@ class FakeIpcEngine(FakeCopyEngine):
         self.export_problem = export_problem
         self.buffers_made = 0
         self.takes = 0
+        self.lends = 0
 
     def ipc_unavailable_reason(self):
         return self.ipc_problem
@@ -176,6 +215,21 @@ class FakeIpcEngine(FakeCopyEngine):
         destination.copy_(source)
         filled.record()
         return None
+
+    def ipc_lend(self, buffer, filled, dtype, shape, device, on_release):
+        """The slot itself as the received tensor, alive (with its owner) as long as any view of it, as torch keeps
+        a __cuda_array_interface__ owner alive; None for another device."""
+        if device != self.receive_device:
+            return None
+        lease = _HostLease(buffer)
+        flat = torch.from_numpy(numpy.asarray(lease))  # the array's base is the lease
+        weakref.finalize(lease, on_release).atexit = False
+        self.lends += 1
+        return flat.view(dtype).reshape(shape)
+
+    @staticmethod
+    def ipc_release(consumed, device):
+        consumed.record()
 
     def ipc_take(self, view, filled, consumed, dtype, shape, device):
         self.takes += 1

@@ -238,6 +238,33 @@ PYBIND11_MODULE(_shm_tensor_rdma, m) {
             return std::make_pair(reinterpret_cast<uintptr_t>(region.data), region.bytes);
           },
           py::arg("peer"))
+      .def("claim_receive", &Transport::claim_receive, py::arg("peer"), py::arg("tag"),
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "next_claimed_chunk",
+          [](Transport& transport, int peer, std::optional<double> timeout_s) {
+            ReceivedChunk chunk;
+            {
+              py::gil_scoped_release release;
+              chunk = transport.next_claimed_chunk(peer, timeout_s);
+            }
+            // (dtype_code, shape, nbytes, offset, length, address of the chunk's bytes in its slot)
+            return py::make_tuple(chunk.header.dtype_code, py::tuple(py::cast(shape_of(chunk.header))),
+                                  chunk.header.nbytes, chunk.offset, chunk.length,
+                                  reinterpret_cast<uintptr_t>(chunk.data));
+          },
+          py::arg("peer"), py::arg("timeout") = py::none())
+      .def("release_claimed_chunk", &Transport::release_claimed_chunk, py::arg("peer"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("cancel_claim", &Transport::cancel_claim, py::arg("peer"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "receive_region",
+          [](Transport& transport, int peer) {
+            py::gil_scoped_release release;
+            const SlotRegion region = transport.receive_region(peer);
+            return std::make_pair(reinterpret_cast<uintptr_t>(region.data), region.bytes);
+          },
+          py::arg("peer"))
       .def(
           "set_receive_arena",
           [](Transport& transport, uintptr_t address, uint64_t nbytes) {

@@ -85,6 +85,15 @@ class Backend {
     throw std::invalid_argument(std::string("the ") + name() + " backend lends no slots");
   }
 
+  // Receives straight from the slots (shm only; see ShmReceiver::claim): claim_receive returns false (nothing
+  // claimed) where the backend cannot, or the message is already on its way out of the slots; the others throw
+  // std::invalid_argument on backends without slots. next_claimed_chunk never blocks.
+  virtual bool claim_receive(int peer, uint64_t tag) { return false; }
+  virtual std::optional<ReceivedChunk> next_claimed_chunk(int peer) { throw no_receive_slots(); }
+  virtual bool release_claimed_chunk(int peer) { throw no_receive_slots(); }
+  virtual void cancel_claim(int peer) { throw no_receive_slots(); }
+  virtual SlotRegion receive_region(int peer) { throw no_receive_slots(); }
+
   // Publishes arrivals that wait for a caller's thread (shm copies chunks out of its rings; remote backends
   // publish from their own threads). With wait_for_lock=false, returns at once if another thread is at it.
   virtual void collect_arrivals(bool wait_for_lock) {}
@@ -103,6 +112,11 @@ class Backend {
   virtual void wake_senders() {}
   // Called after the send workers stopped: says goodbye to peers, stops and joins the backend's threads.
   virtual void close() = 0;
+
+ private:
+  std::invalid_argument no_receive_slots() const {
+    return std::invalid_argument(std::string("the ") + name() + " backend receives into no slots");
+  }
 };
 
 }  // namespace mapp

@@ -26,6 +26,15 @@ struct SlotRegion {
   uint64_t bytes;
 };
 
+// A chunk of a claimed message still in its slot (Backend::next_claimed_chunk): `length` bytes at `data` are the
+// message's bytes from `offset` on; the slot is the receiver's until released.
+struct ReceivedChunk {
+  MessageHeader header;
+  uint64_t offset;
+  uint64_t length;
+  const uint8_t* data;
+};
+
 struct SendLimits {
   int my_rank;
   double timeout_s;                  // without progress, give up after this long

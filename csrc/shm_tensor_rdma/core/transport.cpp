@@ -414,6 +414,74 @@ MessageKey Transport::wait_for_keys(const std::vector<MessageKey>& keys, std::op
   }
 }
 
+bool Transport::claim_receive(int peer, uint64_t tag) {
+  check_usable();
+  validate_peer(peer, "receive from");
+  Backend& backend = *backend_of_[peer];
+  if (!backend.claim_receive(peer, tag)) return false;
+  // claim_receive copied out everything published before the claim: a message that arrived first is in the inbox.
+  if (inbox_.find_any({MessageKey(peer, tag)})) {
+    backend.cancel_claim(peer);
+    return false;
+  }
+  return true;
+}
+
+ReceivedChunk Transport::next_claimed_chunk(int peer, std::optional<double> timeout_s) {
+  check_usable();
+  validate_peer(peer, "receive from");
+  if (timeout_s && *timeout_s < 0) throw std::invalid_argument("timeout must be >= 0");
+  Backend& backend = *backend_of_[peer];
+  if (std::optional<ReceivedChunk> chunk = backend.next_claimed_chunk(peer)) return *chunk;
+  const double limit_s = timeout_s ? *timeout_s : options_.timeout_s;
+  const auto give_up_at = deadline_after(limit_s);
+  // Not at once: this runs once per chunk that is not there yet, and a liveness check reads the peer's process
+  // state (a dead peer is reported within a tick).
+  auto next_liveness_check = Clock::now() + kWaitTick;
+  Doorbell& bell = *arrivals_;
+  std::unique_ptr<Backend::ForegroundWait> waiting_here = backend.foreground_wait();
+  const auto what = [&] {
+    return " while rank " + std::to_string(options_.rank) + " received a message from it straight from its slots";
+  };
+  for (;;) {
+    const uint32_t seen = bell.snapshot();
+    if (std::optional<ReceivedChunk> chunk = backend.next_claimed_chunk(peer)) return *chunk;
+    if (closing_.load()) throw ClosedError("transport of rank " + std::to_string(options_.rank) + " closed" + what());
+    const auto now = Clock::now();
+    if (now >= next_liveness_check) {
+      if (interrupt_check_) interrupt_check_();
+      if (std::optional<PeerFailure> failure = backend.failure(peer)) {
+        // failure() collected what the peer published before it went: a chunk that made it is still taken.
+        if (std::optional<ReceivedChunk> chunk = backend.next_claimed_chunk(peer)) return *chunk;
+        if (failure->died) throw PeerDiedError(failure->text + what());
+        throw ClosedError(failure->text + what());
+      }
+      next_liveness_check = now + kWaitTick;
+    }
+    if (now >= give_up_at) {
+      throw TimeoutError("rank " + std::to_string(options_.rank) + " timed out after " + format_seconds(limit_s) +
+                         " waiting for the next chunk of a message from " + peer_name(peer));
+    }
+    bell.spin_wait(seen, wait_spin(), std::min(next_liveness_check, give_up_at) - now);
+  }
+}
+
+bool Transport::release_claimed_chunk(int peer) {
+  validate_peer(peer, "receive from");
+  return backend_of_[peer]->release_claimed_chunk(peer);
+}
+
+void Transport::cancel_claim(int peer) {
+  validate_peer(peer, "receive from");
+  backend_of_[peer]->cancel_claim(peer);
+}
+
+SlotRegion Transport::receive_region(int peer) {
+  check_usable();
+  validate_peer(peer, "receive from");
+  return backend_of_[peer]->receive_region(peer);
+}
+
 std::optional<PeerFailure> Transport::peer_failure(int peer) {
   validate_peer(peer, "receive from");
   return backend_of_[peer]->failure(peer);

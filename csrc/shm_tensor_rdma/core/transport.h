@@ -42,6 +42,16 @@ class Transport {
                          uint64_t nbytes, uint64_t offset);
   void commit_slot(int peer);
   SlotRegion slot_region(int peer);
+  // Receives straight from this rank's slots (Backend::claim_receive, ShmReceiver::claim): claim_receive returns
+  // false, nothing claimed, when `peer`'s backend cannot or (peer, tag) has arrived already (take it the ordinary
+  // way); next_claimed_chunk blocks for the claimed message's next chunk (PeerDiedError, ClosedError,
+  // TimeoutError like recv); release_claimed_chunk frees the oldest chunk handed out, once nothing reads its slot,
+  // and returns true after the last; cancel_claim withdraws the claim (failing the link once chunks were taken).
+  bool claim_receive(int peer, uint64_t tag);
+  ReceivedChunk next_claimed_chunk(int peer, std::optional<double> timeout_s);
+  bool release_claimed_chunk(int peer);
+  void cancel_claim(int peer);
+  SlotRegion receive_region(int peer);
   // Receive buffers come from [base, base + bytes) while it has room (BufferPool::set_arena; the caller keeps the
   // memory alive as long as any received buffer may use it). Once per transport.
   void set_receive_arena(uint8_t* base, size_t bytes) { pool_->set_arena(base, bytes); }

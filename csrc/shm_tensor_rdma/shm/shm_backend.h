@@ -31,6 +31,11 @@ class ShmBackend : public Backend {
                          const SendLimits& limits) override;
   void commit_slot(int peer) override;
   SlotRegion slot_region(int peer, const SendLimits& limits, uint64_t tag) override;
+  bool claim_receive(int peer, uint64_t tag) override { return receiver_->claim(peer, tag); }
+  std::optional<ReceivedChunk> next_claimed_chunk(int peer) override { return receiver_->next_claimed(peer); }
+  bool release_claimed_chunk(int peer) override { return receiver_->release_claimed(peer); }
+  void cancel_claim(int peer) override { receiver_->cancel_claim(peer); }
+  SlotRegion receive_region(int peer) override { return receiver_->receive_region(peer); }
   void collect_arrivals(bool wait_for_lock) override { receiver_->drain_available(wait_for_lock); }
   std::unique_ptr<ForegroundWait> foreground_wait() override;
   std::optional<PeerFailure> failure(int peer) override;

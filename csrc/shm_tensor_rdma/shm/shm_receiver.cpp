@@ -100,16 +100,14 @@ std::string ShmReceiver::chunk_problem(const ChunkHeader& chunk, const PartialMe
 void ShmReceiver::drain_ring(uint32_t ring_index) {
   RingControl& ring = view_.ring(ring_index);
   RingState& state = rings_[ring_index];
-  if (!state.corruption.empty()) return;
+  if (!state.corruption.empty() || state.held) return;  // held: a claimed message's chunks wait for its taker
   Doorbell space(&ring.space);
   PartialMessage& partial = partial_[ring_index];
   const uint64_t slots = view_.slots_per_ring();
   const uint64_t head = ring.head.load(std::memory_order_acquire);
   const auto fail_ring = [&](const std::string& what) {
-    state.corruption = peer_name(state.producer_rank) + " wrote " + what + " into the shared memory of rank " +
-                       std::to_string(rank_) + " (a corrupted segment or a stranger); its link is closed";
-    partial = PartialMessage{};
-    foreground_.ring();  // a receiver blocked on this peer reports it now
+    this->fail_ring(ring_index, peer_name(state.producer_rank) + " wrote " + what + " into the shared memory of rank " +
+                                    std::to_string(rank_) + " (a corrupted segment or a stranger); its link is closed");
   };
   // A producer is never more than a ring ahead of us, and never behind: anything else is not a sender's head.
   if (head - state.consumed > slots) {
@@ -123,6 +121,12 @@ void ShmReceiver::drain_ring(uint32_t ring_index) {
     const std::string problem = chunk_problem(chunk, partial);
     if (!problem.empty()) {
       fail_ring(problem);
+      return;
+    }
+    if (chunk.offset == 0 && state.claimed && chunk.message.tag == state.claim_tag) {
+      state.held = true;  // left in its slots for the claimer (next_claimed)
+      state.claim_header = chunk.message;
+      foreground_.ring();
       return;
     }
     if (chunk.offset == 0) {
@@ -143,6 +147,127 @@ void ShmReceiver::drain_ring(uint32_t ring_index) {
       foreground_.ring();  // cheap when nobody waits
     }
   }
+}
+
+void ShmReceiver::fail_ring(uint32_t ring_index, const std::string& what) {
+  RingState& state = rings_[ring_index];
+  state.corruption = what;
+  state.claimed = state.held = false;
+  partial_[ring_index] = PartialMessage{};
+  foreground_.ring();  // a receiver blocked on this peer reports it now
+}
+
+uint32_t ShmReceiver::ring_of_peer(int peer, const char* action) const {
+  const int ring_index = ring_index_of(peer);
+  if (ring_index < 0) throw std::invalid_argument("cannot " + std::string(action) + ": " + peer_name(peer) +
+                                                  " sends nothing to rank " + std::to_string(rank_));
+  return static_cast<uint32_t>(ring_index);
+}
+
+bool ShmReceiver::claim(int peer, uint64_t tag) {
+  const uint32_t ring_index = ring_of_peer(peer, "claim a receive");
+  std::lock_guard<std::mutex> lock(drain_mutex_);
+  if (closed_) return false;
+  for (uint32_t i = 0; i < view_.num_rings(); ++i) drain_ring(i);  // what has arrived goes the ordinary way
+  RingState& state = rings_[ring_index];
+  const PartialMessage& partial = partial_[ring_index];
+  if (!state.corruption.empty() || state.claimed || (partial.active && partial.header.tag == tag)) return false;
+  state.claimed = true;
+  state.claim_tag = tag;
+  state.held = false;
+  state.handed_out = state.handed_bytes = state.chunks_seen = 0;
+  // A partial message of another tag completes first (its remaining chunks are drained as they come); the claimed
+  // message's first chunk can only follow it.
+  return true;
+}
+
+std::optional<ReceivedChunk> ShmReceiver::next_claimed(int peer) {
+  const uint32_t ring_index = ring_of_peer(peer, "take a claimed receive");
+  std::lock_guard<std::mutex> lock(drain_mutex_);
+  if (closed_) return std::nullopt;
+  for (uint32_t i = 0; i < view_.num_rings(); ++i) drain_ring(i);  // the held ring is skipped
+  RingState& state = rings_[ring_index];
+  if (!state.claimed) {
+    if (!state.corruption.empty()) return std::nullopt;  // failure() reports it
+    throw std::logic_error("next_claimed_chunk without a claim on " + peer_name(peer));
+  }
+  if (!state.held) return std::nullopt;
+  if (state.chunks_seen > 0 && state.handed_bytes == state.claim_header.nbytes) {
+    throw std::logic_error("next_claimed_chunk after the claimed message's last chunk");
+  }
+  RingControl& ring = view_.ring(ring_index);
+  const uint64_t slots = view_.slots_per_ring();
+  const uint64_t head = ring.head.load(std::memory_order_acquire);
+  const uint64_t index = state.consumed + state.handed_out;
+  if (head - state.consumed > slots) {
+    fail_ring(ring_index, peer_name(peer) + " wrote ring head " + std::to_string(head) + " with " +
+                              std::to_string(state.consumed) + " of " + std::to_string(slots) +
+                              " slots consumed into the shared memory of rank " + std::to_string(rank_) +
+                              " (a corrupted segment or a stranger); its link is closed");
+    return std::nullopt;
+  }
+  if (index >= head) return std::nullopt;
+  const uint64_t slot = index % slots;
+  const ChunkHeader chunk = view_.chunk(ring_index, slot);  // one copy: the producer may rewrite the original
+  PartialMessage expected;
+  expected.active = true;
+  expected.header = state.claim_header;
+  expected.received = state.handed_bytes;
+  const std::string problem = chunk_problem(chunk, expected);
+  if (!problem.empty()) {
+    fail_ring(ring_index, peer_name(peer) + " wrote " + problem + " into the shared memory of rank " +
+                              std::to_string(rank_) + " (a corrupted segment or a stranger); its link is closed");
+    return std::nullopt;
+  }
+  ++state.handed_out;
+  ++state.chunks_seen;
+  state.handed_bytes += chunk.length;
+  return ReceivedChunk{chunk.message, chunk.offset, chunk.length, view_.slot_data(ring_index, slot)};
+}
+
+bool ShmReceiver::release_claimed(int peer) {
+  const uint32_t ring_index = ring_of_peer(peer, "release a claimed chunk");
+  std::lock_guard<std::mutex> lock(drain_mutex_);
+  RingState& state = rings_[ring_index];
+  if (!state.held || state.handed_out == 0) {
+    if (!state.corruption.empty() || closed_) return true;  // the link failed meanwhile: nothing to free
+    throw std::logic_error("release_claimed_chunk without a chunk handed out from " + peer_name(peer));
+  }
+  RingControl& ring = view_.ring(ring_index);
+  ++state.consumed;
+  --state.handed_out;
+  ring.tail.store(state.consumed, std::memory_order_release);
+  Doorbell(&ring.space).ring();
+  if (state.handed_out > 0 || state.handed_bytes != state.claim_header.nbytes) return false;
+  state.claimed = state.held = false;  // the message is taken: the ring drains the ordinary way again
+  background_.ring();
+  return true;
+}
+
+void ShmReceiver::cancel_claim(int peer) {
+  const uint32_t ring_index = ring_of_peer(peer, "cancel a claimed receive");
+  std::lock_guard<std::mutex> lock(drain_mutex_);
+  RingState& state = rings_[ring_index];
+  if (!state.claimed) return;
+  if (state.chunks_seen == 0) {
+    state.claimed = state.held = false;  // nothing taken: a message already held is copied out as usual
+    background_.ring();
+    foreground_.ring();
+    return;
+  }
+  fail_ring(ring_index, "rank " + std::to_string(rank_) + " abandoned " + describe_tag(state.claim_header.tag) +
+                            " from " + peer_name(peer) + " after " + std::to_string(state.handed_bytes) + " of " +
+                            std::to_string(state.claim_header.nbytes) +
+                            " bytes taken straight from its slots; its link is closed");
+}
+
+SlotRegion ShmReceiver::receive_region(int peer) const {
+  const uint32_t ring_index = ring_of_peer(peer, "lend receive slots");
+  uint8_t* first = view_.slot_data(ring_index, 0);
+  constexpr uint64_t kPage = 4096;
+  const uint64_t slot_span = (view_.slot_bytes() + kPage - 1) / kPage * kPage;
+  const uint8_t* end = view_.slot_data(ring_index, view_.slots_per_ring() - 1) + slot_span;
+  return SlotRegion{first, static_cast<uint64_t>(end - first)};
 }
 
 std::optional<std::string> ShmReceiver::corruption(int peer) {

@@ -16,6 +16,7 @@
 #include "buffer_pool.h"
 #include "doorbell.h"
 #include "inbox.h"
+#include "outgoing_message.h"
 #include "process_identity.h"
 #include "shm_layout.h"
 #include "shm_segment.h"
@@ -63,6 +64,22 @@ class ShmReceiver {
   bool producer_closed(int peer) const;
   // Why the ring of `peer` is no longer drained (its producer wrote something no sender writes), or nullopt.
   std::optional<std::string> corruption(int peer);
+
+  // Receives straight from the slots, for a caller that copies each chunk out itself (a device copy engine reading
+  // the registered slot): claim() marks the next message (peer, tag) that has not begun to be copied out; its
+  // chunks then stay in their slots (the drain stops at its first chunk, and copies out the rest of the ring again
+  // once it is taken). next_claimed() hands out its chunks in order without freeing them; release_claimed() frees
+  // the oldest handed out (the sender may then overwrite it: call it only once nothing reads the slot any more)
+  // and returns true after the message's last chunk, which ends the claim. cancel_claim() withdraws a claim:
+  // cleanly while no chunk was handed out, else by failing the ring (the message cannot be resumed).
+  // claim() first copies out what has arrived, and returns false (nothing claimed) when the ring is failed or has a
+  // claim already, or a message with `tag` is being copied out.
+  bool claim(int peer, uint64_t tag);
+  std::optional<ReceivedChunk> next_claimed(int peer);
+  bool release_claimed(int peer);
+  void cancel_claim(int peer);
+  // This ring's slots in our own segment: what next_claimed() points into (for registering it with a device).
+  SlotRegion receive_region(int peer) const;
   // Stops draining, tells producers we are closed, removes our name. The mapping stays until destruction so that
   // threads still inside a call never touch unmapped memory.
   void close();
@@ -80,6 +97,15 @@ class ShmReceiver {
     int producer_rank;
     uint64_t consumed = 0;
     std::string corruption;
+    // claim(): the tag claimed, whether its first chunk sits at `consumed` (the drain then leaves the ring alone),
+    // its header, and how far next_claimed() got (chunks handed out and not released follow `consumed`).
+    bool claimed = false;
+    uint64_t claim_tag = 0;
+    bool held = false;
+    MessageHeader claim_header{};
+    uint64_t handed_out = 0;
+    uint64_t handed_bytes = 0;
+    uint64_t chunks_seen = 0;
   };
 
   void drain_loop();
@@ -88,6 +114,10 @@ class ShmReceiver {
   // "" if `chunk` can come next on a ring whose message in progress is `partial`, else what is wrong with it.
   std::string chunk_problem(const ChunkHeader& chunk, const PartialMessage& partial) const;
   int ring_index_of(int peer) const;
+  // The ring of `peer`; throws std::invalid_argument for a rank that sends us nothing.
+  uint32_t ring_of_peer(int peer, const char* action) const;
+  // Marks the ring failed with `what` (caller holds drain_mutex_).
+  void fail_ring(uint32_t ring_index, const std::string& what);
 
   Inbox* inbox_;
   std::shared_ptr<BufferPool> pool_;

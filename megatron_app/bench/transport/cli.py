@@ -338,6 +338,14 @@ def report(document):
         print(f"cuda: two processes on one {section['device']} (torch {section['torch']}), one way; ours went by "
               f"{', '.join(paths)}, ipc by {', '.join(ipc_paths)}; bit-exact: {'yes' if exact else 'NO'}")
         print_table(CUDA_COLUMNS, section["rows"])
+        rows = section["rows"]
+        if rows and "turn_us" in rows[0]:
+            print(f"per message between the two processes before any copy: {rows[0]['turn_us']:.1f} us one way with a "
+                  f"device op and its wait on each side, {rows[0]['host_msg_us']:.1f} us for the host message alone")
+        for name in ("ours", "ipc"):
+            if rows and f"faster_wait_{name}" in rows[0]:
+                faster = ", ".join(f"{format_size(row['size'])} {row[f'faster_wait_{name}']}" for row in rows)
+                print(f"faster event wait, {name}: {faster}")
     if "shm" in document["backends"]:
         print("shm: two processes on this host")
         print_table(SHM_COLUMNS, document["rows"])

@@ -10,6 +10,14 @@ Each size, one way (a ping-pong's round trip / 2, both ends' device tensors read
   pageable   the same through pageable memory
   gloo       torch.distributed gloo between the two processes with the CUDA tensor moved to and from the host
              around each send/recv (gloo's send/recv carry host memory)
+  ours_block, ipc_block   ours and ipc with blocking-sync copy events (MEGATRON_APP_CUDA_EVENT_WAIT=block) instead of
+             spinning ones: `faster_wait_ours` / `faster_wait_ipc` say which wait was faster at each size
+  ours_arena ours with receives through the page-locked arena instead of straight from the registered slots
+             (MEGATRON_APP_CUDA_RECEIVE_FROM_SLOTS=0): `slots_over_arena` is ours' time over this one's
+Once per section, the floor a device message pays between two processes sharing the GPU before any copy:
+  turn_us    one way of a ping-pong in which each side runs a one-element device op, waits for it, and sends a
+             4-byte host tensor through our transport
+  host_msg_us   the same without the device op (our transport's host latency)
 Repetitions fill about `seconds` per size and method, at least 2 (plus one warm-up): 256 MiB runs a few times.
 plan["device"] "cpu" rehearses the same code on host tensors (the test suite runs it): a host copy engine takes them
 down the device path (the stager, the leased slots, the receive arena), so its numbers are that machinery's cost on
@@ -27,7 +35,12 @@ from megatron_app.bench.transport.links import KIB, MIB
 
 CUDA_SIZES = [64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]
 CUDA_QUICK_SIZES = [64 * KIB, 1 * MIB]
-METHODS = ("ours", "ipc", "d2d", "pinned", "pageable", "gloo")
+METHODS = ("ours", "ours_block", "ours_arena", "ipc", "ipc_block", "d2d", "pinned", "pageable", "gloo")
+# Our transports, by method: (job id suffix, CUDA IPC on, event wait mode of the copy engine, receives straight
+# from the slots).
+TRANSPORTS = {"ours": ("", False, "spin", True), "ours_block": ("b", False, "block", True),
+              "ours_arena": ("a", False, "spin", False), "ipc": ("i", True, "spin", True),
+              "ipc_block": ("ib", True, "block", True)}
 
 
 class RehearsalEngine:
@@ -99,6 +112,18 @@ class RehearsalEngine:
     @staticmethod
     def to_device(host: torch.Tensor, device) -> torch.Tensor:
         return host.clone()
+
+    @staticmethod
+    def empty(shape, dtype, device) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
+    @staticmethod
+    def from_host(destination: torch.Tensor, source: torch.Tensor):
+        destination.copy_(source)
+
+    @staticmethod
+    def order_after(tensor: torch.Tensor, token) -> None:
+        pass
 
     @staticmethod
     def ipc_unavailable_reason() -> str:
@@ -178,19 +203,51 @@ def ping_pong(device: Device, send, recv, rank: int, count: int) -> float:
     return elapsed / (2 * count)
 
 
+def message_floor(device: Device, transport, rank: int, count: int = 200) -> dict:
+    """turn_us and host_msg_us (see the module's docstring), one way, in microseconds."""
+    from megatron_app.transport import Direction, make_tag
+
+    peer = 1 - rank
+    probe = torch.zeros(1, device=device.name)
+    token = torch.zeros(1, dtype=torch.int32)
+    counter = [1 << 20]
+
+    def step(device_op: bool):
+        def send():
+            if device_op:
+                probe.add_(1)
+                device.synchronize()
+            transport.send(peer, make_tag(Direction.BACKWARD, counter[0]), token)
+            counter[0] += 1
+
+        def recv():
+            transport.recv(peer, make_tag(Direction.BACKWARD, counter[0]))
+            counter[0] += 1
+        return send, recv
+
+    result = {}
+    for key, device_op in (("turn_us", True), ("host_msg_us", False)):
+        send, recv = step(device_op)
+        result[key] = ping_pong(device, send, recv, rank, count) * 1e6
+    return result
+
+
 def run_cuda_section(plan: dict, rank: int) -> list:
     """Both ranks on device 0 (the bench's subject is two ranks sharing a host; one GPU is what it needs)."""
     from megatron_app.transport import Direction, Transport, make_tag
 
     device = Device(plan.get("device", "cuda"))
     if device.cuda:
+        from megatron_app.transport.device_engine import CudaCopyEngine
+
         torch.cuda.set_device(0)
     peer = 1 - rank
-    engines = {"ours": None, "ipc": None} if device.cuda else {"ours": RehearsalEngine(), "ipc": RehearsalEngine()}
-    transports = {"ours": Transport(rank, 2, plan["job_id"], timeout_s=120, cuda_ipc=False,
-                                    copy_engine=engines["ours"]),
-                  "ipc": Transport(rank, 2, plan["job_id"] + "i", timeout_s=120, cuda_ipc=True,
-                                   copy_engine=engines["ipc"])}
+    transports = {}
+    for name, (suffix, ipc, wait, slots) in TRANSPORTS.items():
+        engine = CudaCopyEngine(event_wait=wait) if device.cuda else RehearsalEngine()
+        transports[name] = Transport(rank, 2, plan["job_id"] + suffix, timeout_s=120, cuda_ipc=ipc,
+                                     copy_engine=engine, receive_from_slots=slots)
+    floor = message_floor(device, transports["ours"], rank)
     rows = []
     counter = [0]
     for size in plan["sizes"]:
@@ -218,7 +275,7 @@ def run_cuda_section(plan: dict, rank: int) -> list:
             row[f"{name}_s"] = ping_pong(device, ours_send, ours_recv, rank, count)
             transport.wait_sends(timeout=120)
             row[f"{name}_path"] = transport.device_path_of(peer)
-        row["bit_exact"] = row.get("ours_bit_exact", True) and row.get("ipc_bit_exact", True)
+        row["bit_exact"] = all(row.get(f"{name}_bit_exact", True) for name in transports)
 
         host = torch.empty(size, dtype=torch.uint8)
 
@@ -241,6 +298,11 @@ def run_cuda_section(plan: dict, rank: int) -> list:
             row["ours_over_d2d"] = row["ours_gbs"] / row["d2d_gbs"]
             row["ours_over_gloo"] = row["ours_gbs"] / row["gloo_gbs"]
             row["ipc_over_d2d"] = row["ipc_gbs"] / row["d2d_gbs"]
+            row["slots_over_arena"] = row["ours_s"] / row["ours_arena_s"]
+            for name in ("ours", "ipc"):
+                row[f"{name}_block_over_spin"] = row[f"{name}_block_s"] / row[f"{name}_s"]
+                row[f"faster_wait_{name}"] = "spin" if row[f"{name}_s"] <= row[f"{name}_block_s"] else "block"
+            row.update(floor)
             rows.append(row)
         dist.barrier()
     for transport in transports.values():
@@ -253,4 +315,7 @@ CUDA_COLUMNS = [("size", "size", 0), ("ours us", "ours_us", 1), ("ours GB/s", "o
                 ("d2d GB/s", "d2d_gbs", 1), ("pinned GB/s", "pinned_gbs", 2), ("pageable GB/s", "pageable_gbs", 2),
                 ("gloo GB/s", "gloo_gbs", 2), ("ours/pinned", "ours_over_pinned", 2),
                 ("ours/d2d", "ours_over_d2d", 4), ("ours/gloo", "ours_over_gloo", 2),
-                ("ipc/d2d", "ipc_over_d2d", 3)]
+                ("ipc/d2d", "ipc_over_d2d", 3), ("ours blk us", "ours_block_us", 1),
+                ("ipc blk us", "ipc_block_us", 1), ("ours blk/spin", "ours_block_over_spin", 2),
+                ("ipc blk/spin", "ipc_block_over_spin", 2), ("arena us", "ours_arena_us", 1),
+                ("slots/arena", "slots_over_arena", 2)]
