@@ -523,7 +523,8 @@ def test_a_bad_arena_size_is_one_clear_error(job_id, monkeypatch, value, problem
     monkeypatch.setenv("MEGATRON_APP_CUDA_RECEIVE_ARENA_MIB", value)
     engine = FakeCopyEngine()
     sender = Transport(0, 2, job_id, timeout_s=20)
-    receiver = Transport(1, 2, job_id, timeout_s=20, copy_engine=engine)
+    # the arena's path (a blocking recv of a message not yet begun would take it from the slots, no arena)
+    receiver = Transport(1, 2, job_id, timeout_s=20, copy_engine=engine, receive_from_slots=False)
     try:
         sender.send(1, make_tag(FWD, 0), torch.ones(3))
         with pytest.raises(ValueError, match=problem):

@@ -25,7 +25,7 @@ import threading
 from .settings import AppConfigError
 
 PREFIX = "megatron_app"
-_installed = False   # process-wide by nature: sys.excepthook is the process's
+_installed = threading.Event()   # process-wide by nature: sys.excepthook is the process's
 
 
 def one_line(error: BaseException) -> str:
@@ -42,10 +42,9 @@ def one_line(error: BaseException) -> str:
 
 def install_excepthook() -> None:
     """Chain our hooks in front of sys.excepthook and threading.excepthook, once per process."""
-    global _installed
-    if _installed:
+    if _installed.is_set():
         return
-    _installed = True
+    _installed.set()
     previous, previous_thread = sys.excepthook, threading.excepthook
 
     def excepthook(kind, value, traceback):
