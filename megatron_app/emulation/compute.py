@@ -20,6 +20,7 @@ from megatron.core.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_app import weight_deferral
+from megatron_app.devices import model_device
 from megatron_app.schedule import Kind
 
 from .spec import TaskDurations
@@ -120,7 +121,7 @@ def emulated_forward_step(data_iterator, model: EmulatedChunk, loss_func: Callab
 
     item = next(data_iterator)
     pre_process = get_attr_wrapped_model(model, "pre_process")
-    device = next(model.parameters()).device
+    device = model_device(model)
     tokens = item["tokens"].to(device) if pre_process else None
     output = model(tokens, item["iteration"], item["microbatch"])
     return output, lambda out: loss_func(item["loss_mask"].to(device), out)

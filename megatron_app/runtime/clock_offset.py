@@ -28,7 +28,7 @@ def measure_clock_offset(group=None, rounds: int = 8, trust_shared_clock: bool =
     import torch
     import torch.distributed as dist
 
-    from .collective_device import collective_device
+    from megatron_app.devices import collective_device
 
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")

@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from megatron_app.schedule.composition import BALANCED, PLANNED_COMPOSITIONS
+from megatron_app.schedule.planned import DEFAULT_MEMORY_FACTOR
 from megatron_app.schedule.iteration_plan import (IterationPlan, PipelineSpec, PlanRequest, PredictionError,
                                                   ReplicaSpeeds, plan_iteration)
 
@@ -114,7 +115,7 @@ def agree_iteration_plan(lengths: Sequence[int], micro_batch_size: int, composit
     session = job.session
     layout = job_layout(pg_collection)
     pipeline = PipelineSpec(layout.num_stages, layout.num_chunks, split_backward=session.settings.split_backward,
-                            memory_factor=session.settings.memory_factor or 1.0)
+                            memory_factor=session.settings.memory_factor or DEFAULT_MEMORY_FACTOR)
     request = PlanRequest(tuple(int(v) for v in lengths), composition, micro_batch_size, pipeline,
                           num_replicas=layout.num_replicas,
                           document_ids=None if document_ids is None else tuple(int(i) for i in document_ids),

@@ -9,27 +9,22 @@ function it replaces refuses, in its order, and then runs our schedule.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
 from typing import Optional
 
-from megatron_app.schedule import DEFAULT_POLICY
-
-from .settings import AppSettings, SCHEDULES, ADAPTIVE_POLICIES
+from .settings import AppSettings
 from . import linear_wgrad
 from .job import current_job
 
-def install(schedule: str = "app", policy: str = DEFAULT_POLICY, trace_dir: Optional[str] = None, *,
-            memory_cap: Optional[int] = None, timeout_s: float = 300.0, job_id: Optional[str] = None,
-            tracing: bool = True, memory_factor: Optional[float] = None,
-            allow_untested_megatron: Optional[bool] = None, split_backward: bool = False,
-            schedule_file: Optional[str] = None, replica_speeds: bool = True) -> AppSettings:
+def install(settings: Optional[AppSettings] = None, *, tracing: bool = True,
+            allow_untested_megatron: Optional[bool] = None, **options) -> AppSettings:
     """Route Megatron's forward_backward functions to ours. Idempotent; a second call updates the settings.
 
-    split_backward: run each backward as B (input gradient, sent upstream at once) and a later W (weight gradients)
-    that the policy places in idle time (runtime/split_backward.py).
-    replica_speeds: under composition `balanced`, learn each data-parallel replica's speed and give a slower one less
-    work (False: every replica planned as equally fast).
-    schedule_file: run these per-rank action lists (torch.distributed.pipelining's compute-only CSV, one row per
-    pipeline rank; schedule/action_lists.py) instead of a policy; implies schedule "file".
+    ``settings``, or the options by name (every AppSettings field: schedule, policy, memory_cap, memory_factor,
+    planning_share, trace_dir, timeout_s, job_id, split_backward, schedule_file, replica_speeds, composition; each
+    field says its default and meaning): e.g. install(policy="dfc", timeout_s=60). schedule_file implies schedule
+    "file". tracing=False is trace_dir=None (kept for callers that turn traces off by name).
 
     An installed megatron-core outside the tested range is refused (UnsupportedMegatronError, one line) unless
     allow_untested_megatron (or $MEGATRON_APP_ALLOW_UNTESTED_MEGATRON=1) says to try anyway.
@@ -42,11 +37,13 @@ def install(schedule: str = "app", policy: str = DEFAULT_POLICY, trace_dir: Opti
 
     from .executor import MEGATRON_ENTRY_POINTS
 
-    settings = AppSettings(schedule="file" if schedule_file is not None else schedule, policy=policy,
-                           memory_cap=memory_cap, memory_factor=memory_factor,
-                           trace_dir=trace_dir if tracing else None, timeout_s=timeout_s, job_id=job_id,
-                           split_backward=split_backward, schedule_file=schedule_file,
-                           replica_speeds=replica_speeds).validate()
+    if settings is None:
+        settings = AppSettings(**options)
+    elif options:
+        settings = dataclasses.replace(settings, **options)
+    if not tracing:
+        settings = dataclasses.replace(settings, trace_dir=None)
+    settings.validate()
     job = current_job()
     job.use_settings(settings)
     if job.installation.schedule_functions is None:
@@ -54,6 +51,20 @@ def install(schedule: str = "app", policy: str = DEFAULT_POLICY, trace_dir: Opti
         for name, entry_point in MEGATRON_ENTRY_POINTS.items():
             setattr(schedules, name, entry_point)
     return settings
+
+
+def _signature_from_settings(func):
+    """install's signature as help() and inspect show it: its own keywords, then every AppSettings option by name
+    with the field's default (stated once, in the field)."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    own = list(inspect.signature(func).parameters.values())[:-1]     # all but **options
+    options = [inspect.Parameter(field.name, keyword, default=field.default, annotation=field.type)
+               for field in AppSettings.flagged_fields()]
+    func.__signature__ = inspect.Signature(own + options, return_annotation=AppSettings)
+    return func
+
+
+install = _signature_from_settings(install)
 
 
 def uninstall() -> None:
@@ -73,32 +84,35 @@ def is_installed() -> bool:
     return current_job().installation.schedule_functions is not None
 
 
+_FLAG_PREFIX = "app_"   # each AppSettings field NAME is flag --app-NAME, dest app_NAME
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Flags for a Megatron-style argument parser (use as extra_args_provider)."""
+    """Flags for a Megatron-style argument parser (use as extra_args_provider): --use-app, one --app-NAME per
+    AppSettings field (--app-no-NAME for an option that is on by default) and --app-allow-untested-megatron."""
     group = parser.add_argument_group("megatron_app")
     group.add_argument("--use-app", action="store_true", help="run pipeline parallelism with megatron_app's schedule")
-    group.add_argument("--app-schedule", default="app", choices=SCHEDULES)
-    group.add_argument("--app-policy", default=DEFAULT_POLICY, choices=ADAPTIVE_POLICIES)
-    group.add_argument("--app-memory-cap", type=int, default=None)
-    group.add_argument("--app-memory-factor", type=float, default=None,
-                       help="policy planned (and planned-fixed): activation bytes a rank may hold, x Megatron's peak "
-                            "(default 1.0)")
-    group.add_argument("--app-trace-dir", default=None)
-    group.add_argument("--app-split-backward", action="store_true",
-                       help="run each backward as an input-gradient task and a later weight-gradient task")
-    group.add_argument("--app-schedule-file", default=None, metavar="CSV",
-                       help="run these per-rank action lists (torch.distributed.pipelining's compute-only format)")
+    for field in AppSettings.flagged_fields():
+        dest, flag = _FLAG_PREFIX + field.name, "--app-" + field.name.replace("_", "-")
+        if field.default is True:
+            group.add_argument("--app-no-" + field.name.replace("_", "-"), dest=dest, action="store_false",
+                               help=field.metadata["help"])
+        elif field.default is False:
+            group.add_argument(flag, dest=dest, action="store_true", help=field.metadata["help"])
+        else:
+            group.add_argument(flag, dest=dest, default=field.default, help=field.metadata["help"],
+                               **field.metadata["parser"])
     group.add_argument("--app-allow-untested-megatron", action="store_true",
                        help="run with a megatron-core version megatron_app was not tested with")
     return parser
 
 
 def install_from_args(args: argparse.Namespace) -> Optional[AppSettings]:
-    """install() when --use-app was given; returns the settings, or None when not requested."""
-    if not getattr(args, "use_app", False):
+    """install() when --use-app was given; returns the settings, or None when not requested. A parser without
+    add_arguments' flags (or without some of them) gets each missing option's default."""
+    given = vars(args)
+    if not given.get("use_app", False):
         return None
-    return install(schedule=args.app_schedule, policy=args.app_policy, trace_dir=args.app_trace_dir,
-                   memory_cap=args.app_memory_cap, memory_factor=getattr(args, "app_memory_factor", None),
-                   allow_untested_megatron=getattr(args, "app_allow_untested_megatron", False) or None,
-                   split_backward=getattr(args, "app_split_backward", False),
-                   schedule_file=getattr(args, "app_schedule_file", None))
+    options = {field.name: given[_FLAG_PREFIX + field.name] for field in AppSettings.flagged_fields()
+               if _FLAG_PREFIX + field.name in given}
+    return install(allow_untested_megatron=given.get("app_allow_untested_megatron", False) or None, **options)

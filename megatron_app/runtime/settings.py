@@ -1,12 +1,14 @@
-"""What the installed forward_backward function should do: schedule, policy, tracing, timeouts."""
+"""What the installed forward_backward function should do: schedule, policy, tracing, timeouts, composition: the one
+list of the runtime's options (AppSettings), from which install(), add_arguments and install_from_args follow."""
 
 from __future__ import annotations
 
 import csv
 import dataclasses
-from typing import List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 from megatron_app.schedule import ADAPTIVE_POLICY_NAMES, DEFAULT_POLICY, STATIC_POLICY_NAMES
+from megatron_app.schedule.composition import COMPOSITION_NAMES, DEFAULT_COMPOSITION
 
 # "app" runs an adaptive policy (AppSettings.policy); every static policy is a schedule of its own; "file" runs the
 # per-rank action lists of a schedule file (torch.distributed.pipelining's format, schedule/action_lists.py).
@@ -19,40 +21,78 @@ class AppConfigError(ValueError):
     """A user-facing configuration mistake (bad flag value, impossible layout)."""
 
 
+def _option(default, help: str, *, check: Optional[Callable[[Any], Optional[str]]] = None, flag: bool = True,
+            **parser_kwargs):
+    """One runtime option, stated once: its default, what it means (``--help``), its own check (the value -> the
+    one-line refusal, None when fine) and how ``add_arguments`` parses it (argparse keywords; a bool whose default is
+    True becomes ``--app-no-NAME``). flag=False: set through install() only."""
+    return dataclasses.field(default=default, repr=not isinstance(default, tuple),
+                             metadata={"help": help, "check": check, "flag": flag, "parser": parser_kwargs})
+
+
+def _check_memory_factor(value) -> Optional[str]:
+    from megatron_app.schedule import ScheduleConfigError
+    from megatron_app.schedule.planned import check_memory_factor
+
+    try:
+        check_memory_factor(value)
+    except ScheduleConfigError as error:
+        return str(error)
+    return None
+
+
 @dataclasses.dataclass
 class AppSettings:
-    schedule: str = "app"            # app = adaptive policy; interleaved / 1f1b = Megatron's fixed orders
-    policy: str = DEFAULT_POLICY     # used when schedule == "app"
-    memory_cap: Optional[int] = None  # activations held per rank; None = Megatron's interleaved peak
-    memory_factor: Optional[float] = None  # planned: activation bytes per rank, x Megatron's peak; None = 1.0
-    planning_share: float = 0.02      # planned: planning time budget, share of the last iteration
-    trace_dir: Optional[str] = None   # None = no trace files
-    timeout_s: float = 300.0          # a peer silent this long is reported as stuck
-    job_id: Optional[str] = None      # names the shared-memory segments; agreed across ranks when None
-    split_backward: bool = False      # each backward as B (input gradient) + a later W (weight gradients)
-    schedule_file: Optional[str] = None  # with schedule "file": the CSV of per-rank action lists
-    replica_speeds: bool = True       # balanced: learn each data-parallel replica's speed (False: plan them equal)
-    action_lists: Optional[tuple] = dataclasses.field(default=None, repr=False)   # its rows, read by validate()
+    """Every option of the installed runtime, each with its default, meaning and check (install(**options),
+    add_arguments / install_from_args and the trainer all read this list)."""
+
+    schedule: str = _option("app", "app: the adaptive policy of --app-policy; a static order's name; file: the "
+                            "action lists of --app-schedule-file", choices=SCHEDULES)
+    policy: str = _option(DEFAULT_POLICY, "task policy of the app schedule", choices=ADAPTIVE_POLICIES)
+    memory_cap: Optional[int] = _option(
+        None, "activations a rank may hold (default: Megatron's interleaved peak)", type=int,
+        check=lambda cap: None if cap is None or cap >= 1 else f"memory cap must be >= 1 activation, got {cap}")
+    memory_factor: Optional[float] = _option(
+        None, "policy planned (and planned-fixed): activation bytes a rank may hold, x Megatron's peak (default: the "
+        "policy's, 1.0)", type=float, check=lambda factor: None if factor is None else _check_memory_factor(factor))
+    planning_share: float = _option(
+        0.02, "planned: planning time budget, share of the last iteration", type=float,
+        check=lambda share: None if 0 < share < 1 else f"planning share must lie in (0, 1), got {share}")
+    trace_dir: Optional[str] = _option(None, "write per-rank trace files here (default: none)")
+    timeout_s: float = _option(
+        300.0, "seconds a silent peer may take before it is reported as stuck", type=float,
+        check=lambda seconds: None if seconds > 0 else f"timeout must be positive, got {seconds}")
+    job_id: Optional[str] = _option(None, "names the shared-memory segments (default: agreed across ranks)")
+    split_backward: bool = _option(
+        False, "run each backward as an input-gradient task and a later weight-gradient task",
+        check=lambda split: None if isinstance(split, bool) else f"split_backward must be True or False, got {split!r}")
+    schedule_file: Optional[str] = _option(
+        None, "run these per-rank action lists (torch.distributed.pipelining's compute-only format)", metavar="CSV")
+    replica_speeds: bool = _option(
+        True, "balanced: learn each data-parallel replica's speed and give a slower one less work (--app-no-replica-"
+        "speeds: plan every replica as equally fast)")
+    composition: str = _option(
+        DEFAULT_COMPOSITION, "variable lengths: which documents of the global batch form each microbatch "
+        "(wrap_data_iterator's default)", choices=COMPOSITION_NAMES,
+        check=lambda name: None if name in COMPOSITION_NAMES else f"unknown composition {name!r}; choose one of "
+        f"{', '.join(COMPOSITION_NAMES)}")
+    action_lists: Optional[tuple] = _option(None, "the schedule file's rows, read by validate()", flag=False)
 
     def validate(self) -> "AppSettings":
+        if self.schedule_file is not None:    # a schedule file is the schedule
+            self.schedule = FILE_SCHEDULE
         if self.schedule not in SCHEDULES:
             raise AppConfigError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
         if self.schedule == "app" and self.policy not in ADAPTIVE_POLICIES:
             raise AppConfigError(f"unknown policy {self.policy!r}; choose one of {', '.join(ADAPTIVE_POLICIES)}")
-        if self.memory_cap is not None and self.memory_cap < 1:
-            raise AppConfigError(f"memory cap must be >= 1 activation, got {self.memory_cap}")
-        if self.memory_factor is not None and not self.memory_factor >= 1.0:
-            raise AppConfigError(f"memory factor must be >= 1 (x Megatron's peak activation bytes), "
-                                 f"got {self.memory_factor}")
+        for field in dataclasses.fields(self):
+            check = field.metadata["check"]
+            refusal = check(getattr(self, field.name)) if check is not None else None
+            if refusal is not None:
+                raise AppConfigError(refusal)
         if self.memory_factor is not None and not _policy_takes(self.policy_name, "memory_factor"):
             raise AppConfigError(f"a memory factor applies to policy {_takers('memory_factor')} only, not "
                                  f"{self.policy_name!r}")
-        if not 0 < self.planning_share < 1:
-            raise AppConfigError(f"planning share must lie in (0, 1), got {self.planning_share}")
-        if not isinstance(self.split_backward, bool):
-            raise AppConfigError(f"split_backward must be True or False, got {self.split_backward!r}")
-        if self.timeout_s <= 0:
-            raise AppConfigError(f"timeout must be positive, got {self.timeout_s}")
         if (self.schedule == FILE_SCHEDULE) != (self.schedule_file is not None):
             raise AppConfigError("schedule 'file' and a schedule file go together (--schedule-file PATH)")
         if self.schedule_file is not None:     # its lists are checked against the pipeline once it is known
@@ -62,6 +102,11 @@ class AppSettings:
         if POLICIES[self.policy_name].split_only and not self.split_backward:
             raise AppConfigError(f"schedule {self.policy_name!r} needs --split-backward")
         return self
+
+    @classmethod
+    def flagged_fields(cls) -> Tuple[dataclasses.Field, ...]:
+        """The options add_arguments makes flags of, in declaration order."""
+        return tuple(field for field in dataclasses.fields(cls) if field.metadata["flag"])
 
     @property
     def policy_name(self) -> str:

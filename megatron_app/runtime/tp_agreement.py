@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from megatron_app.schedule import KINDS_BY_INDEX, Task
 
-from .collective_device import collective_device
+from megatron_app.devices import collective_device
 
 _KINDS = KINDS_BY_INDEX
 

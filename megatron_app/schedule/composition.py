@@ -25,6 +25,15 @@ BALANCED = "balanced"      # cost-balanced packing planned together with the ord
 LOCAL_BALANCED = "balanced-local"   # balanced within each replica's own loader share (no document moves)
 COMPOSITION_NAMES = (LOADER, PACKED, DP_BALANCED, BALANCED, LOCAL_BALANCED)
 PLANNED_COMPOSITIONS = (BALANCED, LOCAL_BALANCED)   # planned with their order: they need our schedule
+# Under our runtime: at or above packed in every real-compute row and well above it emulated (BENCHMARKS.md,
+# "Microbatch composition"; docs/variable-lengths.md says why).
+DEFAULT_COMPOSITION = BALANCED
+
+
+def default_composition(planned_by_our_runtime: bool) -> str:
+    """The composition when none is given: DEFAULT_COMPOSITION where our runtime plans the iteration; the loader's
+    own microbatches where Megatron's schedule runs them or nothing composes documents."""
+    return DEFAULT_COMPOSITION if planned_by_our_runtime else LOADER
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ from .composition_plan import LARGE_TASKS, CompositionPlanner, document_costs, v
 from .errors import ScheduleConfigError
 from .length_costs import LengthCostModel
 from .plan_search import Plan
+from .planned import DEFAULT_MEMORY_FACTOR
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class PipelineSpec:
     num_chunks: int = 1
     split_backward: bool = False
     microbatch_group_size: Optional[int] = None
-    memory_factor: float = 1.0
+    memory_factor: float = DEFAULT_MEMORY_FACTOR
     planner_evaluations: Optional[int] = None   # the final search's evaluations (default: the planner's)
 
     def valid_counts(self, most: int) -> Tuple[int, ...]:

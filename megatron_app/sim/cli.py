@@ -30,6 +30,7 @@ from typing import List, Optional
 
 from megatron_app.quiet import silence_third_party_warnings
 from megatron_app.schedule import POLICY_NAMES, PipelineShape, ScheduleConfigError, policies_for
+from megatron_app.schedule.planned import DEFAULT_MEMORY_FACTOR
 from megatron_app.trace.cli import EXIT_BAD_INPUT, OneLineArgumentParser, non_negative_int, number, positive_int
 
 from .costs import ComputeCosts, ComputePerturbations
@@ -226,7 +227,7 @@ def _run_compositions(args: argparse.Namespace) -> int:
         args.pipeline_parallel, args.model_chunks, args.microbatches, args.documents_per_microbatch, lengths,
         forward_us=args.fwd_ms * US_PER_MS, backward_us=args.bwd_ms * US_PER_MS,
         host_us=DEFAULT_HOST_US if args.host_ms is None else args.host_ms * US_PER_MS,
-        iterations=max(args.iterations, 2), seed=args.seed, memory_factor=args.memory_factor or 1.0,
+        iterations=max(args.iterations, 2), seed=args.seed, memory_factor=args.memory_factor or DEFAULT_MEMORY_FACTOR,
         data_parallel=args.data_parallel, allreduce_us=args.allreduce_ms * US_PER_MS,
         cost_curves=curves, num_layers=args.num_layers,
         replica_speeds=None if args.slow_replica is None else tuple(

@@ -33,6 +33,7 @@ from megatron_app.schedule.composition_plan import loader_peak_caps
 from megatron_app.schedule.iteration_plan import (PipelineSpec, PlanRequest, ReplicaSpeeds, loader_shares,
                                                   plan_iteration)
 from megatron_app.schedule.length_costs import LengthCostModel
+from megatron_app.schedule.planned import DEFAULT_MEMORY_FACTOR
 
 from .bounds import lower_bounds
 from .cost_curves import CostCurves
@@ -73,7 +74,7 @@ class CompositionSimConfig:
     iterations: int = 3
     warmup_iterations: int = 1        # not averaged: the planner's costs are still the prior in the first
     seed: int = 0
-    memory_factor: float = 1.0
+    memory_factor: float = DEFAULT_MEMORY_FACTOR
     token_budget: Optional[int] = None   # dp-balanced: tokens per microbatch (default: m. b. size x longest doc)
     data_parallel: int = 1               # replicas; each computes m x K documents of the loader's global batch
     replica_speeds: Optional[Tuple[float, ...]] = None   # each replica's speed (a slower device: < 1.0)

@@ -29,6 +29,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
+from megatron_app.devices import is_cuda
+
 from .document_dropout import attention_dropout_draw
 
 VARLEN_DTYPES = (torch.float16, torch.bfloat16)   # the flash kernel's; fp32 packed rows take the per-document path
@@ -170,7 +172,7 @@ class SdpaCoreAttention(MegatronModule):
     def _takes_varlen_kernel(self, query) -> bool:
         """The flash varlen kernel runs CUDA fp16/bf16 rows without attention dropout (it has no keyed masks)."""
         dropout_active = self.training and self.dropout_p > 0.0
-        return (_VARLEN_KERNEL is not None and query.is_cuda and query.dtype in VARLEN_DTYPES
+        return (_VARLEN_KERNEL is not None and is_cuda(query) and query.dtype in VARLEN_DTYPES
                 and not dropout_active and query.size(-1) % 8 == 0 and query.size(-1) <= 256)
 
     def _per_document_forward(self, query, key, value, bounds) -> torch.Tensor:

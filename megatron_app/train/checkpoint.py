@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import random as megatron_random
-from megatron_app.runtime.collective_device import collective_device
+from megatron_app.devices import collective_device
 
 from .checkpoint_manifest import (
     MANIFEST, CheckpointError, FoundCheckpoint, check_compatible, commit, find_checkpoint, iteration_dir,

@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from .flags import completed
+
 SCHEMA = "megatron_app.checkpoint/1"
 MANIFEST = "manifest.json"
 TRACKER = "latest_iteration.txt"
@@ -67,12 +69,13 @@ def write_atomic(path: str, data: bytes) -> None:
 
 
 def manifest_for(args, iteration: int, consumed_samples: int, files) -> dict:
+    values = vars(completed(args))
     return {
         "schema": SCHEMA,
         "iteration": iteration,
         "consumed_samples": consumed_samples,
-        "layout": {key: getattr(args, key) for key in LAYOUT_KEYS + ("data_parallel",)},
-        "model": {**{key: getattr(args, key) for key in MODEL_KEYS}, "precision": getattr(args, "precision", "fp32")},
+        "layout": {key: values[key] for key in LAYOUT_KEYS + ("data_parallel",)},
+        "model": {**{key: values[key] for key in MODEL_KEYS}, "precision": values["precision"]},
         "training": {"global_batch_size": args.global_batch_size, "micro_batch_size": args.micro_batch_size,
                      "seed": args.seed, "iters": args.iters, **data_identity(args)},
         "files": sorted(files),
@@ -91,7 +94,7 @@ def _absolute_data_path(items):
 
 def data_identity(args) -> dict:
     return {"data_path": _absolute_data_path(args.data_path),
-            "variable_seq_lengths": bool(getattr(args, "variable_seq_lengths", False))}
+            "variable_seq_lengths": bool(completed(args).variable_seq_lengths)}
 
 
 def _describe_data(key: str, value) -> str:
@@ -165,20 +168,21 @@ def find_checkpoint(load_dir: str) -> Optional[FoundCheckpoint]:
 
 def check_compatible(found: FoundCheckpoint, args) -> None:
     """Refuse a checkpoint of another parallel layout or model shape (resharding is not supported)."""
+    values = vars(completed(args))
     saved = found.manifest["layout"]
-    here = {key: getattr(args, key) for key in LAYOUT_KEYS}
+    here = {key: values[key] for key in LAYOUT_KEYS}
     if any(saved.get(key) != here[key] for key in LAYOUT_KEYS):
         raise CheckpointError(
             f"checkpoint {found.directory} was saved with {describe_layout(saved)} but this run has "
             f"{describe_layout(here)}; resume with the checkpoint's layout")
     for key in MODEL_KEYS:
-        if found.manifest["model"].get(key) != getattr(args, key):
+        if found.manifest["model"].get(key) != values[key]:
             raise CheckpointError(
                 f"checkpoint {found.directory} has {key}={found.manifest['model'].get(key)} but this run has "
-                f"--{key.replace('_', '-')} {getattr(args, key)}")
+                f"--{key.replace('_', '-')} {values[key]}")
     # The optimizer's state differs (fp32 main parameters and the loss scale under --bf16 / --fp16): refused, as the
     # layout is. Manifests from before precision was recorded are fp32's.
-    saved_precision, precision = found.manifest["model"].get("precision", "fp32"), getattr(args, "precision", "fp32")
+    saved_precision, precision = found.manifest["model"].get("precision", "fp32"), values["precision"]
     if saved_precision != precision:
         flag = {"fp32": "neither --bf16 nor --fp16"}.get(precision, f"--{precision}")
         raise CheckpointError(f"checkpoint {found.directory} was trained in {saved_precision} but this run has {flag}; "
@@ -186,7 +190,7 @@ def check_compatible(found: FoundCheckpoint, args) -> None:
     saved_training = found.manifest.get("training", {})
     here_data = data_identity(args)
     for key in DATA_KEYS:
-        if key not in saved_training or getattr(args, "allow_data_change_on_resume", False):
+        if key not in saved_training or values["allow_data_change_on_resume"]:
             continue  # a manifest from before the key was recorded, or a change the user asked for
         saved = _absolute_data_path(saved_training[key]) if key == "data_path" else bool(saved_training[key])
         if saved != here_data[key]:

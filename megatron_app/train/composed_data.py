@@ -17,7 +17,7 @@ from megatron_app.runtime.keyed_randomness import set_microbatch_documents
 from megatron_app.schedule.composition import LOADER, PACKED, Composition
 from megatron_app.schedule.iteration_plan import IterationPlan, PlanRequest, plan_iteration
 
-from .args import MEGATRON_SCHEDULE
+from .flags import MEGATRON_SCHEDULE, completed
 from megatron_app.data.document_data import pack_documents, pad_to_longest, sample_length
 from .step import forward_step, packed_forward_step
 
@@ -44,8 +44,8 @@ class ComposedBatch:
 
 
 def composition_name(args) -> str:
-    """--composition (drivers that build args by hand may leave it out: the loader's own microbatches)."""
-    return getattr(args, "composition", None) or LOADER
+    """--composition (drivers that build args by hand may leave it out: args.completed says what it then is)."""
+    return completed(args).composition
 
 
 def global_batch_samples(args, first_sample: int) -> List[int]:
@@ -89,13 +89,13 @@ class _LazyBatches:
 
 
 def compose_global_batch(args, dataset, dp_rank: int, first_sample: int, num_chunks: int,
-                         last: bool = True) -> ComposedBatch:
+                         plan_ahead: bool = False) -> ComposedBatch:
     """Plan the global batch (a collective of the job under our runtime) and read this replica's microbatches of
-    it; every chunk gets its own iterator over the same batches. last=False with --plan-ahead: the next global
-    batch is planned while this one trains."""
+    it; every chunk gets its own iterator over the same batches. plan_ahead (--plan-ahead, and a global batch
+    follows): the next global batch is planned while this one trains."""
     samples = global_batch_samples(args, first_sample)
     upcoming = None
-    if not last and getattr(args, "plan_ahead", False):
+    if plan_ahead:
         following = global_batch_samples(args, first_sample + args.global_batch_size)
         upcoming = ([sample_length(dataset, index) for index in following], following)
     plan = plan_global_batch(args, [sample_length(dataset, index) for index in samples], samples, upcoming)

@@ -7,16 +7,9 @@ under a TorchFunctionMode that sends explicit CUDA device arguments to the CPU.
 
 from __future__ import annotations
 
-import torch
 from torch.overrides import TorchFunctionMode
 
-
-def _is_cuda(device) -> bool:
-    if isinstance(device, torch.device):
-        return device.type == "cuda"
-    if isinstance(device, str):
-        return device.split(":", 1)[0] == "cuda"
-    return False
+from megatron_app.devices import is_cuda
 
 
 class CudaDeviceToCpu(TorchFunctionMode):
@@ -24,6 +17,6 @@ class CudaDeviceToCpu(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _is_cuda(kwargs.get("device")):
+        if is_cuda(kwargs.get("device")):
             kwargs = dict(kwargs, device="cpu")
         return func(*args, **kwargs)

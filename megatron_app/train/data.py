@@ -22,7 +22,7 @@ from megatron_app.megatron_compat import null_tokenizer
 
 from megatron_app.data.document_data import DocumentDataset, pad_to_longest, padded_lengths, sample_length
 
-DEFAULT_SPLIT = "949,50,1"
+from .flags import DEFAULT_SPLIT, completed  # noqa: F401 (DEFAULT_SPLIT re-exported)
 
 # "Unable to save MockGPTDataset indexes because path_to_cache is None", once per split and rank.
 logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)
@@ -49,7 +49,7 @@ def validation_samples(args) -> int:
 
 
 def wants_validation(args) -> bool:
-    return bool(getattr(args, "eval_interval", None))
+    return bool(completed(args).eval_interval)
 
 
 def build_datasets(args):
@@ -58,13 +58,14 @@ def build_datasets(args):
     ``args`` needs seq_length, vocab_size, seed, iters, global_batch_size, data_path and, for validation,
     split, eval_interval and eval_iters. Mock data (MockGPTDataset) when data_path is None.
     """
-    data_path = getattr(args, "data_path", None)
+    args = completed(args)
+    data_path = args.data_path
     config = GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
         tokenizer=build_tokenizer(args.vocab_size),
         blend=get_blend_from_list(list(data_path)) if data_path else None,
-        split=getattr(args, "split", DEFAULT_SPLIT) if data_path else None,
+        split=args.split if data_path else None,
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,
@@ -79,7 +80,7 @@ def build_datasets(args):
     sizes = [train_samples(args), validation_samples(args), 0]
     dataset_class = MockGPTDataset
     if data_path:
-        dataset_class = DocumentDataset if getattr(args, "variable_seq_lengths", False) else GPTDataset
+        dataset_class = DocumentDataset if args.variable_seq_lengths else GPTDataset
     train, valid, _test = BlendedMegatronDatasetBuilder(dataset_class, sizes, lambda: True, config).build()
     if len(train) < sizes[0]:
         raise ValueError(f"dataset has {len(train)} training samples, the run needs {sizes[0]}")
@@ -135,7 +136,7 @@ def microbatch_lengths(args, dataset, dp_rank: int, first_sample: int) -> Option
     """Padded sequence length of each microbatch this data-parallel rank feeds into the global batch that starts
     at ``first_sample``, in data order (the longest sample of each); None for packed data, whose microbatches all
     have seq_length tokens (the schedule's assumption when told nothing)."""
-    if not getattr(args, "variable_seq_lengths", False):
+    if not completed(args).variable_seq_lengths:
         return None
     sampler = MicrobatchSampler(first_sample + args.global_batch_size, args.micro_batch_size, dp_rank,
                                 args.data_parallel)
@@ -170,6 +171,6 @@ def move_batch(batch: dict, device: torch.device) -> dict:
 
 def global_batch_tokens(args, dataset, first_sample: int) -> int:
     """Tokens (padding excluded) of the global batch that starts at ``first_sample``."""
-    if not getattr(args, "variable_seq_lengths", False):
+    if not completed(args).variable_seq_lengths:
         return args.global_batch_size * args.seq_length
     return sum(sample_length(dataset, index) for index in range(first_sample, first_sample + args.global_batch_size))

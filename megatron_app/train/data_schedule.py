@@ -25,7 +25,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
-from megatron_app.schedule.composition import BALANCED, Composition
+from megatron_app.schedule.composition import Composition
 from megatron_app.schedule.iteration_plan import loader_shares
 
 from megatron_app.data.document_data import CU_SEQLENS, pack_documents, pad_to_longest
@@ -87,18 +87,21 @@ def _document_ids(count: int) -> range:
 
 
 def wrap_data_iterator(data_iterator, config, num_microbatches: int, pg_collection=None, *,
-                       composition: str = BALANCED, micro_batch_size: int = 1):
+                       composition: Optional[str] = None, micro_batch_size: int = 1):
     """(iterator of the planned microbatches, their count, tokens computed, sum of squared document lengths).
 
     ``data_iterator``: one iterator, a list with one per model chunk (Megatron's convention with virtual
     pipelining; they yield the same samples, the first one that is not None is read), or None on a rank that reads
     no data; the result has the same structure. ``config`` (the model's TransformerConfig) is Megatron's argument,
     unused here. ``composition``: 'balanced' (the planner's choice), 'packed' or 'loader' (groups of
-    ``micro_batch_size`` documents in reading order, packed or padded).
+    ``micro_batch_size`` documents in reading order, packed or padded); None: the installed settings' (install's
+    ``composition``, 'balanced' unless it says otherwise).
     """
     from megatron_app.runtime.composition import agree_iteration_plan, job_layout
+    from megatron_app.runtime.job import current_job
     from megatron_app.runtime.keyed_randomness import set_microbatch_documents
 
+    composition = current_job().settings.composition if composition is None else composition
     layout = job_layout(pg_collection)
     iterators = data_iterator if isinstance(data_iterator, (list, tuple)) else [data_iterator]
     source = next((it for it in iterators if it is not None), None)

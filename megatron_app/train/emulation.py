@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 
+from megatron_app.devices import local_device
 from megatron_app.emulation import EmulationSpec, SlowLink, TaskDurations, spec_from_args
 from megatron_app.emulation.compute import EmulatedChunk, emulated_forward_step, emulated_microbatches
 from megatron_app.emulation.link_delay import LinkDelay
@@ -28,6 +29,7 @@ from megatron_app.schedule.composition import LOADER
 from megatron_app.schedule.iteration_plan import IterationPlan
 from megatron_app.trace.model_shape import model_shape
 
+from .flags import completed
 from .forward_backward import tell_microbatch_lengths
 from .step import loss_func
 
@@ -36,16 +38,16 @@ class ComputeEmulation:
     """What the trainer swaps in when emulating: chunks, data, forward_step, and the per-iteration hooks."""
 
     def __init__(self, args, spec: EmulationSpec, link_delays: Sequence[SlowLink] = ()):
-        self.args = args
+        self.args = args = completed(args)
         self.spec = spec
         self.shape = PipelineShape(args.pipeline_parallel, args.model_chunks, args.num_microbatches,
-                                   split_backward=bool(getattr(args, "split_backward", False)))
-        slow = getattr(args, "slow_replica", None) == parallel_state.get_data_parallel_rank()
+                                   split_backward=bool(args.split_backward))
+        slow = args.slow_replica == parallel_state.get_data_parallel_rank()
         self.durations = TaskDurations(spec, self.shape, factor=args.slow_factor if slow else 1.0)
         self.link_delay = LinkDelay(link_delays) if link_delays else None
         self.forward_step = self.trainer_forward_step
-        self.documents_per_microbatch = int(getattr(args, "documents_per_microbatch", 1) or 1)
-        self.composition_name = getattr(args, "composition", LOADER)
+        self.documents_per_microbatch = int(args.documents_per_microbatch or 1)
+        self.composition_name = args.composition
         self.composing = spec.lengths is not None and (self.documents_per_microbatch > 1
                                                       or self.composition_name != LOADER)
         self.planning_s: Dict[int, float] = {}
@@ -62,7 +64,7 @@ class ComputeEmulation:
         spec = spec_from_args(args)
         if spec is None:
             return None
-        return cls(args, spec, [SlowLink.parse_delay(text) for text in getattr(args, "link_delay", None) or ()])
+        return cls(args, spec, [SlowLink.parse_delay(text) for text in completed(args).link_delay or ()])
 
     def build_chunks(self) -> List[EmulatedChunk]:
         from .model import build_transformer_config   # the config GPT chunks would get: same Megatron fields
@@ -79,7 +81,7 @@ class ComputeEmulation:
                 config, self.durations, pp_rank, chunk,
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                 post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                vp_stage=vp_stage, vocab_size=args.vocab_size).to(torch.device(args.device)))
+                vp_stage=vp_stage, vocab_size=args.vocab_size).to(local_device(args.device)))
         return chunks
 
     def data_iterators(self):

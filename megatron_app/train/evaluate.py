@@ -11,6 +11,7 @@ from typing import Callable, List, Optional
 import torch
 from megatron.core import parallel_state
 
+from .flags import completed
 from .composed_data import compose_global_batch
 from .data import build_data_iterators, microbatch_lengths, validation_samples
 from .forward_backward import tell_microbatch_lengths
@@ -23,7 +24,7 @@ def evaluate(args, chunks: List[torch.nn.Module], forward_backward: Callable, va
 
     Under --variable-seq-lengths each validation global batch is composed as training's are (--composition)."""
     dp_rank = parallel_state.get_data_parallel_rank()
-    composes = bool(getattr(args, "variable_seq_lengths", False))
+    composes = bool(completed(args).variable_seq_lengths)
     iterators = None if composes else build_data_iterators(args, args.model_chunks, dp_rank, dataset=valid_dataset,
                                                            num_samples=validation_samples(args))
     for chunk in chunks:

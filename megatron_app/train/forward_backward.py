@@ -26,17 +26,27 @@ def _on_cpu(func: Callable) -> Callable:
     return run
 
 
-def select_forward_backward_func(schedule: str, policy: str, trace_dir, tracing: bool,
-                                 device_type: str, memory_factor: Optional[float] = None,
-                                 split_backward: bool = False, schedule_file: Optional[str] = None,
-                                 replica_speeds: bool = True) -> Callable:
-    if schedule == MEGATRON:
+def runtime_settings(args, trace_dir: Optional[str]):
+    """The trainer's flags as the runtime's one AppSettings (built once, by build_trainer), or None when Megatron's
+    own schedule runs. trace_dir: this run's trace directory, None when not tracing."""
+    if args.schedule == MEGATRON:
+        return None
+    from megatron_app.runtime import AppSettings
+
+    return AppSettings(schedule=args.schedule, policy=args.policy, memory_factor=args.memory_factor,
+                       trace_dir=trace_dir, split_backward=args.split_backward, schedule_file=args.schedule_file,
+                       replica_speeds=not args.no_replica_speeds, composition=args.composition)
+
+
+def select_forward_backward_func(settings, device_type: str) -> Callable:
+    """Megatron's own function when ``settings`` is None (on the CPU, under CudaDeviceToCpu); else ours, installed
+    with these settings."""
+    if settings is None:
         func = megatron_pp.get_forward_backward_func()
         return _on_cpu(func) if device_type == "cpu" else func
     from megatron_app.runtime import install
 
-    install(schedule=schedule, policy=policy, trace_dir=trace_dir, tracing=tracing, memory_factor=memory_factor,
-            split_backward=split_backward, schedule_file=schedule_file, replica_speeds=replica_speeds)
+    install(settings)
     return megatron_pp.get_forward_backward_func()
 
 

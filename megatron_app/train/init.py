@@ -19,23 +19,23 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import random as megatron_random
 
+from megatron_app.devices import local_device
+
 
 def init_distributed(device_type: str, timeout_minutes: int = 10) -> torch.device:
     """Start the default process group (gloo on CPU, nccl on CUDA) and return this rank's device.
 
     Under torchrun the env:// variables are used; a bare ``python -m`` run becomes a 1-rank group.
     """
+    device = local_device(device_type)
     if device_type == "cuda":
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         gpus = torch.cuda.device_count()
-        torch.cuda.set_device(local_rank % gpus)
-        device = torch.device("cuda", local_rank % gpus)
+        torch.cuda.set_device(device)
         # NCCL refuses two ranks on one GPU; ranks sharing GPUs use gloo for collectives (pipeline tensors go
         # through our transport either way).
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         backend = "nccl" if local_ranks <= gpus else "gloo"
     else:
-        device = torch.device("cpu")
         backend = "gloo"
     if not dist.is_initialized():
         if "MASTER_ADDR" in os.environ:

@@ -16,12 +16,13 @@ from megatron_app.runtime import enable_keyed_randomness, set_iteration
 from megatron_app.runtime import add_transport_wrapper, current_tracer, remove_transport_wrapper
 from megatron_app.trace.runs import LATEST
 
+from .flags import completed
 from .checkpoint import load_checkpoint, save_checkpoint
 from .composed_data import compose_global_batch
 from .data import build_data_iterators, build_datasets, global_batch_tokens, microbatch_lengths
 from .dumps import dump_grads, dump_weights
-from .forward_backward import (MEGATRON, close_schedule, optimizer_span, select_forward_backward_func,
-                               tell_microbatch_lengths)
+from .forward_backward import (MEGATRON, close_schedule, optimizer_span, runtime_settings,
+                               select_forward_backward_func, tell_microbatch_lengths)
 from .init import init_distributed, init_model_parallel, seed_all, shutdown
 from .model import build_model_chunks
 from .optim import MixedPrecision, MixedPrecisionOptimizer, build_optimizer, finalize_model_grads
@@ -42,8 +43,8 @@ _RUN_CONFIG_KEYS = (
 
 
 def run_config(args) -> dict:
-    # Drivers that build args by hand (tests, embedding scripts) may leave out the newer, optional keys.
-    return {key: getattr(args, key, None) for key in _RUN_CONFIG_KEYS}
+    values = vars(completed(args))
+    return {key: values.get(key) for key in _RUN_CONFIG_KEYS}
 
 
 @dataclass
@@ -62,16 +63,19 @@ class Trainer:
     dp_rank: int = 0
     saved_iteration: Optional[int] = None   # the newest checkpoint's iteration (--load's, or this run's last save)
     last_plan: object = None        # the last composed iteration's IterationPlan (None when not composing)
+    stop_on_nonfinite: bool = False  # --check-for-nan-in-loss-and-grad
+    plan_ahead: bool = False        # --plan-ahead: plan each next global batch while this one trains
 
-
-def composes(args) -> bool:
-    """Variable-length documents: each global batch's microbatches come from a composition (composed_data.py)."""
-    return bool(getattr(args, "variable_seq_lengths", False)) and getattr(args, "emulate_compute", None) is None
+    @property
+    def composes(self) -> bool:
+        """Variable-length documents: each global batch's microbatches come from a composition (composed_data.py);
+        emulated compute composes its own."""
+        return bool(self.args.variable_seq_lengths) and self.emulation is None
 
 
 def _resume(args, chunks, optimizer) -> Tuple[int, str]:
     """Load --load's checkpoint into the model and optimizer; returns (iteration reached, note for the user)."""
-    if not getattr(args, "load", None):
+    if not args.load:
         return 0, ""
     found, rng_restored = load_checkpoint(args.load, args, chunks, optimizer)
     if found is None:
@@ -86,12 +90,12 @@ def build_trainer(args) -> Trainer:
     """Model chunks, optimizer (restored from --load when given), data and schedule; process groups must exist."""
     seed_all(args.seed, args.device)
     emulation = None
-    if getattr(args, "emulate_compute", None) is not None:
+    if args.emulate_compute is not None:
         from .emulation import ComputeEmulation
 
         emulation = ComputeEmulation.from_args(args)
     chunks = build_model_chunks(args) if emulation is None else emulation.build_chunks()
-    if emulation is None and (getattr(args, "hidden_dropout", 0.0) or getattr(args, "attention_dropout", 0.0)):
+    if emulation is None and (args.hidden_dropout or args.attention_dropout):
         enable_keyed_randomness(chunks, args.seed)   # the same masks under every schedule, P and V
     chunks[0].config.finalize_model_grads_func = finalize_model_grads  # shared by all chunks
     optimizer = build_optimizer(chunks, args.lr, None if emulation is not None else MixedPrecision.from_args(args))
@@ -100,7 +104,7 @@ def build_trainer(args) -> Trainer:
     train_dataset = None
     if emulation is None:
         train_dataset, valid_dataset = build_datasets(args)
-        data_iterator = None if composes(args) else build_data_iterators(
+        data_iterator = None if args.variable_seq_lengths else build_data_iterators(
             args, args.model_chunks, parallel_state.get_data_parallel_rank(),
             consumed_samples=start_iteration * args.global_batch_size, dataset=train_dataset)
     else:
@@ -108,11 +112,7 @@ def build_trainer(args) -> Trainer:
     # Megatron's own schedules write no trace: no run directory for them.
     tracing = not args.no_trace and args.schedule != MEGATRON
     trace_dir = start_trace_run(args.trace_dir) if tracing else None
-    forward_backward = select_forward_backward_func(args.schedule, args.policy, trace_dir, not args.no_trace,
-                                                    args.device, memory_factor=args.memory_factor,
-                                                    split_backward=args.split_backward,
-                                                    schedule_file=args.schedule_file,
-                                                    replica_speeds=not getattr(args, "no_replica_speeds", False))
+    forward_backward = select_forward_backward_func(runtime_settings(args, trace_dir), args.device)
     reporter = IterationReporter(run_config(args), args.iters, args.global_batch_size * args.seq_length,
                                  args.log_json, emulated=emulation is not None)
     if resume_note:
@@ -124,7 +124,8 @@ def build_trainer(args) -> Trainer:
                    forward_step_func=forward_step if emulation is None else emulation.forward_step,
                    emulation=emulation, train_dataset=train_dataset,
                    dp_rank=parallel_state.get_data_parallel_rank(),
-                   saved_iteration=start_iteration or None)
+                   saved_iteration=start_iteration or None,
+                   stop_on_nonfinite=args.check_for_nan_in_loss_and_grad, plan_ahead=args.plan_ahead)
 
 
 def train_step(trainer: Trainer, iteration: int) -> Optional[float]:
@@ -137,9 +138,9 @@ def train_step(trainer: Trainer, iteration: int) -> Optional[float]:
     first_sample = (iteration - 1) * args.global_batch_size
     if trainer.emulation is not None:
         num_microbatches = trainer.emulation.begin_iteration(iteration - 1)
-    elif composes(args):   # the composition's microbatches; planning told the schedule their tokens
+    elif trainer.composes:   # the composition's microbatches; planning told the schedule their tokens
         composed = compose_global_batch(args, trainer.train_dataset, trainer.dp_rank, first_sample, args.model_chunks,
-                                        last=iteration >= args.iters)
+                                        plan_ahead=trainer.plan_ahead and iteration < args.iters)
         data_iterator, num_microbatches = composed.data_iterator, composed.num_microbatches
         forward_step_func = composed.forward_step_func
         trainer.last_plan = composed.plan
@@ -159,7 +160,7 @@ def train_step(trainer: Trainer, iteration: int) -> Optional[float]:
     if iteration == 1 and args.dump_grads:
         dump_grads(trainer.chunks, args.dump_grads)
     loss = reduce_lm_loss(losses_reduced)
-    if getattr(args, "check_for_nan_in_loss_and_grad", False):
+    if trainer.stop_on_nonfinite:
         # all ranks stop here together, or none; under a loss scale an overflow skips the step instead (Megatron's)
         check_finite(iteration, loss, trainer.chunks, args.device,
                      gradients=getattr(trainer.optimizer, "grad_scaler", None) is None)
@@ -180,8 +181,8 @@ def after_iteration(trainer: Trainer, iteration: int) -> bool:
     if trainer.valid_dataset is not None and _due(iteration, args.eval_interval):
         loss = evaluate(args, trainer.chunks, trainer.forward_backward, trainer.valid_dataset)
         trainer.reporter.record_validation(iteration, loss)
-    stop = _due(iteration, getattr(args, "exit_interval", None))
-    save_dir = getattr(args, "save", None)
+    stop = _due(iteration, args.exit_interval)
+    save_dir = args.save
     if save_dir and (_due(iteration, args.save_interval) or stop or iteration == args.iters):
         directory = save_checkpoint(save_dir, args, trainer.chunks, trainer.optimizer, iteration,
                                     iteration * args.global_batch_size)
@@ -233,7 +234,7 @@ def train(args) -> None:
         if not isinstance(error, KeyboardInterrupt) and not interrupt_follows(error):
             raise
         report = trainer.reporter.enabled if trainer is not None else dist.get_rank() == 0
-        raise interrupted(iteration, args.iters, getattr(args, "save", None),
+        raise interrupted(iteration, args.iters, args.save,
                           trainer.saved_iteration if trainer is not None else None, report) from None
     finally:
         if loss_layer is not None:

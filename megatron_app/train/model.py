@@ -19,6 +19,9 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_app.devices import local_device
+
+from .flags import completed
 from .attention import SdpaCoreAttention
 from .document_dropout import ATTENTION_OUTPUT_STREAM, MLP_OUTPUT_STREAM, DocumentBiasDropoutAdd, DocumentDropout
 from .names import global_param_name, named_global_parameters  # noqa: F401 (re-exported API)
@@ -41,9 +44,8 @@ def document_layer_spec() -> ModuleSpec:
 
 def build_transformer_config(args) -> TransformerConfig:
     """The one TransformerConfig shared by all chunks (the schedules read it from chunk.config)."""
-    model_chunks = args.model_chunks
-    variable = bool(getattr(args, "variable_seq_lengths", False))
-    precision = getattr(args, "precision", "fp32")
+    args = completed(args)
+    model_chunks, variable, precision = args.model_chunks, bool(args.variable_seq_lengths), args.precision
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -60,9 +62,9 @@ def build_transformer_config(args) -> TransformerConfig:
         # overwrite the values with layout-independent ones.
         use_cpu_initialization=True,
         perform_initialization=True,
-        hidden_dropout=getattr(args, "hidden_dropout", 0.0),
-        attention_dropout=getattr(args, "attention_dropout", 0.0),
-        calculate_per_token_loss=bool(getattr(args, "calculate_per_token_loss", False)),
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        calculate_per_token_loss=bool(args.calculate_per_token_loss),
         # Megatron's own p2p (--schedule megatron on CUDA) then exchanges shapes before every message; our transport
         # carries the shape with the message and ignores this.
         variable_seq_lengths=variable,
@@ -99,7 +101,7 @@ def build_model_chunks(args) -> List[GPTModel]:
         if chunk.pre_process:
             chunk.embedding.embedding_dropout = DocumentDropout(config.hidden_dropout)
     reinitialize_by_global_name(chunks, config, args.seed)
-    device = torch.device(args.device)
+    device = local_device(args.device)
     return [wrap_precision(chunk.to(device), config) for chunk in chunks]
 
 

@@ -30,6 +30,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron.core import parallel_state
 
+from .flags import completed
+
 
 def _trainable(model: List[torch.nn.Module]) -> List[torch.nn.Parameter]:
     return [p for chunk in model for p in chunk.parameters() if p.requires_grad]
@@ -51,16 +53,16 @@ class MixedPrecision:
 
     @classmethod
     def from_args(cls, args) -> Optional["MixedPrecision"]:
-        precision = getattr(args, "precision", "fp32")
+        args = completed(args)
+        precision = args.precision
         if precision == "fp32":
             return None
         dynamic = None
-        if precision == "fp16" and getattr(args, "loss_scale", None) is None:
+        if precision == "fp16" and args.loss_scale is None:
             dynamic = {"initial_scale": args.initial_loss_scale, "min_scale": args.min_loss_scale,
                        "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": args.loss_scale_window,
                        "hysteresis": args.hysteresis}
-        return cls(bool(getattr(args, "accumulate_allreduce_grads_in_fp32", False)) or precision == "bf16",
-                   getattr(args, "loss_scale", None), dynamic)
+        return cls(bool(args.accumulate_allreduce_grads_in_fp32) or precision == "bf16", args.loss_scale, dynamic)
 
     def grad_scaler(self, device: torch.device):
         """Megatron's grad scaler for this run (None: no loss scale), its tensors on ``device``."""

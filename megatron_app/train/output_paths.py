@@ -113,12 +113,12 @@ def check_outputs(args, tracing: bool) -> None:
     """Every output of the run, from the validated flags (OutputPathError, one line, on the first problem)."""
     if tracing:
         check_output_dir("--trace-dir", args.trace_dir)
-    if getattr(args, "log_json", None):
+    if args.log_json:
         check_output_file("--log-json", args.log_json)
-    for flag, dest in (("--dump-grads", "dump_grads"), ("--dump-weights", "dump_weights")):
-        if getattr(args, dest, None):
-            check_output_dir(flag, getattr(args, dest))
-    if getattr(args, "save", None):
+    for flag, path in (("--dump-grads", args.dump_grads), ("--dump-weights", args.dump_weights)):
+        if path:
+            check_output_dir(flag, path)
+    if args.save:
         anchor = check_output_dir("--save", args.save)
-        if getattr(args, "emulate_compute", None) is None:
+        if args.emulate_compute is None:
             check_room("--save", args.save, anchor, checkpoint_bytes(args))

@@ -17,6 +17,8 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.utils import get_attr_wrapped_model
 
+from megatron_app.devices import model_device
+
 from .attention import packed_documents
 from .data import move_batch
 from megatron_app.data.document_data import CU_SEQLENS
@@ -54,7 +56,7 @@ def _forward(data_iterator, model, every_chunk: bool):
     if pre_process or post_process or every_chunk:
         if data_iterator is None:
             raise ValueError("this chunk needs data but got no data iterator")
-        device = next(model.parameters()).device
+        device = model_device(model)
         host_batch = next(data_iterator)
         batch = move_batch(host_batch, device)
 

@@ -19,7 +19,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_app.runtime.collective_device import collective_device
+from megatron_app.devices import collective_device
 
 
 class NonFiniteError(RuntimeError):

@@ -1,0 +1,300 @@
+"""The trainer's command line: every flag of ``python -m megatron_app.train``, its default and its help (the
+parser), and completed(), which gives hand-built args the same defaults. Validation lives in args.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from typing import Mapping, Sequence
+
+from megatron_app.lossy.config import TP_SITES
+from megatron_app.schedule import ADAPTIVE_POLICY_NAMES, DEFAULT_POLICY, STATIC_POLICY_NAMES
+from megatron_app.schedule.composition import COMPOSITION_NAMES, default_composition
+
+from megatron_app.data.text_tokenizers import TOKENIZER_TYPES
+
+MEGATRON_SCHEDULE = "megatron"   # Megatron-Core's own forward_backward function, not our runtime
+SCHEDULES = ("app",) + STATIC_POLICY_NAMES + (MEGATRON_SCHEDULE,)
+POLICIES = ADAPTIVE_POLICY_NAMES
+DEVICES = ("auto", "cpu", "cuda")   # megatron_app.devices.DEVICE_CHOICES (it imports torch; this module does not)
+DEFAULT_MICROBATCHES = 8
+DEFAULT_VOCAB_SIZE = 1024  # mock data; with --data-path the size comes from the tokenizer or the data
+DEFAULT_SPLIT = "949,50,1"
+DEFAULT_SLOW_FACTOR = 1.5
+DEFAULT_STRAGGLER_FACTOR = 3.0
+DEFAULT_EVAL_ITERS = 10
+DEFAULT_TRACE_DIR = "traces/"
+# Megatron-LM's defaults of its dynamic loss scale (--fp16)
+DEFAULT_INITIAL_LOSS_SCALE = 2.0 ** 32
+DEFAULT_MIN_LOSS_SCALE = 1.0
+DEFAULT_LOSS_SCALE_WINDOW = 1000
+DEFAULT_HYSTERESIS = 2
+
+
+class UsageError(ValueError):
+    """A flag combination that cannot run; the message is one line meant for the user."""
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse prints usage plus the error; we want exactly one line and exit status 2."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        raise UsageError(message)
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """--help names every flag's default: argparse's "(default: X)" unless the text already says it; "none" for an
+    unset option; nothing for an on/off switch (off unless given)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS or action.nargs == 0:
+            return text
+        shown = "none" if action.default is None else "%(default)s"
+        return f"{text} (default: {shown})" if text else f"default: {shown}"
+
+
+def _add_flag(parser, *names: str, megatron: Sequence[str] = (), **kwargs) -> None:
+    """Accept both ``--a_b`` and ``--a-b`` spellings of every flag, and Megatron-LM's name for it (``megatron``)."""
+    spellings = []
+    for name in names:
+        body = name[2:]
+        for variant in (name, "--" + body.replace("_", "-"), "--" + body.replace("-", "_")):
+            if variant not in spellings:
+                spellings.append(variant)
+    parser.add_argument(*spellings, *megatron, **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(
+        prog="python -m megatron_app.train",
+        description="Train a small Megatron-Core GPT with a chosen pipeline schedule (one process per rank). "
+                    "Megatron-LM's names of the flags we share are accepted too (--pipeline-model-parallel-size, "
+                    "--train-iters, ...).",
+        formatter_class=_DefaultsFormatter,
+    )
+    layout = parser.add_argument_group("parallel layout")
+    _add_flag(layout, "--pipeline_parallel", type=int, default=1, metavar="P", help="pipeline stages",
+              megatron=["--pipeline-model-parallel-size"])
+    _add_flag(layout, "--model_chunks", type=int, default=None, metavar="V",
+              help="model chunks (virtual stages) per pipeline rank (default: 1)",
+              megatron=["--num-virtual-stages-per-pipeline-rank", "--virtual-pipeline-model-parallel-size"])
+    layout.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None, metavar="L",
+                        help="Megatron-LM's other way to give V: L layers per model chunk, so "
+                             "V = num_layers / (P x L)")
+    _add_flag(layout, "--tensor_parallel", type=int, default=1, metavar="T", help="tensor-parallel size",
+              megatron=["--tensor-model-parallel-size"])
+    _add_flag(layout, "--data_parallel", type=int, default=None, metavar="D",
+              help="data-parallel size (default: WORLD_SIZE / (P*T))")
+
+    model = parser.add_argument_group("model")
+    _add_flag(model, "--num-layers", type=int, default=8, help="transformer layers, split over P x V chunks")
+    _add_flag(model, "--hidden-size", type=int, default=64, help="model width")
+    _add_flag(model, "--num-attention-heads", type=int, default=4, help="attention heads")
+    _add_flag(model, "--seq-length", type=int, default=64, help="tokens per sequence")
+    _add_flag(model, "--vocab-size", type=int, default=None,
+              help=f"total vocabulary, end-of-document token included (default: {DEFAULT_VOCAB_SIZE} on mock data; "
+                   "with --data-path the tokenizer's or the data's size, padded like Megatron)")
+    _add_flag(model, "--hidden-dropout", type=float, default=0.0, metavar="P",
+              help="dropout after attention and MLP, keyed by (seed, iteration, microbatch, layer) so every schedule, P "
+                   "and V draws the same masks (default: %(default)s; Megatron-LM's is 0.1)")
+    _add_flag(model, "--attention-dropout", type=float, default=0.0, metavar="P",
+              help="dropout on attention probabilities, keyed the same way (default: %(default)s; Megatron-LM's is 0.1)")
+    _add_flag(model, "--make-vocab-size-divisible-by", type=int, default=128, metavar="N",
+              help="pad a derived vocabulary size to a multiple of N x tensor_parallel (Megatron's rule)")
+
+    train = parser.add_argument_group("training")
+    _add_flag(train, "--micro-batch-size", type=int, default=2, help="sequences per microbatch")
+    _add_flag(train, "--global-batch-size", type=int, default=None,
+              help=f"sequences per iteration (default: {DEFAULT_MICROBATCHES} microbatches per data-parallel rank)")
+    _add_flag(train, "--iters", type=int, default=5, help="iterations to train, counted from 1 as in the log",
+              megatron=["--train-iters"])
+    _add_flag(train, "--seed", type=int, default=1234, help="seeds the model, data order and dropout")
+    _add_flag(train, "--lr", type=float, default=1e-3, help="Adam's learning rate (constant)")
+    _add_flag(train, "--data-path", nargs="+", default=None, metavar="PREFIX",
+              help="Megatron indexed dataset prefix(es) [weight prefix ...]; default: mock data")
+    _add_flag(train, "--variable-seq-lengths", action="store_true",
+              help="one document per sample (not fixed-length windows), truncated at --seq-length; --composition "
+                   "says how documents form microbatches; needs --data-path; implies --calculate-per-token-loss")
+    _add_flag(train, "--composition", choices=COMPOSITION_NAMES, default=None,
+              help="with --variable-seq-lengths (or emulated lengths), which documents of the global batch form each "
+                   "microbatch: loader (the loader's microbatches, padded to their longest document; the default under "
+                   "--schedule megatron), packed (the same documents concatenated in one row, no padding), "
+                   "dp-balanced (the loader's order packed "
+                   "up to a token budget as Megatron-LM's DpBalancedScheduler does, its packs dealt across "
+                   "data-parallel replicas; a reference), balanced (cost-balanced packing planned together with the "
+                   "order, documents moved between data-parallel replicas by predicted cost and learnt speed; the "
+                   "default under our schedule), "
+                   "balanced-local (the same within each replica's own share)")
+    _add_flag(train, "--no-replica-speeds", action="store_true",
+              help="balanced: plan every data-parallel replica as equally fast (default: learn each replica's speed "
+                   "from its measured against its predicted time and give a slower one less work)")
+    _add_flag(train, "--plan-ahead", action="store_true",
+              help="balanced: plan each iteration's global batch in a worker process while the previous one trains "
+                   "(the rank that plans starts one more process); a late plan falls back to planning in line")
+    _add_flag(train, "--documents-per-microbatch", type=int, default=1, metavar="K",
+              help="with --emulate-lengths-file: each loader microbatch holds K documents (the iteration draws "
+                   "microbatches x K documents, composed by --composition); default 1")
+    _add_flag(train, "--calculate-per-token-loss", action="store_true",
+              help="Megatron's per-token loss: gradients are divided by the global batch's token count instead of "
+                   "averaging per-microbatch means (the result does not depend on how samples form microbatches)")
+    _add_flag(train, "--split", default=None, metavar="TRAIN,VALID,TEST",
+              help=f"document shares of the splits of each --data-path dataset (default: {DEFAULT_SPLIT})")
+    _add_flag(train, "--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
+              help="with --vocab-file/--merge-file or --tokenizer-json: the vocabulary size comes from it")
+    _add_flag(train, "--vocab-file", default=None, help="GPT-2 vocab.json (vocabulary size only)")
+    _add_flag(train, "--merge-file", default=None, help="GPT-2 merges.txt")
+    _add_flag(train, "--tokenizer-json", default=None, help="a Hugging Face tokenizer.json (vocabulary size only)")
+    _add_flag(train, "--device", choices=DEVICES, default="auto",
+              help="auto: one CUDA device per rank when there is one, else the CPU")
+    train.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
+                        help="stop the run, with one line naming the iteration and rank, on the first iteration "
+                             "whose loss or gradients are not finite (NaN or inf); --no-check-for-nan-in-loss-and-grad "
+                             "keeps going (Megatron-LM's flags; default: stop)")
+    _add_flag(train, "--distributed-timeout-minutes", type=int, default=10,
+              help="how long a collective (e.g. the data-parallel all-reduce) waits for a rank that died on another "
+                   "host before it fails (default: %(default)s, as Megatron-LM's)")
+
+    precision = parser.add_argument_group("mixed precision (Megatron-LM's flags and rules)")
+    _add_flag(precision, "--bf16", action="store_true",
+              help="bf16 parameters, activations and pipeline tensors; fp32 main parameters, optimizer state, "
+                   "gradient accumulation and data-parallel all-reduce (Megatron's mixed-precision optimizer)")
+    _add_flag(precision, "--fp16", action="store_true",
+              help="fp16 parameters, activations and pipeline tensors; fp32 main parameters and optimizer state; "
+                   "the loss is scaled (dynamically unless --loss-scale) and an iteration whose gradients overflow "
+                   "is skipped")
+    _add_flag(precision, "--loss-scale", type=float, default=None, metavar="S",
+              help="a constant loss scale (a power of two) for --fp16 or --bf16 (default: dynamic under --fp16, none "
+                   "under --bf16)")
+    _add_flag(precision, "--initial-loss-scale", type=float, default=None, metavar="S",
+              help=f"--fp16's dynamic loss scale: where it starts (default: {DEFAULT_INITIAL_LOSS_SCALE:.0f} = 2^32)")
+    _add_flag(precision, "--min-loss-scale", type=float, default=None, metavar="S",
+              help=f"--fp16's dynamic loss scale: its floor (default: {DEFAULT_MIN_LOSS_SCALE})")
+    _add_flag(precision, "--loss-scale-window", type=int, default=None, metavar="N",
+              help=f"--fp16's dynamic loss scale: doubled after N iterations without overflow "
+                   f"(default: {DEFAULT_LOSS_SCALE_WINDOW})")
+    _add_flag(precision, "--hysteresis", type=int, default=None, metavar="N",
+              help=f"--fp16's dynamic loss scale: halved at the N-th overflow since the last growth "
+                   f"(default: {DEFAULT_HYSTERESIS})")
+    _add_flag(precision, "--accumulate-allreduce-grads-in-fp32", action="store_true",
+              help="--fp16: accumulate gradients over microbatches and all-reduce them in fp32 (always so under "
+                   "--bf16, as in Megatron-LM; default under --fp16: in fp16)")
+
+    sched = parser.add_argument_group("schedule")
+    _add_flag(sched, "--schedule", choices=SCHEDULES, default="app",
+              help=f"app: adaptive runtime; {'/'.join(STATIC_POLICY_NAMES)}: static orders run by the runtime; "
+                   f"{MEGATRON_SCHEDULE}: Megatron-Core's own forward_backward function")
+    _add_flag(sched, "--policy", choices=POLICIES, default=None,
+              help=f"task policy of --schedule app (default: {DEFAULT_POLICY}); the other schedules run their own "
+                   "order and refuse it")
+    _add_flag(sched, "--memory-factor", type=float, default=None, metavar="X",
+              help="policy planned (and planned-fixed): activation bytes a rank may hold, x what Megatron's interleaved "
+                   "order holds for the same microbatches (default 1.0)")
+    _add_flag(sched, "--schedule-file", default=None, metavar="CSV",
+              help="run these per-rank action lists instead of a policy: torch.distributed.pipelining's "
+                   "compute-only format, one row per pipeline rank, actions like 0F1 / 4I2 / 4W2 / 0B1")
+    _add_flag(sched, "--split-backward", action="store_true",
+              help="run each backward as an input-gradient task (sent upstream at once) and a later weight-gradient "
+                   "task that the schedule places in idle time; needed by --schedule zb-h1")
+
+    emulation = parser.add_argument_group("compute emulation (timed waits instead of the model)")
+    _add_flag(emulation, "--emulate-compute", default=None, metavar="FWD_MS,BWD_MS[,JITTER]",
+              help="each chunk's forward/backward of a microbatch waits this long instead of computing")
+    _add_flag(emulation, "--emulate-lengths-file", default=None, metavar="LENGTHS",
+              help="variable-length microbatches: each iteration draws every microbatch's sequence length from this "
+                   "file (one token count per line, e.g. tools/corpus_lengths.py's) with --seed, as megatron_app.sim "
+                   "--lengths-file does; tasks take the simulator's cost of that length and activations are sized by "
+                   "it; the schedule is told the lengths")
+    _add_flag(emulation, "--slow-rank", type=int, default=None, metavar="R", help="pipeline rank R runs slower")
+    _add_flag(emulation, "--emulate-cost-curves", default=None, metavar="FILE",
+              help="with --emulate-lengths-file and composed microbatches: each task waits the cost fitted on a real "
+                   "trace (python -m megatron_app.sim.cost_curves), spread over --num-layers, instead of the "
+                   "simulator's analytic cost")
+    _add_flag(emulation, "--slow-replica", type=int, default=None, metavar="R",
+              help="every rank of data-parallel replica R runs slower (a slower device or node)")
+    _add_flag(emulation, "--slow-factor", type=float, default=None, metavar="F",
+              help=f"slowdown of --slow-rank or --slow-replica (default: {DEFAULT_SLOW_FACTOR})")
+    _add_flag(emulation, "--straggler-prob", type=float, default=0.0, metavar="P",
+              help="each task independently takes --straggler-factor times longer with probability P")
+    _add_flag(emulation, "--straggler-factor", type=float, default=None, metavar="K",
+              help=f"how much longer a straggling task takes (default: {DEFAULT_STRAGGLER_FACTOR})")
+    _add_flag(emulation, "--link-delay", action="append", default=None, metavar="A-B:START_MS-END_MS:DELAY_MS",
+              help="messages between pipeline ranks A and B sent START..END ms into each iteration arrive DELAY_MS "
+                   "late; give it several times for several links or windows (the simulator's --slow-link, a "
+                   "slowdown FACTOR, is another thing)")
+    _add_flag(emulation, "--slow-link", default=None, help=argparse.SUPPRESS)   # refused: the simulator's flag
+
+    evaluation = parser.add_argument_group("evaluation")
+    _add_flag(evaluation, "--eval-interval", type=int, default=None, metavar="N",
+              help="every N iterations, report the validation loss (forward only, through the chosen schedule)")
+    _add_flag(evaluation, "--eval-iters", type=int, default=None, metavar="K",
+              help=f"with --eval-interval: global batches per evaluation; every evaluation reads the same first K "
+                   f"(default: {DEFAULT_EVAL_ITERS})")
+
+    ckpt = parser.add_argument_group("checkpoints")
+    _add_flag(ckpt, "--save", default=None, metavar="DIR",
+              help="save model, optimizer, RNG and data position here (every --save-interval and at the end)")
+    _add_flag(ckpt, "--save-interval", type=int, default=None, metavar="N", help="save every N iterations")
+    _add_flag(ckpt, "--load", default=None, metavar="DIR",
+              help="resume from DIR's latest checkpoint (or DIR itself when it is one iteration's directory); "
+                   "a DIR with no checkpoint yet starts from scratch")
+    _add_flag(ckpt, "--allow-data-change-on-resume", action="store_true",
+              help="resume --load's checkpoint although --data-path or --variable-seq-lengths differ from its own "
+                   "(otherwise refused: the run would silently read other samples)")
+    _add_flag(ckpt, "--exit-interval", type=int, default=None, metavar="N",
+              help="stop after an iteration that is a multiple of N (saving first when --save is given)")
+
+    lossy = parser.add_argument_group("packet loss (lossy-network research; see megatron_app/lossy/config.py)")
+    _add_flag(lossy, "--loss-model", default="none", metavar="MODEL",
+              help="none | bernoulli | gilbert-elliott[:P,R,1-H,1-K] | replay:FILE | python:MOD.OBJ")
+    _add_flag(lossy, "--loss-rate", type=float, default=None, metavar="P",
+              help="bernoulli: loss probability; gilbert-elliott: stationary loss rate (with --burst-length)")
+    _add_flag(lossy, "--burst-length", type=float, default=None, metavar="L",
+              help="gilbert-elliott: mean number of consecutive lost packets (>= 1)")
+    _add_flag(lossy, "--loss-on", default="forward,backward,tp", metavar="TRAFFIC",
+              help="comma list: forward, backward (pipeline), tp (tensor-parallel), tp-forward, tp-backward")
+    _add_flag(lossy, "--loss-fill", default="zeros", metavar="FILL",
+              help="what a lost packet becomes: zeros | stale (last value there) | rescale (zeros, survivors / (1-p))")
+    _add_flag(lossy, "--loss-seed", type=int, default=None, metavar="N", help="seed of the loss models (default --seed)")
+    _add_flag(lossy, "--loss-packet-bytes", type=int, default=4096, metavar="B", help="packet size")
+    _add_flag(lossy, "--loss-tp-sites", default="all", metavar="SITES",
+              help="which megatron-core modules' tensor-parallel collectives lose packets: all, or a comma list of "
+                   f"{', '.join(TP_SITES)} (e.g. mappings,layers keeps vocab-parallel cross-entropy exact)")
+
+    out = parser.add_argument_group("output")
+    _add_flag(out, "--trace-dir", default=None, metavar="DIR",
+              help=f"where each run's per-rank traces go, one directory per run (default: {DEFAULT_TRACE_DIR})")
+    _add_flag(out, "--no-trace", action="store_true", help="write no trace files")
+    _add_flag(out, "--log-json", default=None, metavar="FILE", help="per-iteration loss/time/throughput")
+    _add_flag(out, "--dump-grads", default=None, metavar="DIR",
+              help="save each rank's gradients of iteration 1 (before the optimizer step)")
+    _add_flag(out, "--dump-weights", default=None, metavar="DIR",
+              help="save each rank's weights after the last iteration")
+    _add_flag(out, "--check-config", action="store_true",
+              help="only validate the flags for WORLD_SIZE ranks (launchers run this before starting ranks)")
+    return parser
+
+
+# Options whose flag defaults to None (so that a given one can be told from a default) and the value an unset one
+# takes once the refusals have run; and what validate() derives for a run that gives none of the flags it reads.
+_FILLED_DEFAULTS = {"slow_factor": DEFAULT_SLOW_FACTOR, "straggler_factor": DEFAULT_STRAGGLER_FACTOR,
+                    "eval_iters": DEFAULT_EVAL_ITERS, "split": DEFAULT_SPLIT, "trace_dir": DEFAULT_TRACE_DIR}
+_DERIVED_DEFAULTS = {"precision": "fp32", "composition": default_composition(planned_by_our_runtime=False)}
+
+
+@functools.lru_cache(maxsize=None)
+def _parser_defaults() -> Mapping[str, object]:
+    return {action.dest: action.default for action in build_parser()._actions
+            if action.default is not argparse.SUPPRESS}
+
+
+def completed(args):
+    """``args`` as parse_args would hold them: drivers that build args by hand (tests, embedding scripts) may leave
+    options out, and each one left out takes its default here (the flag's, then what validate() fills in or derives
+    for an unset flag), so the readers of ``args`` state no default of their own. Fills ``args`` in place."""
+    given = vars(args)
+    for dest, default in {**_parser_defaults(), **_FILLED_DEFAULTS, **_DERIVED_DEFAULTS}.items():
+        if dest not in given:
+            setattr(args, dest, default)
+    return args
