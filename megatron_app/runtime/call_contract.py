@@ -25,6 +25,7 @@ from megatron_app.schedule import (LastMicrobatchGroupError, MicrobatchGroupErro
                                    check_microbatch_groups)
 from megatron_app.schedule.megatron_order import megatron_forward_sequence, megatron_warmup_microbatches
 
+from .layout import pipeline_group
 from .settings import AppConfigError
 
 
@@ -96,13 +97,11 @@ def _groups(pp, pg_collection) -> ScheduleGroups:
 
 
 def _pipeline_group(p2p_communicator):
-    """The communicator's pipeline group (the one Megatron's pipelined schedules send in), else parallel_state's."""
-    if p2p_communicator is None:
-        return parallel_state.get_pipeline_model_parallel_group()
-    pp = getattr(p2p_communicator, "pp_group", None)
-    if pp is None:
+    """The pipeline group of a pipelined schedule's call (layout.pipeline_group); a communicator without one is
+    refused."""
+    if p2p_communicator is not None and getattr(p2p_communicator, "pp_group", None) is None:
         raise AppConfigError(f"p2p_communicator {type(p2p_communicator).__name__} has no pp_group")
-    return pp
+    return pipeline_group(p2p_communicator)
 
 
 def refusals_without_pipelining(*, model, data_iterator, num_microbatches, adjust_tensor_shapes_fn,
@@ -186,12 +185,7 @@ MEGATRON_SCHEDULES: Tuple[MegatronSchedule, ...] = (WITHOUT_PIPELINING, WITHOUT_
 def schedule_for_call(model, p2p_communicator, pg_collection) -> MegatronSchedule:
     """The schedule get_forward_backward_func picks for a call of this shape, for a caller of forward_backward_app
     itself: none for a pipeline of one rank, interleaving for several model chunks, 1F1B otherwise."""
-    pp = getattr(p2p_communicator, "pp_group", None)
-    if pp is None:
-        pp = getattr(pg_collection, "pp", None)
-    if pp is None:
-        pp = parallel_state.get_pipeline_model_parallel_group()
-    if dist.get_world_size(pp) == 1:
+    if dist.get_world_size(pipeline_group(p2p_communicator, pg_collection)) == 1:
         return WITHOUT_PIPELINING
     return WITH_INTERLEAVING if isinstance(model, (list, tuple)) and len(model) > 1 else WITHOUT_INTERLEAVING
 

@@ -14,7 +14,7 @@ warm-ups, the documents' layout for keyed dropout, the prediction) waits on the 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Optional, Sequence
 
 import torch.distributed as dist
@@ -24,53 +24,11 @@ from megatron_app.schedule.planned import DEFAULT_MEMORY_FACTOR
 from megatron_app.schedule.iteration_plan import (IterationPlan, PipelineSpec, PlanRequest, PredictionError,
                                                   ReplicaSpeeds, plan_iteration)
 
+from .decide_once import decide_once
 from .job import AppJob, current_job
+from .layout import JobLayout, job_layout  # noqa: F401 (JobLayout: the layout's type, read by tests)
 from .next_call import CallPlan
 from .plan_ahead import PlanAhead
-
-
-@dataclass(frozen=True)
-class JobLayout:
-    """Where this rank sits, as the plan needs it: its replica, the replica count and its pipeline's shape."""
-    dp_rank: int = 0
-    num_replicas: int = 1
-    num_stages: int = 1
-    num_chunks: int = 1
-    distributed: bool = False
-
-
-def job_layout(pg_collection=None) -> JobLayout:
-    """From pg_collection's dp and pp groups when given, else Megatron's parallel state (one place for both)."""
-    from megatron.core import parallel_state
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return JobLayout()
-    V = (parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) \
-        if parallel_state.model_parallel_is_initialized() else 1
-    if pg_collection is not None:
-        dp, pp = pg_collection.dp, pg_collection.pp
-    elif parallel_state.model_parallel_is_initialized():
-        dp, pp = parallel_state.get_data_parallel_group(), parallel_state.get_pipeline_model_parallel_group()
-    else:
-        return JobLayout(distributed=True)
-    return JobLayout(dist.get_rank(dp), dist.get_world_size(dp), dist.get_world_size(pp), V, True)
-
-
-def decide_once(decide, distributed: bool, group=None):
-    """decide() on the group's first rank, timed; its result broadcast to every rank of the group (default: the
-    job). Returns (result, seconds the decision took on the deciding rank, 0.0 elsewhere)."""
-    first = 0 if group is None else dist.get_global_rank(group, 0)
-    deciding = not distributed or dist.get_rank() == first
-    result, seconds = None, 0.0
-    if deciding:
-        start = time.perf_counter()
-        result = decide(start)
-        seconds = time.perf_counter() - start
-    if distributed and dist.get_world_size(group) > 1:
-        box = [result]
-        dist.broadcast_object_list(box, src=first, group=group)
-        result = box[0]
-    return result, seconds
 
 
 def _gather_measurements(session, layout: JobLayout):

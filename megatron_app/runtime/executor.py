@@ -24,7 +24,7 @@ from megatron_app.schedule import Kind, RankState, Task
 
 from .call_contract import MEGATRON_SCHEDULES, MegatronSchedule, apply_tensor_shape_hook, schedule_for_call
 from .call_setup import CallRequest, ModelChunks, RankPlacement
-from .composition import decide_once
+from .decide_once import decide_once
 from .job import AppJob, current_job
 from .links import PipelineLinks, direction_of
 from .split_backward import defers_weights, run_input_backward, run_weight_backward

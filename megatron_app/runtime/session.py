@@ -24,6 +24,8 @@ import torch.distributed as dist
 
 from megatron_app.megatron_compat import megatron_core_version
 
+from .decide_once import decide_once
+from .layout import data_parallel_rank, pipeline_ranks
 from .settings import AppSettings
 
 _JOB_ID_ENV = "MEGATRON_APP_JOB_ID"
@@ -40,9 +42,7 @@ def agree_on_job_id(requested: Optional[str]) -> str:
     job_id = requested or os.environ.get(_JOB_ID_ENV)
     if job_id:
         return re.sub(r"[^A-Za-z0-9_-]", "_", job_id)
-    picked = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(picked, src=0)
-    return picked[0]
+    return decide_once(lambda start: uuid.uuid4().hex[:12], distributed=True)[0]
 
 
 def transport_job_id(job_id: str, group_ranks: Tuple[int, ...], default_group: Optional[Tuple[int, ...]]) -> str:
@@ -57,11 +57,7 @@ def transport_job_id(job_id: str, group_ranks: Tuple[int, ...], default_group: O
 
 
 def _parallel_state_pipeline_ranks() -> Optional[Tuple[int, ...]]:
-    from megatron.core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        return None
-    return tuple(sorted(dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())))
+    return pipeline_ranks()     # no communicator, no collection: parallel_state's group
 
 
 class RuntimeSession:
@@ -180,9 +176,7 @@ class RuntimeSession:
         if not forward_only:
             tp_group = placement.tp_group
             tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
-            from megatron.core import parallel_state
-
-            dp_rank = parallel_state.get_data_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
+            dp_rank = data_parallel_rank(placement.pg_collection)
             tracer = self.ensure_tracer(pp_rank, tp_rank, dp_rank, shape.num_stages, shape.num_chunks,
                                         num_microbatches, placement.model)
         return policy, transport, tracer

@@ -97,7 +97,8 @@ def wrap_data_iterator(data_iterator, config, num_microbatches: int, pg_collecti
     ``micro_batch_size`` documents in reading order, packed or padded); None: the installed settings' (install's
     ``composition``, 'balanced' unless it says otherwise).
     """
-    from megatron_app.runtime.composition import agree_iteration_plan, job_layout
+    from megatron_app.runtime.composition import agree_iteration_plan
+    from megatron_app.runtime.layout import job_layout
     from megatron_app.runtime.job import current_job
     from megatron_app.runtime.keyed_randomness import set_microbatch_documents
 

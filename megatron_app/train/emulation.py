@@ -24,6 +24,7 @@ from megatron_app.emulation.compute import EmulatedChunk, emulated_forward_step,
 from megatron_app.emulation.link_delay import LinkDelay
 from megatron_app.runtime import add_transport_wrapper, remove_transport_wrapper
 from megatron_app.runtime.job import current_session
+from megatron_app.runtime.layout import pipeline_group
 from megatron_app.schedule import PipelineShape
 from megatron_app.schedule.composition import LOADER
 from megatron_app.schedule.iteration_plan import IterationPlan
@@ -150,8 +151,7 @@ class ComputeEmulation:
             # Open the runtime's transport now (a collective: every rank is here together), so the first window
             # starts after it; the loss layer, registered earlier, stays the inner wrapper.
             add_transport_wrapper(self.link_delay.wrap)
-            group = parallel_state.get_pipeline_model_parallel_group()
-            current_session().ensure_transport(dist.get_process_group_ranks(group))
+            current_session().ensure_transport(dist.get_process_group_ranks(pipeline_group()))
         self.link_delay.begin_iteration()
         return num_microbatches
 

@@ -9,11 +9,11 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from megatron_app.lossy.training import start_loss_layer
 from megatron_app.runtime import enable_keyed_randomness, set_iteration
 from megatron_app.runtime import add_transport_wrapper, current_tracer, remove_transport_wrapper
+from megatron_app.runtime.layout import data_parallel_rank
 from megatron_app.trace.runs import LATEST
 
 from .flags import completed
@@ -101,11 +101,11 @@ def build_trainer(args) -> Trainer:
     optimizer = build_optimizer(chunks, args.lr, None if emulation is not None else MixedPrecision.from_args(args))
     start_iteration, resume_note = _resume(args, chunks, optimizer)
     args.start_iteration = start_iteration
-    train_dataset = None
+    train_dataset, dp_rank = None, data_parallel_rank()
     if emulation is None:
         train_dataset, valid_dataset = build_datasets(args)
         data_iterator = None if args.variable_seq_lengths else build_data_iterators(
-            args, args.model_chunks, parallel_state.get_data_parallel_rank(),
+            args, args.model_chunks, dp_rank,
             consumed_samples=start_iteration * args.global_batch_size, dataset=train_dataset)
     else:
         valid_dataset, data_iterator = None, emulation.data_iterators()
@@ -123,7 +123,7 @@ def build_trainer(args) -> Trainer:
                    start_iteration,
                    forward_step_func=forward_step if emulation is None else emulation.forward_step,
                    emulation=emulation, train_dataset=train_dataset,
-                   dp_rank=parallel_state.get_data_parallel_rank(),
+                   dp_rank=dp_rank,
                    saved_iteration=start_iteration or None,
                    stop_on_nonfinite=args.check_for_nan_in_loss_and_grad, plan_ahead=args.plan_ahead)
 

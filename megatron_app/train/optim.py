@@ -30,6 +30,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron.core import parallel_state
 
+from megatron_app.runtime.layout import data_parallel_group, pipeline_group
+
 from .flags import completed
 
 
@@ -201,14 +203,12 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torc
     for param in params:
         if model_grad(param) is None:  # every DP rank must contribute a tensor of the same layout
             param.grad = torch.zeros_like(param)
-    dp_group = (pg_collection.dp_cp if pg_collection is not None and hasattr(pg_collection, "dp_cp")
-                else parallel_state.get_data_parallel_group(with_context_parallel=True))
+    dp_group = data_parallel_group(pg_collection, with_context_parallel=True)
     dp_size = dist.get_world_size(dp_group)
 
     if num_tokens is not None:
-        pp_group = parallel_state.get_pipeline_model_parallel_group()
-        dist.broadcast(num_tokens, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                       group=pp_group)
+        pp_group = pipeline_group(pg_collection=pg_collection)
+        dist.broadcast(num_tokens, src=dist.get_process_group_ranks(pp_group)[-1], group=pp_group)
         dist.all_reduce(num_tokens, group=dp_group)
         scale = 1.0 / max(int(num_tokens.item()), 1)
     else:
