@@ -11,14 +11,15 @@ the composition, so the data position of a resumed run is the global batch count
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Sequence, Union
+from typing import Iterator, List, Sequence, Union
 
 from megatron_app.runtime.keyed_randomness import set_microbatch_documents
 from megatron_app.schedule.composition import LOADER, PACKED, Composition
 from megatron_app.schedule.iteration_plan import IterationPlan, PlanRequest, plan_iteration
 
 from .flags import MEGATRON_SCHEDULE, completed
-from megatron_app.data.document_data import pack_documents, pad_to_longest, sample_length
+from megatron_app.data.document_data import sample_length
+from megatron_app.data.replica_batches import collate_replica
 from .step import forward_step, packed_forward_step
 
 
@@ -68,26 +69,6 @@ def plan_global_batch(args, lengths: Sequence[int], samples: Sequence[int], upco
                                 next_document_ids=None if upcoming is None else upcoming[1])
 
 
-def _collate(dataset, samples, composition: Composition, group) -> dict:
-    collate = pack_documents if composition.packed else pad_to_longest
-    return collate([dataset[samples[position]] for position in group])
-
-
-class _LazyBatches:
-    """Each microbatch read and collated when a chunk first draws it, then shared by the chunks that draw it too
-    (a rank whose chunks read no data reads nothing)."""
-
-    def __init__(self, dataset, samples: Sequence[int], composition: Composition):
-        self._dataset, self._samples, self._composition = dataset, samples, composition
-        self._read: Dict[int, dict] = {}
-
-    def iterator(self) -> Iterator[dict]:
-        for index, group in enumerate(self._composition.groups):
-            if index not in self._read:
-                self._read[index] = _collate(self._dataset, self._samples, self._composition, group)
-            yield self._read[index]
-
-
 def compose_global_batch(args, dataset, dp_rank: int, first_sample: int, num_chunks: int,
                          plan_ahead: bool = False) -> ComposedBatch:
     """Plan the global batch (a collective of the job under our runtime) and read this replica's microbatches of
@@ -103,6 +84,6 @@ def compose_global_batch(args, dataset, dp_rank: int, first_sample: int, num_chu
     mine = [samples[position] for position in replica.documents]
     if args.schedule == MEGATRON_SCHEDULE:   # our runtime takes the layout with its call plan
         set_microbatch_documents(plan.document_segments(dp_rank))
-    batches = _LazyBatches(dataset, mine, replica.composition)
+    batches = collate_replica(plan, dp_rank, lambda position: dataset[samples[position]])
     iterators = batches.iterator() if num_chunks == 1 else [batches.iterator() for _ in range(num_chunks)]
     return ComposedBatch(iterators, plan, dp_rank, mine)

@@ -28,7 +28,8 @@ import torch
 from megatron_app.schedule.composition import Composition
 from megatron_app.schedule.iteration_plan import loader_shares
 
-from megatron_app.data.document_data import CU_SEQLENS, pack_documents, pad_to_longest
+from megatron_app.data.document_data import CU_SEQLENS
+from megatron_app.data.replica_batches import collate_replica
 from .step import packed_seq_params_of  # noqa: F401 (re-exported for users' forward steps)
 
 MAX_SEQLEN = "max_seqlen"
@@ -98,9 +99,9 @@ def wrap_data_iterator(data_iterator, config, num_microbatches: int, pg_collecti
     ``composition``, 'balanced' unless it says otherwise).
     """
     from megatron_app.runtime.composition import agree_iteration_plan
-    from megatron_app.runtime.layout import job_layout
     from megatron_app.runtime.job import current_job
     from megatron_app.runtime.keyed_randomness import set_microbatch_documents
+    from megatron_app.runtime.layout import job_layout
 
     composition = current_job().settings.composition if composition is None else composition
     layout = job_layout(pg_collection)
@@ -116,13 +117,11 @@ def wrap_data_iterator(data_iterator, config, num_microbatches: int, pg_collecti
     # layout with the plan): the same masks whatever the composition, P, V or schedule.
     set_microbatch_documents(plan.document_segments(layout.dp_rank))
     planned = replica.composition
-    documents = [batch[position] for position in replica.documents]
     if source is None:
         batches = _bounds_only([lengths[p] for p in replica.documents], planned) if planned.packed \
             else [{} for _ in planned.groups]
     else:
-        collate = pack_documents if planned.packed else pad_to_longest
-        batches = [collate([documents[p] for p in group]) for group in planned.groups]
+        batches = list(collate_replica(plan, layout.dp_rank, batch.__getitem__).iterator())
         if planned.packed:
             for collated in batches:
                 bounds = collated[CU_SEQLENS]
