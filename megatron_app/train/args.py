@@ -18,7 +18,7 @@ from megatron_app.schedule.policies import policies_taking
 
 from .flags import (DEFAULT_HYSTERESIS, DEFAULT_INITIAL_LOSS_SCALE, DEFAULT_LOSS_SCALE_WINDOW,  # noqa: F401
                     DEFAULT_MICROBATCHES, DEFAULT_MIN_LOSS_SCALE, DEFAULT_SPLIT, DEFAULT_VOCAB_SIZE, MEGATRON_SCHEDULE,
-                    POLICIES, SCHEDULES, UsageError, _FILLED_DEFAULTS, build_parser)
+                    POLICIES, SCHEDULES, UsageError, _FILLED_DEFAULTS, build_parser, writes_traces)
 
 
 _POSITIVE_INT_FLAGS = (
@@ -291,7 +291,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
     from .output_paths import OutputPathError, check_outputs
 
     try:
-        check_outputs(args, tracing=not args.no_trace and args.schedule != MEGATRON_SCHEDULE)
+        check_outputs(args, tracing=writes_traces(args))
     except OutputPathError as exc:
         raise UsageError(str(exc)) from None
 

@@ -289,6 +289,12 @@ def _parser_defaults() -> Mapping[str, object]:
             if action.default is not argparse.SUPPRESS}
 
 
+def writes_traces(args) -> bool:
+    """Whether the run writes trace files: not under --no-trace, nor under Megatron's own schedule (it has no
+    tracer). The runtime's own encoding of "no traces" is AppSettings.trace_dir None."""
+    return not args.no_trace and args.schedule != MEGATRON_SCHEDULE
+
+
 def completed(args):
     """``args`` as parse_args would hold them: drivers that build args by hand (tests, embedding scripts) may leave
     options out, and each one left out takes its default here (the flag's, then what validate() fills in or derives

@@ -16,12 +16,12 @@ from megatron_app.runtime import add_transport_wrapper, current_tracer, remove_t
 from megatron_app.runtime.layout import data_parallel_rank
 from megatron_app.trace.runs import LATEST
 
-from .flags import completed
+from .flags import completed, writes_traces
 from .checkpoint import load_checkpoint, save_checkpoint
 from .composed_data import compose_global_batch
 from .data import build_data_iterators, build_datasets, global_batch_tokens, microbatch_lengths
 from .dumps import dump_grads, dump_weights
-from .forward_backward import (MEGATRON, close_schedule, optimizer_span, runtime_settings,
+from .forward_backward import (close_schedule, optimizer_span, runtime_settings,
                                select_forward_backward_func, tell_microbatch_lengths)
 from .init import init_distributed, init_model_parallel, seed_all, shutdown
 from .model import build_model_chunks
@@ -109,9 +109,7 @@ def build_trainer(args) -> Trainer:
             consumed_samples=start_iteration * args.global_batch_size, dataset=train_dataset)
     else:
         valid_dataset, data_iterator = None, emulation.data_iterators()
-    # Megatron's own schedules write no trace: no run directory for them.
-    tracing = not args.no_trace and args.schedule != MEGATRON
-    trace_dir = start_trace_run(args.trace_dir) if tracing else None
+    trace_dir = start_trace_run(args.trace_dir) if writes_traces(args) else None   # else no run directory
     forward_backward = select_forward_backward_func(runtime_settings(args, trace_dir), args.device)
     reporter = IterationReporter(run_config(args), args.iters, args.global_batch_size * args.seq_length,
                                  args.log_json, emulated=emulation is not None)
