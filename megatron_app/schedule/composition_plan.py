@@ -93,6 +93,17 @@ def loader_peak_caps(shape: PipelineShape, padded_tokens: Sequence[float], memor
     return tuple(memory_factor * peak for peak in megatron_peak_sizes(shape, padded_tokens))
 
 
+def choose_order(shape: PipelineShape, tokens: Sequence[float], squared_tokens: Sequence[float],
+                 costs: LengthCostModel, memory_factor: float, evaluations: int,
+                 stop: Optional[Callable[[float], bool]] = None) -> PlanChoice:
+    """The order and warm-ups of fixed microbatches (their tokens and squared tokens), as the `planned` policy
+    chooses them: each rank capped at memory_factor x Megatron's peak on these microbatches, durations predicted by
+    `costs`. The one search the policy and the iteration planner both run."""
+    caps = loader_peak_caps(shape, tokens, memory_factor)
+    table = costs.duration_table(PLANNED_KINDS, shape.num_chunks, tokens, squared_tokens, num_stages=shape.num_stages)
+    return PlanSearch(shape, evaluations=evaluations).choose(tokens, caps, by_kind(table), stop=stop)
+
+
 def document_costs(costs: LengthCostModel, num_chunks: int, lengths: Sequence[int]) -> np.ndarray:
     """Each document's share of a microbatch's time on the whole pipeline (intercepts removed: they are per
     microbatch, not per document)."""
@@ -272,11 +283,9 @@ class CompositionPlanner:
         """The order and warm-ups of fixed microbatches (the loader's, packed or not; dp-balanced's), as the
         `planned` policy chooses them: each rank capped at memory_factor x Megatron's peak on these microbatches."""
         lengths = tuple(int(v) for v in document_lengths)
-        shape = self._shape(composition.num_microbatches)
-        tokens = composition.microbatch_tokens(lengths)
-        caps = loader_peak_caps(shape, tokens, self.memory_factor)
-        table = self._table(costs, tokens, composition.microbatch_squared_tokens(lengths))
-        return PlanSearch(shape, evaluations=self.final_evaluations).choose(tokens, caps, by_kind(table), stop=stop)
+        return choose_order(self._shape(composition.num_microbatches), composition.microbatch_tokens(lengths),
+                            composition.microbatch_squared_tokens(lengths), costs, self.memory_factor,
+                            self.final_evaluations, stop=stop)
 
     def _screen(self, shape: PipelineShape, tokens, caps, table, max_extra_warmup: int = 3):
         """The seeded orders x warm-ups only (no annealing): a cheap score for one candidate composition."""

@@ -24,11 +24,11 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 from .adaptive import DEFAULT_PATIENCE, AdaptivePolicy, plan_peak
 from .admission import check_memory_cap
+from .composition_plan import choose_order
 from .errors import ScheduleConfigError
-from .length_costs import LengthCostModel, by_kind
+from .length_costs import LengthCostModel
 from .megatron_order import megatron_interleaved_cap, megatron_order, megatron_peak_sizes, without_fill  # noqa: F401 (megatron_peak_sizes re-exported)
-from .plan_search import (DEFAULT_EVALUATIONS, Plan, PlanChoice, PlanSearch, order_peak_size, plan_graph_for,
-                          plan_order)
+from .plan_search import DEFAULT_EVALUATIONS, Plan, PlanChoice, order_peak_size, plan_graph_for, plan_order
 from .greedy import make_dfc
 from .shape import PipelineShape
 from .state import RankState
@@ -65,7 +65,7 @@ class PlannedPolicy(AdaptivePolicy):
         self.memory_factor = check_memory_factor(DEFAULT_MEMORY_FACTOR if memory_factor is None else memory_factor)
         self.costs = LengthCostModel()
         self.iterations_used = 0              # calls of use_plan: the iteration that runs now
-        self.search = PlanSearch(shape, evaluations=evaluations)
+        self.evaluations = evaluations        # the order search's budget (composition_plan.choose_order)
         self.lengths: Optional[Tuple[int, ...]] = None
         self.squared_tokens: Optional[Tuple[float, ...]] = None
         self.current_plan = Plan(tuple(range(shape.num_microbatches)))
@@ -83,10 +83,8 @@ class PlannedPolicy(AdaptivePolicy):
             self.last_choice = None
             return data_order
         sizes = _check_lengths(shape, lengths)
-        caps = [peak * self.memory_factor for peak in megatron_peak_sizes(shape, sizes)]
-        table = self.costs.duration_table((Kind.FORWARD, Kind.BACKWARD), shape.num_chunks, sizes, [s * s for s in sizes],
-                                          num_stages=shape.num_stages)
-        self.last_choice = self.search.choose(sizes, caps, by_kind(table), stop=stop)
+        self.last_choice = choose_order(shape, sizes, [s * s for s in sizes], self.costs, self.memory_factor,
+                                        self.evaluations, stop=stop)
         return self.last_choice.plan
 
     def use_plan(self, lengths: Optional[Sequence[int]], plan: Optional[Plan],
