@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
 from megatron_app.schedule.iteration_plan import DocumentSegment, IterationPlan
+from megatron_app.schedule.plan_search import Plan
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,7 @@ class CallPlan:
     itself), where each document lies (keyed dropout) and what the plan predicted for this replica."""
     tokens: Tuple[int, ...]
     squared_tokens: Optional[Tuple[int, ...]] = None
-    plan: object = None
+    plan: Optional[Plan] = None     # the replica's order and warm-ups (IterationPlan's ReplicaPlan.plan)
     document_segments: Optional[Tuple[Tuple[DocumentSegment, ...], ...]] = None
     composition: Optional[str] = None
     predicted_s: Optional[float] = None             # this replica's pipeline, its assumed speed applied

@@ -5,11 +5,14 @@ Policies never change the state: the driver (runtime, simulator or schedule.driv
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from .shape import PipelineShape
 from .state import RankState
 from .tasks import Task
+
+if TYPE_CHECKING:    # plan_search's Plan, for the signatures only
+    from .plan_search import Plan
 
 
 class Policy:
@@ -36,12 +39,14 @@ class Policy:
     # over, the runtime broadcasts it); for the others both calls do nothing.
     plans_iterations = False
 
-    def plan_iteration(self, lengths, stop=None):
+    def plan_iteration(self, lengths: Optional[Sequence[int]],
+                       stop: Optional[Callable[[float], bool]] = None) -> Optional[Plan]:
         """The plan for the next iteration, given its microbatch lengths (None: not told). stop(predicted_s), when
         given, is asked during the search with the predicted iteration time in seconds; True ends the search."""
         return None
 
-    def use_plan(self, lengths, plan, squared_tokens=None) -> None:
+    def use_plan(self, lengths: Optional[Sequence[int]], plan: Optional[Plan],
+                 squared_tokens: Optional[Sequence[float]] = None) -> None:
         """Adopt `plan` (from some rank's plan_iteration) for the next iteration."""
 
     def __repr__(self) -> str:
