@@ -16,7 +16,6 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.utils import get_model_config
 
 from megatron_app.megatron_compat import (is_multimodule, one_chunk_schedule_refuses_type_of,
@@ -25,7 +24,7 @@ from megatron_app.schedule import (LastMicrobatchGroupError, MicrobatchGroupErro
                                    check_microbatch_groups)
 from megatron_app.schedule.megatron_order import megatron_forward_sequence, megatron_warmup_microbatches
 
-from .layout import pipeline_group
+from .layout import pipeline_group, tensor_and_context_groups
 from .settings import AppConfigError
 
 
@@ -89,11 +88,9 @@ def _one_chunk_each(what: str, model, data_iterator) -> None:
 
 
 def _groups(pp, pg_collection) -> ScheduleGroups:
-    """The pipeline group `pp` with tp/cp from pg_collection, or parallel_state's without one."""
-    if pg_collection is None:
-        return ScheduleGroups(pp, parallel_state.get_tensor_model_parallel_group(),
-                              parallel_state.get_context_parallel_group(), None)
-    return ScheduleGroups(pp, pg_collection.tp, pg_collection.cp, pg_collection)
+    """The pipeline group `pp` with tp/cp from pg_collection, or parallel_state's without one (layout.py)."""
+    tp, cp = tensor_and_context_groups(pg_collection)
+    return ScheduleGroups(pp, tp, cp, pg_collection)
 
 
 def _pipeline_group(p2p_communicator):

@@ -34,6 +34,15 @@ def pipeline_group(p2p_communicator=None, pg_collection=None):
     return pp
 
 
+def tensor_and_context_groups(pg_collection=None):
+    """(tensor-parallel group, context-parallel group): pg_collection's when one is given, else parallel_state's."""
+    if pg_collection is not None:
+        return pg_collection.tp, pg_collection.cp
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group(), parallel_state.get_context_parallel_group()
+
+
 def data_parallel_group(pg_collection=None, with_context_parallel: bool = False):
     """pg_collection's data-parallel group (``dp_cp`` with context parallelism), else parallel_state's. None when
     there is none to take."""
