@@ -2,6 +2,7 @@
 megatron-core (tools/run_tests.sh also runs this file under 0.19.2)."""
 
 import inspect
+from pathlib import Path
 
 import pytest
 from packaging.version import Version
@@ -104,3 +105,16 @@ def test_no_module_outside_megatron_compat_branches_on_the_megatron_version():
                  if path.name != "megatron_compat.py"
                  and ("package_info" in path.read_text() or "megatron_core_version() <" in path.read_text())]
     assert offenders == []
+
+
+def test_your_loop_page_lists_exactly_the_flags_add_arguments_adds():
+    import argparse
+    import re
+
+    from megatron_app.runtime import add_arguments
+
+    parser = add_arguments(argparse.ArgumentParser())
+    flags = {action.option_strings[0] for action in parser._actions if action.option_strings[0] != "-h"}
+    page = (Path(__file__).resolve().parents[1] / "docs" / "your-loop.md").read_text()
+    paragraph = page[page.index("`megatron_app.runtime.add_arguments(parser)`"):page.index("`install_from_args(args)`")]
+    assert set(re.findall(r"--(?:use-app|app-[a-z-]+)", paragraph)) == flags

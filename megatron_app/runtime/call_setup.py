@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from megatron.core.utils import get_model_config, get_model_type
 
+from megatron_app.devices import model_device
 from megatron_app.schedule import PipelineShape
 from megatron_app.trace.model_shape import model_shape
 
@@ -58,7 +59,7 @@ class ModelChunks:
         if getattr(self.config, "defer_embedding_wgrad_compute", False):
             raise ValueError("megatron_app does not support defer_embedding_wgrad_compute yet")
         self.model_type = get_model_type(self.models[0])
-        self.device = next(self.models[0].parameters()).device
+        self.device = model_device(self.models[0])
 
 
 class RankPlacement:
