@@ -78,3 +78,22 @@ def test_a_misbuilt_stage_is_refused_in_one_line(tmp_path):
         [stderr] = logs.glob(f"*/attempt_0/{rank}/stderr.log")
         lines = [line for line in stderr.read_text().splitlines() if line.strip()]
         assert lines == [f"megatron_app: rank {rank}: AppConfigError: {fix}"], lines
+
+
+@pytest.mark.slow
+def test_one_misbuilt_rank_stops_every_rank_with_one_line(tmp_path):
+    """Only rank 1 misbuilt: rank 1 names its own fix, and rank 0, built right, does not wait for it and die of a closed
+    connection: the ranks share their refusals at the first call (session.agree_on_layout), so rank 0 ends with one
+    line naming rank 1 and its fix."""
+    logs = tmp_path / "logs"
+    _, result = _run(tmp_path, "misbuilt_one", 2, ["--pipeline_parallel", 2, "--model_chunks", 2, "--misbuild-rank", 1],
+                     launcher=["--log-dir", logs, "--redirects", "3"])
+    assert result.returncode != 0
+    fix = ("pipeline rank 1's model chunk 0 (virtual stage 1 of 4, P=2 V=2) was built with pre_process=True; "
+           "build it with pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=0)")
+    want = {0: f"megatron_app: rank 0: AppConfigError: stopped at the first call: rank 1 refused its model: {fix}",
+            1: f"megatron_app: rank 1: AppConfigError: {fix}"}
+    for rank, line in want.items():
+        [stderr] = logs.glob(f"*/attempt_0/{rank}/stderr.log")
+        lines = [text for text in stderr.read_text().splitlines() if text.strip()]
+        assert lines == [line], lines

@@ -82,7 +82,12 @@ class RankPlacement:
                                    split_backward=self.split_backward,
                                    microbatch_group_size=getattr(config, "microbatch_group_size_per_vp_stage",
                                                                  None) if V > 1 else None)
-        check_chunk_layout(chunks, self.pp_rank, len(self.pp_global))
+        # Raised by the session (agree_on_layout): at a group's first call every rank must hear of it.
+        self.layout_refusal: Optional[AppConfigError] = None
+        try:
+            check_chunk_layout(chunks, self.pp_rank, len(self.pp_global))
+        except AppConfigError as refusal:
+            self.layout_refusal = refusal
         self.model = model_shape_of(chunks)
         self.full_checkpoint = full_checkpoint_flags(
             self.shape, self.pp_rank, getattr(config, "num_microbatches_with_partial_activation_checkpoints", None))

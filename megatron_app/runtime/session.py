@@ -26,7 +26,7 @@ from megatron_app.megatron_compat import megatron_core_version
 
 from .decide_once import decide_once
 from .layout import data_parallel_rank, pipeline_ranks
-from .settings import AppSettings
+from .settings import AppConfigError, AppSettings
 
 _JOB_ID_ENV = "MEGATRON_APP_JOB_ID"
 
@@ -166,6 +166,7 @@ class RuntimeSession:
     def serve_call(self, placement, forward_only: bool, num_microbatches: int):
         """(policy, transport, tracer or None when not traced) for one call of this rank (call_setup.RankPlacement);
         the transport and the tracer open on the first call that needs them."""
+        self.agree_on_layout(placement)
         shape, pp_rank = placement.shape, placement.pp_rank
         policy = self.policy_for(shape, pp_rank, None if forward_only else self.settings.memory_cap)
         self.announce_once(f"rank {dist.get_rank()} (pipeline rank {pp_rank}): schedule policy={policy.name} "
@@ -180,6 +181,30 @@ class RuntimeSession:
             tracer = self.ensure_tracer(pp_rank, tp_rank, dp_rank, shape.num_stages, shape.num_chunks,
                                         num_microbatches, placement.model)
         return policy, transport, tracer
+
+    def agree_on_layout(self, placement) -> None:
+        """Raises the call's refusal of a misbuilt model (call_setup.check_chunk_layout) on every rank that would
+        otherwise wait for the refusing one and die of a closed connection: at a pipeline group's first call, before
+        the first collective that needs them all (the job id's, still to be agreed: the whole job; else the group's
+        transport rendezvous: the group), the ranks share their refusals, and each ends with one line. Later calls
+        refuse on the rank itself."""
+        refusal = placement.layout_refusal
+        key = tuple(sorted(placement.pp_global))
+        if len(key) > 1 and key not in self._transports:
+            group = None if self._job_id_to_agree() else placement.pp_group
+            told = [None] * dist.get_world_size(group)
+            dist.all_gather_object(told, None if refusal is None else str(refusal), group=group)
+            ranks = range(len(told)) if group is None else dist.get_process_group_ranks(group)
+            refusing = [(rank, text) for rank, text in zip(ranks, told) if text is not None]
+            if refusal is None and refusing:
+                rank, text = refusing[0]
+                raise AppConfigError(f"rank {dist.get_rank()}: stopped at the first call: rank {rank} refused its "
+                                     f"model: {text}")
+        if refusal is not None:
+            raise refusal
+
+    def _job_id_to_agree(self) -> bool:
+        return self.job_id is None and not (self.settings.job_id or os.environ.get(_JOB_ID_ENV))
 
     def ensure_transport(self, pp_global_ranks: List[int]):
         """The transport of the pipeline group with these global ranks (None for a group of one), opened now if this

@@ -1,7 +1,9 @@
 """examples/simple_train_loop.py as the tests run it (the same flags), plus --misbuild for the refusal test: every
-chunk built with pre_process=True, as NVIDIA's single-stage example builds its model."""
+chunk built with pre_process=True, as NVIDIA's single-stage example builds its model (--misbuild-rank R: only on
+global rank R)."""
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -17,8 +19,15 @@ def load_example():
 
 if __name__ == "__main__":
     example = load_example()
+    misbuilt_ranks = None
     if "--misbuild" in sys.argv:
         sys.argv.remove("--misbuild")
+        misbuilt_ranks = {int(os.environ["RANK"])}
+    if "--misbuild-rank" in sys.argv:
+        at = sys.argv.index("--misbuild-rank")
+        misbuilt_ranks = {int(sys.argv[at + 1])}
+        del sys.argv[at:at + 2]
+    if misbuilt_ranks is not None and int(os.environ["RANK"]) in misbuilt_ranks:
         build = example.model_provider
 
         def misbuilt(*args, **kwargs):
