@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from megatron_app.runtime.microbatch_lengths import take_microbatch_lengths
+from megatron_app.runtime.next_call import call_plan_of
 from megatron_app.train.data_schedule import wrap_data_iterator
 
 LENGTHS = (3, 5, 2, 4)
@@ -20,6 +21,7 @@ def _loader():
 def test_packed_microbatches_concatenate_the_documents_and_tell_the_schedule_their_tokens():
     iterator, count, tokens, squares = wrap_data_iterator(_loader(), None, len(LENGTHS), composition="packed",
                                                           micro_batch_size=2)
+    planned = call_plan_of(iterator)    # the call's plan travels with its data
     batches = list(iterator)
     assert count == len(batches) == 2
     assert [b["tokens"].shape for b in batches] == [(1, 8), (1, 6)]
@@ -28,7 +30,8 @@ def test_packed_microbatches_concatenate_the_documents_and_tell_the_schedule_the
     assert [b["max_seqlen"] for b in batches] == [5, 4]
     assert batches[1]["position_ids"][0].tolist() == [0, 1, 0, 1, 2, 3]
     assert (tokens, squares) == (14, 9 + 25 + 4 + 16)
-    assert take_microbatch_lengths(2) == (8, 6)    # what the schedule plans with
+    assert planned.tokens == (8, 6)    # what the schedule plans with
+    assert take_microbatch_lengths(2) is None    # nothing waits on the job
 
 
 def test_loader_composition_pads_and_one_iterator_per_chunk_yields_the_same_batches():
@@ -39,14 +42,13 @@ def test_loader_composition_pads_and_one_iterator_per_chunk_yields_the_same_batc
     batches = list(iterators[0])
     assert [b["tokens"].shape for b in batches] == [(2, 5), (2, 4)]
     assert batches[0]["loss_mask"].sum() == 8 and "cu_seqlens" not in batches[0]
-    take_microbatch_lengths(2)
+    assert call_plan_of(iterators).tokens == (10, 8)
 
 
 def test_packed_gives_every_chunk_the_bounds():
     iterators, _, _, _ = wrap_data_iterator([_loader(), None], None, len(LENGTHS), composition="packed",
                                             micro_batch_size=2)
     assert [b["cu_seqlens"].tolist() for b in iterators[1]] == [[0, 3, 8], [0, 2, 6]]
-    take_microbatch_lengths(2)
 
 
 def test_no_data_and_no_pipeline_to_take_lengths_from_is_a_clear_error():
@@ -67,7 +69,7 @@ def _pipeline_rank(rank, port, out_dir):
         # only the first stage reads data, as in Megatron-LM's loops
         iterator, count, tokens, _ = wrap_data_iterator(_loader() if rank == 0 else None, None, len(LENGTHS),
                                                         composition="packed", micro_batch_size=2)
-        result = {"count": count, "tokens": tokens, "told": list(take_microbatch_lengths(count)),
+        result = {"count": count, "tokens": tokens, "told": list(call_plan_of(iterator).tokens),
                   "bounds": [b["cu_seqlens"].tolist() for b in iterator]}
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)

@@ -149,6 +149,7 @@ def test_train_step_tells_the_schedule_the_tokens_of_the_microbatches_it_then_fe
     import contextlib
 
     from megatron_app.runtime.job import current_job
+    from megatron_app.runtime.next_call import call_plan_of
     from megatron_app.train import loop
     from megatron_app.train.data import build_datasets, global_batch_tokens
 
@@ -160,7 +161,9 @@ def test_train_step_tells_the_schedule_the_tokens_of_the_microbatches_it_then_fe
     monkeypatch.setattr(loop, "optimizer_span", lambda schedule, iteration: contextlib.nullcontext())
 
     def forward_backward(*, data_iterator, num_microbatches, **_):
-        told.append(list(current_job().next_call.take(num_microbatches).tokens))   # what the runtime would take
+        # what the runtime takes: the plan the call's data iterator carries, nothing waiting on the job
+        assert current_job().next_call.take(num_microbatches) is None
+        told.append(list(call_plan_of(data_iterator).check_count(num_microbatches).tokens))
         batches = [next(data_iterator) for _ in range(num_microbatches)]
         assert next(data_iterator, None) is None
         fed.append(batches)

@@ -18,6 +18,7 @@ from megatron_app.trace.model_shape import model_shape
 
 from .call_contract import ScheduleGroups, full_checkpoint_flags
 from .microbatch_data import MicrobatchReplay
+from .next_call import CallPlan, call_plan_of, data_source
 from .settings import AppConfigError
 
 
@@ -38,7 +39,8 @@ def _this_rank() -> str:
 
 
 class ModelChunks:
-    """This rank's model chunks, one replayable data iterator each, their config, model type and device."""
+    """This rank's model chunks, one replayable data iterator each, their config, model type and device, and the
+    call's plan when its data iterators carry one (next_call.PlannedIterator)."""
 
     def __init__(self, model, data_iterator):
         self.models = list(model) if isinstance(model, (list, tuple)) else [model]
@@ -53,8 +55,9 @@ class ModelChunks:
         else:
             raise AppConfigError(f"{_this_rank()}with {V} model chunks, data_iterator must be a list with one iterator "
                                  "per chunk (None for a chunk that reads no data)")
-        self.data: List[Optional[MicrobatchReplay]] = [None if it is None else MicrobatchReplay(it)
-                                                       for it in iterators]
+        self.call_plan: Optional[CallPlan] = call_plan_of(iterators)   # the plan the caller handed with the data
+        self.data: List[Optional[MicrobatchReplay]] = [None if data_source(it) is None
+                                                       else MicrobatchReplay(data_source(it)) for it in iterators]
         self.config = get_model_config(self.models[0])
         if getattr(self.config, "defer_embedding_wgrad_compute", False):
             raise ValueError("megatron_app does not support defer_embedding_wgrad_compute yet")

@@ -6,9 +6,11 @@ schedule/iteration_plan.plan_iteration with the costs its `planned` policy has l
 within the planning budget, and broadcasts the IterationPlan; nothing another rank computes for itself enters it, so
 no clock or learnt cost can make ranks disagree. With data parallelism under `balanced`, every rank's last pipeline
 time (measured before the data-parallel reduction) goes to that rank first, which learns each replica's speed from
-it (iteration_plan.ReplicaSpeeds) and gives a slower replica proportionally less work. This rank's replica's share (tokens, squared tokens, the order and
-warm-ups, the documents' layout for keyed dropout, the prediction) waits on the job for its next call
-(next_call.CallPlan); the next forward_backward must run that replica's microbatch count.
+it (iteration_plan.ReplicaSpeeds) and gives a slower replica proportionally less work. This rank's replica's share
+(next_call.CallPlan: tokens, squared tokens, the order and warm-ups, the documents' layout, the prediction) goes to
+the forward_backward call it plans with that call's data (decide_iteration_plan, then next_call.with_call_plan: the
+trainer, wrap_data_iterator), or waits on the job for the next call (agree_iteration_plan, for a loop passing
+iterators of its own); that call must run the replica's microbatch count.
 """
 
 from __future__ import annotations
@@ -63,8 +65,27 @@ def agree_iteration_plan(lengths: Sequence[int], micro_batch_size: int, composit
                          pg_collection=None, job: Optional[AppJob] = None,
                          next_lengths: Optional[Sequence[int]] = None,
                          next_document_ids: Optional[Sequence[int]] = None) -> IterationPlan:
+    """decide_iteration_plan, for a loop that passes forward_backward iterators of its own: this rank's replica's
+    share waits on the job for its next forward_backward call, and its documents' layout goes to keyed dropout.
+    (The trainer and wrap_data_iterator hand the share to the call with its data instead: next_call.with_call_plan.)"""
+    job = job or current_job()
+    plan = decide_iteration_plan(lengths, micro_batch_size, composition, document_ids=document_ids,
+                                 token_budget=token_budget, pg_collection=pg_collection, job=job,
+                                 next_lengths=next_lengths, next_document_ids=next_document_ids)
+    call = CallPlan.of_replica(plan, job_layout(pg_collection).dp_rank)
+    job.next_call.expect(call)
+    if job.keyed_randomness is not None and call.document_segments is not None:
+        job.keyed_randomness.set_microbatch_documents(call.document_segments)
+    return plan
+
+
+def decide_iteration_plan(lengths: Sequence[int], micro_batch_size: int, composition: str, *,
+                          document_ids: Optional[Sequence[int]] = None, token_budget: Optional[int] = None,
+                          pg_collection=None, job: Optional[AppJob] = None,
+                          next_lengths: Optional[Sequence[int]] = None,
+                          next_document_ids: Optional[Sequence[int]] = None) -> IterationPlan:
     """The next call's IterationPlan for the whole global batch (``lengths``: every document, loader order), the
-    same on every rank; this rank's replica's share is handed to the job's next forward_backward call.
+    same on every rank. The caller hands this rank's replica's share (CallPlan.of_replica) to the call it plans.
 
     next_lengths (and next_document_ids): the global batch of the call after, known early (an index): `balanced`
     then plans it in a worker process while this call trains (plan_ahead.py) and the next call adopts that plan
@@ -123,5 +144,4 @@ def agree_iteration_plan(lengths: Sequence[int], micro_batch_size: int, composit
     plan, seconds = decide_once(decide, layout.distributed)
     if seconds:
         session.last_planning_s = seconds
-    job.next_call.expect(CallPlan.of_replica(plan, layout.dp_rank))
     return plan

@@ -132,12 +132,14 @@ class PipelineStep:
         self._microbatch_scope = _unkeyed if keyed is None else keyed.microbatch_scope
         self._keyed = keyed
 
-        # What the loop told or planned for this call (next_call.CallPlan), taken whatever the policy: tokens per
-        # microbatch size activations and feed planning; an agreed plan also brings its order and documents.
-        self.call_plan = job.next_call.take(self.num_microbatches)
+        # What was planned for this call (next_call.CallPlan), whatever the policy: the plan its data iterators carry
+        # (the trainer's, wrap_data_iterator's), else what a loop of its own told the job (set_microbatch_lengths,
+        # agree_iteration_plan). Tokens per microbatch size activations and feed planning; an agreed plan also
+        # brings its order. The documents' layout for keyed dropout comes with the data (set_microbatch_documents).
+        handed = chunks.call_plan
+        self.call_plan = (job.next_call.take(self.num_microbatches) if handed is None
+                          else handed.check_count(self.num_microbatches))
         self.lengths = None if self.call_plan is None else self.call_plan.tokens
-        if keyed is not None and self.call_plan is not None and self.call_plan.document_segments is not None:
-            keyed.set_microbatch_documents(self.call_plan.document_segments)
         self.policy, self.transport, self.tracer = session.serve_call(placement, self.forward_only,
                                                                       self.num_microbatches)
         self.state = RankState(self.shape, self.pp_rank, self.lengths)

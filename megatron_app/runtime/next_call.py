@@ -1,15 +1,17 @@
-"""What the training loop tells the runtime about its next forward_backward call, kept on the job until that call.
+"""What a forward_backward call is planned to run (CallPlan), and how the plan reaches that call.
 
-Megatron's forward_backward contract passes data iterators, which cannot be peeked without consuming them, so a
-loop that trains on variable-length microbatches says their (padded) lengths before the call (set_microbatch_lengths),
-or agrees an iteration plan (composition.agree_iteration_plan), whose replica share becomes the call's CallPlan. The
-call takes it, once: one slot, one lifetime.
+Megatron's forward_backward contract passes data iterators, which cannot be peeked without consuming them. The
+trainer and wrap_data_iterator hand each call its plan with the data: the data iterator they pass is a
+PlannedIterator (one per chunk) carrying this replica's CallPlan, and the executor reads it from the call's
+``data_iterator`` argument (call_plan_of). A loop of one's own that passes its own iterators may instead say the
+lengths before the call (set_microbatch_lengths) or agree a plan (composition.agree_iteration_plan): that plan waits
+on the job (NextCall) and the call takes it, once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Any, Iterator, Optional, Sequence, Tuple
 
 from megatron_app.schedule.iteration_plan import DocumentSegment, IterationPlan
 from megatron_app.schedule.plan_search import Plan
@@ -49,6 +51,57 @@ class CallPlan:
                    replica.predicted_s if calibrated else None, replica.nominal_predicted_s if calibrated else None,
                    plan.predicted_s if calibrated else None)
 
+    def check_count(self, num_microbatches: int) -> "CallPlan":
+        """This plan, for a call that runs num_microbatches (refused when they differ)."""
+        if self.num_microbatches != num_microbatches:
+            if self.composition is None:
+                raise ValueError(f"{self.num_microbatches} microbatch lengths were set for a call with "
+                                 f"{num_microbatches} microbatches")
+            raise ValueError(f"the loop planned {self.num_microbatches} microbatches, the forward_backward call "
+                             f"runs {num_microbatches}")
+        return self
+
+
+class PlannedIterator:
+    """One chunk's data iterator for one forward_backward call, carrying that call's plan (``call_plan``).
+
+    Iterates as its ``source`` does. Our runtime reads the plan from it and hands the forward step the source itself
+    (None for a chunk that reads no data: ``source`` None, only to carry the plan to a rank without data)."""
+
+    def __init__(self, source: Optional[Iterator[Any]], call_plan: CallPlan):
+        self.source = source
+        self.call_plan = call_plan
+
+    def __iter__(self) -> "PlannedIterator":
+        return self
+
+    def __next__(self) -> Any:
+        if self.source is None:
+            raise TypeError("this chunk reads no data (a PlannedIterator that only carries its call's plan)")
+        return next(self.source)
+
+
+def with_call_plan(data_iterator, call_plan: CallPlan):
+    """``data_iterator`` (one iterator, None, or a list or tuple with one per chunk), each iterator wrapped to carry
+    ``call_plan``; a chunk without data stays None unless no chunk has data, then the first carries the plan alone."""
+    if isinstance(data_iterator, (list, tuple)):
+        wrapped = [None if it is None else PlannedIterator(it, call_plan) for it in data_iterator]
+        if wrapped and all(it is None for it in wrapped):
+            wrapped[0] = PlannedIterator(None, call_plan)
+        return type(data_iterator)(wrapped)
+    return PlannedIterator(data_iterator, call_plan)
+
+
+def call_plan_of(data_iterator) -> Optional[CallPlan]:
+    """The CallPlan a call's data iterator carries (the first chunk's that has one), or None."""
+    iterators = data_iterator if isinstance(data_iterator, (list, tuple)) else [data_iterator]
+    return next((it.call_plan for it in iterators if isinstance(it, PlannedIterator)), None)
+
+
+def data_source(iterator):
+    """What the forward step reads: a PlannedIterator's source, any other iterator (or None) itself."""
+    return iterator.source if isinstance(iterator, PlannedIterator) else iterator
+
 
 class NextCall:
     def __init__(self):
@@ -67,13 +120,7 @@ class NextCall:
     def take(self, num_microbatches: int) -> Optional[CallPlan]:
         """What was told or planned for this call (consumed), or None when the loop said nothing."""
         pending, self.pending = self.pending, None
-        if pending is not None and pending.num_microbatches != num_microbatches:
-            if pending.composition is None:
-                raise ValueError(f"{pending.num_microbatches} microbatch lengths were set for a call with "
-                                 f"{num_microbatches} microbatches")
-            raise ValueError(f"the loop planned {pending.num_microbatches} microbatches, the forward_backward call "
-                             f"runs {num_microbatches}")
-        return pending
+        return None if pending is None else pending.check_count(num_microbatches)
 
     def take_lengths(self, num_microbatches: int) -> Optional[Tuple[int, ...]]:
         """The lengths told for this call (consumed), or None when the loop told none."""

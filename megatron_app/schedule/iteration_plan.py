@@ -9,7 +9,7 @@ plan predicted (.predicted_s, in the cost model's seconds). It also carries the 
 dropout keys on, so every rank can derive tokens, squared tokens and where each document lies in its microbatch.
 
 plan_iteration(request, costs) is the one planning function: the trainer, the plugin's data wrapper, the simulator
-and the benchmarks call it (the runtime through runtime/composition.agree_iteration_plan, which runs it on one rank
+and the benchmarks call it (the runtime through runtime/composition.decide_iteration_plan, which runs it on one rank
 and broadcasts the result to every rank of the job, so tensor-, data- and pipeline-parallel ranks execute the same
 plan). Compositions (schedule/composition.py):
   loader, packed  each replica its loader share, the loader's microbatches padded / packed;

@@ -1,7 +1,7 @@
 """Under --variable-seq-lengths, each global batch's microbatches as its iteration plan makes them (--composition).
 
 Per iteration: the lengths of every document of the global batch (loader order, from the index alone) go to the one
-planning function (schedule/iteration_plan.py; under our runtime through agree_iteration_plan, decided on one rank
+planning function (schedule/iteration_plan.py; under our runtime through decide_iteration_plan, decided on one rank
 and the same on every rank of the job), which says which documents each data-parallel replica computes, which of
 them form each microbatch and whether a microbatch is packed (one row, no padding) or padded (the loader's layout);
 this replica's batches are then read and collated from that. The global batch is the same set of documents whatever
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Iterator, List, Sequence, Union
 
 from megatron_app.runtime.keyed_randomness import set_microbatch_documents
+from megatron_app.runtime.next_call import CallPlan, with_call_plan
 from megatron_app.schedule.composition import LOADER, PACKED, Composition
 from megatron_app.schedule.iteration_plan import IterationPlan, PlanRequest, plan_iteration
 
@@ -62,9 +63,9 @@ def plan_global_batch(args, lengths: Sequence[int], samples: Sequence[int], upco
         return plan_iteration(PlanRequest(tuple(lengths), PACKED if composition_name(args) == PACKED else LOADER,
                                           args.micro_batch_size, num_replicas=args.data_parallel,
                                           document_ids=tuple(samples)))
-    from megatron_app.runtime.composition import agree_iteration_plan
+    from megatron_app.runtime.composition import decide_iteration_plan
 
-    return agree_iteration_plan(lengths, args.micro_batch_size, composition_name(args), document_ids=samples,
+    return decide_iteration_plan(lengths, args.micro_batch_size, composition_name(args), document_ids=samples,
                                 next_lengths=None if upcoming is None else upcoming[0],
                                 next_document_ids=None if upcoming is None else upcoming[1])
 
@@ -82,8 +83,9 @@ def compose_global_batch(args, dataset, dp_rank: int, first_sample: int, num_chu
     plan = plan_global_batch(args, [sample_length(dataset, index) for index in samples], samples, upcoming)
     replica = plan.replica(dp_rank)
     mine = [samples[position] for position in replica.documents]
-    if args.schedule == MEGATRON_SCHEDULE:   # our runtime takes the layout with its call plan
-        set_microbatch_documents(plan.document_segments(dp_rank))
+    set_microbatch_documents(plan.document_segments(dp_rank))    # keyed dropout: each document's masks by document
     batches = collate_replica(plan, dp_rank, lambda position: dataset[samples[position]])
     iterators = batches.iterator() if num_chunks == 1 else [batches.iterator() for _ in range(num_chunks)]
+    if args.schedule != MEGATRON_SCHEDULE:   # our runtime reads this replica's share of the plan from the iterators
+        iterators = with_call_plan(iterators, CallPlan.of_replica(plan, dp_rank))
     return ComposedBatch(iterators, plan, dp_rank, mine)

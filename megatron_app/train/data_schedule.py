@@ -9,9 +9,9 @@ loop swaps one import:
 As Megatron's DpBalancedScheduler.run does, in numbered steps: (1) each replica reads its ``num_microbatches``
 samples (one whole document each, micro batch size 1, as Megatron's packer expects) on the ranks that have a data
 iterator; (2) the global batch's samples are gathered across the job, in the loader's order; (3) the runtime's
-agree_iteration_plan plans it (one rank decides, every rank receives the same plan: which replica computes which
+decide_iteration_plan plans it (one rank decides, every rank receives the same plan: which replica computes which
 document, the microbatches, order and warm-ups); (4) each replica takes the documents the plan routes to it and
-collates its microbatches. Packed microbatches are one row ``[1, tokens]`` (keys tokens, labels, loss_mask,
+collates its microbatches, and the iterators returned carry its share of the plan to the forward_backward call. Packed microbatches are one row ``[1, tokens]`` (keys tokens, labels, loss_mask,
 position_ids) with ``cu_seqlens`` (int32 document bounds) and ``max_seqlen``; ranks without data get batches holding
 only those two, which every chunk's attention needs (``packed_seq_params_of`` builds Megatron's PackedSeqParams
 from a batch). The two sums are the global batch's tokens computed and its sum of squared document lengths
@@ -96,12 +96,17 @@ def wrap_data_iterator(data_iterator, config, num_microbatches: int, pg_collecti
     no data; the result has the same structure. ``config`` (the model's TransformerConfig) is Megatron's argument,
     unused here. ``composition``: 'balanced' (the planner's choice), 'packed' or 'loader' (groups of
     ``micro_batch_size`` documents in reading order, packed or padded); None: the installed settings' (install's
-    ``composition``, 'balanced' unless it says otherwise).
+    ``composition``, 'balanced' unless it says otherwise). The iterators returned carry this replica's share of the
+    plan to the forward_backward call they are passed to (runtime/next_call.py's PlannedIterator; with our runtime
+    installed, a rank whose every chunk reads no data gets one that only carries the plan, which our runtime hands
+    the forward step as None): pass them to that call.
     """
-    from megatron_app.runtime.composition import agree_iteration_plan
+    from megatron_app.runtime.composition import decide_iteration_plan
+    from megatron_app.runtime.install import is_installed
     from megatron_app.runtime.job import current_job
     from megatron_app.runtime.keyed_randomness import set_microbatch_documents
     from megatron_app.runtime.layout import job_layout
+    from megatron_app.runtime.next_call import CallPlan, with_call_plan
 
     composition = current_job().settings.composition if composition is None else composition
     layout = job_layout(pg_collection)
@@ -110,11 +115,11 @@ def wrap_data_iterator(data_iterator, config, num_microbatches: int, pg_collecti
     mine = None if source is None else [_sample(next(source)) for _ in range(num_microbatches)]
     batch = _gather_global_batch(mine, layout.dp_rank, layout.num_replicas, micro_batch_size)
     lengths = [int(sample["tokens"].numel()) for sample in batch]
-    plan = agree_iteration_plan(lengths, micro_batch_size, composition, pg_collection=pg_collection,
-                                document_ids=_document_ids(len(batch)))
+    plan = decide_iteration_plan(lengths, micro_batch_size, composition, pg_collection=pg_collection,
+                                 document_ids=_document_ids(len(batch)))
     replica = plan.replica(layout.dp_rank)
-    # Keyed dropout draws each document's masks by document, also under Megatron's own schedule (ours takes the
-    # layout with the plan): the same masks whatever the composition, P, V or schedule.
+    # Keyed dropout draws each document's masks by document, under our schedule and Megatron's own: the same masks
+    # whatever the composition, P, V or schedule.
     set_microbatch_documents(plan.document_segments(layout.dp_rank))
     planned = replica.composition
     if source is None:
@@ -132,4 +137,8 @@ def wrap_data_iterator(data_iterator, config, num_microbatches: int, pg_collecti
     wrapped: List[Optional[Iterator]] = [iter(batches) if it is not None or planned.packed else None
                                          for it in iterators]
     result = wrapped if isinstance(data_iterator, (list, tuple)) else wrapped[0]
+    # The iterators carry this replica's share of the plan to the call; a rank whose every chunk reads no data gets
+    # an iterator that carries only the plan where our runtime serves the call (which hands the forward step None).
+    if any(it is not None for it in wrapped) or is_installed():
+        result = with_call_plan(result, CallPlan.of_replica(plan, layout.dp_rank))
     return result, planned.num_microbatches, tokens, squares
