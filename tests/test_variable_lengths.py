@@ -116,13 +116,17 @@ def test_a_sample_is_one_document_truncated_at_seq_length(real_corpus):
 def test_fixed_length_data_tells_nothing_so_lengths_told_by_an_embedding_loop_stand():
     from megatron_app.runtime import set_microbatch_lengths, take_microbatch_lengths
     from megatron_app.train.data import microbatch_lengths
-    from megatron_app.train.forward_backward import tell_microbatch_lengths
+    from megatron_app.runtime.next_call import call_plan_of
+    from megatron_app.train.forward_backward import with_told_lengths
 
     args = SimpleNamespace(seq_length=64, num_microbatches=3, variable_seq_lengths=False)
     assert microbatch_lengths(args, None, 0, 0) is None
     set_microbatch_lengths([5, 9, 7])
-    tell_microbatch_lengths("app", microbatch_lengths(args, None, 0, 0))
+    loader = iter([])
+    assert with_told_lengths("app", loader, microbatch_lengths(args, None, 0, 0)) is loader
     assert take_microbatch_lengths(3) == (5, 9, 7)
+    assert call_plan_of(with_told_lengths("app", [loader, None], [4, 8, 6])).tokens == (4, 8, 6)
+    assert with_told_lengths("megatron", loader, [4, 8, 6]) is loader
 
 
 def test_padding_does_not_change_the_real_tokens_outputs():
@@ -156,7 +160,7 @@ def test_train_step_tells_the_schedule_the_tokens_of_the_microbatches_it_then_fe
     args = _args(real_corpus, schedule="app", dump_grads=None, model_chunks=1, composition=composition)
     dataset = build_datasets(args)[0]
     told, fed = [], []
-    monkeypatch.setattr(loop, "tell_microbatch_lengths", lambda schedule, lengths: pytest.fail("told twice"))
+    monkeypatch.setattr(loop, "with_told_lengths", lambda schedule, it, lengths: pytest.fail("told twice"))
     monkeypatch.setattr(loop, "reduce_lm_loss", lambda entries: None)
     monkeypatch.setattr(loop, "optimizer_span", lambda schedule, iteration: contextlib.nullcontext())
 

@@ -25,13 +25,15 @@ from megatron_app.emulation.link_delay import LinkDelay
 from megatron_app.runtime import add_transport_wrapper, remove_transport_wrapper
 from megatron_app.runtime.job import current_session
 from megatron_app.runtime.layout import pipeline_group
+from megatron_app.runtime.keyed_randomness import set_microbatch_documents
+from megatron_app.runtime.next_call import CallPlan, with_call_plan
 from megatron_app.schedule import PipelineShape
 from megatron_app.schedule.composition import LOADER
 from megatron_app.schedule.iteration_plan import IterationPlan
 from megatron_app.trace.model_shape import model_shape
 
-from .flags import completed
-from .forward_backward import tell_microbatch_lengths
+from .flags import MEGATRON_SCHEDULE as MEGATRON, completed
+from .forward_backward import with_told_lengths
 from .step import loss_func
 
 
@@ -107,10 +109,10 @@ class ComputeEmulation:
             return [(1, tokens) for tokens in composition.microbatch_tokens(documents)]
         return [(len(group), max(documents[p] for p in group)) for group in composition.groups]
 
-    def compose(self, iteration: int) -> int:
+    def compose(self, iteration: int) -> Tuple[int, CallPlan]:
         """Draw `iteration`'s global batch, plan it (a collective of the job), and set each task's
-        wait from it; returns its microbatch count."""
-        from megatron_app.runtime.composition import agree_iteration_plan
+        wait from it; returns its microbatch count and this replica's share of the plan."""
+        from megatron_app.runtime.composition import decide_iteration_plan
         from megatron_app.sim.composition import dp_balanced_token_budget
 
         K, lengths = self.documents_per_microbatch, self.spec.lengths
@@ -120,13 +122,14 @@ class ComputeEmulation:
         if getattr(self.args, "plan_ahead", False) and iteration + 1 < self.args.iters:
             upcoming = lengths.draw(self.args.num_microbatches * K * replicas, self.spec.seed, iteration + 1)
         began = time.perf_counter()
-        plan = agree_iteration_plan(batch, K, self.composition_name,
-                                    token_budget=dp_balanced_token_budget(lengths, K), next_lengths=upcoming)
+        plan = decide_iteration_plan(batch, K, self.composition_name,
+                                     token_budget=dp_balanced_token_budget(lengths, K), next_lengths=upcoming)
         self.planning_s[iteration] = time.perf_counter() - began   # planning + broadcast, as this rank waits for it
         dp_rank = parallel_state.get_data_parallel_rank()
         self.plans = {iteration: plan}
         self.durations.compose(iteration, plan.microbatch_tokens(dp_rank), plan.microbatch_squared_tokens(dp_rank))
-        return plan.replica(dp_rank).num_microbatches
+        set_microbatch_documents(plan.document_segments(dp_rank))   # keyed dropout, as the trainer's data side does
+        return plan.replica(dp_rank).num_microbatches, CallPlan.of_replica(plan, dp_rank)
 
     def composition_report(self, iteration: int) -> Optional[dict]:
         """What `iteration` ran, for the log: microbatch count, tokens each, padding tokens, planning time (None when
@@ -136,24 +139,26 @@ class ComputeEmulation:
         return {**self.plans[iteration].report(parallel_state.get_data_parallel_rank()),
                 "wait_for_plan_ms": self.planning_s.pop(iteration, 0.0) * 1e3}
 
-    def begin_iteration(self, iteration: int) -> int:
-        """Before forward_backward of `iteration` (0-based): tell the schedule the microbatch lengths (every rank
-        draws the same ones; composed: plan them) and restart the link-delay windows. Returns the call's microbatch
-        count."""
+    def begin_iteration(self, iteration: int, data_iterator):
+        """Before forward_backward of `iteration` (0-based): the microbatch lengths (every rank draws the same ones;
+        composed: plan them), carried to the call by its data iterator, and the link-delay windows restarted.
+        Returns the call's microbatch count and the data iterator to pass it."""
         if self.composing:
-            num_microbatches = self.compose(iteration)
+            num_microbatches, call = self.compose(iteration)
+            if self.args.schedule != MEGATRON:
+                data_iterator = with_call_plan(data_iterator, call)
         else:
             num_microbatches = self.args.num_microbatches
-            tell_microbatch_lengths(self.args.schedule, self.microbatch_lengths(iteration))
+            data_iterator = with_told_lengths(self.args.schedule, data_iterator, self.microbatch_lengths(iteration))
         if self.link_delay is None:
-            return num_microbatches
+            return num_microbatches, data_iterator
         if self.link_delay.transport is None:
             # Open the runtime's transport now (a collective: every rank is here together), so the first window
             # starts after it; the loss layer, registered earlier, stays the inner wrapper.
             add_transport_wrapper(self.link_delay.wrap)
             current_session().ensure_transport(dist.get_process_group_ranks(pipeline_group()))
         self.link_delay.begin_iteration()
-        return num_microbatches
+        return num_microbatches, data_iterator
 
     def end_iteration(self) -> None:
         """Every rank ends an iteration together, as under Megatron's grad-norm all-reduce and in the simulator."""

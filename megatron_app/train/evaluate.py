@@ -14,7 +14,7 @@ from megatron.core import parallel_state
 from .flags import completed
 from .composed_data import compose_global_batch
 from .data import build_data_iterators, microbatch_lengths, validation_samples
-from .forward_backward import tell_microbatch_lengths
+from .forward_backward import with_told_lengths
 from .report import reduce_lm_loss
 from .step import forward_step
 
@@ -37,14 +37,14 @@ def evaluate(args, chunks: List[torch.nn.Module], forward_backward: Callable, va
                 forward_step_func = forward_step
                 if composes:
                     composed = compose_global_batch(args, valid_dataset, dp_rank, first_sample, args.model_chunks)
-                    iterators, num_microbatches = composed.data_iterator, composed.num_microbatches
+                    data_iterator, num_microbatches = composed.data_iterator, composed.num_microbatches
                     forward_step_func = composed.forward_step_func
-                else:
-                    tell_microbatch_lengths(args.schedule, microbatch_lengths(args, valid_dataset, dp_rank,
-                                                                              first_sample))
+                else:   # the same iterators each batch, carrying this call's lengths (when they vary)
+                    data_iterator = with_told_lengths(args.schedule, iterators,
+                                                      microbatch_lengths(args, valid_dataset, dp_rank, first_sample))
                 entries += forward_backward(
                     forward_step_func=forward_step_func,
-                    data_iterator=iterators,
+                    data_iterator=data_iterator,
                     model=chunks,
                     num_microbatches=num_microbatches,
                     seq_length=args.seq_length,

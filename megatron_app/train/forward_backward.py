@@ -61,14 +61,14 @@ def optimizer_span(schedule: str, iteration: int):
     return contextlib.nullcontext() if tracer is None else tracer.span(OPTIMIZER, iteration=iteration)
 
 
-def tell_microbatch_lengths(schedule: str, lengths) -> None:
-    """Tell our schedule each microbatch's padded length before a forward_backward call. Nothing to tell for
-    equal lengths (None), nor to Megatron's own schedule."""
+def with_told_lengths(schedule: str, data_iterator, lengths):
+    """The data iterator to pass a forward_backward call, carrying each microbatch's padded length to our schedule
+    (next_call.CallPlan.of_lengths). Unchanged for equal lengths (None) and for Megatron's own schedule."""
     if schedule == MEGATRON or lengths is None:
-        return
-    from megatron_app.runtime import set_microbatch_lengths
+        return data_iterator
+    from megatron_app.runtime.next_call import CallPlan, with_call_plan
 
-    set_microbatch_lengths(lengths)
+    return with_call_plan(data_iterator, CallPlan.of_lengths(lengths))
 
 
 def close_schedule(schedule: str) -> None:

@@ -22,7 +22,7 @@ from .composed_data import compose_global_batch
 from .data import build_data_iterators, build_datasets, global_batch_tokens, microbatch_lengths
 from .dumps import dump_grads, dump_weights
 from .forward_backward import (close_schedule, optimizer_span, runtime_settings,
-                               select_forward_backward_func, tell_microbatch_lengths)
+                               select_forward_backward_func, with_told_lengths)
 from .init import init_distributed, init_model_parallel, seed_all, shutdown
 from .model import build_model_chunks
 from .optim import MixedPrecision, MixedPrecisionOptimizer, build_optimizer, finalize_model_grads
@@ -135,16 +135,17 @@ def train_step(trainer: Trainer, iteration: int) -> Optional[float]:
     forward_step_func = trainer.forward_step_func
     first_sample = (iteration - 1) * args.global_batch_size
     if trainer.emulation is not None:
-        num_microbatches = trainer.emulation.begin_iteration(iteration - 1)
-    elif trainer.composes:   # the composition's microbatches; planning told the schedule their tokens
+        num_microbatches, data_iterator = trainer.emulation.begin_iteration(iteration - 1, data_iterator)
+    elif trainer.composes:   # the composition's microbatches; their iterators carry the call's plan
         composed = compose_global_batch(args, trainer.train_dataset, trainer.dp_rank, first_sample, args.model_chunks,
                                         plan_ahead=trainer.plan_ahead and iteration < args.iters)
         data_iterator, num_microbatches = composed.data_iterator, composed.num_microbatches
         forward_step_func = composed.forward_step_func
         trainer.last_plan = composed.plan
     else:
-        tell_microbatch_lengths(args.schedule, microbatch_lengths(args, trainer.train_dataset, trainer.dp_rank,
-                                                                  first_sample))
+        data_iterator = with_told_lengths(args.schedule, data_iterator,
+                                          microbatch_lengths(args, trainer.train_dataset, trainer.dp_rank,
+                                                             first_sample))
     losses_reduced = trainer.forward_backward(
         forward_step_func=forward_step_func,
         data_iterator=data_iterator,
