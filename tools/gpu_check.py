@@ -132,6 +132,18 @@ def tolerance_of(row: str, device: str) -> float:
     return FP32_TOLERANCE if device == "cuda" else CPU_FP32_TOLERANCE
 
 
+def _run_logged(command: List[str], env: dict, timeout_s: int, output: Path) -> subprocess.CompletedProcess:
+    """The command run in the repository, its output kept in `output` (with the command); one that runs past
+    timeout_s ends with rc 124 and a line saying so."""
+    try:
+        result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as expired:
+        result = subprocess.CompletedProcess(command, 124, _text(expired.stdout),
+                                             _text(expired.stderr) + f"\ngpu_check: the run took over {timeout_s} s")
+    output.write_text(" ".join(command) + "\n" + result.stdout + result.stderr)
+    return result
+
+
 class Check:
     def __init__(self, out: Path, sizes: Sizes, python: str):
         self.out, self.sizes, self.python = out, sizes, python
@@ -154,12 +166,7 @@ class Check:
         command += ["--trace-dir", str(run_dir / "trace")] if trace else ["--no-trace"]
         env = dict(os.environ, LOG_DIR=str(run_dir / "logs"), PYTHONUNBUFFERED="1")
         started = time.perf_counter()
-        try:
-            result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-        except subprocess.TimeoutExpired as expired:
-            result = subprocess.CompletedProcess(command, 124, _text(expired.stdout),
-                                                 _text(expired.stderr) + "\ngpu_check: the run took over 600 s")
-        (run_dir / "output.txt").write_text(" ".join(command) + "\n" + result.stdout + result.stderr)
+        result = _run_logged(command, env, 600, run_dir / "output.txt")
         payload = json.loads(log_json.read_text()) if log_json.exists() else None
         return {"rc": result.returncode, "seconds": round(time.perf_counter() - started, 1), "json": payload,
                 "trace_dir": run_dir / "trace", "tail": (result.stdout + result.stderr).strip().splitlines()[-3:]}
@@ -285,12 +292,7 @@ class Check:
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                    PYTHONWARNINGS="ignore")
         started = time.perf_counter()
-        try:
-            result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-        except subprocess.TimeoutExpired as expired:
-            result = subprocess.CompletedProcess(command, 124, _text(expired.stdout),
-                                                 _text(expired.stderr) + "\ngpu_check: the run took over 300 s")
-        (run_dir / "output.txt").write_text(" ".join(command) + "\n" + result.stdout + result.stderr)
+        result = _run_logged(command, env, 300, run_dir / "output.txt")
         losses = run_dir / "losses.json"
         return {"rc": result.returncode, "seconds": round(time.perf_counter() - started, 1),
                 "losses": json.loads(losses.read_text()) if losses.exists() else None,

@@ -209,6 +209,15 @@ def _ipc_release(consumed, device) -> None:
         consumed.record(torch.cuda.current_stream(device))
 
 
+def _side_stream(streams: dict, device: torch.device) -> "torch.cuda.Stream":
+    """The stream of `streams` (one per device index, made at first use) for `device`."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = streams.get(index)
+    if stream is None:
+        stream = streams[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
 class CudaCopyEngine:
     """Device-to-host copies on one side stream per device, ordered after the producer's stream by an event;
     host-to-device copies of a receive on another side stream. Completion by events, waited for as `event_wait`
@@ -230,11 +239,7 @@ class CudaCopyEngine:
         return tensor.is_cuda
 
     def _stream(self, device: torch.device) -> "torch.cuda.Stream":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        stream = self._streams.get(index)
-        if stream is None:
-            stream = self._streams[index] = torch.cuda.Stream(device=index)
-        return stream
+        return _side_stream(self._streams, device)
 
     def begin(self, tensor: torch.Tensor):
         """(the tensor to copy from, the event after which it may be read): on the caller's thread, no wait."""
@@ -268,11 +273,7 @@ class CudaCopyEngine:
 
     # ---- receives straight from the slots (device_staging.receive_through_slots) ----
     def _receive_stream(self, device: torch.device) -> "torch.cuda.Stream":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        stream = self._receive_streams.get(index)
-        if stream is None:
-            stream = self._receive_streams[index] = torch.cuda.Stream(device=index)
-        return stream
+        return _side_stream(self._receive_streams, device)
 
     def empty(self, shape, dtype, device) -> torch.Tensor:
         """A receive's destination: allocated on the receive stream (its memory free of the caller's queued work
