@@ -56,6 +56,16 @@ def test_root_cause_names_rank_signal_iteration_and_log(tmp_path):
         f"x: the job failed (torchrun exit 1) before the first iteration ended; torchrun's report: {tmp_path}/a.log")
 
 
+def test_a_host_without_the_reporting_rank_does_not_claim_the_job_never_iterated(tmp_path):
+    # On a multi-host job the rank printing iteration lines (the last stage) may live on the other host.
+    line = run_ranks.failure_line("x", tmp_path / "none", tmp_path / "a.log", "no report", 1, multi_host=True)
+    assert "before the first iteration" not in line and "(no rank of this host reports iterations)" in line, line
+    assert run_ranks.nodes_of(["torch.distributed.run", "--nnodes", "2", "--node_rank", "1"]) == 2
+    assert run_ranks.nodes_of(["torch.distributed.run", "--nnodes=1:4"]) == 4
+    assert run_ranks.nodes_of(["torch.distributed.run", "--standalone", "--nnodes", "1"]) == 1
+    assert run_ranks.nodes_of(["torch.distributed.run"]) == 1
+
+
 TWO_FAILURES = """\
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 ============================================================

@@ -32,6 +32,9 @@ class FakeTransport:
     def backend_of(self, peer):
         return "shm"
 
+    def peer_failure(self, peer):
+        return (True, f"peer rank {peer} closed its connection") if peer == 4 else None
+
     def attach_loss_injector(self, injector):
         self.injector = injector
 
@@ -52,6 +55,7 @@ def test_a_plain_wrapper_forwards_every_call_of_the_protocol():
     wrapper = TransportWrapper(inner)
     assert isinstance(wrapper, PipelineTransport) and isinstance(inner, PipelineTransport)
     assert (wrapper.rank, wrapper.peers, wrapper.backend_of(2), wrapper.poll()) == (3, (2, 4), "shm", [(2, 7)])
+    assert (wrapper.peer_failure(2), wrapper.peer_failure(4)) == (None, (True, "peer rank 4 closed its connection"))
     assert wrapper.try_recv(2, 7, device="cpu") == ("payload", 2, 7, "cpu")   # no filter: decoded on the device
     assert wrapper.send(4, 1, "x") == "handle" and inner.sent == [(4, 1, "x")]
     wrapper.attach_loss_injector("inj")

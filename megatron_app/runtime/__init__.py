@@ -5,13 +5,14 @@ from .executor import MEGATRON_ENTRY_POINTS, PipelineStallError, forward_backwar
 from .microbatch_lengths import set_microbatch_lengths, take_microbatch_lengths
 from .keyed_randomness import disable_keyed_randomness, enable_keyed_randomness, set_iteration
 from .install import add_arguments, install, install_from_args, is_installed, uninstall
-from .job import AppJob, add_transport_wrapper, current_job, current_tracer, remove_transport_wrapper, shutdown
+from .job import (AppJob, add_transport_wrapper, current_job, current_tracer, peer_failures, remove_transport_wrapper,
+                  shutdown)
 from .settings import AppConfigError, AppSettings
 
 __all__ = [
     "AppConfigError", "AppJob", "AppSettings", "ContractAssertionError", "ContractRuntimeError", "ContractTypeError",
     "MEGATRON_ENTRY_POINTS", "PipelineStallError", "add_arguments", "add_transport_wrapper",
     "current_job", "current_tracer", "disable_keyed_randomness", "enable_keyed_randomness", "forward_backward_app",
-    "install", "install_from_args", "is_installed", "remove_transport_wrapper", "set_iteration",
+    "install", "install_from_args", "is_installed", "peer_failures", "remove_transport_wrapper", "set_iteration",
     "set_microbatch_lengths", "shutdown", "take_microbatch_lengths", "uninstall",
 ]

@@ -102,6 +102,22 @@ def current_tracer():
     return None if session is None else session.tracer
 
 
+def peer_failures() -> List[str]:
+    """Why each peer of this process's open transports died or left, as the transport words it (empty: none known).
+    A rank whose collective (gloo, NCCL) failed asks this to name the peer behind the failure."""
+    session = None if _current is None else _current.open_session
+    found = []
+    for transport in session.transports if session is not None else []:
+        for peer in transport.peers:
+            try:
+                failure = transport.peer_failure(peer)
+            except Exception:  # noqa: BLE001 - a transport closed under us knows nothing more
+                failure = None
+            if failure is not None and failure[1] not in found:
+                found.append(failure[1])
+    return found
+
+
 def add_transport_wrapper(wrapper: TransportWrapperFactory) -> None:
     """Wrap every transport the runtime opens from now on in this job (see TransportWrapper)."""
     current_job().transport_wrappers.append(wrapper)

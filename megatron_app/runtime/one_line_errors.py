@@ -22,6 +22,8 @@ from __future__ import annotations
 import sys
 import threading
 
+from megatron_app.say import say
+
 from .settings import AppConfigError
 
 PREFIX = "megatron_app"
@@ -49,14 +51,14 @@ def install_excepthook() -> None:
 
     def excepthook(kind, value, traceback):
         if isinstance(value, AppConfigError):
-            print(one_line(value), file=sys.stderr, flush=True)
+            say(one_line(value))
         else:
             previous(kind, value, traceback)
 
     def thread_excepthook(args):
         if isinstance(args.exc_value, AppConfigError):
             where = f" (thread {args.thread.name})" if args.thread is not None else ""
-            print(one_line(args.exc_value) + where, file=sys.stderr, flush=True)
+            say(one_line(args.exc_value) + where)
         else:
             previous_thread(args)
 

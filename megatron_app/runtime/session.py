@@ -14,7 +14,6 @@ import os
 import re
 import socket
 import statistics
-import sys
 import time
 import uuid
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_app.megatron_compat import megatron_core_version
+from megatron_app.say import say
 
 from .decide_once import decide_once
 from .layout import data_parallel_rank, pipeline_ranks
@@ -121,7 +121,7 @@ class RuntimeSession:
         """One line per rank on stderr the first time the schedule runs, so a user sees the plugin is active."""
         if not self._announced:
             self._announced = True
-            print(f"megatron_app: {what}", file=sys.stderr, flush=True)
+            say(f"megatron_app: {what}")
 
     def planning_budget_s(self) -> Optional[float]:
         """Time a planning policy may spend on the next call: a share of the last call (None before one ran)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
+from megatron_app.say import say
+
 from .args import UsageError, parse_args
 
 
@@ -116,23 +118,23 @@ def _train(args) -> None:
         train(args)
     except TrainingInterrupted as exc:   # Ctrl-C: one line from one rank, exit status 130 as for SIGINT
         if exc.report:
-            print(f"megatron_app.train: {exc}", file=sys.stderr, flush=True)
+            say(f"megatron_app.train: {exc}")
         raise SystemExit(130) from None
     except NonFiniteError as exc:   # every rank stops on the same iteration; one of them names it
         if exc.report:
-            print(f"megatron_app.train: rank {rank}: error: {exc}", file=sys.stderr, flush=True)
+            say(f"megatron_app.train: rank {rank}: error: {exc}")
         raise SystemExit(1) from None
     except BackendUnavailable as exc:  # a forced --transport / MEGATRON_APP_TRANSPORT this job cannot honour
         _fail(str(exc))
     except (PeerDied, TransportClosed, TransportTimeout, PipelineStallError) as exc:
         # A fault of another rank, not of this one: name it in one line instead of a traceback.
-        print(f"megatron_app.train: rank {rank}: {exc}", file=sys.stderr, flush=True)
+        say(f"megatron_app.train: rank {rank}: {exc}")
         raise SystemExit(1)
     except (OSError, RuntimeError) as exc:
         reason = environment_failure(exc)
         if reason is None:
             raise
-        print(f"megatron_app.train: rank {rank}: error: {reason}", file=sys.stderr, flush=True)
+        say(f"megatron_app.train: rank {rank}: error: {reason}")
         raise SystemExit(1)
 
 

@@ -25,6 +25,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_app.say import say
+
 _RANK_LINE = re.compile(r"^\[[A-Za-z_][A-Za-z0-9_]*?(\d+)\]:")  # "[default3]:..." --tee output of local rank 3
 _ITERATION = re.compile(r"\biter (\d+)/(\d+) \|")  # the trainer's per-iteration line (train/report.py)
 _OWN_ERROR = re.compile(r"megatron_app\.train: (?:rank \d+: )?(?:error: )?(.*)$")
@@ -192,15 +194,36 @@ def _rank_errors(log_dir: Path, local_ranks) -> list[RankError]:
     return errors
 
 
+def nodes_of(command: list[str]) -> int:
+    """torchrun's --nnodes in `command` (N, or the upper end of MIN:MAX); 1 when absent or unreadable."""
+    for position, word in enumerate(command):
+        value = (command[position + 1] if word == "--nnodes" and position + 1 < len(command)
+                 else word.split("=", 1)[1] if word.startswith("--nnodes=") else None)
+        if value is not None:
+            try:
+                return int(value.split(":")[-1])
+            except ValueError:
+                return 1
+    return 1
+
+
+def progress_phrase(log_dir: Path, multi_host: bool) -> str:
+    """Where the run was, from this host's rank logs. The rank that prints iteration lines may live on another
+    host: there, no line here says nothing about the job's progress."""
+    reached = last_iteration(log_dir)
+    if reached:
+        return f"after iteration {reached[0]} of {reached[1]}"
+    return "(no rank of this host reports iterations)" if multi_host else "before the first iteration ended"
+
+
 def failure_line(name: str, log_dir: Path, agent_log: Path, agent_text: str, returncode: int,
-                 arrival: dict[int, int] | None = None) -> str:
+                 arrival: dict[int, int] | None = None, multi_host: bool = False) -> str:
     """The launcher's last line: the rank whose error came first (see the module's docstring) and that error."""
     root = parse_root_cause(agent_text)
     failures = parse_failures(agent_text)
     if root is not None:
         failures.setdefault(root.local_rank, root)
-    reached = last_iteration(log_dir)
-    progress = (f"after iteration {reached[0]} of {reached[1]}" if reached else "before the first iteration ended")
+    progress = progress_phrase(log_dir, multi_host)
     local_ranks = set(failures) | {int(d.name) for d in log_dir.glob("*/attempt_*/*") if d.name.isdigit()}
     first = first_error(_rank_errors(log_dir, local_ranks), arrival or {})
     failure = failures.get(first.local_rank) if first is not None else root
@@ -255,8 +278,8 @@ def main(argv=None) -> int:
     if returncode != 0 and interrupted:
         return _INTERRUPTED
     if returncode != 0:
-        print(failure_line(args.name, args.log_dir, agent_log_path, "".join(agent_lines), returncode, arrival),
-              file=sys.stderr, flush=True)
+        say(failure_line(args.name, args.log_dir, agent_log_path, "".join(agent_lines), returncode, arrival,
+                         multi_host=nodes_of(command) > 1))
         return returncode if returncode > 0 else 128 - returncode
     return 0
 

@@ -41,6 +41,8 @@ class PipelineTransport(Protocol):
 
     def backend_of(self, peer: int) -> str: ...
 
+    def peer_failure(self, peer: int) -> Optional[Tuple[bool, str]]: ...
+
     def attach_loss_injector(self, injector) -> None: ...
 
     @property
@@ -109,6 +111,9 @@ class TransportWrapper(ClosesOnExit):
 
     def backend_of(self, peer: int) -> str:
         return self.inner.backend_of(peer)
+
+    def peer_failure(self, peer: int) -> Optional[Tuple[bool, str]]:
+        return self.inner.peer_failure(peer)
 
     def attach_loss_injector(self, injector) -> None:
         self.inner.attach_loss_injector(injector)

@@ -196,6 +196,11 @@ class Transport(ClosesOnExit):
         """'shm', 'tcp' or 'rdma': how this rank reaches `peer`."""
         return self._core.backend_of(_int_arg(peer, "peer"))
 
+    def peer_failure(self, peer: int) -> tuple[bool, str] | None:
+        """(died, why) once `peer` can no longer send to this rank (died: its process or connection is gone, else it
+        closed its transport cleanly); None while the link is fine."""
+        return self._core.peer_failure(_int_arg(peer, "peer"))
+
     def local_address(self, backend: str = "tcp") -> str:
         """'host:port' where peers reach this rank over `backend` (ValueError if no peer uses it)."""
         return self._core.local_address(backend)
