@@ -189,3 +189,26 @@ def test_prediction_error_ignores_a_common_scale_and_measures_the_rest():
     for k, predicted in enumerate((1.0, 2.0, 1.5, 3.0, 2.5, 1.0)):
         noisy.observe(predicted, predicted * (1.1 if k % 2 else 0.9))
     assert 0.1 < noisy.relative < 0.3
+
+
+def test_told_lengths_are_planned_by_the_same_search_as_a_loader_batch_with_its_order():
+    from megatron_app.runtime.next_call import CallPlan
+    from megatron_app.schedule.composition_plan import choose_order
+    from megatron_app.schedule.iteration_plan import plan_told_microbatches
+
+    tokens = tuple(LONG_TAIL[:8])
+    costs = _learnt_costs()
+    shape = PipelineShape(4, 2, 8, microbatch_group_size=8)
+    spec = PipelineSpec.of_shape(shape, 1.25, planner_evaluations=64)
+    assert (spec.num_stages, spec.num_chunks, spec.microbatch_group_size, spec.memory_factor) == (4, 2, 8, 1.25)
+    told = plan_told_microbatches(tokens, spec, costs)
+    # one replica, one document per microbatch, the loader's order searched as the `planned` policy searches it
+    assert told.num_replicas == 1 and told.microbatch_tokens(0) == tokens and told.composition_name == LOADER
+    same = choose_order(shape, tokens, [t * t for t in tokens], costs, 1.25, 64)
+    assert told.replica(0).plan == same.plan and told.replica(0).predicted_s == pytest.approx(same.predicted_makespan)
+    # the call keeps what its loop told and gains the order, warm-ups and prediction
+    call = CallPlan.of_lengths(tokens).planned_by(told)
+    assert (call.tokens, call.squared_tokens, call.document_segments, call.composition) == (tokens, None, None, None)
+    assert call.plan == same.plan and call.predicted_s == pytest.approx(told.predicted_s)
+    with pytest.raises(ValueError, match="does not plan 7 told microbatches"):
+        CallPlan.of_lengths(tokens[:7]).planned_by(told)

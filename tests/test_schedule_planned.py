@@ -15,6 +15,7 @@ from megatron_app.schedule.length_costs import LengthCostModel
 from megatron_app.schedule.megatron_order import megatron_order
 from megatron_app.schedule.plan_search import (MAX_EXTRA_WARMUP, Plan, PlanSearch, _graph, order_peak_size,
                                               plan_order, predicted_makespan)
+from megatron_app.schedule.iteration_plan import PipelineSpec, plan_told_microbatches
 from megatron_app.schedule.planned import megatron_peak_sizes
 from test_schedule_properties import consumer, producers
 
@@ -253,7 +254,9 @@ def test_planned_policy_keeps_its_token_cap_under_adversarial_timing(factor):
             for mb in range(8):
                 policies[rank].lengths = tuple(lengths)
                 policies[rank].observe(Task(F, 0, mb), 0.001 * lengths[mb] ** 1.5)
-        plan = policies[0].plan_iteration(lengths)
+        planner = policies[0]
+        assert planner.orders_told_lengths
+        plan = plan_told_microbatches(lengths, PipelineSpec.of_shape(shape, factor), planner.costs).replica(0).plan
         for policy in policies:
             policy.use_plan(lengths, plan)
         peaks = run_adversarially(shape, policies, lengths, rng)
@@ -264,9 +267,8 @@ def test_planned_policy_keeps_its_token_cap_under_adversarial_timing(factor):
 def test_planned_without_lengths_is_megatrons_order():
     shape = PipelineShape(4, 2, 8)
     policy = make_policy("planned", shape, 1)
-    plan = policy.plan_iteration(None)
-    assert plan == Plan(tuple(range(8)))
-    policy.use_plan(None, plan)
+    policy.use_plan(None, None)     # no lengths: nothing to plan (data order)
+    assert policy.current_plan == Plan(tuple(range(8)))
     assert policy.plan == megatron_order(shape, 1)
     assert policy.expected_next(RankState(shape, 1)) == megatron_order(shape, 1)[0]
 
@@ -274,7 +276,10 @@ def test_planned_without_lengths_is_megatrons_order():
 def test_planned_under_an_explicit_count_cap_keeps_data_order():
     shape = PipelineShape(4, 2, 8)
     policy = make_policy("planned", shape, 0, memory_cap=6)
-    assert policy.plan_iteration([5, 400, 3, 90, 7, 600, 2, 1]) == Plan(tuple(range(8)))
+    assert not policy.orders_told_lengths       # the runtime and the simulator then plan nothing: data order
+    assert make_policy("planned", PipelineShape(4, 2, 8, forward_only=True), 0).orders_told_lengths is False
+    assert make_policy("planned", shape, 0).orders_told_lengths
+    assert not make_policy("adaptive", shape, 0).orders_told_lengths
 
 
 def test_planned_rejects_bad_options():
@@ -285,7 +290,7 @@ def test_planned_rejects_bad_options():
         make_policy("dfc", shape, 0, memory_factor=1.1)
     policy = make_policy("planned", shape, 0)
     with pytest.raises(ScheduleConfigError, match="positive microbatch lengths"):
-        policy.plan_iteration([1, 2, 3])
+        policy.use_plan([1, 2, 3], None)
     with pytest.raises(ScheduleConfigError, match="once each"):
         policy.use_plan(None, Plan((0, 0, 1, 2, 3, 4, 5, 6)))
 

@@ -21,12 +21,14 @@ from megatron.core.pipeline_parallel.schedules import (
 )
 from megatron_app.megatron_compat import backward_step
 from megatron_app.schedule import Kind, RankState, Task
+from megatron_app.schedule.iteration_plan import PipelineSpec, plan_told_microbatches
 
 from .call_contract import MEGATRON_SCHEDULES, MegatronSchedule, apply_tensor_shape_hook, schedule_for_call
 from .call_setup import CallRequest, ModelChunks, RankPlacement
 from .decide_once import decide_once
 from .job import AppJob, current_job
 from .links import PipelineLinks, direction_of
+from .next_call import CallPlan
 from .split_backward import defers_weights, run_input_backward, run_weight_backward
 from .task_clock import task_clock_for
 from .tp_agreement import TaskAgreement
@@ -171,28 +173,32 @@ class PipelineStep:
         if self._keyed is not None:
             self._keyed.training_call_done()
 
-    def _adopt_shared_plan(self, pp_group, pp_global):
-        """Pipeline rank 0 plans this call (within its time budget) and every rank adopts that plan, so all ranks
-        run orders that fit together (schedule/planned.py)."""
-        if self.lengths is None:   # every rank knows no lengths were told: data order, no collective needed
-            self.policy.use_plan(None, None)
-            return
-        squared = self.call_plan.squared_tokens
-        if self.call_plan.plan is not None:   # planned with the iteration: adopt, no search
-            self.policy.use_plan(self.lengths, self.call_plan.plan, squared_tokens=squared)
-            return
+    def _adopt_plan(self) -> None:
+        """Every rank of the pipeline runs the same plan, so their orders fit together (schedule/planned.py). A plan
+        that came with the call (its iteration's) is adopted as it is; lengths told alone are planned now by the one
+        planning function, on pipeline rank 0 within its time budget, and every rank adopts that plan."""
+        call = self.call_plan
+        if call is not None and call.plan is None and self.policy.orders_told_lengths:
+            call = self.call_plan = self._plan_told_lengths(call)
+        self.policy.use_plan(self.lengths, None if call is None else call.plan,
+                             squared_tokens=None if call is None else call.squared_tokens)
+
+    def _plan_told_lengths(self, call: CallPlan) -> CallPlan:
+        session, policy = self.session, self.policy
+        pipeline = PipelineSpec.of_shape(self.shape, policy.memory_factor, policy.evaluations)
         plan, seconds = decide_once(
-            lambda start: self.policy.plan_iteration(self.lengths, stop=self.session.planning_stop(start)),
-            len(pp_global) > 1, pp_group)
+            lambda start: plan_told_microbatches(call.tokens, pipeline, session.shared_costs(),
+                                                 stop=session.planning_stop(start)),
+            len(self._pp_global) > 1, self._pp_group)
         if seconds:
-            self.session.last_planning_s = seconds
-        self.policy.use_plan(self.lengths, plan, squared_tokens=squared)
+            session.last_planning_s = seconds
+        return call.planned_by(plan)
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def run(self) -> List[Any]:
         started = time.perf_counter()
         if self.policy.plans_iterations:      # inside run(): the trace's iteration time includes planning
-            self._adopt_shared_plan(self._pp_group, self._pp_global)
+            self._adopt_plan()
         self._call_start_us = self._now()     # a plan's predicted starts count from here
         self.grad_sync.disable()
         while not self.state.finished:

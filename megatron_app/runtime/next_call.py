@@ -10,7 +10,7 @@ on the job (NextCall) and the call takes it, once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator, Optional, Sequence, Tuple
 
 from megatron_app.schedule.iteration_plan import DocumentSegment, IterationPlan
@@ -50,6 +50,17 @@ class CallPlan:
                    plan.document_segments(dp_rank), plan.composition_name,
                    replica.predicted_s if calibrated else None, replica.nominal_predicted_s if calibrated else None,
                    plan.predicted_s if calibrated else None)
+
+    def planned_by(self, plan: IterationPlan) -> "CallPlan":
+        """These told lengths with the order, warm-ups and prediction of `plan`, a plan of them alone
+        (iteration_plan.plan_told_microbatches: one replica, one document per microbatch)."""
+        if plan.num_replicas != 1 or plan.replica(0).num_microbatches != self.num_microbatches:
+            raise ValueError(f"a plan of {plan.num_replicas} replica(s) does not plan {self.num_microbatches} told "
+                             "microbatches")
+        replica, calibrated = plan.replica(0), plan.calibrated
+        return replace(self, plan=replica.plan, predicted_s=replica.predicted_s if calibrated else None,
+                       nominal_predicted_s=replica.nominal_predicted_s if calibrated else None,
+                       predicted_iteration_s=plan.predicted_s if calibrated else None)
 
     def check_count(self, num_microbatches: int) -> "CallPlan":
         """This plan, for a call that runs num_microbatches (refused when they differ)."""

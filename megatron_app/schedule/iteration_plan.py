@@ -11,7 +11,8 @@ dropout keys on, so every rank can derive tokens, squared tokens and where each 
 plan_iteration(request, costs) is the one planning function: the trainer, the plugin's data wrapper, the simulator
 and the benchmarks call it (the runtime through runtime/composition.decide_iteration_plan, which runs it on one rank
 and broadcasts the result to every rank of the job, so tensor-, data- and pipeline-parallel ranks execute the same
-plan). Compositions (schedule/composition.py):
+plan; a call told only its microbatches' tokens goes through plan_told_microbatches, planned on its pipeline's
+first rank). Compositions (schedule/composition.py):
   loader, packed  each replica its loader share, the loader's microbatches padded / packed;
   dp-balanced     Megatron-LM's DpBalancedScheduler: the whole global batch in loader order packed up to a token
                   budget, tail packs split until the count is a multiple of D with a count per replica the pipeline
@@ -49,6 +50,7 @@ from .errors import ScheduleConfigError
 from .length_costs import LengthCostModel
 from .plan_search import Plan
 from .planned import DEFAULT_MEMORY_FACTOR
+from .shape import PipelineShape
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,14 @@ class PipelineSpec:
     microbatch_group_size: Optional[int] = None
     memory_factor: float = DEFAULT_MEMORY_FACTOR
     planner_evaluations: Optional[int] = None   # the final search's evaluations (default: the planner's)
+
+    @classmethod
+    def of_shape(cls, shape: PipelineShape, memory_factor: float = DEFAULT_MEMORY_FACTOR,
+                 planner_evaluations: Optional[int] = None) -> "PipelineSpec":
+        """The pipeline of a call's shape (its microbatch count aside: the plan chooses or keeps it)."""
+        return cls(shape.num_stages, shape.num_chunks, split_backward=shape.split_backward,
+                   microbatch_group_size=shape.microbatch_group_size, memory_factor=memory_factor,
+                   planner_evaluations=planner_evaluations)
 
     def valid_counts(self, most: int) -> Tuple[int, ...]:
         return valid_microbatch_counts(self.num_stages, self.num_chunks, most, self.microbatch_group_size,
@@ -374,6 +384,15 @@ def plan_iteration(request: PlanRequest, costs: Optional[LengthCostModel] = None
         return replace(_ordered(request, replicas, costs, stop), cross_replica=D > 1)
     assert request.composition in PLANNED_COMPOSITIONS
     return _plan_balanced(request, costs or LengthCostModel(), stop)
+
+
+def plan_told_microbatches(tokens: Sequence[int], pipeline: PipelineSpec, costs: Optional[LengthCostModel] = None,
+                           stop: Optional[Callable[[float], bool]] = None) -> IterationPlan:
+    """A call for which only its microbatches' tokens are known (a loop's set_microbatch_lengths; the simulator's
+    lengths): planned by plan_iteration as one replica's loader batch of one document per microbatch, with its order
+    and warm-ups (plan_order), so told lengths and composed batches go through the same search."""
+    request = PlanRequest(tuple(int(t) for t in tokens), LOADER, 1, pipeline, plan_order=True)
+    return plan_iteration(request, costs, stop)
 
 
 class PredictionError:

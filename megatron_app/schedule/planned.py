@@ -7,9 +7,10 @@ while it is on time, let a critical backward go first when a plan input is late)
     of held tokens that Megatron's interleaved order reaches on that rank for the same microbatches in data order.
     The plan's own peak must stay within it (plan_search.py); run-time deviations are backwards only, which free
     memory, so the peak never exceeds the plan's.
-  * Agreement: one rank plans (plan_iteration) and every rank adopts that plan (use_plan): the simulator hands it
-    over, the runtime broadcasts it. Each rank's order is then Megatron's order over the same microbatch order, so
-    all orders together complete (adaptive.py's argument (a)) whatever each rank learnt.
+  * Agreement: one rank plans (iteration_plan.plan_iteration; for lengths told alone plan_told_microbatches) and
+    every rank adopts that plan (use_plan): the simulator hands it over, the runtime broadcasts it. Each rank's
+    order is then Megatron's order over the same microbatch order, so all orders together complete (adaptive.py's
+    argument (a)) whatever each rank learnt.
   * Without lengths (a loop that tells none) or under an explicit count cap (memory_cap), the plan is Megatron's
     order in data order: the policy is then `adaptive` exactly.
   * `planned-fixed` is the same policy with run-time reordering off (deviates=False, adaptive.py): the same plans,
@@ -20,15 +21,14 @@ while it is on time, let a critical backward go first when a plan input is late)
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 from .adaptive import DEFAULT_PATIENCE, AdaptivePolicy, plan_peak
 from .admission import check_memory_cap
-from .composition_plan import choose_order
 from .errors import ScheduleConfigError
 from .length_costs import LengthCostModel
 from .megatron_order import megatron_interleaved_cap, megatron_order, megatron_peak_sizes, without_fill  # noqa: F401 (megatron_peak_sizes re-exported)
-from .plan_search import DEFAULT_EVALUATIONS, Plan, PlanChoice, order_peak_size, plan_graph_for, plan_order
+from .plan_search import DEFAULT_EVALUATIONS, Plan, plan_graph_for, plan_order
 from .greedy import make_dfc
 from .shape import PipelineShape
 from .state import RankState
@@ -65,27 +65,18 @@ class PlannedPolicy(AdaptivePolicy):
         self.memory_factor = check_memory_factor(DEFAULT_MEMORY_FACTOR if memory_factor is None else memory_factor)
         self.costs = LengthCostModel()
         self.iterations_used = 0              # calls of use_plan: the iteration that runs now
-        self.evaluations = evaluations        # the order search's budget (composition_plan.choose_order)
+        self.evaluations = evaluations        # the order search's budget (iteration_plan.PipelineSpec)
         self.lengths: Optional[Tuple[int, ...]] = None
         self.squared_tokens: Optional[Tuple[float, ...]] = None
         self.current_plan = Plan(tuple(range(shape.num_microbatches)))
-        self.last_choice: Optional[PlanChoice] = None
         self.predicted: Dict[Task, Tuple[float, float]] = {}   # this iteration's tasks as the plan predicts them
 
-    # ---- planning (one rank) and adoption (every rank) ----------------------------------------------------------
-    def plan_iteration(self, lengths: Optional[Sequence[int]], stop: Optional[Callable[[float], bool]] = None
-                       ) -> Plan:
-        """The plan for an iteration whose microbatches have `lengths` tokens (None: unknown, data order).
-        stop(predicted_s): asked before each search round with the data order's predicted iteration time."""
-        shape = self.shape
-        data_order = Plan(tuple(range(shape.num_microbatches)))
-        if lengths is None or not self.reorders or shape.forward_only:
-            self.last_choice = None
-            return data_order
-        sizes = _check_lengths(shape, lengths)
-        self.last_choice = choose_order(shape, sizes, [s * s for s in sizes], self.costs, self.memory_factor,
-                                        self.evaluations, stop=stop)
-        return self.last_choice.plan
+    # ---- adoption (every rank) -----------------------------------------------------------------------------------
+    @property
+    def orders_told_lengths(self) -> bool:
+        """Whether a call told only its lengths gets a planned order (iteration_plan.plan_told_microbatches, on one
+        rank): not under an explicit count cap, which keeps data order (module doc), nor for a forward-only call."""
+        return self.reorders and not self.shape.forward_only
 
     def use_plan(self, lengths: Optional[Sequence[int]], plan: Optional[Plan],
                  squared_tokens: Optional[Sequence[float]] = None) -> None:

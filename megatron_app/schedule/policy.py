@@ -5,7 +5,7 @@ Policies never change the state: the driver (runtime, simulator or schedule.driv
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from .shape import PipelineShape
 from .state import RankState
@@ -35,19 +35,14 @@ class Policy:
     def observe(self, task: Task, duration_s: float) -> None:
         """Called after each task with its measured duration; adaptive cost models override it."""
 
-    # Planning policies choose each iteration's plan on one rank and every rank adopts it (the simulator hands it
-    # over, the runtime broadcasts it); for the others both calls do nothing.
+    # Planning policies adopt each iteration's plan, chosen on one rank (schedule/iteration_plan.py: the simulator
+    # hands it over, the runtime broadcasts it); for the others use_plan does nothing.
     plans_iterations = False
-
-    def plan_iteration(self, lengths: Optional[Sequence[int]],
-                       stop: Optional[Callable[[float], bool]] = None) -> Optional[Plan]:
-        """The plan for the next iteration, given its microbatch lengths (None: not told). stop(predicted_s), when
-        given, is asked during the search with the predicted iteration time in seconds; True ends the search."""
-        return None
+    orders_told_lengths = False   # a call told only its lengths gets a planned order (planned.py)
 
     def use_plan(self, lengths: Optional[Sequence[int]], plan: Optional[Plan],
                  squared_tokens: Optional[Sequence[float]] = None) -> None:
-        """Adopt `plan` (from some rank's plan_iteration) for the next iteration."""
+        """Adopt `plan` (iteration_plan's, chosen on some rank; None: data order) for the next iteration."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, rank={self.rank}, memory_cap={self.memory_cap})"

@@ -20,6 +20,7 @@ from typing import List, Optional, Sequence
 
 from megatron_app.schedule import PipelineShape, Policy, RankState, ScheduleStallError, Task, make_policy
 from megatron_app.schedule.driver import stall_report
+from megatron_app.schedule.iteration_plan import PipelineSpec, plan_told_microbatches
 from megatron_app.schedule.task_table import TaskTable
 
 from .costs import DurationTable
@@ -77,9 +78,12 @@ def run_iteration(shape: PipelineShape, policies: Sequence[Policy], durations: D
         for policy in policies:
             policy.use_plan(lengths, plan)
     elif policies[0].plans_iterations:
-        began = time.process_time()     # CPU time: on a shared machine wall time would measure the load
-        plan = policies[0].plan_iteration(lengths)
-        planning_s = time.process_time() - began
+        planner = policies[0]
+        if lengths is not None and planner.orders_told_lengths:
+            began = time.process_time()     # CPU time: on a shared machine wall time would measure the load
+            pipeline = PipelineSpec.of_shape(shape, planner.memory_factor, planner.evaluations)
+            plan = plan_told_microbatches(lengths, pipeline, planner.costs).replica(0).plan
+            planning_s = time.process_time() - began
         for policy in policies:
             policy.use_plan(lengths, plan)
     activation_sizes = lengths
