@@ -87,3 +87,38 @@ def test_megatron_app_install_puts_the_hook_in_place():
     assert result.returncode == 1 and "Traceback" not in result.stderr
     [line] = result.stderr.strip().splitlines()
     assert line.startswith("megatron_app: AppConfigError: unknown policy 'no-such-policy'; choose one of ")
+
+
+def test_another_ranks_failure_is_one_line_too():
+    result = _python("""
+        from megatron_app.runtime.one_line_errors import install_excepthook
+        from megatron_app.transport import PeerDied
+        install_excepthook()
+        raise PeerDied("peer rank 1 closed its connection without a goodbye (its process exited or was killed)")
+    """)
+    assert result.returncode == 1
+    assert result.stderr == ("megatron_app: PeerDied: peer rank 1 closed its connection without a goodbye (its "
+                             "process exited or was killed)\n")
+
+
+def test_a_collective_that_met_a_dead_peer_names_the_peer_the_transport_saw_go():
+    """The user's own all_reduce fails first with gloo's words; the transport's names the peer. Without a peer the
+    transport saw go (or for any other RuntimeError) the traceback stays."""
+    for known in (True, False):
+        result = _python(f"""
+            import megatron_app.runtime.job as job
+            import megatron_app.transport   # a loop that ran our pipeline has it loaded
+            from megatron_app.runtime import one_line_errors
+            one_line_errors.PEER_NAMING_WAIT_S = 0.2
+            job.peer_failures = lambda: ["peer rank 1 closed its connection without a goodbye"] if {known} else []
+            one_line_errors.install_excepthook()
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Read error [10.0.0.2]:5: Connection reset by peer\\n"
+                               "Exception raised from ...")
+        """)
+        assert result.returncode == 1
+        if known:
+            assert result.stderr == ("megatron_app: PeerDied: peer rank 1 closed its connection without a goodbye "
+                                     "(a collective failed first: RuntimeError: [gloo/transport/tcp/pair.cc:534] "
+                                     "Read error [10.0.0.2]:5: Connection reset by peer)\n"), result.stderr
+        else:
+            assert result.stderr.startswith("Traceback (most recent call last):"), result.stderr

@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from megatron_app.lossy.training import start_loss_layer
 from megatron_app.runtime import enable_keyed_randomness, set_iteration
-from megatron_app.runtime import add_transport_wrapper, current_tracer, peer_failures, remove_transport_wrapper
+from megatron_app.runtime import add_transport_wrapper, current_tracer, remove_transport_wrapper
+from megatron_app.runtime.peer_gone import peer_behind
 from megatron_app.runtime.layout import data_parallel_rank
 from megatron_app.trace.runs import LATEST
 
@@ -29,7 +30,7 @@ from .optim import MixedPrecision, MixedPrecisionOptimizer, build_optimizer, fin
 from .evaluate import evaluate
 from .report import IterationReporter, reduce_lm_loss
 from .step import forward_step
-from .stops import check_finite, interrupt_follows, interrupted, peer_behind
+from .stops import check_finite, interrupt_follows, interrupted
 from .trace_run import start_trace_run
 
 _RUN_CONFIG_KEYS = (
@@ -231,7 +232,7 @@ def train(args) -> None:
             dump_weights(trainer.chunks, args.dump_weights)
     except (Exception, KeyboardInterrupt) as error:   # Ctrl-C, or a peer gone just before this rank's own Ctrl-C
         if not isinstance(error, KeyboardInterrupt) and not interrupt_follows(error):
-            named = peer_behind(error, peer_failures)
+            named = peer_behind(error)
             if named is not None:
                 raise named from None
             raise

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import signal
 import time
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -84,11 +84,7 @@ def check_finite(iteration: int, loss: Optional[float], chunks: List[torch.nn.Mo
 
 
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "TransportClosed", "PeerDied")
-# How a collective words a peer that went away: gloo (above), NCCL ("remote process exited or there was a network
-# error", an aborted communicator).
-COLLECTIVE_PEER_GONE = PEER_GONE[:2] + ("remote process exited", "Broken pipe", "communicator was aborted")
 INTERRUPT_GRACE_S = 2.0
-PEER_NAMING_WAIT_S = 5.0
 
 
 def interrupt_follows(error: BaseException) -> bool:
@@ -103,33 +99,6 @@ def interrupt_follows(error: BaseException) -> bool:
     except KeyboardInterrupt:
         return True
     return False
-
-
-def peer_behind(error: BaseException, failures: Callable[[], List[str]],
-                wait_s: float = PEER_NAMING_WAIT_S) -> Optional[BaseException]:
-    """A PeerDied naming the peer behind `error`, a collective (gloo, NCCL) that failed because a peer went away;
-    None for any other error, or when the transport has not seen a peer go within `wait_s`. The trainer's small
-    collectives (the finite check, timings) can meet a dead host before the pipeline's own links do; the user should
-    read which rank died, not gloo's "Connection reset by peer" traceback. `failures`: runtime.peer_failures."""
-    from megatron_app.transport import PeerDied, TransportClosed
-
-    if isinstance(error, (PeerDied, TransportClosed)):
-        return None
-    text = str(error)
-    if not any(sign in text for sign in COLLECTIVE_PEER_GONE):
-        return None
-    deadline = time.monotonic() + wait_s
-    while True:
-        known = failures()
-        if known or time.monotonic() >= deadline:
-            break
-        time.sleep(0.05)
-    if not known:
-        return None
-    lines = text.strip().splitlines()
-    cause = lines[0] if lines else type(error).__name__
-    return PeerDied(f"{'; '.join(known)} (a collective of the trainer failed first: {type(error).__name__}: "
-                    f"{cause[:200]})")
 
 
 def interrupted(iteration: Optional[int], iters: int, save_dir: Optional[str], saved: Optional[int],
