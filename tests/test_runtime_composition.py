@@ -15,6 +15,7 @@ def fresh_session():
     shutdown()
     yield
     shutdown()
+    current_job().next_call.pending = None    # a plan agreed and not taken must not reach another file's call
 
 
 def _take(count):
@@ -101,3 +102,22 @@ def test_the_planning_rank_learns_every_pipeline_ranks_tasks_once(monkeypatch):
     assert costs.take_unreported() == []                 # its own samples went out with the gather
     runtime_composition._gather_measurements(session, layout)
     assert costs.samples(Kind.FORWARD, 1, rank=1) == 3   # nothing learnt twice
+
+
+def test_the_configs_microbatch_group_size_bounds_the_counts_a_plan_chooses(monkeypatch):
+    """With several chunks Megatron accepts a call of m microbatches only when its microbatch_group_size_per_vp_stage
+    lies in [P, m]: the plan for a config with a group of 6 at P=2 V=2 chooses among counts >= 6 (the default group,
+    P, would allow 2..5 too), and what it chooses is such a count."""
+    from megatron_app.runtime.layout import JobLayout
+
+    monkeypatch.setattr(runtime_composition, "job_layout", lambda pg_collection=None: JobLayout(0, 1, 2, 2, False))
+    requests = []
+    planner = runtime_composition.plan_iteration
+    monkeypatch.setattr(runtime_composition, "plan_iteration",
+                        lambda request, *a, **k: requests.append(request) or planner(request, *a, **k))
+    for group in (None, 6):
+        for composition in ("balanced", "packed"):
+            plan = runtime_composition.decide_iteration_plan(LENGTHS, 1, composition, microbatch_group_size=group)
+            assert plan.replica(0).num_microbatches >= (group or 2)
+    default, grouped = requests[0].pipeline, requests[2].pipeline
+    assert default.valid_counts(8) == (2, 4, 6, 8) and grouped.valid_counts(8) == (6, 8)

@@ -64,14 +64,16 @@ def agree_iteration_plan(lengths: Sequence[int], micro_batch_size: int, composit
                          document_ids: Optional[Sequence[int]] = None, token_budget: Optional[int] = None,
                          pg_collection=None, job: Optional[AppJob] = None,
                          next_lengths: Optional[Sequence[int]] = None,
-                         next_document_ids: Optional[Sequence[int]] = None) -> IterationPlan:
+                         next_document_ids: Optional[Sequence[int]] = None,
+                         microbatch_group_size: Optional[int] = None) -> IterationPlan:
     """decide_iteration_plan, for a loop that passes forward_backward iterators of its own: this rank's replica's
     share waits on the job for its next forward_backward call, and its documents' layout goes to keyed dropout.
     (The trainer and wrap_data_iterator hand the share to the call with its data instead: next_call.with_call_plan.)"""
     job = job or current_job()
     plan = decide_iteration_plan(lengths, micro_batch_size, composition, document_ids=document_ids,
                                  token_budget=token_budget, pg_collection=pg_collection, job=job,
-                                 next_lengths=next_lengths, next_document_ids=next_document_ids)
+                                 next_lengths=next_lengths, next_document_ids=next_document_ids,
+                                 microbatch_group_size=microbatch_group_size)
     call = CallPlan.of_replica(plan, job_layout(pg_collection).dp_rank)
     job.next_call.expect(call)
     if job.keyed_randomness is not None and call.document_segments is not None:
@@ -83,17 +85,22 @@ def decide_iteration_plan(lengths: Sequence[int], micro_batch_size: int, composi
                           document_ids: Optional[Sequence[int]] = None, token_budget: Optional[int] = None,
                           pg_collection=None, job: Optional[AppJob] = None,
                           next_lengths: Optional[Sequence[int]] = None,
-                          next_document_ids: Optional[Sequence[int]] = None) -> IterationPlan:
+                          next_document_ids: Optional[Sequence[int]] = None,
+                          microbatch_group_size: Optional[int] = None) -> IterationPlan:
     """The next call's IterationPlan for the whole global batch (``lengths``: every document, loader order), the
     same on every rank. The caller hands this rank's replica's share (CallPlan.of_replica) to the call it plans.
 
     next_lengths (and next_document_ids): the global batch of the call after, known early (an index): `balanced`
     then plans it in a worker process while this call trains (plan_ahead.py) and the next call adopts that plan
-    when it is ready, planning in line when it is late. Planning time on the critical path is then about nil."""
+    when it is ready, planning in line when it is late. Planning time on the critical path is then about nil.
+
+    microbatch_group_size: the model config's microbatch_group_size_per_vp_stage (None: Megatron's default, P); with
+    several chunks it bounds the microbatch counts the call accepts, so the plan chooses among those."""
     job = job or current_job()
     session = job.session
     layout = job_layout(pg_collection)
     pipeline = PipelineSpec(layout.num_stages, layout.num_chunks, split_backward=session.settings.split_backward,
+                            microbatch_group_size=microbatch_group_size,
                             memory_factor=session.settings.memory_factor or DEFAULT_MEMORY_FACTOR)
     request = PlanRequest(tuple(int(v) for v in lengths), composition, micro_batch_size, pipeline,
                           num_replicas=layout.num_replicas,

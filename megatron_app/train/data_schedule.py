@@ -93,10 +93,11 @@ def wrap_data_iterator(data_iterator, config, num_microbatches: int, pg_collecti
 
     ``data_iterator``: one iterator, a list with one per model chunk (Megatron's convention with virtual
     pipelining; they yield the same samples, the first one that is not None is read), or None on a rank that reads
-    no data; the result has the same structure. ``config`` (the model's TransformerConfig) is Megatron's argument,
-    unused here. ``composition``: 'balanced' (the planner's choice), 'packed' or 'loader' (groups of
-    ``micro_batch_size`` documents in reading order, packed or padded); None: the installed settings' (install's
-    ``composition``, 'balanced' unless it says otherwise). The iterators returned carry this replica's share of the
+    no data; the result has the same structure. ``config`` (the model's TransformerConfig) is Megatron's argument:
+    its microbatch_group_size_per_vp_stage bounds the microbatch counts a plan may choose. ``composition``:
+    'balanced' (the planner's choice), 'packed' or 'loader' (groups of ``micro_batch_size`` documents in reading
+    order, packed or padded); None: the installed settings' (install's ``composition``, 'balanced' unless it says
+    otherwise). The iterators returned carry this replica's share of the
     plan to the forward_backward call they are passed to (runtime/next_call.py's PlannedIterator; with our runtime
     installed, a rank whose every chunk reads no data gets one that only carries the plan, which our runtime hands
     the forward step as None): pass them to that call.
@@ -116,7 +117,8 @@ def wrap_data_iterator(data_iterator, config, num_microbatches: int, pg_collecti
     batch = _gather_global_batch(mine, layout.dp_rank, layout.num_replicas, micro_batch_size)
     lengths = [int(sample["tokens"].numel()) for sample in batch]
     plan = decide_iteration_plan(lengths, micro_batch_size, composition, pg_collection=pg_collection,
-                                 document_ids=_document_ids(len(batch)))
+                                 document_ids=_document_ids(len(batch)),
+                                 microbatch_group_size=getattr(config, "microbatch_group_size_per_vp_stage", None))
     replica = plan.replica(layout.dp_rank)
     # Keyed dropout draws each document's masks by document, under our schedule and Megatron's own: the same masks
     # whatever the composition, P, V or schedule.
