@@ -4,6 +4,7 @@ between GPU runs. The GPU targets themselves are judged on a GPU host (the repor
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,8 +24,8 @@ def rehearsal(tmp_path_factory):
 def test_the_rehearsal_runs_every_step_and_writes_both_reports(rehearsal):
     out, result = rehearsal
     report = json.loads((out / "report.json").read_text())
-    assert list(report["steps"]) == ["setup", "host", "pytest", "equality", "own-loop", "curves", "prediction",
-                                     "transport", "composition"]
+    assert list(report["steps"]) == ["setup", "host", "pytest", "equality", "transport", "prediction", "own-loop",
+                                     "curves", "composition"]
     text = (out / "report.txt").read_text()
     assert text.startswith("gpu_check: ") and all(name in text for name in report["steps"])
     for name in ("setup", "host", "equality", "own-loop", "curves", "transport", "composition"):
@@ -103,3 +104,30 @@ def test_without_cuda_the_gpu_mode_refuses_in_one_line(tmp_path):
     if "no CUDA device visible" not in result.stderr:
         pytest.skip("this host has CUDA")
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_time_budget_cuts_the_steps_it_cannot_start_and_fails_the_check(tmp_path, monkeypatch, capsys):
+    """--budget-s: a step is not started once the budget is spent (reported `cut`, failing the check), and a command
+    gets at most what is left. The steps are stand-ins: the budget is the gate around them."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import gpu_check
+
+    ran = []
+
+    def slow_host(self):
+        ran.append("host")
+        time.sleep(0.5)
+        return {"status": "pass"}
+
+    monkeypatch.setattr(gpu_check.Check, "host", slow_host)
+    monkeypatch.setattr(gpu_check.Check, "pytest", lambda self: ran.append("pytest") or {"status": "pass"})
+    rc = gpu_check.main(["--out", str(tmp_path), "--cpu", "--steps", "host,pytest", "--budget-s", "0.2"])
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert rc == 1 and ran == ["host"] and not report["passed"]
+    assert report["steps"]["pytest"]["status"] == "cut" and "0 s budget was spent" in report["steps"]["pytest"]["reason"]
+    assert "pytest      cut" in (tmp_path / "report.txt").read_text()
+    check = gpu_check.Check(tmp_path, gpu_check.CPU, sys.executable, deadline=time.monotonic() + 5)
+    assert 4 < check.limit(600) <= 5 and check.limit(2) == 2
+    assert gpu_check.Check(tmp_path, gpu_check.CPU, sys.executable, deadline=time.monotonic() - 1).limit(600) == 1.0
+    assert gpu_check.main(["--out", str(tmp_path), "--cpu", "--budget-s", "0"]) == 2
+    assert capsys.readouterr().err.strip().endswith("--budget-s must be a positive number of seconds, got 0.0")

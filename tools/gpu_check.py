@@ -3,17 +3,20 @@
     bash tools/gpu_check.sh --out DIR [--wheels DIR]     # on a CUDA host (set-up, then this script)
     bash tools/gpu_check.sh --cpu --out DIR              # the same steps at small sizes on CPU (the suite runs it)
 
-Steps (each one passes, fails or is skipped with its reason; one failing step never stops the others):
+    bash tools/gpu_check.sh --out DIR --budget-s 420     # stop starting steps after 420 s (set-up not counted)
+
+Steps, in this order (each one passes, fails or is skipped with its reason; one failing step never stops the others;
+under --budget-s a step not started in time is reported as `cut`, which fails the check):
   host        host, GPU, driver and package versions
   setup       tools/setup_env.sh's time (measured by gpu_check.sh)
   pytest      the tests marked `cuda` (all of them on a GPU host; on CPU they skip, which is reported)
   equality    P=1 against P=2 V=2 on one device: per-iteration losses within each row's tolerance
+  transport   tools/bench_transport.py --device cuda (its table and JSON)
+  prediction  predicted against measured iteration after warm-up (P=1 and P=2 V=2), and a rank's compute spans
+              against its forward_backward call's span (the trace's iteration event)
   own-loop    examples/simple_train_loop.py (a user's own Megatron loop) as its CI test runs it: P=2 V=2 under
               our schedule against P=1 under Megatron's, dropout 0.1, fixed and variable lengths
   curves      event-timed cost curves from P=1 runs at two depths, in the simulator's --cost-curves format
-  prediction  predicted against measured iteration after warm-up (P=1 and P=2 V=2), and a rank's compute spans
-              against its forward_backward call's span (the trace's iteration event)
-  transport   tools/bench_transport.py --device cuda (its table and JSON)
   composition the simulator's composition rows (copyright 2,048 / 8,192; P=4 V=2 m=16, P=8 V=2 m=32, D=4) under the
               curves step's event-timed curves: `balanced` against `packed` and the DpBalanced-style packer
 """
@@ -132,7 +135,7 @@ def tolerance_of(row: str, device: str) -> float:
     return FP32_TOLERANCE if device == "cuda" else CPU_FP32_TOLERANCE
 
 
-def _run_logged(command: List[str], env: dict, timeout_s: int, output: Path) -> subprocess.CompletedProcess:
+def _run_logged(command: List[str], env: dict, timeout_s: float, output: Path) -> subprocess.CompletedProcess:
     """The command run in the repository, its output kept in `output` (with the command); one that runs past
     timeout_s ends with rc 124 and a line saying so."""
     try:
@@ -145,12 +148,19 @@ def _run_logged(command: List[str], env: dict, timeout_s: int, output: Path) -> 
 
 
 class Check:
-    def __init__(self, out: Path, sizes: Sizes, python: str):
+    def __init__(self, out: Path, sizes: Sizes, python: str, deadline: Optional[float] = None):
         self.out, self.sizes, self.python = out, sizes, python
+        self.deadline = deadline     # time.monotonic() by which every command must have ended (None: no budget)
         self.work = out / "work"
         self.work.mkdir(parents=True, exist_ok=True)
         self.report: Dict[str, dict] = {}
         self._corpus: Optional[dict] = None
+
+    def limit(self, seconds: float) -> float:
+        """A command's time limit: `seconds`, or what is left of the budget when that is less (at least 1 s)."""
+        if self.deadline is None:
+            return seconds
+        return max(1.0, min(seconds, self.deadline - time.monotonic()))
 
     # ---- running the trainer ----------------------------------------------------------------------------------
     def train(self, name: str, pipeline: int, chunks: int, flags: List[str], iters: int,
@@ -166,7 +176,7 @@ class Check:
         command += ["--trace-dir", str(run_dir / "trace")] if trace else ["--no-trace"]
         env = dict(os.environ, LOG_DIR=str(run_dir / "logs"), PYTHONUNBUFFERED="1")
         started = time.perf_counter()
-        result = _run_logged(command, env, 600, run_dir / "output.txt")
+        result = _run_logged(command, env, self.limit(600), run_dir / "output.txt")
         payload = json.loads(log_json.read_text()) if log_json.exists() else None
         return {"rc": result.returncode, "seconds": round(time.perf_counter() - started, 1), "json": payload,
                 "trace_dir": run_dir / "trace", "tail": (result.stdout + result.stderr).strip().splitlines()[-3:]}
@@ -175,7 +185,7 @@ class Check:
         if self._corpus is None:
             directory = self.work / "corpus"
             subprocess.run([self.python, str(REPO / "tools" / "make_corpus.py"), "--output-dir", str(directory)],
-                           check=True, capture_output=True, text=True, timeout=600)
+                           check=True, capture_output=True, text=True, timeout=self.limit(600))
             self._corpus = {"data_path": str(directory / "corpus_text_document"),
                             "tokenizer_json": str(directory / "tokenizer.json")}
         return self._corpus
@@ -211,7 +221,7 @@ class Check:
         result = subprocess.run([self.python, "-m", "pytest", "-m", "cuda and not training", "-q", "-p", "no:cacheprovider",
                                  "--timeout", "120",   # a hung CUDA test fails alone instead of eating the budget
                                  f"--junitxml={junit}", *selection], cwd=REPO, capture_output=True, text=True,
-                                timeout=900)
+                                timeout=self.limit(900))
         (self.work / "pytest.txt").write_text(result.stdout + result.stderr)
         counts = _junit_counts(junit)
         failed = counts.get("failures", 0) + counts.get("errors", 0)
@@ -292,7 +302,7 @@ class Check:
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                    PYTHONWARNINGS="ignore")
         started = time.perf_counter()
-        result = _run_logged(command, env, 300, run_dir / "output.txt")
+        result = _run_logged(command, env, self.limit(300), run_dir / "output.txt")
         losses = run_dir / "losses.json"
         return {"rc": result.returncode, "seconds": round(time.perf_counter() - started, 1),
                 "losses": json.loads(losses.read_text()) if losses.exists() else None,
@@ -362,7 +372,7 @@ class Check:
         bench = REPO / "tools" / "bench_transport.py"
         target = self.out / "transport.json"
         command = [self.python, str(bench), *self.sizes.transport_flags, "--json", str(target)]
-        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=self.limit(600))
         (self.out / "transport.txt").write_text(result.stdout + result.stderr)
         if result.returncode:
             tail = (result.stdout + result.stderr).strip().splitlines()
@@ -377,14 +387,15 @@ class Check:
         rows = COMPOSITION_ROWS if self.sizes.device == "cuda" else COMPOSITION_ROWS[:1]
         results = {}
         for curves in files:
-            for name, entry in composition_rows(self.python, curves, rows, self.work).items():
+            for name, entry in composition_rows(self.python, curves, rows, self.work, self.limit).items():
                 results[f"{curves.stem}:{name}"] = entry
         status = "pass" if all(entry["status"] == "pass" for entry in results.values()) else "fail"
         return {"status": status, "rows": results}
 
 
-def composition_rows(python: str, curves: Path, rows, work: Path) -> Dict[str, dict]:
-    """Each row's simulator run under ``curves``: makespans and `balanced`'s ratios to `packed` and DpBalanced."""
+def composition_rows(python: str, curves: Path, rows, work: Path, limit=lambda seconds: seconds) -> Dict[str, dict]:
+    """Each row's simulator run under ``curves``: makespans and `balanced`'s ratios to `packed` and DpBalanced.
+    limit(seconds): a run's time limit (Check.limit: what is left of the budget)."""
     results = {}
     for name, lengths, pipeline, chunks, microbatches, replicas, layers in rows:
         target = work / f"sim-{curves.stem}-{name}.json"
@@ -393,7 +404,7 @@ def composition_rows(python: str, curves: Path, rows, work: Path) -> Dict[str, d
                    str(REPO / "docs" / "results" / "lengths" / f"{lengths}.txt"), "--documents-per-microbatch", "2",
                    "--iterations", "4", "--cost-curves", str(curves), "--num-layers", str(layers), "--json",
                    str(target)] + (["--data-parallel", str(replicas)] if replicas > 1 else [])
-        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=limit(600))
         if result.returncode:
             tail = (result.stdout + result.stderr).strip().splitlines()
             results[name] = {"status": "fail", "error": tail[-1] if tail else f"exit {result.returncode}"}
@@ -449,7 +460,9 @@ def _junit_counts(path: Path) -> dict:
             "skipped": skipped}
 
 
-STEPS = ("host", "pytest", "equality", "own-loop", "curves", "prediction", "transport", "composition")
+# In the order they run: what judges the GPU issues first (equality, transport, prediction), the long curves runs
+# late, composition last (it reads the curves step's files).
+STEPS = ("host", "pytest", "equality", "transport", "prediction", "own-loop", "curves", "composition")
 
 # The simulator's composition rows (BENCHMARKS.md, "Microbatch composition"): (name, corpus lengths, P, V, m, D,
 # layers of the simulated model: the curves' layer cost times this, spread over P x V chunks).
@@ -486,7 +499,13 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu", action="store_true", help="the rehearsal: the same steps at small sizes on CPU")
     parser.add_argument("--setup-seconds", type=float, default=None)
     parser.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated subset of {','.join(STEPS)}")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="seconds for all steps: a step is not started once they are spent (reported as 'cut', "
+                             "which fails the check), and a running command gets only what is left")
     args = parser.parse_args(argv)
+    if args.budget_s is not None and not args.budget_s > 0:
+        print(f"gpu_check: --budget-s must be a positive number of seconds, got {args.budget_s}", file=sys.stderr)
+        return 2
     steps = [s for s in args.steps.split(",") if s]
     unknown = sorted(set(steps) - set(STEPS))
     if unknown:
@@ -500,18 +519,23 @@ def main(argv=None) -> int:
         return 2
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    check = Check(out, CPU if args.cpu else GPU, sys.executable)
+    budget_started = time.monotonic()
+    deadline = None if args.budget_s is None else budget_started + args.budget_s
+    check = Check(out, CPU if args.cpu else GPU, sys.executable, deadline)
     report = {"mode": "cpu rehearsal" if args.cpu else "gpu", "steps": {}}
     if args.setup_seconds is not None:
         report["steps"]["setup"] = {"status": "pass", "seconds": args.setup_seconds}
     started = time.perf_counter()
     for name in steps:
-        print(f"gpu_check: {name} ...", flush=True)
         step_start = time.perf_counter()
-        try:
-            result = getattr(check, name.replace("-", "_"))()
-        except Exception as error:   # noqa: BLE001 (a step's failure is its report line, the rest still run)
-            result = {"status": "fail", "error": f"{type(error).__name__}: {error}"}
+        if deadline is not None and time.monotonic() >= deadline:
+            result = {"status": "cut", "reason": f"not started: the {args.budget_s:.0f} s budget was spent"}
+        else:
+            print(f"gpu_check: {name} ...", flush=True)
+            try:
+                result = getattr(check, name.replace("-", "_"))()
+            except Exception as error:   # noqa: BLE001 (a step's failure is its report line, the rest still run)
+                result = {"status": "fail", "error": f"{type(error).__name__}: {error}"}
         result["seconds"] = round(time.perf_counter() - step_start, 1)
         report["steps"][name] = result
         print(f"gpu_check: {name} {result['status']} ({result['seconds']} s)", flush=True)
