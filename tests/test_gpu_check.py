@@ -38,6 +38,13 @@ def test_the_rehearsal_runs_every_step_and_writes_both_reports(rehearsal):
     assert set(rows) == {"p1", "p2v2"}
     assert all(row["errors"] and set(row["span_coverage"]) == ({"pp0"} if name == "p1" else {"pp0", "pp1"})
                for name, row in rows.items())
+    # the transport issue's measure on the P=2 V=2 run: shares of the call with a send in flight, receiving, waiting
+    shares = rows["p2v2"]["transfer_shares"]
+    assert set(shares) == {"pp0", "pp1"} and "transfer_shares" not in rows["p1"]
+    assert all(0 < share["send"] <= 1 and 0 <= share["recv"] <= 1 and 0 <= share["wait"] <= 1
+               for share in shares.values()), shares
+    assert rows["p2v2"]["send_share"] == max(share["send"] for share in shares.values())
+    assert "send_share" in (out / "report.txt").read_text()
     assert (out / "transport.json").exists() and (out / "runs.tar.gz").exists()
     [row] = report["steps"]["composition"]["rows"].values()     # the simulator under the rehearsal's curves
     assert row["balanced_over_packed"] > 0 and set(row["makespan_ms"]) >= {"loader", "packed", "balanced"}

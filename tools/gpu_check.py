@@ -356,17 +356,25 @@ class Check:
                     errors.append(predicted / it["time_ms"] - 1.0)
             trace = read_trace_dir(run["trace_dir"] / "latest", pipeline, chunks)
             coverage = span_coverage(trace, skip=2)
+            transfers = transfer_shares(trace, skip=2)
             median = statistics.median(abs(e) for e in errors) if errors else None
             ok = median is not None and median <= target
             if name == "p1":   # the GPU-true spans check: at P=1 the GPU is busy through the whole call
                 ok = ok and all(abs(c - 1.0) <= 0.05 for c in coverage.values())
             rows[name] = {"status": "pass" if ok else "fail", "target": target,
                           "median_abs_error": median, "errors": errors, "span_coverage": coverage}
+            if pipeline > 1:   # the transport issue's target for this run: sends in flight under 10% of the iteration
+                rows[name].update(transfer_shares=transfers, send_share=max(t["send"] for t in transfers.values()),
+                                  send_share_target=0.10)
         status = "pass" if all(r["status"] == "pass" for r in rows.values()) else "fail"
         return {"status": status, "rows": rows,
                 "definition": "error = predicted_ms / time_ms - 1 per iteration from the third; span_coverage = "
                               "sum of a rank's compute spans / its forward_backward call's span, median over "
-                              "iterations from the third (P=1 target: within 5% of 1)"}
+                              "iterations from the third (P=1 target: within 5% of 1); transfer_shares: per rank, "
+                              "the share of the call's span with a send in flight (posting to the completion the "
+                              "rank saw), taking inputs (recv) and blocked on one (wait), median from the third; "
+                              "send_share: the largest rank's (the transport issue's target: under 0.10; not part of "
+                              "this step's pass)"}
 
     def transport(self) -> dict:
         bench = REPO / "tools" / "bench_transport.py"
@@ -435,6 +443,28 @@ def span_coverage(run, skip: int) -> Dict[str, float]:
     return coverage
 
 
+def transfer_shares(run, skip: int) -> Dict[str, Dict[str, float]]:
+    """Per pipeline rank, the median over iterations (from skip) of the share of the call's span during which a send
+    was in flight (from its posting to the completion the rank saw: asynchronous, it overlaps compute; the union of
+    the spans, so at most 1), spent taking inputs (recv) and blocked waiting for one (wait)."""
+    from megatron_app.trace.intervals import union_length
+    from megatron_app.trace.schema import ITERATION, RECV, SEND, WAIT
+
+    shares = {}
+    for rank in run.pipeline_view():
+        per_kind: Dict[str, list] = {SEND: [], RECV: [], WAIT: []}
+        for iteration in run.iterations()[skip:]:
+            events = rank.events_of(iteration)
+            call = [e for e in events if e.kind == ITERATION]
+            if not call or call[0].duration <= 0:
+                continue
+            for kind, ratios in per_kind.items():
+                ratios.append(union_length((e.start, e.end) for e in events if e.kind == kind) / call[0].duration)
+        if per_kind[SEND]:
+            shares[f"pp{rank.meta.pp_rank}"] = {kind: statistics.median(ratios) for kind, ratios in per_kind.items()}
+    return shares
+
+
 def _error_line(output: str) -> str:
     """A failed run's own error: the last line naming an exception, not torchrun's report of its child's exit
     (ChildFailedError, which follows it); else the output's last line."""
@@ -481,8 +511,9 @@ def write_text_report(report: dict) -> str:
                                                    if k not in ("status", "seconds")))
         for row, entry in step.get("rows", {}).items():
             summary = {k: entry[k] for k in ("max_relative_difference", "tolerance", "median_abs_error", "target",
-                                             "span_coverage", "balanced_over_packed", "balanced_over_dp_balanced",
-                                             "error") if k in entry}
+                                             "span_coverage", "send_share", "send_share_target",
+                                             "balanced_over_packed", "balanced_over_dp_balanced", "error")
+                       if k in entry}
             lines.append(f"            {row:<24} {entry['status']:<5} {json.dumps(summary)}")
         for key, curve in step.get("curves", {}).items():
             lines.append(f"            {key}: layer {json.dumps(curve['layer'])}")
