@@ -110,7 +110,8 @@ def test_a_collective_that_met_a_dead_peer_names_the_peer_the_transport_saw_go()
             import megatron_app.transport   # a loop that ran our pipeline has it loaded
             from megatron_app.runtime import one_line_errors
             one_line_errors.PEER_NAMING_WAIT_S = 0.2
-            job.peer_failures = lambda: ["peer rank 1 closed its connection without a goodbye"] if {known} else []
+            gone = [(True, "peer rank 1 closed its connection without a goodbye")]
+            job.peer_failures = lambda: gone if {known} else []
             one_line_errors.install_excepthook()
             raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Read error [10.0.0.2]:5: Connection reset by peer\\n"
                                "Exception raised from ...")

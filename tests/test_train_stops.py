@@ -95,10 +95,12 @@ def test_a_collective_that_met_a_dead_peer_names_the_peer_the_transport_saw_die(
 
     gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [10.0.0.2]:5: "
                         "Connection reset by peer\nException raised from ...")
-    told = ["peer rank 1 (10.0.0.2:4000) closed its connection without a goodbye (its process exited or was killed)"]
+    why = "peer rank 1 (10.0.0.2:4000) closed its connection without a goodbye (its process exited or was killed)"
+    told = [(True, why)]
     named = peer_behind(gloo, lambda: told, wait_s=0.1)
     assert isinstance(named, PeerDied)
-    assert str(named).startswith(told[0]) and "a collective failed first: RuntimeError: [../third_party" in str(named) and "\n" not in str(named)
+    assert str(named).startswith(why) and "\n" not in str(named)
+    assert "a collective failed first: RuntimeError: [../third_party" in str(named)
     # the transport may notice a moment after the collective failed
     calls = []
     late = peer_behind(gloo, lambda: calls.append(1) or (told if len(calls) > 3 else []), wait_s=5.0)
@@ -107,3 +109,6 @@ def test_a_collective_that_met_a_dead_peer_names_the_peer_the_transport_saw_die(
     assert peer_behind(gloo, lambda: [], wait_s=0.1) is None
     assert peer_behind(ValueError("shape mismatch"), lambda: told) is None
     assert peer_behind(PeerDied("already named"), lambda: told) is None
+    # a peer that closed its transport cleanly (it ended, or was interrupted) is not said to have died
+    closed = peer_behind(gloo, lambda: [(False, "peer rank 1 closed its transport")], wait_s=0.1)
+    assert type(closed).__name__ == "TransportClosed" and str(closed).startswith("peer rank 1 closed its transport")

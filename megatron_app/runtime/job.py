@@ -12,7 +12,7 @@ act on the one current job of the process, made by install() or by the first cal
 from __future__ import annotations
 
 import atexit
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from megatron_app.trace.schema import FIRST_ITERATION
 
@@ -102,19 +102,20 @@ def current_tracer():
     return None if session is None else session.tracer
 
 
-def peer_failures() -> List[str]:
-    """Why each peer of this process's open transports died or left, as the transport words it (empty: none known).
-    A rank whose collective (gloo, NCCL) failed asks this to name the peer behind the failure."""
+def peer_failures() -> List[Tuple[bool, str]]:
+    """(died, why) for each peer of this process's open transports that died or closed its transport, as the
+    transport words it (empty: none known). A rank whose collective (gloo, NCCL) failed asks this to name the peer
+    behind the failure."""
     session = None if _current is None else _current.open_session
-    found = []
+    found: List[Tuple[bool, str]] = []
     for transport in session.transports if session is not None else []:
         for peer in transport.peers:
             try:
                 failure = transport.peer_failure(peer)
             except Exception:  # noqa: BLE001 - a transport closed under us knows nothing more
                 failure = None
-            if failure is not None and failure[1] not in found:
-                found.append(failure[1])
+            if failure is not None and tuple(failure) not in found:
+                found.append((bool(failure[0]), str(failure[1])))
     return found
 
 

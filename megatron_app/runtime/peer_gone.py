@@ -10,7 +10,7 @@ PeerDied the user should read. Used by the trainer (train/loop.py) and by the ho
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 # How a collective words a peer that went away: gloo ("Connection closed/reset by peer", "Broken pipe"), NCCL
 # ("remote process exited or there was a network error", an aborted communicator).
@@ -19,11 +19,12 @@ COLLECTIVE_PEER_GONE = ("Connection closed by peer", "Connection reset by peer",
 PEER_NAMING_WAIT_S = 5.0
 
 
-def peer_behind(error: BaseException, failures: Optional[Callable[[], List[str]]] = None,
+def peer_behind(error: BaseException, failures: Optional[Callable[[], List[Tuple[bool, str]]]] = None,
                 wait_s: float = PEER_NAMING_WAIT_S) -> Optional[BaseException]:
-    """A PeerDied naming the peer behind `error`, a collective that failed because a peer went away; None for any
-    other error, or when the transport has not seen a peer go within `wait_s` (it may notice a moment after the
-    collective failed). `failures`: what the transports know (default: runtime.peer_failures)."""
+    """A PeerDied naming the peer behind `error`, a collective that failed because a peer went away (TransportClosed
+    when every peer gone closed its transport cleanly); None for any other error, or when the transport has not seen
+    a peer go within `wait_s` (it may notice a moment after the collective failed). `failures`: (died, why) pairs,
+    what the transports know (default: runtime.peer_failures)."""
     from megatron_app.transport import PeerDied, TransportClosed
 
     if isinstance(error, (PeerDied, TransportClosed)):
@@ -43,4 +44,6 @@ def peer_behind(error: BaseException, failures: Optional[Callable[[], List[str]]
         return None
     lines = text.strip().splitlines()
     cause = lines[0] if lines else type(error).__name__
-    return PeerDied(f"{'; '.join(known)} (a collective failed first: {type(error).__name__}: {cause[:200]})")
+    kind = PeerDied if any(died for died, _ in known) else TransportClosed
+    why = "; ".join(text for _, text in known)
+    return kind(f"{why} (a collective failed first: {type(error).__name__}: {cause[:200]})")

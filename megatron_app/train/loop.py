@@ -231,8 +231,14 @@ def train(args) -> None:
         if args.dump_weights:
             dump_weights(trainer.chunks, args.dump_weights)
     except (Exception, KeyboardInterrupt) as error:   # Ctrl-C, or a peer gone just before this rank's own Ctrl-C
-        if not isinstance(error, KeyboardInterrupt) and not interrupt_follows(error):
-            named = peer_behind(error)
+        # This rank's own Ctrl-C may land anywhere in here (it is often pending when a peer's exit broke a
+        # collective): whenever it comes, the run was interrupted.
+        try:
+            by_ctrl_c = isinstance(error, KeyboardInterrupt) or interrupt_follows(error)
+            named = None if by_ctrl_c else peer_behind(error)
+        except KeyboardInterrupt:
+            by_ctrl_c, named = True, None
+        if not by_ctrl_c:
             if named is not None:
                 raise named from None
             raise
