@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -112,3 +113,31 @@ def test_a_collective_that_met_a_dead_peer_names_the_peer_the_transport_saw_die(
     # a peer that closed its transport cleanly (it ended, or was interrupted) is not said to have died
     closed = peer_behind(gloo, lambda: [(False, "peer rank 1 closed its transport")], wait_s=0.1)
     assert type(closed).__name__ == "TransportClosed" and str(closed).startswith("peer rank 1 closed its transport")
+
+
+def test_the_first_ctrl_c_raises_and_the_ones_after_it_are_ignored():
+    """torchrun passes the terminal's Ctrl-C on to its ranks: a rank gets it twice, and the second must not interrupt
+    the first one's clean-up. Without a Ctrl-C, the previous handler comes back."""
+    code = textwrap.dedent("""
+        import os, signal, time
+        from megatron_app.train.stops import raise_once_on_ctrl_c
+        restore = raise_once_on_ctrl_c()
+        restore()                               # no Ctrl-C: Python's own handler is back
+        print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+        restore = raise_once_on_ctrl_c()
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except KeyboardInterrupt:
+            print("first raised")
+        os.kill(os.getpid(), signal.SIGINT)     # the second: ignored
+        time.sleep(0.2)
+        restore()                               # after a Ctrl-C later ones stay ignored
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)
+        print("cleaned up")
+    """)
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=run_env(), capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0 and result.stdout.split() == ["True", "first", "raised", "cleaned", "up"], \
+        result.stdout + result.stderr

@@ -30,7 +30,7 @@ from .optim import MixedPrecision, MixedPrecisionOptimizer, build_optimizer, fin
 from .evaluate import evaluate
 from .report import IterationReporter, reduce_lm_loss
 from .step import forward_step
-from .stops import check_finite, interrupt_follows, interrupted
+from .stops import check_finite, interrupt_follows, interrupted, raise_once_on_ctrl_c
 from .trace_run import start_trace_run
 
 _RUN_CONFIG_KEYS = (
@@ -200,6 +200,7 @@ def train(args) -> None:
     ``args`` comes from args.parse_args. An existing default process group is used and left open.
     """
     owns_process_group = not dist.is_initialized()
+    restore_ctrl_c = raise_once_on_ctrl_c()
     init_distributed(args.device, args.distributed_timeout_minutes)
     trainer = None
     loss_layer = None
@@ -254,3 +255,4 @@ def train(args) -> None:
                 trainer.emulation.close()
             close_schedule(args.schedule)
         shutdown(destroy_process_group=owns_process_group)
+        restore_ctrl_c()

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import math
 import signal
+import threading
 import time
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -99,6 +100,27 @@ def interrupt_follows(error: BaseException) -> bool:
     except KeyboardInterrupt:
         return True
     return False
+
+
+def raise_once_on_ctrl_c() -> Callable[[], None]:
+    """From now on the first SIGINT raises KeyboardInterrupt and every later one is ignored: torchrun passes the
+    terminal's Ctrl-C on to its ranks, so a rank gets it twice, and a second KeyboardInterrupt landing in the clean-up
+    of the first would end in a traceback. Returns what restores the previous handler when no Ctrl-C came (nothing
+    off the main thread, where no handler can be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = signal.getsignal(signal.SIGINT)
+
+    def first_only(signum, frame):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    def restore() -> None:
+        if signal.getsignal(signal.SIGINT) is first_only:   # after a Ctrl-C, later ones stay ignored until exit
+            signal.signal(signal.SIGINT, previous)
+
+    signal.signal(signal.SIGINT, first_only)
+    return restore
 
 
 def interrupted(iteration: Optional[int], iters: int, save_dir: Optional[str], saved: Optional[int],
