@@ -123,3 +123,16 @@ def test_a_collective_that_met_a_dead_peer_names_the_peer_the_transport_saw_go()
                                      "Read error [10.0.0.2]:5: Connection reset by peer)\n"), result.stderr
         else:
             assert result.stderr.startswith("Traceback (most recent call last):"), result.stderr
+
+
+def test_an_untested_megatron_core_is_refused_in_one_line_too():
+    """UnsupportedMegatronError (a RuntimeError, as an incompatible library is) is our refusal with its way out."""
+    result = _python("""
+        from megatron_app.megatron_compat import UnsupportedMegatronError
+        from megatron_app.runtime.one_line_errors import install_excepthook
+        install_excepthook()
+        raise UnsupportedMegatronError("megatron-core 0.99.0 is untested; install(allow_untested_megatron=True) ...")
+    """)
+    assert result.returncode == 1
+    assert result.stderr == ("megatron_app: UnsupportedMegatronError: megatron-core 0.99.0 is untested; "
+                             "install(allow_untested_megatron=True) ...\n"), result.stderr

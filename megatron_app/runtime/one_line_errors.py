@@ -1,8 +1,9 @@
 """A user's own training script that our refusal, or another rank's failure, stops ends in one line, not a traceback.
 
 Our refusals (a misbuilt model at the first call, a bad install() argument) are AppConfigErrors whose message names
-the rank and the fix; the frames above it are our runtime's and Megatron's, of no use to the user. install_excepthook()
-puts, once per process, a hook in front of the interpreter's: an uncaught AppConfigError is printed as
+the rank and the fix, and an untested megatron-core is an UnsupportedMegatronError naming the way out; the frames
+above them are our runtime's and Megatron's, of no use to the user. install_excepthook() puts, once per process, a
+hook in front of the interpreter's: an uncaught refusal is printed as
 
     megatron_app: rank 1: AppConfigError: pipeline rank 1's model chunk 0 (...) was built with pre_process=True; ...
 
@@ -59,10 +60,16 @@ def _peer_faults() -> tuple:
     return tuple(faults)
 
 
+def _refusals() -> tuple:
+    """Our refusals: AppConfigError, and an untested megatron-core (a RuntimeError, with its way out)."""
+    compat = sys.modules.get("megatron_app.megatron_compat")
+    return (AppConfigError,) + ((compat.UnsupportedMegatronError,) if compat is not None else ())
+
+
 def as_one_line(error: BaseException):
     """The exception to print as one line for `error` (itself, or the PeerDied naming the peer behind a collective
     that met a dead one), or None: `error` keeps its traceback."""
-    if isinstance(error, AppConfigError) or isinstance(error, _peer_faults()):
+    if isinstance(error, _refusals()) or isinstance(error, _peer_faults()):
         return error
     if isinstance(error, RuntimeError) and "megatron_app.transport" in sys.modules:
         from .peer_gone import peer_behind
