@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from pipeline_runs import REPO, run_env
 
 REFUSAL = "pipeline rank 1's model chunk 0 was built with pre_process=True; build it with pre_process=..."
@@ -89,16 +91,23 @@ def test_megatron_app_install_puts_the_hook_in_place():
     assert line.startswith("megatron_app: AppConfigError: unknown policy 'no-such-policy'; choose one of ")
 
 
-def test_another_ranks_failure_is_one_line_too():
-    result = _python("""
+@pytest.mark.parametrize("module,kind,message", [
+    # another rank's failure
+    ("megatron_app.transport", "PeerDied",
+     "peer rank 1 closed its connection without a goodbye (its process exited or was killed)"),
+    # an untested megatron-core (a RuntimeError, as an incompatible library is): our refusal with its way out
+    ("megatron_app.megatron_compat", "UnsupportedMegatronError",
+     "megatron-core 0.99.0 is untested; install(allow_untested_megatron=True) ..."),
+])
+def test_another_ranks_failure_and_an_untested_megatron_are_one_line_too(module, kind, message):
+    result = _python(f"""
+        from {module} import {kind}
         from megatron_app.runtime.one_line_errors import install_excepthook
-        from megatron_app.transport import PeerDied
         install_excepthook()
-        raise PeerDied("peer rank 1 closed its connection without a goodbye (its process exited or was killed)")
+        raise {kind}({message!r})
     """)
     assert result.returncode == 1
-    assert result.stderr == ("megatron_app: PeerDied: peer rank 1 closed its connection without a goodbye (its "
-                             "process exited or was killed)\n")
+    assert result.stderr == f"megatron_app: {kind}: {message}\n", result.stderr
 
 
 def test_a_collective_that_met_a_dead_peer_names_the_peer_the_transport_saw_go():
@@ -124,15 +133,3 @@ def test_a_collective_that_met_a_dead_peer_names_the_peer_the_transport_saw_go()
         else:
             assert result.stderr.startswith("Traceback (most recent call last):"), result.stderr
 
-
-def test_an_untested_megatron_core_is_refused_in_one_line_too():
-    """UnsupportedMegatronError (a RuntimeError, as an incompatible library is) is our refusal with its way out."""
-    result = _python("""
-        from megatron_app.megatron_compat import UnsupportedMegatronError
-        from megatron_app.runtime.one_line_errors import install_excepthook
-        install_excepthook()
-        raise UnsupportedMegatronError("megatron-core 0.99.0 is untested; install(allow_untested_megatron=True) ...")
-    """)
-    assert result.returncode == 1
-    assert result.stderr == ("megatron_app: UnsupportedMegatronError: megatron-core 0.99.0 is untested; "
-                             "install(allow_untested_megatron=True) ...\n"), result.stderr
