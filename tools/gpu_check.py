@@ -424,23 +424,34 @@ def composition_rows(python: str, curves: Path, rows, work: Path, limit=lambda s
     return results
 
 
-def span_coverage(run, skip: int) -> Dict[str, float]:
-    """Per pipeline rank: median over iterations of (sum of compute spans) / (the call's iteration span)."""
-    from megatron_app.trace.schema import COMPUTE_KINDS, ITERATION
+def _median_per_rank(run, skip: int, measure) -> Dict[str, Dict[str, float]]:
+    """Per pipeline rank ("ppR"): for each iteration from `skip` with a call span, measure(events, call) -> {name:
+    share}; the median of each share over those iterations."""
+    from megatron_app.trace.schema import ITERATION
 
-    coverage = {}
+    result = {}
     for rank in run.pipeline_view():
-        ratios = []
+        shares: Dict[str, list] = {}
         for iteration in run.iterations()[skip:]:
             events = rank.events_of(iteration)
-            call = [e for e in events if e.kind == ITERATION]
-            if not call:
+            call = next((e for e in events if e.kind == ITERATION), None)
+            if call is None or call.duration <= 0:
                 continue
-            busy = sum(e.duration for e in events if e.kind in COMPUTE_KINDS)
-            ratios.append(busy / call[0].duration)
-        if ratios:
-            coverage[f"pp{rank.meta.pp_rank}"] = statistics.median(ratios)
-    return coverage
+            for name, share in measure(events, call).items():
+                shares.setdefault(name, []).append(share)
+        if shares:
+            result[f"pp{rank.meta.pp_rank}"] = {name: statistics.median(values) for name, values in shares.items()}
+    return result
+
+
+def span_coverage(run, skip: int) -> Dict[str, float]:
+    """Per pipeline rank: median over iterations of (sum of compute spans) / (the call's iteration span)."""
+    from megatron_app.trace.schema import COMPUTE_KINDS
+
+    def compute(events, call):
+        return {"compute": sum(e.duration for e in events if e.kind in COMPUTE_KINDS) / call.duration}
+
+    return {rank: shares["compute"] for rank, shares in _median_per_rank(run, skip, compute).items()}
 
 
 def transfer_shares(run, skip: int) -> Dict[str, Dict[str, float]]:
@@ -448,21 +459,13 @@ def transfer_shares(run, skip: int) -> Dict[str, Dict[str, float]]:
     was in flight (from its posting to the completion the rank saw: asynchronous, it overlaps compute; the union of
     the spans, so at most 1), spent taking inputs (recv) and blocked waiting for one (wait)."""
     from megatron_app.trace.intervals import union_length
-    from megatron_app.trace.schema import ITERATION, RECV, SEND, WAIT
+    from megatron_app.trace.schema import RECV, SEND, WAIT
 
-    shares = {}
-    for rank in run.pipeline_view():
-        per_kind: Dict[str, list] = {SEND: [], RECV: [], WAIT: []}
-        for iteration in run.iterations()[skip:]:
-            events = rank.events_of(iteration)
-            call = [e for e in events if e.kind == ITERATION]
-            if not call or call[0].duration <= 0:
-                continue
-            for kind, ratios in per_kind.items():
-                ratios.append(union_length((e.start, e.end) for e in events if e.kind == kind) / call[0].duration)
-        if per_kind[SEND]:
-            shares[f"pp{rank.meta.pp_rank}"] = {kind: statistics.median(ratios) for kind, ratios in per_kind.items()}
-    return shares
+    def transfers(events, call):
+        return {kind: union_length((e.start, e.end) for e in events if e.kind == kind) / call.duration
+                for kind in (SEND, RECV, WAIT)}
+
+    return _median_per_rank(run, skip, transfers)
 
 
 def _error_line(output: str) -> str:

@@ -60,20 +60,15 @@ def _gather_measurements(session, layout: JobLayout):
     return times
 
 
-def agree_iteration_plan(lengths: Sequence[int], micro_batch_size: int, composition: str, *,
-                         document_ids: Optional[Sequence[int]] = None, token_budget: Optional[int] = None,
-                         pg_collection=None, job: Optional[AppJob] = None,
-                         next_lengths: Optional[Sequence[int]] = None,
-                         next_document_ids: Optional[Sequence[int]] = None,
-                         microbatch_group_size: Optional[int] = None) -> IterationPlan:
-    """decide_iteration_plan, for a loop that passes forward_backward iterators of its own: this rank's replica's
-    share waits on the job for its next forward_backward call, and its documents' layout goes to keyed dropout.
-    (The trainer and wrap_data_iterator hand the share to the call with its data instead: next_call.with_call_plan.)"""
+def agree_iteration_plan(lengths: Sequence[int], micro_batch_size: int, composition: str, *, pg_collection=None,
+                         job: Optional[AppJob] = None, **options) -> IterationPlan:
+    """decide_iteration_plan (``options``: its keyword arguments), for a loop that passes forward_backward iterators
+    of its own: this rank's replica's share waits on the job for its next forward_backward call, and its documents'
+    layout goes to keyed dropout. (The trainer and wrap_data_iterator hand the share to the call with its data
+    instead: next_call.with_call_plan.)"""
     job = job or current_job()
-    plan = decide_iteration_plan(lengths, micro_batch_size, composition, document_ids=document_ids,
-                                 token_budget=token_budget, pg_collection=pg_collection, job=job,
-                                 next_lengths=next_lengths, next_document_ids=next_document_ids,
-                                 microbatch_group_size=microbatch_group_size)
+    plan = decide_iteration_plan(lengths, micro_batch_size, composition, pg_collection=pg_collection, job=job,
+                                 **options)
     call = CallPlan.of_replica(plan, job_layout(pg_collection).dp_rank)
     job.next_call.expect(call)
     if job.keyed_randomness is not None and call.document_segments is not None:

@@ -114,8 +114,9 @@ def peer_failures() -> List[Tuple[bool, str]]:
                 failure = transport.peer_failure(peer)
             except Exception:  # noqa: BLE001 - a transport closed under us knows nothing more
                 failure = None
-            if failure is not None and tuple(failure) not in found:
-                found.append((bool(failure[0]), str(failure[1])))
+            entry = None if failure is None else (bool(failure[0]), str(failure[1]))
+            if entry is not None and entry not in found:
+                found.append(entry)
     return found
 
 

@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from typing import Iterator, List, Sequence, Union
 
 from megatron_app.runtime.keyed_randomness import set_microbatch_documents
-from megatron_app.runtime.next_call import CallPlan, with_call_plan
+from megatron_app.runtime.next_call import CallPlan
 from megatron_app.schedule.composition import LOADER, PACKED, Composition
 from megatron_app.schedule.iteration_plan import IterationPlan, PlanRequest, plan_iteration
 
 from .flags import MEGATRON_SCHEDULE, completed
+from .forward_backward import with_call
 from megatron_app.data.document_data import sample_length
 from megatron_app.data.replica_batches import collate_replica
 from .step import forward_step, packed_forward_step
@@ -86,6 +87,5 @@ def compose_global_batch(args, dataset, dp_rank: int, first_sample: int, num_chu
     set_microbatch_documents(plan.document_segments(dp_rank))    # keyed dropout: each document's masks by document
     batches = collate_replica(plan, dp_rank, lambda position: dataset[samples[position]])
     iterators = batches.iterator() if num_chunks == 1 else [batches.iterator() for _ in range(num_chunks)]
-    if args.schedule != MEGATRON_SCHEDULE:   # our runtime reads this replica's share of the plan from the iterators
-        iterators = with_call_plan(iterators, CallPlan.of_replica(plan, dp_rank))
+    iterators = with_call(args.schedule, iterators, CallPlan.of_replica(plan, dp_rank))   # this replica's share
     return ComposedBatch(iterators, plan, dp_rank, mine)

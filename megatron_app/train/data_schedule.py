@@ -11,12 +11,13 @@ samples (one whole document each, micro batch size 1, as Megatron's packer expec
 iterator; (2) the global batch's samples are gathered across the job, in the loader's order; (3) the runtime's
 decide_iteration_plan plans it (one rank decides, every rank receives the same plan: which replica computes which
 document, the microbatches, order and warm-ups); (4) each replica takes the documents the plan routes to it and
-collates its microbatches, and the iterators returned carry its share of the plan to the forward_backward call. Packed microbatches are one row ``[1, tokens]`` (keys tokens, labels, loss_mask,
-position_ids) with ``cu_seqlens`` (int32 document bounds) and ``max_seqlen``; ranks without data get batches holding
-only those two, which every chunk's attention needs (``packed_seq_params_of`` builds Megatron's PackedSeqParams
-from a batch). The two sums are the global batch's tokens computed and its sum of squared document lengths
-(attention work), the same on every rank, like Megatron's. Step (2) moves the documents as Python objects over the
-default group: every rank holds the global batch's tokens for the moment of the call.
+collates its microbatches, and the iterators returned carry its share of the plan to the forward_backward call.
+Packed microbatches are one row ``[1, tokens]`` (keys tokens, labels, loss_mask, position_ids) with ``cu_seqlens``
+(int32 document bounds) and ``max_seqlen``; ranks without data get batches holding only those two, which every
+chunk's attention needs (``packed_seq_params_of`` builds Megatron's PackedSeqParams from a batch). The two sums are
+the global batch's tokens computed and its sum of squared document lengths (attention work), the same on every rank,
+like Megatron's. Step (2) moves the documents as Python objects over the default group: every rank holds the global
+batch's tokens for the moment of the call.
 """
 
 from __future__ import annotations
@@ -97,10 +98,10 @@ def wrap_data_iterator(data_iterator, config, num_microbatches: int, pg_collecti
     its microbatch_group_size_per_vp_stage bounds the microbatch counts a plan may choose. ``composition``:
     'balanced' (the planner's choice), 'packed' or 'loader' (groups of ``micro_batch_size`` documents in reading
     order, packed or padded); None: the installed settings' (install's ``composition``, 'balanced' unless it says
-    otherwise). The iterators returned carry this replica's share of the
-    plan to the forward_backward call they are passed to (runtime/next_call.py's PlannedIterator; with our runtime
-    installed, a rank whose every chunk reads no data gets one that only carries the plan, which our runtime hands
-    the forward step as None): pass them to that call.
+    otherwise). The iterators returned carry this replica's share of the plan to the forward_backward call they are
+    passed to (runtime/next_call.py's PlannedIterator; with our runtime installed, a rank whose every chunk reads no
+    data gets one that only carries the plan, which our runtime hands the forward step as None): pass them to that
+    call.
     """
     from megatron_app.runtime.composition import decide_iteration_plan
     from megatron_app.runtime.install import is_installed

@@ -26,14 +26,14 @@ from megatron_app.runtime import add_transport_wrapper, remove_transport_wrapper
 from megatron_app.runtime.job import current_session
 from megatron_app.runtime.layout import pipeline_group
 from megatron_app.runtime.keyed_randomness import set_microbatch_documents
-from megatron_app.runtime.next_call import CallPlan, with_call_plan
+from megatron_app.runtime.next_call import CallPlan
 from megatron_app.schedule import PipelineShape
 from megatron_app.schedule.composition import LOADER
 from megatron_app.schedule.iteration_plan import IterationPlan
 from megatron_app.trace.model_shape import model_shape
 
-from .flags import MEGATRON_SCHEDULE as MEGATRON, completed
-from .forward_backward import with_told_lengths
+from .flags import completed
+from .forward_backward import with_call, with_told_lengths
 from .step import loss_func
 
 
@@ -145,8 +145,7 @@ class ComputeEmulation:
         Returns the call's microbatch count and the data iterator to pass it."""
         if self.composing:
             num_microbatches, call = self.compose(iteration)
-            if self.args.schedule != MEGATRON:
-                data_iterator = with_call_plan(data_iterator, call)
+            data_iterator = with_call(self.args.schedule, data_iterator, call)
         else:
             num_microbatches = self.args.num_microbatches
             data_iterator = with_told_lengths(self.args.schedule, data_iterator, self.microbatch_lengths(iteration))

@@ -61,14 +61,21 @@ def optimizer_span(schedule: str, iteration: int):
     return contextlib.nullcontext() if tracer is None else tracer.span(OPTIMIZER, iteration=iteration)
 
 
-def with_told_lengths(schedule: str, data_iterator, lengths):
-    """The data iterator to pass a forward_backward call, carrying each microbatch's padded length to our schedule
-    (next_call.CallPlan.of_lengths). Unchanged for equal lengths (None) and for Megatron's own schedule."""
-    if schedule == MEGATRON or lengths is None:
+def with_call(schedule: str, data_iterator, call_plan):
+    """The data iterator to pass a forward_backward call, carrying the call's plan (next_call.CallPlan) to our
+    schedule. Unchanged without a plan (None) and for Megatron's own schedule, which reads none."""
+    if schedule == MEGATRON or call_plan is None:
         return data_iterator
-    from megatron_app.runtime.next_call import CallPlan, with_call_plan
+    from megatron_app.runtime.next_call import with_call_plan
 
-    return with_call_plan(data_iterator, CallPlan.of_lengths(lengths))
+    return with_call_plan(data_iterator, call_plan)
+
+
+def with_told_lengths(schedule: str, data_iterator, lengths):
+    """with_call for a call whose microbatches' padded lengths are all it knows (None: equal lengths, none told)."""
+    from megatron_app.runtime.next_call import CallPlan
+
+    return with_call(schedule, data_iterator, None if lengths is None else CallPlan.of_lengths(lengths))
 
 
 def close_schedule(schedule: str) -> None:
