@@ -132,6 +132,11 @@ def test_the_first_ctrl_c_raises_and_the_ones_after_it_are_ignored():
             print("first raised")
         os.kill(os.getpid(), signal.SIGINT)     # the second: ignored
         time.sleep(0.2)
+        # the interrupt is remembered even where its KeyboardInterrupt was turned into another error: a peer's
+        # exit met afterwards (or any error) is the Ctrl-C's, at once
+        from megatron_app.train.stops import interrupt_follows
+        started = time.monotonic()
+        print(interrupt_follows(RuntimeError("Connection closed by peer")), time.monotonic() - started < 0.5)
         restore()                               # after a Ctrl-C later ones stay ignored
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.2)
@@ -139,5 +144,5 @@ def test_the_first_ctrl_c_raises_and_the_ones_after_it_are_ignored():
     """)
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=run_env(), capture_output=True, text=True,
                             timeout=60)
-    assert result.returncode == 0 and result.stdout.split() == ["True", "first", "raised", "cleaned", "up"], \
+    assert result.returncode == 0 and result.stdout.split() == ["True", "first", "raised", "True", "True", "cleaned", "up"], \
         result.stdout + result.stderr

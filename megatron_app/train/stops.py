@@ -88,18 +88,34 @@ PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Transport
 INTERRUPT_GRACE_S = 2.0
 
 
+class _CtrlC:
+    """Whether this process's Ctrl-C came (set by raise_once_on_ctrl_c's handler). Kept apart from the exception:
+    the KeyboardInterrupt can be raised where library code turns it into another error (a handler run from inside
+    C++, as torch's waits do), and the rank then meets its peers' exits with no interrupt in hand."""
+    seen = False
+
+
+def ctrl_c_seen() -> bool:
+    return _CtrlC.seen
+
+
 def interrupt_follows(error: BaseException) -> bool:
-    """Whether `error` (a peer that went away) is the shadow of a Ctrl-C that has not reached this rank yet: torchrun
-    passes SIGINT to its ranks one after another, and a rank blocked in a collective may see the first one exit
-    before its own SIGINT arrives. Waits up to INTERRUPT_GRACE_S for that SIGINT; False for any other error."""
+    """Whether `error` is the shadow of a Ctrl-C: one already came to this rank (whatever became of its
+    KeyboardInterrupt), or, for a peer that went away, one that has not reached this rank yet (torchrun passes SIGINT
+    to its ranks one after another, and a rank blocked in a collective may see the first one exit before its own
+    SIGINT arrives: waits up to INTERRUPT_GRACE_S for it). False for any other error."""
+    if ctrl_c_seen():
+        return True
     text = f"{type(error).__name__}: {error}"
     if not any(sign in text for sign in PEER_GONE):
         return False
+    deadline = time.monotonic() + INTERRUPT_GRACE_S
     try:
-        time.sleep(INTERRUPT_GRACE_S)
+        while not ctrl_c_seen() and time.monotonic() < deadline:
+            time.sleep(0.05)
     except KeyboardInterrupt:
         return True
-    return False
+    return ctrl_c_seen()
 
 
 def raise_once_on_ctrl_c() -> Callable[[], None]:
@@ -113,6 +129,7 @@ def raise_once_on_ctrl_c() -> Callable[[], None]:
 
     def first_only(signum, frame):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _CtrlC.seen = True
         raise KeyboardInterrupt
 
     def restore() -> None:
