@@ -39,6 +39,11 @@ def initialize_distributed(P, V, on_cpu):
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % gpus)    # more ranks than GPUs: they share them
         # NCCL refuses two ranks on one GPU: ranks sharing GPUs use gloo, which takes CUDA tensors too
         dist.init_process_group(backend="nccl" if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= gpus else "gloo")
+    if dist.get_backend() == "gloo":
+        # CPU: (and ranks sharing a GPU) gloo has no coalesced all-reduce of CUDA tensors: DDP's buckets one by one
+        from megatron_app.gloo_gradients import reduce_ddp_buckets_one_by_one_on_gloo
+
+        reduce_ddp_buckets_one_by_one_on_gloo()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=1, pipeline_model_parallel_size=P,
         virtual_pipeline_model_parallel_size=V if V > 1 else None)     # PIPELINE: V chunks a rank
