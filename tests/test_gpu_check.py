@@ -133,6 +133,12 @@ def test_a_time_budget_cuts_the_steps_it_cannot_start_and_fails_the_check(tmp_pa
     assert rc == 1 and ran == ["host"] and not report["passed"]
     assert report["steps"]["pytest"]["status"] == "cut" and "0 s budget was spent" in report["steps"]["pytest"]["reason"]
     assert "pytest      cut" in (tmp_path / "report.txt").read_text()
+    # a step whose command the budget's end stopped is `cut` too, with its error kept (the H100 run's curves step)
+    monkeypatch.setattr(gpu_check.Check, "host", lambda self: time.sleep(0.3) or {"status": "fail",
+                                                                                   "error": "the run took over 0.2 s"})
+    assert gpu_check.main(["--out", str(tmp_path), "--cpu", "--steps", "host", "--budget-s", "0.2"]) == 1
+    host = json.loads((tmp_path / "report.json").read_text())["steps"]["host"]
+    assert host["status"] == "cut" and host["reason"] == "stopped when the 0 s budget ran out (the run took over 0.2 s)"
     check = gpu_check.Check(tmp_path, gpu_check.CPU, sys.executable, deadline=time.monotonic() + 5)
     assert 4 < check.limit(600) <= 5 and check.limit(2) == 2
     assert gpu_check.Check(tmp_path, gpu_check.CPU, sys.executable, deadline=time.monotonic() - 1).limit(600) == 1.0

@@ -174,3 +174,43 @@ def test_cuda_section_on_the_gpu(tmp_path):
     check_cuda_rows(rows, [64 * 1024, 1 << 20])
     assert {row["ours_path"] for row in rows} <= {"slots, registered", "slots, not registered"}
     assert all(row["ipc_path"].startswith("cuda ipc") for row in rows)
+
+
+def test_a_crashed_ipc_section_leaves_the_staged_columns_and_fails_the_run(tmp_path, monkeypatch, capsys):
+    """The H100 run of 2026-11-26 lost every column when one rank crashed: the IPC transports now run in processes
+    of their own, and a crash there empties their columns only."""
+    from megatron_app.bench.transport import cli
+
+    real_run_section = cli.run_section
+
+    def ipc_crashes(plan, scratch, timeout_s, *rest):
+        if plan["section"] == "cuda_ipc":
+            raise cli.BenchError("cuda_ipc rank 0 failed: killed by SIGSEGV in File \"device_engine.py\", line 151")
+        return real_run_section(plan, scratch, timeout_s, *rest)
+
+    monkeypatch.setattr(cli, "run_section", ipc_crashes)
+    out = tmp_path / "cuda.json"
+    assert cli.main(["--device", "cuda", "--rehearsal", "--sizes", "64K", "--seconds", "0.01", "--json",
+                     str(out)]) == 1
+    printed = capsys.readouterr()
+    assert "bench_transport.py: error: the IPC section failed (cuda_ipc rank 0 failed: killed by SIGSEGV" in printed.err
+    section = json.loads(out.read_text())["cuda"]
+    row = section["rows"][0]
+    assert section["ipc_error"].startswith("cuda_ipc rank 0 failed")
+    assert row["ours_gbs"] > 0 and row["gloo_gbs"] > 0 and row["d2d_gbs"] > 0 and "ipc_gbs" not in row
+    assert " - " in printed.out   # the table shows the empty columns
+
+
+def test_a_rank_killed_by_a_signal_is_named_with_its_innermost_frame(tmp_path):
+    from megatron_app.bench.transport.cli import last_error_line
+
+    log = tmp_path / "rank0.log"
+    log.write_text("Fatal Python error: Segmentation fault\n\nThread 0x01 (most recent call first):\n"
+                   "  File \"/x/threading.py\", line 355 in wait\n\nCurrent thread 0x02 (most recent call first):\n"
+                   "  File \"/x/device_engine.py\", line 151 in _export_event\n  File \"/x/device_ipc.py\", line 142 "
+                   "in send\n")
+    assert last_error_line(log, -11) == 'killed by SIGSEGV in File "/x/device_engine.py", line 151 in _export_event'
+    assert last_error_line(log, 1) == 'File "/x/device_ipc.py", line 142 in send'
+    (tmp_path / "empty.log").write_text("")
+    assert last_error_line(tmp_path / "empty.log", -9) == "killed by SIGKILL"
+    assert last_error_line(tmp_path / "empty.log", 1) == "no output"

@@ -382,10 +382,11 @@ class Check:
         command = [self.python, str(bench), *self.sizes.transport_flags, "--json", str(target)]
         result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=self.limit(600))
         (self.out / "transport.txt").write_text(result.stdout + result.stderr)
+        table = result.stdout.strip().splitlines()[-12:]   # printed also when one section failed (the IPC one)
         if result.returncode:
             tail = (result.stdout + result.stderr).strip().splitlines()
-            return {"status": "fail", "error": tail[-1] if tail else f"exit {result.returncode}"}
-        return {"status": "pass", "table": result.stdout.strip().splitlines()[-12:]}
+            return {"status": "fail", "error": tail[-1] if tail else f"exit {result.returncode}", "table": table}
+        return {"status": "pass", "table": table}
 
     def composition(self) -> dict:
         """Needs the curves step's files; measures nothing on the device itself (the simulator replays them)."""
@@ -570,6 +571,10 @@ def main(argv=None) -> int:
                 result = getattr(check, name.replace("-", "_"))()
             except Exception as error:   # noqa: BLE001 (a step's failure is its report line, the rest still run)
                 result = {"status": "fail", "error": f"{type(error).__name__}: {error}"}
+            if result["status"] == "fail" and deadline is not None and time.monotonic() >= deadline - 1.0:
+                # its commands were stopped at the budget's end: not a verdict on the step (still not a pass)
+                result = {**result, "status": "cut", "reason": f"stopped when the {args.budget_s:.0f} s budget ran "
+                                                               f"out ({result.get('error', 'see its rows')})"}
         result["seconds"] = round(time.perf_counter() - step_start, 1)
         report["steps"][name] = result
         print(f"gpu_check: {name} {result['status']} ({result['seconds']} s)", flush=True)

@@ -36,6 +36,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Optional
 
 from megatron_app.bench.transport import netns_pair
 from megatron_app.bench.transport.latency_model import fit_latency_model
@@ -146,9 +147,20 @@ def parse_args(argv):
 
 
 # ---- running a section's two processes -------------------------------------------------------------------------
-def last_error_line(log_path: Path) -> str:
+def last_error_line(log_path: Path, returncode: Optional[int] = None) -> str:
+    """What a section's rank died of: its log's last line, or, killed by a signal (a crash in compiled code), the
+    signal and the innermost Python frame faulthandler wrote (the worker enables it)."""
     lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
-    return lines[-1] if lines else "no output"
+    if returncode is None or returncode >= 0:
+        return lines[-1] if lines else "no output"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    current = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), None)
+    frame = next((line for line in lines[current + 1:] if line.startswith("File ")), None) \
+        if current is not None else None
+    return f"killed by {name}" + (f" in {frame}" if frame else "")
 
 
 def run_section(plan: dict, scratch: Path, timeout_s: float, prefixes=([], []), envs=({}, {})) -> list:
@@ -171,13 +183,15 @@ def run_section(plan: dict, scratch: Path, timeout_s: float, prefixes=([], []), 
         while any(process.poll() is None for process in processes):
             failed = [rank for rank, process in enumerate(processes) if process.poll() not in (None, 0)]
             if failed:
-                raise BenchError(f"{section} rank {failed[0]} failed: {last_error_line(logs[failed[0]])}")
+                raise BenchError(f"{section} rank {failed[0]} failed: "
+                                 f"{last_error_line(logs[failed[0]], processes[failed[0]].returncode)}")
             if time.monotonic() > give_up_at:
                 raise BenchError(f"{section} did not finish within {timeout_s:g} s (see --timeout)")
             time.sleep(0.2)
         failed = [rank for rank, process in enumerate(processes) if process.returncode != 0]
         if failed:
-            raise BenchError(f"{section} rank {failed[0]} failed: {last_error_line(logs[failed[0]])}")
+            raise BenchError(f"{section} rank {failed[0]} failed: "
+                             f"{last_error_line(logs[failed[0]], processes[failed[0]].returncode)}")
     finally:
         for process in processes:
             if process.poll() is None:
@@ -263,11 +277,24 @@ def run_cuda(args, scratch, job_id):
     reason = None if args.rehearsal else cuda_unavailable_reason()
     if reason:
         raise BenchError(reason)
+    from megatron_app.bench.transport.cuda import IPC_TRANSPORTS, STAGED_TRANSPORTS, add_cuda_ratios
+
     device = "cpu" if args.rehearsal else "cuda"
-    plan = {"section": "cuda", "job_id": job_id, "sizes": args.sizes, "seconds": args.seconds, "device": device}
+    plan = {"section": "cuda", "job_id": job_id, "sizes": args.sizes, "seconds": args.seconds, "device": device,
+            "transports": list(STAGED_TRANSPORTS)}
     rows = run_section(plan, scratch, args.timeout)
-    name = "host (rehearsal)" if args.rehearsal else torch.cuda.get_device_name(0)
-    return {"device": name, "torch": torch.__version__, "rows": rows}
+    section = {"device": "host (rehearsal)" if args.rehearsal else torch.cuda.get_device_name(0),
+               "torch": torch.__version__, "rows": rows}
+    try:   # the IPC transports in processes of their own: a crash there leaves the columns above
+        ipc_rows = run_section(dict(plan, section="cuda_ipc", job_id=f"{job_id}x", transports=list(IPC_TRANSPORTS),
+                                    local=False), scratch, args.timeout)
+    except BenchError as error:
+        section["ipc_error"] = str(error)
+    else:
+        for row, ipc_row in zip(rows, ipc_rows):
+            row.update({key: value for key, value in ipc_row.items() if key not in ("size", "repetitions")})
+    add_cuda_ratios(rows)
+    return section
 
 
 def run_loss_compare(args, scratch, job_id):
@@ -301,7 +328,8 @@ def print_table(columns, rows):
     print(" ".join(f"{header:>{width}}" for (header, _, _), width in zip(columns, widths)))
     print("-" * (sum(widths) + len(widths) - 1))
     for row in rows:
-        cells = [format_size(row["size"])] + [f"{row[key]:.{decimals}f}" for _, key, decimals in columns[1:]]
+        cells = [format_size(row["size"])] + [f"{row[key]:.{decimals}f}" if row.get(key) is not None else "-"
+                                              for _, key, decimals in columns[1:]]
         print(" ".join(f"{cell:>{width}}" for cell, width in zip(cells, widths)))
 
 
@@ -409,5 +437,9 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(document, handle, indent=2)
+    ipc_error = document.get("cuda", {}).get("ipc_error")
+    if ipc_error:   # the table above has the rest; a broken path still fails the run
+        print(f"{PROG}: error: the IPC section failed ({ipc_error}); its columns are empty", file=sys.stderr)
+        return 1
     return 0
 

@@ -18,7 +18,8 @@ Once per section, the floor a device message pays between two processes sharing 
   turn_us    one way of a ping-pong in which each side runs a one-element device op, waits for it, and sends a
              4-byte host tensor through our transport
   host_msg_us   the same without the device op (our transport's host latency)
-Repetitions fill about `seconds` per size and method, at least 2 (plus one warm-up): 256 MiB runs a few times.
+The IPC methods run in two processes of their own after the others (cli.run_cuda): a crash there empties their
+columns only, and the run still fails. Repetitions fill about `seconds` per size and method, at least 2 (plus one warm-up): 256 MiB runs a few times.
 plan["device"] "cpu" rehearses the same code on host tensors (the test suite runs it): a host copy engine takes them
 down the device path (the stager, the leased slots, the receive arena), so its numbers are that machinery's cost on
 this host with memcpy for every device copy; IPC has no host stand-in across processes (that column is staged).
@@ -41,6 +42,10 @@ METHODS = ("ours", "ours_block", "ours_arena", "ipc", "ipc_block", "d2d", "pinne
 TRANSPORTS = {"ours": ("", False, "spin", True), "ours_block": ("b", False, "block", True),
               "ours_arena": ("a", False, "spin", False), "ipc": ("i", True, "spin", True),
               "ipc_block": ("ib", True, "block", True)}
+# The IPC transports run in a section (two processes) of their own, after the staged one: a crash there (the H100
+# run of 2026-11-26 lost every column to one) leaves the staged, local and gloo columns measured.
+STAGED_TRANSPORTS = ("ours", "ours_block", "ours_arena")
+IPC_TRANSPORTS = ("ipc", "ipc_block")
 
 
 class RehearsalEngine:
@@ -233,7 +238,10 @@ def message_floor(device: Device, transport, rank: int, count: int = 200) -> dic
 
 
 def run_cuda_section(plan: dict, rank: int) -> list:
-    """Both ranks on device 0 (the bench's subject is two ranks sharing a host; one GPU is what it needs)."""
+    """Both ranks on device 0 (the bench's subject is two ranks sharing a host; one GPU is what it needs).
+    plan["transports"]: which of TRANSPORTS to measure (default all); plan["local"] (default True): also the floor,
+    gloo and the one-process copies (d2d, pinned, pageable). Rank 0's rows hold the raw times (`<method>_s`); the
+    caller derives the ratios (add_cuda_ratios) once every section's rows are merged."""
     from megatron_app.transport import Direction, Transport, make_tag
 
     device = Device(plan.get("device", "cuda"))
@@ -242,12 +250,14 @@ def run_cuda_section(plan: dict, rank: int) -> list:
 
         torch.cuda.set_device(0)
     peer = 1 - rank
+    local = plan.get("local", True)
     transports = {}
-    for name, (suffix, ipc, wait, slots) in TRANSPORTS.items():
+    for name in plan.get("transports", list(TRANSPORTS)):
+        suffix, ipc, wait, slots = TRANSPORTS[name]
         engine = CudaCopyEngine(event_wait=wait) if device.cuda else RehearsalEngine()
         transports[name] = Transport(rank, 2, plan["job_id"] + suffix, timeout_s=120, cuda_ipc=ipc,
                                      copy_engine=engine, receive_from_slots=slots)
-    floor = message_floor(device, transports["ours"], rank)
+    floor = message_floor(device, next(iter(transports.values())), rank) if local else {}
     rows = []
     counter = [0]
     for size in plan["sizes"]:
@@ -275,38 +285,51 @@ def run_cuda_section(plan: dict, rank: int) -> list:
             row[f"{name}_s"] = ping_pong(device, ours_send, ours_recv, rank, count)
             transport.wait_sends(timeout=120)
             row[f"{name}_path"] = transport.device_path_of(peer)
-        row["bit_exact"] = all(row.get(f"{name}_bit_exact", True) for name in transports)
 
-        host = torch.empty(size, dtype=torch.uint8)
+        if local:
+            host = torch.empty(size, dtype=torch.uint8)
 
-        def gloo_send():
-            dist.send(held["tensor"].cpu(), dst=peer)
+            def gloo_send():
+                dist.send(held["tensor"].cpu(), dst=peer)
 
-        def gloo_recv():
-            dist.recv(host, src=peer)
-            held["tensor"] = host.to(device.name)
+            def gloo_recv():
+                dist.recv(host, src=peer)
+                held["tensor"] = host.to(device.name)
 
-        held["tensor"] = payload
-        row["gloo_s"] = ping_pong(device, gloo_send, gloo_recv, rank, max(2, count // 2))
+            held["tensor"] = payload
+            row["gloo_s"] = ping_pong(device, gloo_send, gloo_recv, rank, max(2, count // 2))
         dist.barrier()
         if rank == 0:
-            row.update(local_rows(device, size, count))
-            for method in METHODS:
-                row[f"{method}_gbs"] = size / row[f"{method}_s"] / 1e9
-                row[f"{method}_us"] = row[f"{method}_s"] * 1e6
-            row["ours_over_pinned"] = row["ours_gbs"] / row["pinned_gbs"]
-            row["ours_over_d2d"] = row["ours_gbs"] / row["d2d_gbs"]
-            row["ours_over_gloo"] = row["ours_gbs"] / row["gloo_gbs"]
-            row["ipc_over_d2d"] = row["ipc_gbs"] / row["d2d_gbs"]
-            row["slots_over_arena"] = row["ours_s"] / row["ours_arena_s"]
-            for name in ("ours", "ipc"):
-                row[f"{name}_block_over_spin"] = row[f"{name}_block_s"] / row[f"{name}_s"]
-                row[f"faster_wait_{name}"] = "spin" if row[f"{name}_s"] <= row[f"{name}_block_s"] else "block"
-            row.update(floor)
+            if local:
+                row.update(local_rows(device, size, count))
+                row.update(floor)
             rows.append(row)
         dist.barrier()
     for transport in transports.values():
         transport.close()
+    return rows
+
+
+def add_cuda_ratios(rows: list) -> list:
+    """GB/s, microseconds and the ratios of each row, from the `<method>_s` times its sections measured (a method
+    whose section failed has none: its columns stay empty)."""
+    for row in rows:
+        measured = [method for method in METHODS if f"{method}_s" in row]
+        for method in measured:
+            row[f"{method}_gbs"] = row["size"] / row[f"{method}_s"] / 1e9
+            row[f"{method}_us"] = row[f"{method}_s"] * 1e6
+        row["bit_exact"] = all(row.get(f"{name}_bit_exact", True) for name in TRANSPORTS)
+        ratios = {"ours_over_pinned": ("ours", "pinned"), "ours_over_d2d": ("ours", "d2d"),
+                  "ours_over_gloo": ("ours", "gloo"), "ipc_over_d2d": ("ipc", "d2d")}
+        for key, (top, bottom) in ratios.items():
+            if top in measured and bottom in measured:
+                row[key] = row[f"{top}_gbs"] / row[f"{bottom}_gbs"]
+        if "ours" in measured and "ours_arena" in measured:
+            row["slots_over_arena"] = row["ours_s"] / row["ours_arena_s"]
+        for name in ("ours", "ipc"):
+            if name in measured and f"{name}_block" in measured:
+                row[f"{name}_block_over_spin"] = row[f"{name}_block_s"] / row[f"{name}_s"]
+                row[f"faster_wait_{name}"] = "spin" if row[f"{name}_s"] <= row[f"{name}_block_s"] else "block"
     return rows
 
 

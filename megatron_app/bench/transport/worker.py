@@ -12,6 +12,7 @@ Rank 0 writes its rows to plan["result_path"]; errors end the process with a tra
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import statistics
 import sys
@@ -130,10 +131,11 @@ def run_cuda(plan, rank):
 
 
 SECTIONS = {"shm": run_shm, "tcp": run_remote, "rdma": run_remote, "loss_compare": run_loss_compare,
-            "cuda": run_cuda}
+            "cuda": run_cuda, "cuda_ipc": run_cuda}
 
 
 def main(plan_path, rank):
+    faulthandler.enable()   # a crash in compiled code names its Python frame in the log (cli.last_error_line)
     plan = json.loads(Path(plan_path).read_text())
     torch.set_num_threads(1)  # single-thread copies everywhere: the reference is a single-thread memcpy
     dist.init_process_group("gloo", init_method=f"file://{plan['store_path']}", rank=rank, world_size=2)
