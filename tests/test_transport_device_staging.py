@@ -367,6 +367,32 @@ def test_ipc_slots_are_reused_once_acknowledged_and_grow_for_larger_messages(ipc
     assert engine.buffers_made <= 4 * 2  # 4 slots of >= 1 MiB; 120 KB messages never make one grow twice
 
 
+def test_ipc_exports_are_forgotten_when_a_slot_grows_and_when_the_transports_close(job_id):
+    """The registry of this process's own exports is held strongly (a weak one crashed on an H100): its owners
+    forget what they exported, so a grown slot's old buffer and a closed transport's objects are not kept."""
+    from transport_helpers import fake_engine
+
+    before = set(fake_engine._EXPORTS)
+    engine = FakeIpcEngine()
+    sender = Transport(0, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=engine, cuda_ipc=True)
+    receiver = Transport(1, 2, job_id, slot_bytes=4096, num_slots=8, timeout_s=20, copy_engine=engine,
+                         cuda_ipc=True)
+    try:
+        for index, numel in enumerate((1000, 1 << 20)):   # the second outgrows the slot the first made
+            tensor = torch.full((numel,), float(index))
+            sender.send(1, make_tag(FWD, index), tensor).wait(timeout=10)
+            assert torch.equal(receiver.recv(0, make_tag(FWD, index)), tensor)
+            wait_for_an_acknowledgement(sender)
+        assert sender.device_path_of(1) == "cuda ipc" and engine.buffers_made == 2
+        mine = set(fake_engine._EXPORTS) - before
+        # one buffer (the grown slot's new one: the old is forgotten), its filled event, the receiver's consumed one
+        assert sorted(key[:5] for key in mine) == [b"buffe", b"event", b"event"], mine
+    finally:
+        sender.close()
+        receiver.close()
+    assert set(fake_engine._EXPORTS) - before == set()
+
+
 def test_a_receiver_behind_gets_the_rest_staged_in_order(ipc_pair):
     sender, receiver, engine = ipc_pair
     messages = [torch.full((3000,), float(index)) for index in range(12)]

@@ -103,14 +103,22 @@ def _ipc_unavailable_reason() -> Optional[str]:
 
 # What this process exported, by export blob: a receiver in the exporting process itself (two transports of one
 # process: tests, a single-process emulation) cannot open its own handles (CUDA: "invalid device context") and takes
-# the object instead. Weak: a ring slot that grows frees its old buffer.
-_EXPORTED_HERE: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+# the object instead. Held strongly, and forgotten by the exporter (device_ipc.py: a ring slot that grows, a
+# transport that closes): a weak registry of CUDA events and tensors crashed the interpreter on an H100 (a
+# segmentation fault inside its own store, 2026-11-26), and with an explicit owner every lifetime is stated.
+_EXPORTED_HERE: dict = {}
 
 
 def _export_buffer(buffer: torch.Tensor) -> bytes:
     blob = _export_buffer_blob(buffer)
     _EXPORTED_HERE[blob] = buffer
     return blob
+
+
+def _forget_export(blob: bytes) -> None:
+    """This process stops answering `blob` locally (its exporter dropped the object; receivers elsewhere hold
+    their own handles)."""
+    _EXPORTED_HERE.pop(blob, None)
 
 
 def _export_buffer_blob(buffer: torch.Tensor) -> bytes:
@@ -378,6 +386,7 @@ class CudaCopyEngine:
     ipc_event = staticmethod(_ipc_event)
     export_event = staticmethod(_export_event)
     open_event = staticmethod(_open_event)
+    forget_export = staticmethod(_forget_export)
     ipc_take = staticmethod(_ipc_take)
     ipc_lend = staticmethod(_ipc_lend)
     ipc_release = staticmethod(_ipc_release)

@@ -72,9 +72,10 @@ def payload_bytes(data: bytes) -> torch.Tensor:
 
 
 class _SendSlot:
-    __slots__ = ("buffer", "generation", "filled", "consumed", "awaiting")
+    __slots__ = ("buffer", "generation", "filled", "consumed", "awaiting", "exports")
 
     def __init__(self):
+        self.exports = {}         # what of this slot the engine exported: {"buffer"|"filled": blob} (forgotten later)
         self.buffer = None        # flat uint8 device tensor, exported
         self.generation = 0       # bumped each time the buffer is (re)allocated
         self.filled = None        # our interprocess event, recorded after each copy into the slot
@@ -136,10 +137,12 @@ class IpcSender:
             capacity = max(MIN_SLOT_BYTES, 1 << (nbytes - 1).bit_length())
             slot.buffer = self.engine.ipc_buffer(capacity, flat.device)
             slot.generation += 1
-            buffer_blob = self.engine.export_buffer(slot.buffer)
+            if "buffer" in slot.exports:   # the receiver opened the old one before acknowledging it: ours is done
+                self.engine.forget_export(slot.exports.pop("buffer"))
+            buffer_blob = slot.exports["buffer"] = self.engine.export_buffer(slot.buffer)
         if slot.filled is None:
             slot.filled = self.engine.ipc_event(flat.device)
-            event_blob = self.engine.export_event(slot.filled)
+            event_blob = slot.exports["filled"] = self.engine.export_event(slot.filled)
         token = self.engine.ipc_fill(slot.buffer[:nbytes], flat, slot.filled, slot.consumed)
         descriptor = _DESCRIPTOR.pack(_MAGIC, _VERSION, index, slot.generation, nbytes, len(buffer_blob),
                                       len(event_blob)) + buffer_blob + event_blob
@@ -150,9 +153,17 @@ class IpcSender:
             request.wait()
         return True, token
 
+    def close(self) -> None:
+        """Forgets this sender's exports (the transport closes; peers hold their own handles)."""
+        for ring in self._rings.values():
+            for slot in ring:
+                for blob in slot.exports.values():
+                    self.engine.forget_export(blob)
+                slot.exports.clear()
+
 
 class _ReceiveSlot:
-    __slots__ = ("buffer", "generation", "filled", "consumed", "consumed_said")
+    __slots__ = ("buffer", "generation", "filled", "consumed", "consumed_said", "consumed_blob")
 
     def __init__(self):
         self.buffer = None
@@ -160,6 +171,7 @@ class _ReceiveSlot:
         self.filled = None
         self.consumed = None
         self.consumed_said = False
+        self.consumed_blob = None   # `consumed` as exported (forgotten when the transport closes)
 
 
 class IpcReceiver:
@@ -177,7 +189,7 @@ class IpcReceiver:
     def _ack(slot: "_ReceiveSlot", index: int, generation: int, engine) -> bytes:
         event_blob = b""
         if not slot.consumed_said:
-            event_blob = engine.export_event(slot.consumed)
+            event_blob = slot.consumed_blob = engine.export_event(slot.consumed)
             slot.consumed_said = True
         return _ACK.pack(_MAGIC, _VERSION, index, generation, len(event_blob)) + event_blob
 
@@ -193,6 +205,13 @@ class IpcReceiver:
                 pass
 
         return release
+
+    def close(self) -> None:
+        """Forgets the events this receiver exported (the transport closes)."""
+        for slot in self._slots.values():
+            if slot.consumed_blob is not None:
+                self.engine.forget_export(slot.consumed_blob)
+                slot.consumed_blob = None
 
     def take(self, peer: int, code: int, shape, nbytes: int, payload, device) -> tuple[torch.Tensor, int, bytes]:
         """(the tensor on `device`, ack tag, ack payload) for a descriptor from `peer`: the tensor is the slot itself

@@ -532,6 +532,8 @@ class Stager:
             close_core()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
+        if self._ipc is not None:
+            self._ipc.close()
         self.release_regions()
 
     def release_regions(self) -> None:

@@ -497,6 +497,8 @@ class Transport(ClosesOnExit):
         self._core.close()
         if self._receive_finalizer is not None:
             self._receive_finalizer()  # the core keeps its mapping until it is destroyed
+        if self._ipc_receiver is not None:
+            self._ipc_receiver.close()
         self._pending.clear()
         while self._keepalive:  # copies out of the arena still running
             token, _ = self._keepalive.popleft()

@@ -211,6 +211,10 @@ class FakeIpcEngine(FakeCopyEngine):
     def open_event(blob, device):
         return _EXPORTS[blob]
 
+    @staticmethod
+    def forget_export(blob):
+        _EXPORTS.pop(blob)   # KeyError: forgotten twice, or never exported
+
     def ipc_fill(self, destination, source, filled, consumed):
         destination.copy_(source)
         filled.record()
