@@ -408,3 +408,25 @@ def test_the_planned_policy_marks_its_first_iteration_as_warm_up():
     policy.use_plan([100, 200, 300, 400], None)
     policy.observe(Task(Kind.FORWARD, 0, 0), 0.1)
     assert not any(entry[-1] for entry in policy.costs.take_unreported())
+
+
+def test_a_second_microbatch_count_is_no_warm_up_when_the_costs_are_shared():
+    """The policies of one rank's microbatch counts share the session's cost model (a `balanced` run changes its
+    count between iterations): only the rank's first call warms up. Counted per policy, the first call of each new
+    count was set aside as a warm-up (an H100 run planned iteration 3 from iteration 1's warm-up alone)."""
+    from megatron_app.schedule.length_costs import LengthCostModel
+
+    shared = LengthCostModel()
+    sixteen, four = (make_policy("planned", PipelineShape(1, 1, count), 0) for count in (16, 4))
+    sixteen.costs = four.costs = shared
+    sixteen.use_plan([100] * 16, None)
+    sixteen.observe(Task(Kind.FORWARD, 0, 0), 1.0)
+    four.use_plan([400] * 4, None)
+    four.observe(Task(Kind.FORWARD, 0, 0), 0.1)
+    assert [entry[-1] for entry in shared.take_unreported()] == [True, False]
+    # another rank's first call in the same model is its own warm-up
+    other = make_policy("planned", PipelineShape(2, 1, 4), 1)
+    other.costs = shared
+    other.use_plan([100] * 4, None)
+    other.observe(Task(Kind.FORWARD, 0, 0), 1.0)
+    assert [entry[-1] for entry in shared.take_unreported()] == [True]

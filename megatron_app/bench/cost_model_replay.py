@@ -94,7 +94,7 @@ def replay(run, warmup: int = 2) -> Dict[str, VariantResult]:
                         continue
                     for e in rank_events:
                         model.observe(KIND_OF_TRACE_NAME[e.kind], e.chunk, tokens[e.microbatch], e.duration / 1e6,
-                                      squared[e.microbatch], rank=pp_rank)
+                                      squared[e.microbatch], rank=pp_rank, warmup=position == 0)
     return results
 
 

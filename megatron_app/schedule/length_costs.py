@@ -142,6 +142,18 @@ class LengthCostModel:
         self._fits: Dict[Tuple[Kind, int, int], _Fit] = {}
         self._unreported = deque(maxlen=_UNREPORTED_MOST)
         self.per_rank, self.non_negative, self.window = per_rank, non_negative, window
+        self._calls: Dict[int, int] = {}    # pipeline rank -> calls started (start_call): the first warms up
+
+    def start_call(self, rank: int = 0) -> None:
+        """A call of pipeline rank `rank` begins: its samples are the warm-up's only in that rank's first call. Counted
+        here, where the samples go, not per policy: the policies of a rank's microbatch counts share this model (a
+        `balanced` run changes its count from iteration to iteration), and the first call of a second count is no
+        warm-up (counted per policy, its samples were set aside as one)."""
+        self._calls[rank] = self._calls.get(rank, 0) + 1
+
+    def warming_up(self, rank: int = 0) -> bool:
+        """Whether rank `rank` runs its first call (or none yet)."""
+        return self._calls.get(rank, 0) <= 1
 
     def observe(self, kind: Kind, chunk: int, length: float, seconds: float,
                 squared_tokens: Optional[float] = None, rank: int = 0, report: bool = True,

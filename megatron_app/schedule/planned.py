@@ -83,7 +83,8 @@ class PlannedPolicy(AdaptivePolicy):
         """Run the next iteration (next fresh RankState) by `plan` (None: data order); lengths (tokens) and
         squared_tokens (per microbatch, the sum of its attention blocks' squared lengths; None: one block of its
         length) feed learning."""
-        self.iterations_used += 1   # the first one warms up (length_costs._Fit)
+        self.iterations_used += 1
+        self.costs.start_call(self.rank)   # the rank's first call warms up (length_costs._Fit)
         self.lengths = None if lengths is None else _check_lengths(self.shape, lengths)
         self.squared_tokens = None if squared_tokens is None or lengths is None else tuple(squared_tokens)
         plan = plan or Plan(tuple(range(self.shape.num_microbatches)))
@@ -120,7 +121,7 @@ class PlannedPolicy(AdaptivePolicy):
         if self.lengths is not None:
             squared = None if self.squared_tokens is None else self.squared_tokens[task.microbatch]
             self.costs.observe(task.kind, task.chunk, self.lengths[task.microbatch], duration_s, squared,
-                               rank=self.rank, warmup=self.iterations_used <= 1)
+                               rank=self.rank, warmup=self.costs.warming_up(self.rank))
 
     def _fits(self, state: RankState, task: Task) -> bool:
         # With reordering every rank runs the same plan, whose peak was checked against the byte cap when it was
