@@ -3,6 +3,7 @@ the tcp section runs across two network namespaces when root (and removes them),
 flags give one line and exit status 2."""
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -190,8 +191,12 @@ def test_a_crashed_ipc_section_leaves_the_staged_columns_and_fails_the_run(tmp_p
 
     monkeypatch.setattr(cli, "run_section", ipc_crashes)
     out = tmp_path / "cuda.json"
+    handler = signal.getsignal(signal.SIGTERM)
     assert cli.main(["--device", "cuda", "--rehearsal", "--sizes", "64K", "--seconds", "0.01", "--json",
                      str(out)]) == 1
+    # its SIGTERM handler is gone again: processes this one forks later (a test's multiprocessing pool) die of
+    # SIGTERM as usual (with it left behind, a pool's terminate hung in a later test)
+    assert signal.getsignal(signal.SIGTERM) is handler
     printed = capsys.readouterr()
     assert "bench_transport.py: error: the IPC section failed (cuda_ipc rank 0 failed: killed by SIGSEGV" in printed.err
     section = json.loads(out.read_text())["cuda"]

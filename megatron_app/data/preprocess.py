@@ -12,6 +12,7 @@ import collections
 import json
 import multiprocessing
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -119,6 +120,9 @@ _worker_encoder: Optional[LineEncoder] = None
 
 def _init_worker(spec: TokenizerSpec, keys: Sequence[str], append_eod: bool) -> None:
     global _worker_encoder
+    # Forked: a Python SIGTERM handler of the parent would be inherited, and Pool.terminate's SIGTERM could then
+    # leave a worker waiting on the task queue's lock (a test run hung so); the default ends the worker at once.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _worker_encoder = LineEncoder(spec, keys, append_eod)
 
 

@@ -398,8 +398,16 @@ def report(document):
 # ---- main ----------------------------------------------------------------------------------------------------------
 def main(argv=None):
     args = parse_args(argv)
-    # A plain kill must still remove the namespaces and stop the workers (the finally blocks below do).
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    # A plain kill must still remove the namespaces and stop the workers (the finally blocks of _run do). Restored
+    # on return: a caller's process (a test calling main) must not keep it, since processes it forks later inherit it.
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        return _run(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args):
     load_before = os.getloadavg()[0]
     job_id = f"bench{uuid.uuid4().hex[:10]}"
     document = {
