@@ -23,6 +23,7 @@ import contextlib
 import ctypes
 import importlib
 import os
+import random
 import runpy
 import signal
 import socket
@@ -42,6 +43,23 @@ class ForkUnsafe(RuntimeError):
 
 
 def free_port() -> int:
+    """A port below the kernel's ephemeral range, free when probed: a port the kernel hands out (bind to 0) is in
+    that range, where any process's next outgoing connection (gloo opens many) can take it before rank 0 binds it
+    (EADDRINUSE seen under two pytest workers)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            ephemeral_low = int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    chooser = random.Random(os.getpid() ^ time.time_ns())
+    for _ in range(200):
+        port = chooser.randrange(10000, max(10001, min(ephemeral_low, 29000)))
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]

@@ -3,6 +3,7 @@ Megatron's DDP reducing its buckets through it. Prints one JSON line of what it 
 
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -12,6 +13,7 @@ def main():
     from torch.distributed import _coalescing_manager
 
     from megatron_app.gloo_gradients import one_by_one_on_gloo
+    from megatron_app.say import say
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -30,7 +32,7 @@ def main():
             dist.all_gather_into_tensor(torch.empty(4), torch.ones(2), group=dist.group.WORLD)
     except RuntimeError as error:
         seen["all_gather"] = str(error)
-    print(json.dumps({"rank": rank, **seen}), flush=True)
+    say(json.dumps({"rank": rank, **seen}), sys.stdout)   # one write: the two ranks share the pipe
     dist.barrier()
     dist.destroy_process_group()
 
