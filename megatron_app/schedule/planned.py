@@ -64,7 +64,6 @@ class PlannedPolicy(AdaptivePolicy):
             self.name = FIXED_NAME
         self.memory_factor = check_memory_factor(DEFAULT_MEMORY_FACTOR if memory_factor is None else memory_factor)
         self.costs = LengthCostModel()
-        self.iterations_used = 0              # calls of use_plan: the iteration that runs now
         self.evaluations = evaluations        # the order search's budget (iteration_plan.PipelineSpec)
         self.lengths: Optional[Tuple[int, ...]] = None
         self.squared_tokens: Optional[Tuple[float, ...]] = None
@@ -83,7 +82,6 @@ class PlannedPolicy(AdaptivePolicy):
         """Run the next iteration (next fresh RankState) by `plan` (None: data order); lengths (tokens) and
         squared_tokens (per microbatch, the sum of its attention blocks' squared lengths; None: one block of its
         length) feed learning."""
-        self.iterations_used += 1
         self.costs.start_call(self.rank)   # the rank's first call warms up (length_costs._Fit)
         self.lengths = None if lengths is None else _check_lengths(self.shape, lengths)
         self.squared_tokens = None if squared_tokens is None or lengths is None else tuple(squared_tokens)

@@ -19,7 +19,8 @@ Once per section, the floor a device message pays between two processes sharing 
              4-byte host tensor through our transport
   host_msg_us   the same without the device op (our transport's host latency)
 The IPC methods run in two processes of their own after the others (cli.run_cuda): a crash there empties their
-columns only, and the run still fails. Repetitions fill about `seconds` per size and method, at least 2 (plus one warm-up): 256 MiB runs a few times.
+columns only, and the run still fails. Repetitions fill about `seconds` per size and method, at least 2 (plus one
+warm-up): 256 MiB runs a few times.
 plan["device"] "cpu" rehearses the same code on host tensors (the test suite runs it): a host copy engine takes them
 down the device path (the stager, the leased slots, the receive arena), so its numbers are that machinery's cost on
 this host with memcpy for every device copy; IPC has no host stand-in across processes (that column is staged).
