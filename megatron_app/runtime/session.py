@@ -9,6 +9,7 @@ first time a call uses the group (all its members make that call) and closed wit
 from __future__ import annotations
 
 import collections
+import datetime
 import hashlib
 import os
 import re
@@ -54,6 +55,26 @@ def transport_job_id(job_id: str, group_ranks: Tuple[int, ...], default_group: O
         return job_id
     digest = hashlib.sha256(f"{job_id}|{','.join(map(str, group_ranks))}".encode()).hexdigest()[:8]
     return f"{job_id[:MAX_JOB_ID_CHARS - 10]}-p{digest}"
+
+
+def share_through_store(store, topic: str, me: int, ranks: List[int], mine: Optional[str],
+                        timeout_s: float) -> Dict[int, Optional[str]]:
+    """Every rank's `mine` (a string or None), by rank, through the job's c10d store rather than a gloo collective:
+    a gloo collective's worker thread may drop the last reference to its tensors after the caller has gone on, and
+    when the caller goes on to raise and the interpreter is finalizing by then, that thread dies inside a C++
+    destructor ("terminate called without an active exception"). Each call of a rank is a new round of keys."""
+    group = "-".join(map(str, ranks))
+    round_id = store.add(f"{topic}/{group}/round/{me}", 1)
+    prefix = f"{topic}/{group}/{round_id}"
+    store.set(f"{prefix}/{me}", "" if mine is None else "=" + mine)
+    keys = [f"{prefix}/{rank}" for rank in ranks]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    except Exception as error:  # c10d raises DistStoreError / RuntimeError subclasses, by version
+        raise TimeoutError(f"rank {me}: ranks {list(ranks)} did not all reach their first pipeline call within "
+                           f"{timeout_s:g} s: {error}") from None
+    told = {rank: store.get(key).decode() for rank, key in zip(ranks, keys)}
+    return {rank: text[1:] if text else None for rank, text in told.items()}
 
 
 def _parallel_state_pipeline_ranks() -> Optional[Tuple[int, ...]]:
@@ -191,11 +212,11 @@ class RuntimeSession:
         refusal = placement.layout_refusal
         key = tuple(sorted(placement.pp_global))
         if len(key) > 1 and key not in self._transports:
-            group = None if self._job_id_to_agree() else placement.pp_group
-            told = [None] * dist.get_world_size(group)
-            dist.all_gather_object(told, None if refusal is None else str(refusal), group=group)
-            ranks = range(len(told)) if group is None else dist.get_process_group_ranks(group)
-            refusing = [(rank, text) for rank, text in zip(ranks, told) if text is not None]
+            ranks = range(dist.get_world_size()) if self._job_id_to_agree() else key
+            told = share_through_store(dist.distributed_c10d._get_default_store(), "megatron_app/layout_refusal",
+                                       dist.get_rank(), list(ranks), None if refusal is None else str(refusal),
+                                       self.settings.timeout_s)
+            refusing = [(rank, text) for rank, text in told.items() if text is not None]
             if refusal is None and refusing:
                 rank, text = refusing[0]
                 raise AppConfigError(f"rank {dist.get_rank()}: stopped at the first call: rank {rank} refused its "
