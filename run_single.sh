@@ -43,7 +43,7 @@ echo "$config"
 
 export MEGATRON_APP_JOB_ID=${MEGATRON_APP_JOB_ID:-single$$x$(date +%s)}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-cleanup() { "$VENV_PY" -c "from megatron_app.transport import cleanup_job; cleanup_job('$MEGATRON_APP_JOB_ID')" 2>/dev/null || true; }
+cleanup() { "$VENV_PY" "$repo_root/tools/transport_core.py" --cleanup "$MEGATRON_APP_JOB_ID" 2>/dev/null || true; }
 trap cleanup EXIT
 
 echo "[run_single] $world ranks: pipeline $P x tensor $T x data $D, $V model chunks per rank (job $MEGATRON_APP_JOB_ID)" >&2

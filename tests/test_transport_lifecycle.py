@@ -187,3 +187,30 @@ def test_the_same_rank_twice_in_one_process_is_refused(job_id):
     with Transport(0, 3, job_id):
         with pytest.raises(RuntimeError, match=f"rank 0 of job '{job_id}' is already running as pid {os.getpid()}"):
             Transport(0, 3, job_id)
+
+
+def test_the_launchers_cleanup_removes_the_dead_without_importing_torch(job_id, ranks):
+    """run_single.sh and launch_node.sh end with tools/transport_core.py --cleanup JOB (the core loaded from its file:
+    an import through megatron_app.transport would import torch, seconds on a CUDA host, at every launcher's exit)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[1] / "tools" / "transport_core.py"
+    process = ranks("serve", job_id, 1, 3)
+    process.expect("READY")
+    process.kill()
+    with Transport(0, 3, job_id):
+        assert job_segments(job_id) == [f"mapp_{job_id}_r0", f"mapp_{job_id}_r1"]
+        probe = (f"import runpy, sys\nsys.argv = ['transport_core.py', '--cleanup', {job_id!r}]\n"
+                 f"try:\n    runpy.run_path({str(tool)!r}, run_name='__main__')\n"
+                 "except SystemExit as done:\n    assert not done.code, done.code\n"
+                 "assert 'torch' not in sys.modules, 'the cleanup imported torch'")
+        subprocess.run([sys.executable, "-c", probe], check=True, timeout=60)
+        assert job_segments(job_id) == [f"mapp_{job_id}_r0"]
+    check = subprocess.run([sys.executable, str(tool), "--check"], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stderr
+    missing = subprocess.run([sys.executable, str(tool), "--check"], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "MEGATRON_APP_CORE": "/nonexistent/core.so"})
+    assert (missing.returncode, missing.stderr.strip()) == (
+        1, "transport_core.py: /nonexistent/core.so is not built (run `pip install -e . --no-build-isolation --no-deps`)")

@@ -95,7 +95,7 @@ print(advertised_address(sys.argv[1]))' "$master_addr")
     if [ -n "$ifname" ]; then export GLOO_SOCKET_IFNAME=$ifname; fi
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-cleanup() { "$VENV_PY" -c "from megatron_app.transport import cleanup_job; cleanup_job('$MEGATRON_APP_JOB_ID')" 2>/dev/null || true; }
+cleanup() { "$VENV_PY" "$repo_root/tools/transport_core.py" --cleanup "$MEGATRON_APP_JOB_ID" 2>/dev/null || true; }
 trap cleanup EXIT
 
 echo "[$script] node $node_rank: $nproc of $world ranks (pipeline $P x tensor $T x data $D, $V chunks), transport $transport, job $job_id" >&2

@@ -30,14 +30,16 @@ fi
 build_description=$(repo_root="$repo_root" VENV_PY="$VENV_PY" bash "$repo_root/tools/build_stamp.sh") \
     || die "could not describe the build (tools/build_stamp.sh failed)"
 build_stamp="$venv/.build-$(echo "$build_description" | sha256sum | cut -c1-16)"
-if [ ! -f "$build_stamp" ] || ! "$VENV_PY" -c 'import megatron_app.transport._shm_tensor_rdma' 2>/dev/null; then
+# The module loads from its file (tools/transport_core.py): through its package it would import torch, every launch.
+if [ ! -f "$build_stamp" ] || ! MEGATRON_APP_CORE= "$VENV_PY" "$repo_root/tools/transport_core.py" --check 2>/dev/null; then
     previous=$(ls "$venv"/.build-* 2>/dev/null | head -n1 || true)
     changed=$( [ -s "$previous" ] && diff <(cat "$previous") <(echo "$build_description") | sed -n 's/^> //p' \
         | grep -v '^sources:' | paste -sd ';' - || true)
     log "building the extension (csrc/shm_tensor_rdma)${changed:+; changed since the last build: $changed}"
     (cd "$repo_root" && "$VENV_PY" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e . 2>&1 \
         | grep -v -E '^WARNING: Location' ) || true
-    "$VENV_PY" -c 'import megatron_app.transport._shm_tensor_rdma' || die "the extension did not build; see the compiler output above"
+    MEGATRON_APP_CORE= "$VENV_PY" "$repo_root/tools/transport_core.py" --check \
+        || die "the extension did not build; see the compiler output above"
     rm -f "$venv"/.build-*
     echo "$build_description" > "$build_stamp"
 fi
