@@ -24,8 +24,18 @@ def rehearsal(tmp_path_factory):
 def test_the_rehearsal_runs_every_step_and_writes_both_reports(rehearsal):
     out, result = rehearsal
     report = json.loads((out / "report.json").read_text())
-    assert list(report["steps"]) == ["setup", "host", "pytest", "equality", "transport", "prediction", "own-loop",
+    assert list(report["steps"]) == ["setup", "host", "pytest", "equality", "own-loop", "transport", "prediction",
                                      "curves", "composition"]
+    # where the launches' time went: before the rank, the rank's start-up phases, iterations, after
+    launch = report["launch"]
+    assert launch["launches"] == 4 + 2 + 2 and set(launch["median_alone"]) == {
+        "total", "before_rank", "rank_imports", "rank_process_group", "rank_model_parallel", "rank_trainer",
+        "iterations", "after"}
+    assert all(value >= 0 for value in launch["median_alone"].values()), launch
+    assert "launch      median seconds of the launches that ran alone (of 8)" in (out / "report.txt").read_text()
+    probes = report["steps"]["host"]["startup_probes_s"]
+    assert set(probes) == {"python", "import_torch", "import_megatron_core", "getfqdn", "gethostbyname"}
+    assert all(seconds is not None and seconds > 0 for seconds in probes.values()), probes
     text = (out / "report.txt").read_text()
     assert text.startswith("gpu_check: ") and all(name in text for name in report["steps"])
     for name in ("setup", "host", "equality", "own-loop", "curves", "transport", "composition"):
@@ -144,3 +154,43 @@ def test_a_time_budget_cuts_the_steps_it_cannot_start_and_fails_the_check(tmp_pa
     assert gpu_check.Check(tmp_path, gpu_check.CPU, sys.executable, deadline=time.monotonic() - 1).limit(600) == 1.0
     assert gpu_check.main(["--out", str(tmp_path), "--cpu", "--budget-s", "0"]) == 2
     assert capsys.readouterr().err.strip().endswith("--budget-s must be a positive number of seconds, got 0.0")
+
+
+def test_the_steps_of_a_phase_run_side_by_side(tmp_path, monkeypatch):
+    """equality and own-loop (losses only) share a phase and overlap; the timing steps run alone after them."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import gpu_check
+
+    spans = {}
+
+    def step(name):
+        def run(self):
+            start = time.monotonic()
+            time.sleep(0.4)
+            spans[name] = (start, time.monotonic())
+            return {"status": "pass"}
+        return run
+
+    for name in ("equality", "own_loop", "transport"):
+        monkeypatch.setattr(gpu_check.Check, name, step(name))
+    assert gpu_check.main(["--out", str(tmp_path), "--cpu", "--steps", "equality,own-loop,transport"]) == 0
+    assert spans["equality"][0] < spans["own_loop"][1] and spans["own_loop"][0] < spans["equality"][1]
+    assert spans["transport"][0] >= max(spans["equality"][1], spans["own_loop"][1])
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert list(report["steps"]) == ["equality", "own-loop", "transport"] and report["launch"] is None
+
+
+def test_a_launchs_phases_add_up_to_its_time():
+    sys.path.insert(0, str(REPO / "tools"))
+    import gpu_check
+
+    log = {"startup": {"process_started_unix": 1000.0 + 4.0, "total_s": 6.0,
+                       "seconds": {"imports": 5.0, "process_group": 0.5, "model_parallel": 0.1, "trainer": 0.4}},
+           "iterations": [{"time_ms": 1500.0}, {"time_ms": 500.0}]}
+    phases = gpu_check.launch_phases(1000.0, 15.0, log)
+    assert phases == {"total": 15.0, "before_rank": 4.0, "rank_imports": 5.0, "rank_process_group": 0.5,
+                      "rank_model_parallel": 0.1, "rank_trainer": 0.4, "iterations": 2.0, "after": 3.0}
+    assert gpu_check.launch_phases(1000.0, 15.0, {"iterations": []}) is None
+    summary = gpu_check.launch_summary({"eq-a-p1": phases, "predict-p1": {**phases, "total": 17.0}})
+    assert summary["launches"] == 2 and summary["median_alone"]["total"] == 17.0
+    assert summary["median_all"]["total"] == 16.0

@@ -6,19 +6,23 @@
     bash tools/gpu_check.sh --out DIR --budget-s 420     # stop starting steps after 420 s (set-up not counted)
 
 Steps, in this order (each one passes, fails or is skipped with its reason; one failing step never stops the others;
-under --budget-s a step not started in time is reported as `cut`, which fails the check):
-  host        host, GPU, driver and package versions
+under --budget-s a step not started in time is reported as `cut`, which fails the check; equality and own-loop run
+side by side, the steps that time something alone):
   setup       tools/setup_env.sh's time (measured by gpu_check.sh)
+  host        host, GPU, driver and package versions; seconds of a fresh interpreter's imports, first CUDA tensor
+              and host-name lookups (what every launch pays before it trains)
   pytest      the tests marked `cuda` (all of them on a GPU host; on CPU they skip, which is reported)
   equality    P=1 against P=2 V=2 on one device: per-iteration losses within each row's tolerance
+  own-loop    examples/simple_train_loop.py (a user's own Megatron loop) as its CI test runs it: P=2 V=2 under
+              our schedule against P=1 under Megatron's, dropout 0.1, fixed and variable lengths
   transport   tools/bench_transport.py --device cuda (its table and JSON)
   prediction  predicted against measured iteration after warm-up (P=1 and P=2 V=2), and a rank's compute spans
               against its forward_backward call's span (the trace's iteration event)
-  own-loop    examples/simple_train_loop.py (a user's own Megatron loop) as its CI test runs it: P=2 V=2 under
-              our schedule against P=1 under Megatron's, dropout 0.1, fixed and variable lengths
   curves      event-timed cost curves from P=1 runs at two depths, in the simulator's --cost-curves format
   composition the simulator's composition rows (copyright 2,048 / 8,192; P=4 V=2 m=16, P=8 V=2 m=32, D=4) under the
               curves step's event-timed curves: `balanced` against `packed` and the DpBalanced-style packer
+The report's `launch` line: the median seconds of each trainer launch before its rank started, in the rank's
+start-up phases (train/startup.py), in iterations and after them.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -84,13 +89,19 @@ GPU = Sizes(
     curve_flags=["--num-attention-heads", "16", "--seq-length", "8192", "--micro-batch-size", "32",
                  "--global-batch-size", "256", "--bf16"],
     curve_iters=5, curve_skip=2,
-    prediction_model=["--num-layers", "8", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length",
-                      "4096", "--micro-batch-size", "4", "--global-batch-size", "64", "--bf16"],
+    # GPU-bound microbatches, as users train: on the first H100 the 4-document microbatches (94-1,601 tokens) of
+    # hidden 2048 were host-bound, every task 10-28 ms whatever its tokens (the GPU's share ~3 ms), so what there was
+    # to predict was host jitter. 32 documents (about 2,300 tokens) at hidden 4096 give a forward ~7 TFLOP (~20 ms),
+    # twice the host's ~10 ms to launch 8 layers; 1.6 B parameters, ~30 GB with the optimizer on one GPU.
+    prediction_model=["--num-layers", "8", "--hidden-size", "4096", "--num-attention-heads", "32", "--seq-length",
+                      "8192", "--micro-batch-size", "32", "--global-batch-size", "256", "--bf16"],
     # 10: the median is over 8 scored iterations; at 6 the model's one-iteration learning transient (H100: iteration
     # 3 planned from one size of microbatch) was a quarter of them. Each iteration adds well under a second.
     prediction_iters=10,
     transport_flags=["--device", "cuda"],
-    device="cuda", parallel_runs=7,   # every row at once: the runs share the GPU (16 cores for their processes)
+    # Every equality launch at once (7 rows x 2 layouts; own-loop's 5 beside them): on the first H100 a launch took
+    # 51-68 s with 7 side by side and 55-65 s alone, so a launch waits rather than computes; the runs share the GPU.
+    device="cuda", parallel_runs=14,
     rows=["mock-fp32", "mock-bf16", "loader-fp32-dropout", "packed-fp32-dropout", "balanced-fp32-dropout",
           "packed-bf16-dropout", "balanced-bf16-dropout"],
     own_loop_rows=["fixed", "packed", "balanced"],
@@ -156,7 +167,9 @@ class Check:
         self.work = out / "work"
         self.work.mkdir(parents=True, exist_ok=True)
         self.report: Dict[str, dict] = {}
+        self.launches: Dict[str, dict] = {}   # run name -> launch_phases(...): where each trainer launch's time went
         self._corpus: Optional[dict] = None
+        self._lock = threading.Lock()          # steps that run side by side share the corpus and the launches
 
     def limit(self, seconds: float) -> float:
         """A command's time limit: `seconds`, or what is left of the budget when that is less (at least 1 s)."""
@@ -177,13 +190,22 @@ class Check:
                    "--log-json", str(log_json), *flags]
         command += ["--trace-dir", str(run_dir / "trace")] if trace else ["--no-trace"]
         env = dict(os.environ, LOG_DIR=str(run_dir / "logs"), PYTHONUNBUFFERED="1")
-        started = time.perf_counter()
+        started, started_unix = time.perf_counter(), time.time()
         result = _run_logged(command, env, self.limit(600), run_dir / "output.txt")
+        seconds = time.perf_counter() - started
         payload = json.loads(log_json.read_text()) if log_json.exists() else None
-        return {"rc": result.returncode, "seconds": round(time.perf_counter() - started, 1), "json": payload,
+        launch = launch_phases(started_unix, seconds, payload)
+        if launch is not None:
+            with self._lock:
+                self.launches[name] = launch
+        return {"rc": result.returncode, "seconds": round(seconds, 1), "json": payload, "launch": launch,
                 "trace_dir": run_dir / "trace", "tail": (result.stdout + result.stderr).strip().splitlines()[-3:]}
 
     def corpus(self) -> dict:
+        with self._lock:
+            return self._make_corpus()
+
+    def _make_corpus(self) -> dict:
         if self._corpus is None:
             directory = self.work / "corpus"
             subprocess.run([self.python, str(REPO / "tools" / "make_corpus.py"), "--output-dir", str(directory)],
@@ -214,7 +236,28 @@ class Check:
                 query = subprocess.run([smi, "--query-gpu=driver_version,memory.total", "--format=csv,noheader"],
                                        capture_output=True, text=True)
                 info["driver_and_memory"] = query.stdout.strip()
+        info["startup_probes_s"] = self.startup_probes()
         return {"status": "pass", **info}
+
+    def startup_probes(self) -> Dict[str, Optional[float]]:
+        """Seconds of what every launch does before it trains, each in a fresh interpreter (as a launch's processes
+        are): the interpreter alone, importing torch, importing megatron.core, torch plus the first CUDA tensor, and
+        the host-name lookups torchrun and NCCL make (a host whose name no resolver answers waits out timeouts)."""
+        probes = {"python": "pass", "import_torch": "import torch", "import_megatron_core": "import megatron.core",
+                  "getfqdn": "import socket; socket.getfqdn()",
+                  "gethostbyname": "import socket; socket.gethostbyname(socket.gethostname())"}
+        if self.sizes.device == "cuda":
+            probes["torch_and_first_cuda_tensor"] = "import torch; torch.zeros(1, device='cuda')"
+        timings = {}
+        for name, code in probes.items():
+            started = time.perf_counter()
+            try:
+                done = subprocess.run([self.python, "-W", "ignore", "-c", code], capture_output=True,
+                                      timeout=self.limit(60))
+                timings[name] = round(time.perf_counter() - started, 2) if done.returncode == 0 else None
+            except subprocess.TimeoutExpired:
+                timings[name] = None
+        return timings
 
     def pytest(self) -> dict:
         junit = self.work / "pytest.xml"
@@ -241,10 +284,18 @@ class Check:
         rows = {}
         corpus = self.corpus()
 
-        def one_row(row: str) -> dict:
+        def launch(row_and_layout) -> dict:
+            row, (name, pipeline, chunks) = row_and_layout
             flags = self.sizes.equality_model + equality_flags(row, corpus)
-            reference = self.train(f"eq-{row}-p1", 1, 1, flags, self.sizes.equality_iters)
-            pipelined = self.train(f"eq-{row}-p2v2", 2, 2, flags, self.sizes.equality_iters)
+            return self.train(f"eq-{row}-{name}", pipeline, chunks, flags, self.sizes.equality_iters)
+
+        layouts = (("p1", 1, 1), ("p2v2", 2, 2))
+        launches = [(row, layout) for row in self.sizes.rows for layout in layouts]
+        with ThreadPoolExecutor(max_workers=self.sizes.parallel_runs) as pool:   # P=1 and P=2 V=2 side by side too
+            done = dict(zip(((row, layout[0]) for row, layout in launches), pool.map(launch, launches)))
+
+        def one_row(row: str) -> dict:
+            reference, pipelined = done[row, "p1"], done[row, "p2v2"]
             tolerance = tolerance_of(row, self.sizes.device)
             entry = {"tolerance": tolerance, "seconds": [reference["seconds"], pipelined["seconds"]]}
             if reference["rc"] or pipelined["rc"] or not reference["json"] or not pipelined["json"]:
@@ -256,9 +307,8 @@ class Check:
             return {**entry, "status": "pass" if worst <= tolerance else "fail", "losses_p1": a, "losses_p2v2": b,
                     "max_relative_difference": worst}
 
-        with ThreadPoolExecutor(max_workers=self.sizes.parallel_runs) as pool:
-            for row, result in zip(self.sizes.rows, pool.map(one_row, self.sizes.rows)):
-                rows[row] = result
+        for row in self.sizes.rows:
+            rows[row] = one_row(row)
         status = "pass" if all(r["status"] == "pass" for r in rows.values()) else "fail"
         return {"status": status, "rows": rows}
 
@@ -427,6 +477,36 @@ def composition_rows(python: str, curves: Path, rows, work: Path, limit=lambda s
     return results
 
 
+def launch_phases(started_unix: float, seconds: float, log: Optional[dict]) -> Optional[dict]:
+    """One run_single.sh launch's seconds: before the rank process started (set-up check, --check-config, torchrun),
+    the rank's start-up phases (its log's "startup": imports, process group, model parallel, trainer), its
+    iterations, and after them (teardown and the launcher's exit). None without the rank's start-up record."""
+    startup = (log or {}).get("startup")
+    if not startup:
+        return None
+    iterations = sum(it["time_ms"] for it in log.get("iterations", [])) / 1e3
+    before = startup["process_started_unix"] - started_unix
+    return {"total": round(seconds, 2), "before_rank": round(before, 2),
+            **{f"rank_{phase}": value for phase, value in startup["seconds"].items()},
+            "iterations": round(iterations, 2),
+            "after": round(seconds - before - startup["total_s"] - iterations, 2)}
+
+
+def launch_summary(launches: Dict[str, dict]) -> Optional[dict]:
+    """The median of each phase over the launches that ran alone (the timing steps': prediction, curves) and over
+    all of them; None when no launch reported."""
+    if not launches:
+        return None
+
+    def medians(runs):
+        keys = list(dict.fromkeys(key for run in runs for key in run))   # launch_phases' order
+        return {key: round(statistics.median(run[key] for run in runs if key in run), 2) for key in keys}
+
+    alone = [run for name, run in launches.items() if name.startswith(("predict-", "curve-"))]
+    return {"launches": len(launches), "median_all": medians(list(launches.values())),
+            **({"median_alone": medians(alone)} if alone else {})}
+
+
 def _median_per_rank(run, skip: int, measure) -> Dict[str, Dict[str, float]]:
     """Per pipeline rank ("ppR"): for each iteration from `skip` with a call span, measure(events, call) -> {name:
     share}; the median of each share over those iterations."""
@@ -497,8 +577,12 @@ def _junit_counts(path: Path) -> dict:
 
 
 # In the order they run: what judges the GPU issues first (equality, transport, prediction), the long curves runs
-# late, composition last (it reads the curves step's files).
-STEPS = ("host", "pytest", "equality", "transport", "prediction", "own-loop", "curves", "composition")
+# late, composition last (it reads the curves step's files). The steps of one phase run side by side: equality and
+# own-loop only check losses (each launch costs about a minute on the first GPU hosts, mostly start-up); the steps
+# that time something (pytest's event-timing test, transport, prediction, curves) run alone.
+PHASES = (("host",), ("pytest",), ("equality", "own-loop"), ("transport",), ("prediction",), ("curves",),
+          ("composition",))
+STEPS = tuple(name for phase in PHASES for name in phase)
 
 # The simulator's composition rows (BENCHMARKS.md, "Microbatch composition"): (name, corpus lengths, P, V, m, D,
 # layers of the simulated model: the curves' layer cost times this, spread over P x V chunks).
@@ -527,6 +611,12 @@ def write_text_report(report: dict) -> str:
             lines.append(f"            {line}")
         for line in step.get("failures", []):
             lines.append(f"            {line}")
+    launch = report.get("launch")
+    if launch:
+        typical = launch.get("median_alone") or launch["median_all"]
+        which = "launches that ran alone" if "median_alone" in launch else "all launches"
+        lines.append(f"launch      median seconds of the {which} (of {launch['launches']}): "
+                     + ", ".join(f"{key} {value:g}" for key, value in typical.items()))
     return "\n".join(lines) + "\n"
 
 
@@ -563,10 +653,12 @@ def main(argv=None) -> int:
     if args.setup_seconds is not None:
         report["steps"]["setup"] = {"status": "pass", "seconds": args.setup_seconds}
     started = time.perf_counter()
-    for name in steps:
+    budget = None if args.budget_s is None else f"{args.budget_s:.0f} s"
+
+    def run_step(name: str) -> dict:
         step_start = time.perf_counter()
         if deadline is not None and time.monotonic() >= deadline:
-            result = {"status": "cut", "reason": f"not started: the {args.budget_s:.0f} s budget was spent"}
+            result = {"status": "cut", "reason": f"not started: the {budget} budget was spent"}
         else:
             print(f"gpu_check: {name} ...", flush=True)
             try:
@@ -575,11 +667,18 @@ def main(argv=None) -> int:
                 result = {"status": "fail", "error": f"{type(error).__name__}: {error}"}
             if result["status"] == "fail" and deadline is not None and time.monotonic() >= deadline - 1.0:
                 # its commands were stopped at the budget's end: not a verdict on the step (still not a pass)
-                result = {**result, "status": "cut", "reason": f"stopped when the {args.budget_s:.0f} s budget ran "
-                                                               f"out ({result.get('error', 'see its rows')})"}
+                result = {**result, "status": "cut", "reason": f"stopped when the {budget} budget ran out "
+                                                               f"({result.get('error', 'see its rows')})"}
         result["seconds"] = round(time.perf_counter() - step_start, 1)
-        report["steps"][name] = result
         print(f"gpu_check: {name} {result['status']} ({result['seconds']} s)", flush=True)
+        return result
+
+    for phase in PHASES:
+        names = [name for name in phase if name in steps]
+        with ThreadPoolExecutor(max_workers=max(1, len(names))) as pool:   # a phase's steps run side by side
+            for name, result in zip(names, pool.map(run_step, names)):
+                report["steps"][name] = result
+        report["launch"] = launch_summary(check.launches)
         _write(out, report, started)
     report = _write(out, report, started)
     with tarfile.open(out / "runs.tar.gz", "w:gz") as archive:   # every run's output, logs and traces

@@ -29,6 +29,7 @@ from .model import build_model_chunks
 from .optim import MixedPrecision, MixedPrecisionOptimizer, build_optimizer, finalize_model_grads
 from .evaluate import evaluate
 from .report import IterationReporter, reduce_lm_loss
+from .startup import StartupClock
 from .step import forward_step
 from .stops import check_finite, interrupt_follows, interrupted, raise_once_on_ctrl_c
 from .trace_run import start_trace_run
@@ -199,16 +200,22 @@ def train(args) -> None:
 
     ``args`` comes from args.parse_args. An existing default process group is used and left open.
     """
+    startup = StartupClock()
+    startup.mark("imports")
     owns_process_group = not dist.is_initialized()
     restore_ctrl_c = raise_once_on_ctrl_c()
     init_distributed(args.device, args.distributed_timeout_minutes)
+    startup.mark("process_group")
     trainer = None
     loss_layer = None
     iteration = None
     try:
         init_model_parallel(args.tensor_parallel, args.pipeline_parallel, args.model_chunks, args.device,
                             args.distributed_timeout_minutes)
+        startup.mark("model_parallel")
         trainer = build_trainer(args)
+        startup.mark("trainer")
+        trainer.reporter.record_startup(startup.report())
         loss_layer = start_loss_layer(args, dist.get_rank())  # before the first step creates the transport
         if loss_layer is not None:
             add_transport_wrapper(loss_layer.wrap_transport)

@@ -90,6 +90,12 @@ class IterationReporter:
         })
         self._write()
 
+    def record_startup(self, startup: Optional[dict]) -> None:
+        """The rank's start-up phases (startup.StartupClock.report), kept in the JSON log as "startup"."""
+        if self.enabled and startup is not None:
+            self.payload["startup"] = startup
+            self._write()
+
     def record_validation(self, iteration: int, loss: Optional[float]) -> None:
         if not self.enabled:
             return

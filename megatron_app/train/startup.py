@@ -1,0 +1,53 @@
+"""Where a rank's start-up time goes: seconds from the process's start to each phase's end, kept in the JSON log.
+
+On the first GPU hosts a launch cost about a minute around a few seconds of training (docs/gpu.md); the phases
+say which part: the interpreter and imports (torch, megatron-core), the process group, Megatron's model-parallel
+groups, and the trainer (model, optimizer, datasets, trace run). `process_started_unix` lets a launcher that noted
+its own start (tools/gpu_check.py) tell its time before the rank from the rank's.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Dict, Optional
+
+PHASES = ("imports", "process_group", "model_parallel", "trainer")
+
+
+def process_age_s() -> Optional[float]:
+    """Seconds since this process started (Linux's /proc, 10 ms resolution); None where /proc cannot tell."""
+    try:
+        with open("/proc/self/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()   # the command name may hold spaces: cut after it
+        with open("/proc/uptime") as uptime:
+            since_boot = float(uptime.read().split()[0])
+        return since_boot - int(fields[19]) / os.sysconf("SC_CLK_TCK")   # field 22 of stat: starttime, in ticks
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class StartupClock:
+    """mark(phase) at each phase's end; report() -> {"process_started_unix", "seconds": {phase: its own seconds},
+    "total_s"}, or None where the process's start is unknown."""
+
+    def __init__(self):
+        age = process_age_s()
+        now = time.time()
+        self.started_unix = None if age is None else now - age
+        self._ends: Dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        assert phase in PHASES, phase
+        self._ends[phase] = time.time()
+
+    def report(self) -> Optional[dict]:
+        if self.started_unix is None or not self._ends:
+            return None
+        seconds, previous = {}, self.started_unix
+        for phase in PHASES:
+            if phase in self._ends:
+                seconds[phase] = round(self._ends[phase] - previous, 3)
+                previous = self._ends[phase]
+        return {"process_started_unix": round(self.started_unix, 3), "seconds": seconds,
+                "total_s": round(previous - self.started_unix, 3)}

@@ -1,0 +1,29 @@
+"""train/startup.py: a rank's start-up phases, from its process's start (kept in the JSON log as "startup")."""
+
+import subprocess
+import sys
+import time
+
+from megatron_app.train.startup import PHASES, StartupClock, process_age_s
+
+
+def test_a_fresh_process_knows_its_age():
+    code = ("import time; time.sleep(0.3)\nfrom megatron_app.train.startup import process_age_s\n"
+            "print(process_age_s())")
+    age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                               timeout=60).stdout)
+    assert 0.3 <= age < 10.0
+
+
+def test_the_phases_are_consecutive_and_sum_to_the_total():
+    clock = StartupClock()
+    assert clock.report() is None      # nothing marked yet
+    for phase in PHASES:
+        time.sleep(0.02)
+        clock.mark(phase)
+    report = clock.report()
+    assert list(report["seconds"]) == list(PHASES)
+    assert all(seconds >= 0.015 for seconds in list(report["seconds"].values())[1:])
+    assert abs(sum(report["seconds"].values()) - report["total_s"]) < 0.01
+    assert abs(report["process_started_unix"] + report["total_s"] - time.time()) < 1.0
+    assert report["total_s"] >= process_age_s() - 1.0
