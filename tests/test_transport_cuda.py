@@ -372,3 +372,25 @@ def test_a_lent_ipc_slot_keeps_its_bytes_while_held_and_later_messages_go_staged
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_device_sends_transfer_span_starts_when_its_producer_is_done(pair):
+    """The send's own transfer (what the executor traces as its `send` span): posted while its producer's kernels
+    still run, it starts when they are done, on the device's clock."""
+    sender, receiver = pair
+    a = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    began.record()
+    for _ in range(20):
+        a = a @ a / 64.0   # tens of milliseconds queued before the send
+    ended.record()
+    posted = time.monotonic()
+    handle = sender.send(1, make_tag(FWD, 0), a[:256].contiguous())
+    handle.wait(timeout=60)
+    seen = time.monotonic()
+    producer_s = began.elapsed_time(ended) / 1e3
+    start, end = handle.transfer_span()
+    assert posted <= start <= end <= seen + 1e-3, (posted, start, end, seen)
+    assert end - start < (seen - posted) - 0.5 * producer_s, (end - start, seen - posted, producer_s)
+    assert torch.equal(receiver.recv(0, make_tag(FWD, 0), device="cuda"), a[:256])

@@ -1058,3 +1058,92 @@ def test_the_slot_releaser_gives_each_slot_back_only_after_its_copy():
         assert Core.released == [(3, True)] * 5 and not releaser.pending()
     finally:
         releaser.stop()
+
+
+# ---- the span a device send's trace event gets (executor._send_span): its own transfer ------------------------------
+class MarkedLateEngine(FakeCopyEngine):
+    """Marks at given times: the start mark 5 ms and the end mark 7 ms after the engine was made (device seconds
+    between them: 2 ms), whenever the host makes them."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.origin = time.monotonic()
+        self.offsets = []
+
+    def mark(self, device):
+        from transport_helpers.fake_engine import FakeMark
+
+        self.marks += 1
+        self.offsets.append(0.005 if self.marks % 2 else 0.007)
+        return FakeMark(self.origin + self.offsets[-1])
+
+
+@pytest.mark.parametrize("size, where", [(100, "inline"), (100_000, "stager")])
+def test_a_device_send_knows_its_transfer_from_its_marks(job_id, monkeypatch, size, where):
+    import megatron_app.transport.device_staging as staging
+
+    engine = MarkedLateEngine(lag=1)
+    sender, receiver = staged_pair(job_id, engine)
+    try:
+        monkeypatch.setattr(staging, "INLINE_SEND_BYTES", 1000)
+        posted = time.monotonic()
+        handle = sender.send(1, make_tag(FWD, 0), torch.arange(float(size)))
+        handle.wait(timeout=10)
+        seen = time.monotonic()
+        start, end = handle.transfer_span()
+        assert engine.marks == 2 and abs((end - start) - 0.002) < 1e-9   # the device's seconds, not the host's
+        assert posted <= end <= seen
+        assert engine.copy_threads[0] == ("megatron_app-stager" if where == "stager" else
+                                          threading.current_thread().name)
+        assert torch.equal(receiver.recv(0, make_tag(FWD, 0)), torch.arange(float(size)))
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_sends_without_device_marks_have_no_transfer_span(pair):
+    sender, receiver, engine = pair
+    engine.handles = lambda tensor: False            # a host tensor: the core's handle, posted to completion
+    handle = sender.send(1, make_tag(FWD, 0), torch.arange(10))
+    handle.wait(timeout=10)
+    assert getattr(handle, "transfer_span", None) is None
+    assert torch.equal(receiver.recv(0, make_tag(FWD, 0)), torch.arange(10))
+
+
+def test_an_ipc_send_on_the_callers_thread_is_timed_from_its_marks(ipc_pair):
+    sender, receiver, engine = ipc_pair
+    handle = sender.send(1, make_tag(FWD, 0), torch.arange(100.0))
+    assert handle.transfer_span() is None or handle.done()   # no span before its copy is seen done
+    handle.wait(timeout=10)
+    start, end = handle.transfer_span()
+    assert 0 <= end - start < 1.0 and sender.device_path_of(1) == "cuda ipc"
+    assert torch.equal(receiver.recv(0, make_tag(FWD, 0)), torch.arange(100.0))
+
+
+def test_the_executor_traces_a_device_send_from_its_transfer_and_keeps_the_wait_before_it():
+    from megatron_app.runtime.executor import PipelineStep
+
+    class Clock:
+        now = 10_000.0
+
+        def _now(self):
+            return self.now
+
+    class Timed:
+        def __init__(self, span):
+            self.span = span
+
+        def transfer_span(self):
+            return self.span
+
+    seen = time.monotonic()
+    clock = Clock()
+    # posted at 2,000 us; its transfer took 1 ms and ended 3 ms before now (now_us 10,000): 6,000 .. 7,000 us
+    start, end, extra = PipelineStep._send_span(clock, Timed((seen - 0.004, seen - 0.003)), 2_000.0)
+    assert abs(end - 7_000.0) < 200 and abs((end - start) - 1_000.0) < 1e-3
+    assert abs(extra["queued_us"] - (start - 2_000.0)) < 1e-3
+    # a transfer that would begin before the posting is cut there
+    start, end, extra = PipelineStep._send_span(clock, Timed((seen - 1.0, seen)), 9_500.0)
+    assert start == 9_500.0 and extra["queued_us"] == 0.0
+    # a handle without a span (a host tensor's): posting to now
+    assert PipelineStep._send_span(clock, object(), 2_000.0) == (2_000.0, 10_000.0, {})

@@ -423,8 +423,10 @@ class Check:
                 "definition": "error = predicted_ms / time_ms - 1 per iteration from the third; span_coverage = "
                               "sum of a rank's compute spans / its forward_backward call's span, median over "
                               "iterations from the third (P=1 target: within 5% of 1); transfer_shares: per rank, "
-                              "the share of the call's span with a send in flight (posting to the completion the "
-                              "rank saw), taking inputs (recv) and blocked on one (wait), median from the third; "
+                              "the share of the call's span with a send in flight (a device tensor's from its data "
+                              "ready on the device to its copies' end, device-timed; a host tensor's from posting "
+                              "to the completion the rank saw), taking inputs (recv) and blocked on one (wait), "
+                              "median from the third; "
                               "send_share: the largest rank's (the transport issue's target: under 0.10; not part of "
                               "this step's pass)"}
 
@@ -539,8 +541,9 @@ def span_coverage(run, skip: int) -> Dict[str, float]:
 
 def transfer_shares(run, skip: int) -> Dict[str, Dict[str, float]]:
     """Per pipeline rank, the median over iterations (from skip) of the share of the call's span during which a send
-    was in flight (from its posting to the completion the rank saw: asynchronous, it overlaps compute; the union of
-    the spans, so at most 1), spent taking inputs (recv) and blocked waiting for one (wait)."""
+    was in flight (its trace span: a device tensor's own transfer, a host tensor's posting to the completion the
+    rank saw; asynchronous, it overlaps compute; the union of the spans, so at most 1), spent taking inputs (recv)
+    and blocked waiting for one (wait)."""
     from megatron_app.trace.intervals import union_length
     from megatron_app.trace.schema import RECV, SEND, WAIT
 

@@ -388,11 +388,26 @@ class PipelineStep:
         for entry in self._pending_sends:
             handle, posted, peer, nbytes, task = entry
             if handle.done():
-                self._trace("send", posted, self._now(), task, peer=peer, nbytes=nbytes,
-                            direction=direction_of(task).name.lower())
+                start, end, extra = self._send_span(handle, posted)
+                self._trace("send", start, end, task, peer=peer, nbytes=nbytes,
+                            direction=direction_of(task).name.lower(), **extra)
             else:
                 still.append(entry)
         self._pending_sends = still
+
+    def _send_span(self, handle, posted_us: float) -> tuple:
+        """A done send's traced span: posting to the completion seen here; for a device tensor, its own transfer
+        (device_staging.DeviceSendHandle.transfer_span: from its data being ready on the device to its copies'
+        end; on a GPU the host posts long before the producer's kernels finish), with the wait before it kept as
+        queued_us."""
+        now_us = self._now()
+        span = getattr(handle, "transfer_span", lambda: None)()
+        if span is None:
+            return posted_us, now_us, {}
+        seen = time.monotonic()
+        end_us = min(now_us, now_us - (seen - span[1]) * 1e6)
+        start_us = min(end_us, max(posted_us, end_us - (span[1] - span[0]) * 1e6))
+        return start_us, end_us, {"queued_us": round(start_us - posted_us, 3)}
 
     # ---- tracing ----------------------------------------------------------------------------------------------
     def _now(self) -> float:

@@ -279,6 +279,17 @@ class CudaCopyEngine:
             done.record(stream)
         return done
 
+    def mark(self, device) -> "torch.cuda.Event":
+        """A timing event recorded on `device`'s copy stream: it completes when the stream reaches it (after the
+        producer's event the stream follows, and after the copies queued before it)."""
+        mark = torch.cuda.Event(enable_timing=True, blocking=self._blocking)
+        mark.record(self._stream(torch.device(device)))
+        return mark
+
+    @staticmethod
+    def seconds_between(start, end) -> float:
+        return start.elapsed_time(end) / 1e3   # both completed: the caller waited for `end`, recorded after `start`
+
     # ---- receives straight from the slots (device_staging.receive_through_slots) ----
     def _receive_stream(self, device: torch.device) -> "torch.cuda.Stream":
         return _side_stream(self._receive_streams, device)

@@ -29,6 +29,8 @@ lines are CudaCopyEngine (device_engine.py), the one interface:
     engine.empty(shape, dtype, device) -> tensor   a receive's destination
     engine.from_host(dst, src) -> token   copy src (a host uint8 view of a slot) into dst (a flat uint8 device view)
     engine.order_after(tensor, token)     the caller's stream waits (on the device) for the copy `token`
+    engine.mark(device) -> token          a timing mark on the device's copy stream (also a token to wait for)
+    engine.seconds_between(start, end)    device seconds between two completed marks (a send's transfer_span)
 
 Lifetime rule: as on CPU, the sent tensor must not be written until its handle is done (the stager reads it).
 Order: messages to one peer leave in send() order, whichever path each takes (host tensors posted while a device
@@ -339,7 +341,8 @@ class DeviceSendHandle:
     An IPC send on the caller's thread finishes with its device copy still pending (`_pending`, the engine's
     token; `_source` kept alive until it is done): done() asks the engine, wait() waits for it."""
 
-    __slots__ = ("peer", "tag", "_event", "_error", "_reported", "_pending", "_source", "_engine")
+    __slots__ = ("peer", "tag", "_event", "_error", "_reported", "_pending", "_source", "_engine", "_marks",
+                 "_ended_at", "_timing_engine")
 
     def __init__(self, peer: int, tag: int):
         self.peer = peer
@@ -348,13 +351,20 @@ class DeviceSendHandle:
         self._error: Optional[BaseException] = None
         self._reported = False
         self._pending = self._source = self._engine = None
+        self._marks = self._ended_at = self._timing_engine = None
 
     completed_on_return = False
 
-    def _finish(self, error: Optional[BaseException] = None, pending=None, source=None, engine=None) -> None:
+    def _finish(self, error: Optional[BaseException] = None, pending=None, source=None, engine=None,
+                marks=None, timing_engine=None) -> None:
+        """`marks`: (start, end) of the engine's timing marks around the send's device work (Stager._send)."""
         self._error = error
+        if marks is not None and error is None:
+            self._marks, self._timing_engine = marks, timing_engine
         if pending is not None:
             self._pending, self._source, self._engine = pending, source, engine
+        else:
+            self._ended_at = time.monotonic()
         self._event.set()
 
     def _copy_done(self, block: bool) -> bool:
@@ -365,7 +375,19 @@ class DeviceSendHandle:
         elif not self._engine.done(self._pending):
             return False
         self._pending = self._source = None
+        self._ended_at = time.monotonic()   # an IPC copy's end as first seen
         return True
+
+    def transfer_span(self) -> Optional[tuple]:
+        """(start, end) in time.monotonic() seconds of the send's own transfer, for a done device send: from when
+        its data was ready on the device (the producer's work done, the copy stream free) to the end of its copies
+        (and, through a link that lends no slots, of the host send after them); the device's own timing, placed on
+        the host clock by the end, which the host saw. None for a send without marks (host tensors, failures)."""
+        if self._marks is None or self._ended_at is None:
+            return None
+        start, end = self._marks
+        self._timing_engine.wait(end)   # recorded right after the send's last copy, which is done: microseconds
+        return self._ended_at - self._timing_engine.seconds_between(start, end), self._ended_at
 
     def done(self) -> bool:
         return self._event.is_set() and self._copy_done(block=False)
@@ -454,30 +476,32 @@ class Stager:
         """An IPC send of any size on the caller's thread: it never waits on the host (the copy waits for the
         producer and for the receiver's last read of the slot on the device; the handle waits for the copy). False,
         nothing sent, when IPC cannot take it now (every slot awaits the receiver, or IPC is off for the peer)."""
-        error = pending = None
+        error = pending = marks = None
         try:
             self.engine.follow(source, ready)
+            start = self._mark(source)
             sent, pending = self._send_by_ipc(peer, tag, dtype_code(source.dtype), tuple(source.shape),
                                               flat_bytes(source))
+            marks = None if start is None else (start, self._mark(source))
         except Exception as exc:  # noqa: BLE001 - handed to the caller through the handle, as from the stager
             sent, error = True, _peer_gone_or(self._core, peer, exc)
         if not sent:
             return False
         with self._lock:
             self._remember(handle)
-            handle._finish(error, pending, source, self.engine)
+            handle._finish(error, pending, source, self.engine, marks, self.engine)
         return True
 
     def _send_inline(self, handle: DeviceSendHandle, peer: int, tag: int, source: torch.Tensor, ready):
         """The stager's work for one message, done on the caller's thread (the handle is done on return)."""
-        error = pending = None
+        error = pending = marks = None
         try:
-            pending = self._send(peer, tag, source, ready, [], True, True)
+            pending, marks = self._send(peer, tag, source, ready, [], True, True)
         except Exception as exc:  # noqa: BLE001 - handed to the caller through the handle, as from the stager
             error = _peer_gone_or(self._core, peer, exc)
         with self._lock:
             self._remember(handle)
-            handle._finish(error, pending, source, self.engine)
+            handle._finish(error, pending, source, self.engine, marks, self.engine)
         return handle
 
     def _remember(self, handle: DeviceSendHandle) -> None:
@@ -555,9 +579,10 @@ class Stager:
                     return
                 handle, peer, tag, source, ready, earlier, through_slots, device_tensor = self._queue.popleft()
                 self._working = True
-            error = None
+            error = marks = None
             try:
-                self.engine.wait(self._send(peer, tag, source, ready, earlier, through_slots, device_tensor))
+                pending, marks = self._send(peer, tag, source, ready, earlier, through_slots, device_tensor)
+                self.engine.wait(pending)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller through the handle
                 error = _peer_gone_or(self._core, peer, exc) if isinstance(exc, Exception) else exc
             finally:
@@ -565,37 +590,48 @@ class Stager:
             with self._lock:
                 self._queued_per_peer[peer] -= 1
                 self._working = False
-                handle._finish(error)
+                handle._finish(error, marks=marks, timing_engine=self.engine)
                 self._lock.notify_all()
 
     def _send(self, peer: int, tag: int, source: torch.Tensor, ready, earlier: list, through_slots: bool,
-              device_tensor: bool):
-        """Sends one message; returns the token of a device copy still reading `source` (IPC), or None."""
+              device_tensor: bool) -> tuple:
+        """Sends one message; returns (the token of a device copy still reading `source` (IPC), or None; the
+        (start, end) timing marks of a device tensor's send, or None). The start mark follows the producer's work
+        on the copy stream, the end mark the send's last copy there."""
         for handle in earlier:  # the core's sends to this peer posted before this one
             handle.wait()
+        start = None
         if device_tensor:
             self.engine.follow(source, ready)
+            start = self._mark(source)
         code = dtype_code(source.dtype)
         shape = tuple(source.shape)
         flat = flat_bytes(source)
         if not device_tensor:  # a host tensor queued behind device sends: the core's ordinary send
             self._core_send(peer, tag, code, shape, flat)
-            return
+            return None, None
         if through_slots and self._ipc is not None and flat.numel():
             sent, pending = self._send_by_ipc(peer, tag, code, shape, flat)
             if sent:
-                return pending
+                return pending, None if start is None else (start, self._mark(source))
         if through_slots:
             self._ensure_region(peer)
             self._took(peer, "slots, registered" if self._regions[peer] else "slots, not registered")
             send_through_slots(self._core, self.engine, peer, tag, code, shape, flat,
                                host_view=lambda address, length: self._slot_view(peer, address, length))
-            return
-        self._took(peer, "pinned staging")
-        host = self.engine.pinned_like(flat)
-        if flat.numel():
-            self.engine.wait(self.engine.to_host(host, flat))
-        self._core_send(peer, tag, code, shape, host)
+        else:
+            self._took(peer, "pinned staging")
+            host = self.engine.pinned_like(flat)
+            if flat.numel():
+                self.engine.wait(self.engine.to_host(host, flat))
+            self._core_send(peer, tag, code, shape, host)
+        return None, None if start is None else (start, self._mark(source))
+
+    def _mark(self, source: torch.Tensor):
+        """A timing mark on the copy stream of `source`'s device (the engine's `mark`), or None for an engine
+        without marks."""
+        mark = getattr(self.engine, "mark", None)
+        return None if mark is None else mark(source.device)
 
     def _send_by_ipc(self, peer: int, tag: int, code: int, shape, flat: torch.Tensor) -> tuple[bool, object]:
         """(True, the copy's token) once sent through CUDA IPC (device_ipc.py); (False, None): take the staged path

@@ -5,6 +5,7 @@ stale bytes and fail the bit-exact checks."""
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 
 import numpy
@@ -22,6 +23,15 @@ class FakeCopy:
         self.source = source
         self.polls_left = polls_left
         self.performed = False
+
+
+class FakeMark:
+    """A timing mark: complete when made (the fake's copies are ordered by its own done()/wait())."""
+    __slots__ = ("at",)
+    performed = True
+
+    def __init__(self, at: float):
+        self.at = at
 
 
 class FakeCopyEngine:
@@ -67,6 +77,16 @@ class FakeCopyEngine:
         self.copy_threads.append(threading.current_thread().name)
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         return FakeCopy(destination, source, self.lag)
+
+    marks = 0
+
+    def mark(self, device) -> "FakeMark":
+        self.marks += 1
+        return FakeMark(time.monotonic())
+
+    @staticmethod
+    def seconds_between(start: "FakeMark", end: "FakeMark") -> float:
+        return end.at - start.at
 
     def _perform(self, token: FakeCopy) -> None:
         if not token.performed:

@@ -76,6 +76,14 @@ class RehearsalEngine:
         destination.copy_(source)
 
     @staticmethod
+    def mark(device) -> float:
+        return time.monotonic()
+
+    @staticmethod
+    def seconds_between(start: float, end: float) -> float:
+        return end - start
+
+    @staticmethod
     def done(token) -> bool:
         return True
 
