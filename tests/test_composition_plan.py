@@ -113,3 +113,22 @@ def test_sim_cli_compares_compositions(tmp_path, capsys):
     out = capsys.readouterr().out
     assert all(row in out for row in ("loader", "packed", "dp-balanced", "balanced"))
     assert main(["--pipeline_parallel", "2", "--microbatches", "4", "--documents-per-microbatch", "2"]) == 2
+
+
+def test_a_spent_budget_still_screens_the_likeliest_count_besides_the_loaders():
+    """Host-bound tasks (the H100's P=1 run: ~12 ms a task at any length) make few large microbatches fastest. A
+    budget already spent when screening starts (short GPU iterations) once left only the loader's count screened;
+    candidates are screened in order of a cheap estimate, so the likeliest one is screened too."""
+    model = LengthCostModel()
+    for kind, fixed in ((F, 0.012), (B, 0.012)):
+        for tokens in (300, 700, 1000, 1500, 2200):
+            model.observe(kind, 0, tokens, fixed + 1e-7 * tokens, tokens * 80)
+    # 64 short documents, the loader's 16 microbatches of 4, one of 600 tokens in every fourth (padded to 2,400:
+    # the memory cap lets a packed microbatch hold 2,400 tokens)
+    lengths = tuple(600 if i % 16 == 0 else 40 + (7 * i) % 90 for i in range(64))
+    planner = CompositionPlanner(1, 1, final_evaluations=8)
+    unlimited = planner.plan(lengths, 4, model)
+    spent = planner.plan(lengths, 4, model, stop=lambda loader_value: True)
+    assert unlimited.composition.num_microbatches <= 5 < 16              # few microbatches: the fixed cost less often
+    assert spent.composition.num_microbatches == unlimited.composition.num_microbatches
+    assert spent.predicted_makespan == pytest.approx(unlimited.predicted_makespan) and not spent.packed_fallback
