@@ -1,6 +1,7 @@
 """tools/gpu_check.sh's CPU rehearsal: every step of the GPU proof runs at small sizes, so the script cannot rot
 between GPU runs. The GPU targets themselves are judged on a GPU host (the report's numbers), not here."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -194,3 +195,37 @@ def test_a_launchs_phases_add_up_to_its_time():
     summary = gpu_check.launch_summary({"eq-a-p1": phases, "predict-p1": {**phases, "total": 17.0}})
     assert summary["launches"] == 2 and summary["median_alone"]["total"] == 17.0
     assert summary["median_all"]["total"] == 16.0
+
+
+def test_ipc_rows_share_their_reference_and_ask_for_ipc(tmp_path, monkeypatch):
+    """A `+ipc` row's P=2 V=2 run gets MEGATRON_APP_CUDA_IPC=1 (`+ipc-copy` also LEND=0) and is compared with its
+    data row's P=1 run, launched once."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import gpu_check
+
+    calls = []
+
+    def fake_train(self, name, pipeline, chunks, flags, iters, trace=False, extra_env=None):
+        calls.append((name, extra_env))
+        losses = [2.0, 1.5] if pipeline == 1 else [2.0, 1.5 + (1e-3 if "ipc-copy" in name else 0.0)]
+        return {"rc": 0, "seconds": 1.0, "json": {"iterations": [{"loss": x} for x in losses]}, "tail": [],
+                "ipc_fallback": "CUDA IPC to peer 1 is off (no CUDA)" if "+ipc-copy" in name else None}
+
+    monkeypatch.setattr(gpu_check.Check, "train", fake_train)
+    monkeypatch.setattr(gpu_check.Check, "corpus", lambda self: {"data_path": "d", "tokenizer_json": "t"})
+    sizes = dataclasses.replace(gpu_check.CPU, rows=["balanced-fp32-dropout", "balanced-fp32-dropout+ipc",
+                                                               "balanced-fp32-dropout+ipc-copy"])
+    result = gpu_check.Check(tmp_path, sizes, sys.executable).equality()
+    assert sorted(name for name, _ in calls) == ["eq-balanced-fp32-dropout+ipc-copy-p2v2",
+                                                 "eq-balanced-fp32-dropout+ipc-p2v2", "eq-balanced-fp32-dropout-p1",
+                                                 "eq-balanced-fp32-dropout-p2v2"]
+    envs = dict(calls)
+    assert envs["eq-balanced-fp32-dropout+ipc-p2v2"] == {"MEGATRON_APP_CUDA_IPC": "1"}
+    assert envs["eq-balanced-fp32-dropout+ipc-copy-p2v2"] == {"MEGATRON_APP_CUDA_IPC": "1",
+                                                              "MEGATRON_APP_CUDA_IPC_LEND": "0"}
+    rows = result["rows"]
+    assert rows["balanced-fp32-dropout"]["status"] == rows["balanced-fp32-dropout+ipc"]["status"] == "pass"
+    assert rows["balanced-fp32-dropout+ipc"]["transport"] == "ipc (no fallback said)"
+    assert rows["balanced-fp32-dropout+ipc-copy"]["status"] == "fail"       # 6.7e-4 over the CPU tolerance
+    assert rows["balanced-fp32-dropout+ipc-copy"]["transport"].startswith("CUDA IPC to peer 1 is off")
+    assert "transport" not in rows["balanced-fp32-dropout"]

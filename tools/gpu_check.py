@@ -12,7 +12,8 @@ side by side, the steps that time something alone):
   host        host, GPU, driver and package versions; seconds of a fresh interpreter's imports, first CUDA tensor
               and host-name lookups (what every launch pays before it trains)
   pytest      the tests marked `cuda` (all of them on a GPU host; on CPU they skip, which is reported)
-  equality    P=1 against P=2 V=2 on one device: per-iteration losses within each row's tolerance
+  equality    P=1 against P=2 V=2 on one device: per-iteration losses within each row's tolerance (rows `+ipc`,
+              `+ipc-copy`: the P=2 V=2 run's device tensors cross by CUDA IPC, lent or copied out)
   own-loop    examples/simple_train_loop.py (a user's own Megatron loop) as its CI test runs it: P=2 V=2 under
               our schedule against P=1 under Megatron's, dropout 0.1, fixed and variable lengths
   transport   tools/bench_transport.py --device cuda (its table and JSON)
@@ -99,11 +100,11 @@ GPU = Sizes(
     # 3 planned from one size of microbatch) was a quarter of them. Each iteration adds well under a second.
     prediction_iters=10,
     transport_flags=["--device", "cuda"],
-    # Every equality launch at once (7 rows x 2 layouts; own-loop's 5 beside them): on the first H100 a launch took
-    # 51-68 s with 7 side by side and 55-65 s alone, so a launch waits rather than computes; the runs share the GPU.
-    device="cuda", parallel_runs=14,
+    # Every equality launch at once (7 references, 9 P=2 V=2 runs; own-loop's 5 beside them): on the first H100 a
+    # launch took 51-68 s with 7 side by side and 55-65 s alone, so a launch waits rather than computes.
+    device="cuda", parallel_runs=16,
     rows=["mock-fp32", "mock-bf16", "loader-fp32-dropout", "packed-fp32-dropout", "balanced-fp32-dropout",
-          "packed-bf16-dropout", "balanced-bf16-dropout"],
+          "packed-bf16-dropout", "balanced-bf16-dropout", "balanced-fp32-dropout+ipc", "packed-bf16-dropout+ipc-copy"],
     own_loop_rows=["fixed", "packed", "balanced"],
 )
 CPU = Sizes(
@@ -122,6 +123,18 @@ CPU = Sizes(
     rows=["mock-fp32", "balanced-fp32-dropout"],
     own_loop_rows=["fixed", "balanced"],
 )
+
+
+# A row's `+ipc` / `+ipc-copy` suffix: its P=2 V=2 run moves device tensors by CUDA IPC (lent slots / copied out of
+# them: what a training receive holds until its backward) instead of the staged default; the same P=1 reference.
+TRANSPORT_ENVS = {"default": {}, "ipc": {"MEGATRON_APP_CUDA_IPC": "1"},
+                  "ipc-copy": {"MEGATRON_APP_CUDA_IPC": "1", "MEGATRON_APP_CUDA_IPC_LEND": "0"}}
+
+
+def split_row(row: str) -> tuple:
+    """'balanced-fp32-dropout+ipc' -> ('balanced-fp32-dropout', 'ipc'); no suffix: 'default'."""
+    data_row, _, transport = row.partition("+")
+    return data_row, transport or "default"
 
 
 def equality_flags(row: str, corpus: dict) -> List[str]:
@@ -179,7 +192,7 @@ class Check:
 
     # ---- running the trainer ----------------------------------------------------------------------------------
     def train(self, name: str, pipeline: int, chunks: int, flags: List[str], iters: int,
-              trace: bool = False) -> dict:
+              trace: bool = False, extra_env: Optional[Dict[str, str]] = None) -> dict:
         """One run_single.sh run; returns {'rc', 'log', 'seconds', 'json', 'trace_dir'}."""
         run_dir = self.work / name
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -189,7 +202,7 @@ class Check:
                    str(chunks), "--device", self.sizes.device, "--iters", str(iters), "--seed", "1234",
                    "--log-json", str(log_json), *flags]
         command += ["--trace-dir", str(run_dir / "trace")] if trace else ["--no-trace"]
-        env = dict(os.environ, LOG_DIR=str(run_dir / "logs"), PYTHONUNBUFFERED="1")
+        env = dict(os.environ, LOG_DIR=str(run_dir / "logs"), PYTHONUNBUFFERED="1", **(extra_env or {}))
         started, started_unix = time.perf_counter(), time.time()
         result = _run_logged(command, env, self.limit(600), run_dir / "output.txt")
         seconds = time.perf_counter() - started
@@ -198,8 +211,10 @@ class Check:
         if launch is not None:
             with self._lock:
                 self.launches[name] = launch
+        said = [line for line in (result.stdout + result.stderr).splitlines() if "CUDA IPC to peer" in line]
         return {"rc": result.returncode, "seconds": round(seconds, 1), "json": payload, "launch": launch,
-                "trace_dir": run_dir / "trace", "tail": (result.stdout + result.stderr).strip().splitlines()[-3:]}
+                "trace_dir": run_dir / "trace", "tail": (result.stdout + result.stderr).strip().splitlines()[-3:],
+                "ipc_fallback": said[0].strip() if said else None}
 
     def corpus(self) -> dict:
         with self._lock:
@@ -286,18 +301,23 @@ class Check:
 
         def launch(row_and_layout) -> dict:
             row, (name, pipeline, chunks) = row_and_layout
-            flags = self.sizes.equality_model + equality_flags(row, corpus)
-            return self.train(f"eq-{row}-{name}", pipeline, chunks, flags, self.sizes.equality_iters)
+            data_row, transport = split_row(row)
+            flags = self.sizes.equality_model + equality_flags(data_row, corpus)
+            return self.train(f"eq-{row}-{name}", pipeline, chunks, flags, self.sizes.equality_iters,
+                              extra_env=TRANSPORT_ENVS[transport])
 
-        layouts = (("p1", 1, 1), ("p2v2", 2, 2))
-        launches = [(row, layout) for row in self.sizes.rows for layout in layouts]
-        with ThreadPoolExecutor(max_workers=self.sizes.parallel_runs) as pool:   # P=1 and P=2 V=2 side by side too
+        # P=1 once per data row (a `+ipc` row compares its P=2 V=2 with the same reference); all side by side
+        references = list(dict.fromkeys(split_row(row)[0] for row in self.sizes.rows))
+        launches = [(row, ("p1", 1, 1)) for row in references] + [(row, ("p2v2", 2, 2)) for row in self.sizes.rows]
+        with ThreadPoolExecutor(max_workers=self.sizes.parallel_runs) as pool:
             done = dict(zip(((row, layout[0]) for row, layout in launches), pool.map(launch, launches)))
 
         def one_row(row: str) -> dict:
-            reference, pipelined = done[row, "p1"], done[row, "p2v2"]
+            reference, pipelined = done[split_row(row)[0], "p1"], done[row, "p2v2"]
             tolerance = tolerance_of(row, self.sizes.device)
             entry = {"tolerance": tolerance, "seconds": [reference["seconds"], pipelined["seconds"]]}
+            if split_row(row)[1] != "default":   # the path it asked for, or the line that said it fell back
+                entry["transport"] = pipelined["ipc_fallback"] or f"{split_row(row)[1]} (no fallback said)"
             if reference["rc"] or pipelined["rc"] or not reference["json"] or not pipelined["json"]:
                 failed = reference if reference["rc"] or not reference["json"] else pipelined
                 return {**entry, "status": "fail", "error": failed["tail"][-1] if failed["tail"] else "no output"}
