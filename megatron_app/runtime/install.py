@@ -13,6 +13,7 @@ import dataclasses
 import inspect
 from typing import Optional
 
+from .exit_grace import let_collective_threads_finish_at_exit
 from .settings import AppSettings
 from . import linear_wgrad
 from .job import current_job
@@ -44,6 +45,7 @@ def install(settings: Optional[AppSettings] = None, *, tracing: bool = True,
     if not tracing:
         settings = dataclasses.replace(settings, trace_dir=None)
     settings.validate()
+    let_collective_threads_finish_at_exit()   # a user's loop that exits right after a gloo collective must not abort
     job = current_job()
     job.use_settings(settings)
     if job.installation.schedule_functions is None:

@@ -16,6 +16,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from megatron_app.trace.schema import FIRST_ITERATION
 
+from .exit_grace import let_collective_threads_finish_at_exit
 from .next_call import NextCall
 from .session import RuntimeSession, TransportWrapperFactory
 from .settings import AppSettings
@@ -61,6 +62,7 @@ class AppJob:
         """The open session, opened now if none is (every rank reaches its first call together)."""
         if self._session is None:
             self._session = RuntimeSession(self.settings, self.transport_wrappers)
+            let_collective_threads_finish_at_exit()    # runs after the close below: atexit is last in, first out
             atexit.register(self._session.close)
         return self._session
 

@@ -20,6 +20,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import random as megatron_random
 
 from megatron_app.devices import local_device
+from megatron_app.runtime.exit_grace import let_collective_threads_finish_at_exit
 
 
 def init_distributed(device_type: str, timeout_minutes: int = 10) -> torch.device:
@@ -43,6 +44,7 @@ def init_distributed(device_type: str, timeout_minutes: int = 10) -> torch.devic
             dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
         else:
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+    let_collective_threads_finish_at_exit()   # a rank that exits right after a gloo collective must not abort
     return device
 
 
