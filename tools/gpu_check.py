@@ -625,7 +625,8 @@ def write_text_report(report: dict) -> str:
         for row, entry in step.get("rows", {}).items():
             summary = {k: entry[k] for k in ("max_relative_difference", "tolerance", "median_abs_error", "target",
                                              "span_coverage", "send_share", "send_share_target",
-                                             "balanced_over_packed", "balanced_over_dp_balanced", "error")
+                                             "balanced_over_packed", "balanced_over_dp_balanced", "transport",
+                                             "error")
                        if k in entry}
             lines.append(f"            {row:<24} {entry['status']:<5} {json.dumps(summary)}")
         for key, curve in step.get("curves", {}).items():
