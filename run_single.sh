@@ -6,6 +6,7 @@
 # Every other flag goes to `python -m megatron_app.train` (see --help there).
 set -euo pipefail
 
+launch_started=$(date +%s.%N)   # the launcher's own phases reach the rank's start-up record (train/startup.py)
 repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 cd "$repo_root"
 
@@ -32,12 +33,14 @@ for pair in "pipeline_parallel:$P" "model_chunks:${V:-1}" "tensor_parallel:$T" "
 done
 
 source tools/setup_env.sh
+setup_done=$(date +%s.%N)
 layout=(--pipeline_parallel "$P" ${V:+--model_chunks "$V"} --tensor_parallel "$T" --data_parallel "$D")
 if [ "${exec_help:-0}" = 1 ]; then exec "$VENV_PY" -m megatron_app.train --help; fi
 
 world=$((P * T * D))
 # Check every flag in one process first: a bad config fails with one line before any rank starts.
 config=$(WORLD_SIZE=$world "$VENV_PY" -m megatron_app.train "${layout[@]}" "${passthrough[@]}" --check-config) || exit 2
+export MEGATRON_APP_LAUNCH_MARKS="$launch_started $setup_done $(date +%s.%N)"
 echo "$config"
 [[ "$config" =~ \ V=([0-9]+) ]] && V=${BASH_REMATCH[1]}   # the trainer's V (also from Megatron-LM's flags)
 

@@ -27,3 +27,11 @@ def test_the_phases_are_consecutive_and_sum_to_the_total():
     assert abs(sum(report["seconds"].values()) - report["total_s"]) < 0.01
     assert abs(report["process_started_unix"] + report["total_s"] - time.time()) < 1.0
     assert report["total_s"] >= process_age_s() - 1.0
+
+
+def test_run_single_s_own_phases_come_from_its_marks():
+    from megatron_app.train.startup import launcher_seconds
+
+    assert launcher_seconds("100.0 101.5 104.0", 107.25) == {"setup_env": 1.5, "check_config": 2.5, "to_rank": 3.25}
+    assert launcher_seconds(None, 107.0) is None and launcher_seconds("1 2", 3.0) is None
+    assert launcher_seconds("a b c", 3.0) is None

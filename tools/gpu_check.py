@@ -500,8 +500,8 @@ def composition_rows(python: str, curves: Path, rows, work: Path, limit=lambda s
 
 
 def launch_phases(started_unix: float, seconds: float, log: Optional[dict]) -> Optional[dict]:
-    """One run_single.sh launch's seconds: before the rank process started (set-up check, --check-config, torchrun),
-    the rank's start-up phases (its log's "startup": imports, process group, model parallel, trainer), its
+    """One run_single.sh launch's seconds: before the rank process started (and in it: set-up check, --check-config,
+    from there to the rank: run_ranks.py and torchrun), the rank's start-up phases (its log's "startup": imports, process group, model parallel, trainer), its
     iterations, and after them (teardown and the launcher's exit). None without the rank's start-up record."""
     startup = (log or {}).get("startup")
     if not startup:
@@ -509,6 +509,7 @@ def launch_phases(started_unix: float, seconds: float, log: Optional[dict]) -> O
     iterations = sum(it["time_ms"] for it in log.get("iterations", [])) / 1e3
     before = startup["process_started_unix"] - started_unix
     return {"total": round(seconds, 2), "before_rank": round(before, 2),
+            **{f"launcher_{phase}": value for phase, value in startup.get("launcher_s", {}).items()},
             **{f"rank_{phase}": value for phase, value in startup["seconds"].items()},
             "iterations": round(iterations, 2),
             "after": round(seconds - before - startup["total_s"] - iterations, 2)}

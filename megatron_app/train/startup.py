@@ -2,7 +2,8 @@
 
 On the first GPU hosts a launch cost about a minute around a few seconds of training (docs/gpu.md); the phases
 say which part: the interpreter and imports (torch, megatron-core), the process group, Megatron's model-parallel
-groups, and the trainer (model, optimizer, datasets, trace run). `process_started_unix` lets a launcher that noted
+groups, and the trainer (model, optimizer, datasets, trace run); and, under run_single.sh, the launcher's own
+phases before the rank started (launcher_s). `process_started_unix` lets a launcher that noted
 its own start (tools/gpu_check.py) tell its time before the rank from the rank's.
 """
 
@@ -13,6 +14,8 @@ import time
 from typing import Dict, Optional
 
 PHASES = ("imports", "process_group", "model_parallel", "trainer")
+LAUNCH_MARKS_ENV = "MEGATRON_APP_LAUNCH_MARKS"   # run_single.sh: unix times it started, set up, checked the config
+LAUNCHER_PHASES = ("setup_env", "check_config", "to_rank")
 
 
 def process_age_s() -> Optional[float]:
@@ -49,5 +52,20 @@ class StartupClock:
             if phase in self._ends:
                 seconds[phase] = round(self._ends[phase] - previous, 3)
                 previous = self._ends[phase]
-        return {"process_started_unix": round(self.started_unix, 3), "seconds": seconds,
-                "total_s": round(previous - self.started_unix, 3)}
+        report = {"process_started_unix": round(self.started_unix, 3), "seconds": seconds,
+                  "total_s": round(previous - self.started_unix, 3)}
+        launcher = launcher_seconds(os.environ.get(LAUNCH_MARKS_ENV), self.started_unix)
+        if launcher is not None:
+            report["launcher_s"] = launcher
+        return report
+
+
+def launcher_seconds(marks: Optional[str], process_started_unix: float) -> Optional[Dict[str, float]]:
+    """run_single.sh's phases before this rank: its set-up check (tools/setup_env.sh), --check-config, and from
+    there to this process's start (run_ranks.py, torchrun); None without (or with unreadable) marks."""
+    try:
+        started, set_up, checked = (float(value) for value in (marks or "").split())
+    except ValueError:
+        return None
+    ends = (set_up, checked, process_started_unix)
+    return {phase: round(end - begin, 3) for phase, begin, end in zip(LAUNCHER_PHASES, (started,) + ends[:2], ends)}
