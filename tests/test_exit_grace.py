@@ -38,7 +38,7 @@ def test_ranks_that_exit_right_after_a_collective_keep_their_exit_status(tmp_pat
         for rank in (0, 1):
             [stderr] = logs.glob(f"*/attempt_0/{rank}/stderr.log")
             assert "terminate called" not in stderr.read_text(), stderr.read_text()[-2000:]
-        assert "exitcode  : 3" in result.stderr or "exitcode: 3" in result.stderr.replace(" ", ""), result.stderr[-3000:]
+        assert "exitcode:3" in result.stderr.replace(" ", ""), result.stderr[-3000:]   # torchrun's failure report
 
 
 def test_the_grace_is_registered_once():

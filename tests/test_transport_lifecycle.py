@@ -212,5 +212,5 @@ def test_the_launchers_cleanup_removes_the_dead_without_importing_torch(job_id, 
     assert check.returncode == 0, check.stderr
     missing = subprocess.run([sys.executable, str(tool), "--check"], capture_output=True, text=True, timeout=60,
                              env={**os.environ, "MEGATRON_APP_CORE": "/nonexistent/core.so"})
-    assert (missing.returncode, missing.stderr.strip()) == (
-        1, "transport_core.py: /nonexistent/core.so is not built (run `pip install -e . --no-build-isolation --no-deps`)")
+    assert (missing.returncode, missing.stderr.strip()) == (1, "transport_core.py: /nonexistent/core.so is not built "
+                                                               "(run `pip install -e . --no-build-isolation --no-deps`)")

@@ -501,8 +501,9 @@ def composition_rows(python: str, curves: Path, rows, work: Path, limit=lambda s
 
 def launch_phases(started_unix: float, seconds: float, log: Optional[dict]) -> Optional[dict]:
     """One run_single.sh launch's seconds: before the rank process started (and in it: set-up check, --check-config,
-    from there to the rank: run_ranks.py and torchrun), the rank's start-up phases (its log's "startup": imports, process group, model parallel, trainer), its
-    iterations, and after them (teardown and the launcher's exit). None without the rank's start-up record."""
+    from there to the rank: run_ranks.py and torchrun), the rank's start-up phases (its log's "startup": imports,
+    process group, model parallel, trainer), its iterations, and after them (teardown and the launcher's exit).
+    None without the rank's start-up record."""
     startup = (log or {}).get("startup")
     if not startup:
         return None

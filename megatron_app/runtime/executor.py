@@ -404,9 +404,9 @@ class PipelineStep:
         span = getattr(handle, "transfer_span", lambda: None)()
         if span is None:
             return posted_us, now_us, {}
-        seen = time.monotonic()
-        end_us = min(now_us, now_us - (seen - span[1]) * 1e6)
-        start_us = min(end_us, max(posted_us, end_us - (span[1] - span[0]) * 1e6))
+        offset_us = now_us - time.monotonic() * 1e6      # the trace clock is time.monotonic's plus an offset
+        end_us = min(now_us, span[1] * 1e6 + offset_us)
+        start_us = min(end_us, max(posted_us, span[0] * 1e6 + offset_us))
         return start_us, end_us, {"queued_us": round(start_us - posted_us, 3)}
 
     # ---- tracing ----------------------------------------------------------------------------------------------

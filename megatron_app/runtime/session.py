@@ -9,7 +9,6 @@ first time a call uses the group (all its members make that call) and closed wit
 from __future__ import annotations
 
 import collections
-import datetime
 import hashlib
 import os
 import re
@@ -55,31 +54,6 @@ def transport_job_id(job_id: str, group_ranks: Tuple[int, ...], default_group: O
         return job_id
     digest = hashlib.sha256(f"{job_id}|{','.join(map(str, group_ranks))}".encode()).hexdigest()[:8]
     return f"{job_id[:MAX_JOB_ID_CHARS - 10]}-p{digest}"
-
-
-def first_refusal_through_store(store, topic: str, group: str, me: int, group_size: int, mine: Optional[str],
-                                timeout_s: float) -> Optional[Tuple[int, str]]:
-    """Whether any of the group's `group_size` ranks refused (`mine`: this rank's refusal, or None), as (rank, its
-    text) of the first that did, once every rank has told; through the job's c10d store rather than a gloo
-    collective, whose worker thread may drop the last reference to its tensors after the caller went on, and die
-    inside a C++ destructor ("terminate called without an active exception") when the caller raised and the
-    interpreter is finalizing by then. A constant number of store operations per rank (a refusal, an arrival
-    count, one wait), whatever the group's size. Each call of a rank is a new round of keys."""
-    round_id = store.add(f"{topic}/{group}/round/{me}", 1)
-    prefix = f"{topic}/{group}/{round_id}"
-    if mine is not None:     # before arriving: every rank that sees all arrived sees it
-        store.compare_set(f"{prefix}/first", "", f"{me}:{mine}")
-    if store.add(f"{prefix}/arrived", 1) == group_size:
-        store.set(f"{prefix}/all", "1")
-    try:
-        store.wait([f"{prefix}/all"], datetime.timedelta(seconds=timeout_s))
-    except Exception as error:  # c10d raises DistStoreError / RuntimeError subclasses, by version
-        raise TimeoutError(f"rank {me}: the {group_size} ranks of {group} did not all reach their first pipeline "
-                           f"call within {timeout_s:g} s: {error}") from None
-    if not store.check([f"{prefix}/first"]):
-        return None
-    rank, _, text = store.get(f"{prefix}/first").decode().partition(":")
-    return int(rank), text
 
 
 def _parallel_state_pipeline_ranks() -> Optional[Tuple[int, ...]]:
@@ -217,14 +191,13 @@ class RuntimeSession:
         refusal = placement.layout_refusal
         key = tuple(sorted(placement.pp_global))
         if len(key) > 1 and key not in self._transports:
-            whole_job = self._job_id_to_agree()
-            refused = first_refusal_through_store(
-                dist.distributed_c10d._get_default_store(), "megatron_app/layout_refusal",
-                "job" if whole_job else "ranks-" + "-".join(map(str, key)), dist.get_rank(),
-                dist.get_world_size() if whole_job else len(key), None if refusal is None else str(refusal),
-                self.settings.timeout_s)
-            if refusal is None and refused is not None:
-                rank, text = refused
+            group = None if self._job_id_to_agree() else placement.pp_group
+            told = [None] * dist.get_world_size(group)
+            dist.all_gather_object(told, None if refusal is None else str(refusal), group=group)
+            ranks = range(len(told)) if group is None else dist.get_process_group_ranks(group)
+            refusing = [(rank, text) for rank, text in zip(ranks, told) if text is not None]
+            if refusal is None and refusing:
+                rank, text = refusing[0]
                 raise AppConfigError(f"rank {dist.get_rank()}: stopped at the first call: rank {rank} refused its "
                                      f"model: {text}")
         if refusal is not None:

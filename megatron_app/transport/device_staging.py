@@ -342,7 +342,7 @@ class DeviceSendHandle:
     token; `_source` kept alive until it is done): done() asks the engine, wait() waits for it."""
 
     __slots__ = ("peer", "tag", "_event", "_error", "_reported", "_pending", "_source", "_engine", "_marks",
-                 "_ended_at", "_timing_engine")
+                 "_ended_at")
 
     def __init__(self, peer: int, tag: int):
         self.peer = peer
@@ -351,18 +351,18 @@ class DeviceSendHandle:
         self._error: Optional[BaseException] = None
         self._reported = False
         self._pending = self._source = self._engine = None
-        self._marks = self._ended_at = self._timing_engine = None
+        self._marks = self._ended_at = None
 
     completed_on_return = False
 
     def _finish(self, error: Optional[BaseException] = None, pending=None, source=None, engine=None,
-                marks=None, timing_engine=None) -> None:
+                marks=None) -> None:
         """`marks`: (start, end) of the engine's timing marks around the send's device work (Stager._send)."""
-        self._error = error
+        self._error, self._engine = error, engine
         if marks is not None and error is None:
-            self._marks, self._timing_engine = marks, timing_engine
+            self._marks = marks
         if pending is not None:
-            self._pending, self._source, self._engine = pending, source, engine
+            self._pending, self._source = pending, source
         else:
             self._ended_at = time.monotonic()
         self._event.set()
@@ -386,8 +386,8 @@ class DeviceSendHandle:
         if self._marks is None or self._ended_at is None:
             return None
         start, end = self._marks
-        self._timing_engine.wait(end)   # recorded right after the send's last copy, which is done: microseconds
-        return self._ended_at - self._timing_engine.seconds_between(start, end), self._ended_at
+        self._engine.wait(end)   # recorded right after the send's last copy, which is done: microseconds
+        return self._ended_at - self._engine.seconds_between(start, end), self._ended_at
 
     def done(self) -> bool:
         return self._event.is_set() and self._copy_done(block=False)
@@ -489,7 +489,7 @@ class Stager:
             return False
         with self._lock:
             self._remember(handle)
-            handle._finish(error, pending, source, self.engine, marks, self.engine)
+            handle._finish(error, pending, source, self.engine, marks)
         return True
 
     def _send_inline(self, handle: DeviceSendHandle, peer: int, tag: int, source: torch.Tensor, ready):
@@ -501,7 +501,7 @@ class Stager:
             error = _peer_gone_or(self._core, peer, exc)
         with self._lock:
             self._remember(handle)
-            handle._finish(error, pending, source, self.engine, marks, self.engine)
+            handle._finish(error, pending, source, self.engine, marks)
         return handle
 
     def _remember(self, handle: DeviceSendHandle) -> None:
@@ -590,7 +590,7 @@ class Stager:
             with self._lock:
                 self._queued_per_peer[peer] -= 1
                 self._working = False
-                handle._finish(error, marks=marks, timing_engine=self.engine)
+                handle._finish(error, engine=self.engine, marks=marks)
                 self._lock.notify_all()
 
     def _send(self, peer: int, tag: int, source: torch.Tensor, ready, earlier: list, through_slots: bool,
