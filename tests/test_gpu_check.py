@@ -29,11 +29,11 @@ def test_the_rehearsal_runs_every_step_and_writes_both_reports(rehearsal):
                                      "curves", "composition"]
     # where the launches' time went: before the rank, the rank's start-up phases, iterations, after
     launch = report["launch"]
-    assert launch["launches"] == 4 + 2 + 2 and list(launch["median_alone"]) == [
+    assert launch["launches"] == 4 + 2 + 1 and list(launch["median_alone"]) == [
         "total", "before_rank", "launcher_setup_env", "launcher_check_config", "launcher_to_rank", "rank_imports",
         "rank_process_group", "rank_model_parallel", "rank_trainer", "iterations", "after"]
     assert all(value >= 0 for value in launch["median_alone"].values()), launch
-    assert "launch      median seconds of the launches that ran alone (of 8)" in (out / "report.txt").read_text()
+    assert "launch      median seconds of the launches that ran alone (of 7)" in (out / "report.txt").read_text()
     probes = report["steps"]["host"]["startup_probes_s"]
     assert set(probes) == {"python", "import_torch", "import_megatron_core", "getfqdn", "gethostbyname"}
     assert all(seconds is not None and seconds > 0 for seconds in probes.values()), probes
@@ -57,8 +57,10 @@ def test_the_rehearsal_runs_every_step_and_writes_both_reports(rehearsal):
     assert rows["p2v2"]["send_share"] == max(share["send"] for share in shares.values())
     assert "send_share" in (out / "report.txt").read_text()
     assert (out / "transport.json").exists() and (out / "runs.tar.gz").exists()
-    [row] = report["steps"]["composition"]["rows"].values()     # the simulator under the rehearsal's curves
-    assert row["balanced_over_packed"] > 0 and set(row["makespan_ms"]) >= {"loader", "packed", "balanced"}
+    rows = report["steps"]["composition"]["rows"]     # the simulator under each of the rehearsal's curves
+    assert set(rows) == {"cost_curves_h32:c2048-p4v2m16", "cost_curves_h48:c2048-p4v2m16"}, rows
+    for row in rows.values():
+        assert row["balanced_over_packed"] > 0 and set(row["makespan_ms"]) >= {"loader", "packed", "balanced"}
 
 
 @pytest.mark.slow
@@ -86,25 +88,33 @@ def test_the_users_own_loop_runs_and_matches_megatrons_schedule(rehearsal):
 
 @pytest.mark.slow
 def test_the_curves_are_the_simulators_cost_curves(rehearsal):
-    """The fitted file loads as --cost-curves and the simulator runs a composition row with it."""
+    """The fitted file loads as --cost-curves and the simulator runs a composition row with it. The curves at the
+    prediction model's hidden size are fitted on the prediction step's P=1 run, not a launch of their own."""
     out, _ = rehearsal
     curves = out / "cost_curves_h32.json"
     source = json.loads(curves.read_text())["source"]
-    assert source["fit"].startswith("by depth") and source["depths"] == [4, 8]
-    # the traced model, from the runs' trace headers (its depth left out: the curves are per layer)
+    assert source["fit"].startswith("whole model") and source["num_layers"] == 4
+    assert source["run"] == "predict-p1" and not (out / "work" / "curve-h32").exists()
+    other = json.loads((out / "cost_curves_h48.json").read_text())["source"]
+    assert other["run"] == "curve-h48" and other["model"]["hidden_size"] == 48
+    # the output layer's FLOP share that the fit spreads over the layers: 2 h V / (L (8 h^2 + 4 h ffn) + 2 h V)
     model = source["model"]
+    h, vocab = 32, model["vocab_size"]
+    assert source["output_layer_share"] == round(2 * h * vocab / (4 * (8 * h * h + 4 * h * 128) + 2 * h * vocab), 4)
+    # the traced model, from the run's trace header
     assert {k: model[k] for k in ("hidden_size", "num_attention_heads", "ffn_hidden_size", "params_dtype",
                                   "tensor_parallel")} == {"hidden_size": 32, "num_attention_heads": 4,
                                                           "ffn_hidden_size": 128, "params_dtype": "float32",
                                                           "tensor_parallel": 1}
-    assert model["vocab_size"] > 0 and "num_layers" not in model
+    assert model["vocab_size"] > 0 and model["num_layers"] == 4
     result = subprocess.run([sys.executable, "-m", "megatron_app.sim", "--pipeline_parallel", "2", "--model_chunks",
                              "2", "--microbatches", "4", "--cost-curves", str(curves), "--num-layers", "8",
                              "--lengths-file", "docs/results/lengths/copyright_2048.txt",
                              "--documents-per-microbatch", "2", "--iterations", "2"],
                             cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert f"cost curves {curves}: the traced model (hidden_size 32, num_attention_heads 4" in result.stderr
+    said = f"cost curves {curves}: the traced model (num_layers 4, hidden_size 32, num_attention_heads 4"
+    assert said in result.stderr
 
 
 def test_bad_flags_get_one_line_and_exit_2(tmp_path):

@@ -19,7 +19,8 @@ side by side, the steps that time something alone):
   transport   tools/bench_transport.py --device cuda (its table and JSON)
   prediction  predicted against measured iteration after warm-up (P=1 and P=2 V=2), and a rank's compute spans
               against its forward_backward call's span (the trace's iteration event)
-  curves      event-timed cost curves from P=1 runs at two depths, in the simulator's --cost-curves format
+  curves      event-timed cost curves from one P=1 run per hidden size (2048: one more launch; 4096: the
+              prediction step's P=1 run), in the simulator's --cost-curves format
   composition the simulator's composition rows (copyright 2,048 / 8,192; P=4 V=2 m=16, P=8 V=2 m=32, D=4) under the
               curves step's event-timed curves: `balanced` against `packed` and the DpBalanced-style packer
 The report's `launch` line: the median seconds of each trainer launch before its rank started, in the rank's
@@ -65,13 +66,10 @@ class Sizes:
     """Model and data sizes of one mode (GPU or the CPU rehearsal)."""
     equality_model: List[str]
     equality_iters: int
-    curve_hidden: List[int]
-    curve_depths: List[int]
-    curve_flags: List[str]
-    curve_iters: int
-    curve_skip: int
     prediction_model: List[str]
     prediction_iters: int
+    curve_heads: Dict[int, int]        # hidden size -> attention heads of each curve run (the prediction model's rest)
+    curve_skip: int
     transport_flags: List[str]
     device: str
     parallel_runs: int
@@ -83,13 +81,6 @@ GPU = Sizes(
     equality_model=["--num-layers", "8", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "1024",
                     "--micro-batch-size", "2", "--global-batch-size", "16"],
     equality_iters=3,
-    # The first H200 run took 4 documents a microbatch (94-606 tokens): every task was host-bound (5-20 ms at any
-    # length) and the first three iterations still warming up (cuBLAS per new shape). 32 documents a microbatch
-    # (about 1,000-8,192 tokens), depths 2 and 4, the first two iterations left out of the fit.
-    curve_hidden=[2048, 4096], curve_depths=[2, 4],
-    curve_flags=["--num-attention-heads", "16", "--seq-length", "8192", "--micro-batch-size", "32",
-                 "--global-batch-size", "256", "--bf16"],
-    curve_iters=5, curve_skip=2,
     # GPU-bound microbatches, as users train: on the first H100 the 4-document microbatches (94-1,601 tokens) of
     # hidden 2048 were host-bound, every task 10-28 ms whatever its tokens (the GPU's share ~3 ms), so what there was
     # to predict was host jitter. 32 documents (about 2,300 tokens) at hidden 4096 give a forward ~7 TFLOP (~20 ms),
@@ -99,6 +90,9 @@ GPU = Sizes(
     # 10: the median is over 8 scored iterations; at 6 the model's one-iteration learning transient (H100: iteration
     # 3 planned from one size of microbatch) was a quarter of them. Each iteration adds well under a second.
     prediction_iters=10,
+    # The curves: P=1 runs of the prediction model at hidden 2048 and 4096 (head size 128); the 4096 one is the
+    # prediction step's own P=1 run, so one launch more. Its first two iterations are left out of the fit.
+    curve_heads={2048: 16, 4096: 32}, curve_skip=2,
     transport_flags=["--device", "cuda"],
     # Every equality launch at once (7 references, 9 P=2 V=2 runs; own-loop's 5 beside them): on the first H100 a
     # launch took 51-68 s with 7 side by side and 55-65 s alone, so a launch waits rather than computes.
@@ -111,13 +105,10 @@ CPU = Sizes(
     equality_model=["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "128",
                     "--micro-batch-size", "2", "--global-batch-size", "8"],
     equality_iters=2,
-    curve_hidden=[32], curve_depths=[4, 8],
-    curve_flags=["--num-attention-heads", "4", "--seq-length", "256", "--micro-batch-size", "4",
-                 "--global-batch-size", "16"],
-    curve_iters=3, curve_skip=1,
     prediction_model=["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "128",
                       "--micro-batch-size", "2", "--global-batch-size", "8"],
     prediction_iters=3,
+    curve_heads={32: 4, 48: 4}, curve_skip=1,   # hidden 32 is the prediction run's (reused), 48 one launch
     transport_flags=["--backends", "shm", "--quick"],
     device="cpu", parallel_runs=1,
     rows=["mock-fp32", "balanced-fp32-dropout"],
@@ -182,6 +173,7 @@ class Check:
         self.report: Dict[str, dict] = {}
         self.launches: Dict[str, dict] = {}   # run name -> launch_phases(...): where each trainer launch's time went
         self._corpus: Optional[dict] = None
+        self._traced_p1: Dict[tuple, dict] = {}   # traced_p1's runs by their flags
         self._lock = threading.Lock()          # steps that run side by side share the corpus and the launches
 
     def limit(self, seconds: float) -> float:
@@ -228,6 +220,26 @@ class Check:
             self._corpus = {"data_path": str(directory / "corpus_text_document"),
                             "tokenizer_json": str(directory / "tokenizer.json")}
         return self._corpus
+
+    def model_flags(self, hidden: Optional[int] = None, heads: Optional[int] = None) -> List[str]:
+        """The prediction step's trainer flags (its model on the corpus, variable lengths, the planned policy),
+        at another hidden size and head count when given (the curves step's runs)."""
+        model = list(self.sizes.prediction_model)
+        for flag, value in (("--hidden-size", hidden), ("--num-attention-heads", heads)):
+            if value is not None:
+                model[model.index(flag) + 1] = str(value)
+        corpus = self.corpus()
+        return model + ["--data-path", corpus["data_path"], "--tokenizer-json", corpus["tokenizer_json"],
+                        "--variable-seq-lengths", "--calculate-per-token-loss", "--policy", "planned"]
+
+    def traced_p1(self, name: str, flags: List[str]) -> dict:
+        """A P=1 run of these flags traced, launched once per check: the prediction step's P=1 run is also the
+        curves step's run at its hidden size (a launch is ~1 minute, mostly start-up, on the first H100)."""
+        key = tuple(flags)
+        if key not in self._traced_p1:
+            self._traced_p1[key] = {**self.train(name, 1, 1, flags, self.sizes.prediction_iters, trace=True),
+                                    "name": name}
+        return self._traced_p1[key]
 
     # ---- steps ------------------------------------------------------------------------------------------------
     def host(self) -> dict:
@@ -380,44 +392,14 @@ class Check:
                 "losses": json.loads(losses.read_text()) if losses.exists() else None,
                 "error": _error_line(result.stdout + result.stderr)}
 
-    def curves(self) -> dict:
-        from megatron_app.sim.cost_curves import fit_depth_curves
-        from megatron_app.trace.reader import read_trace_dir
-
-        corpus = self.corpus()
-        fitted, runs = {}, {}
-        for hidden in self.sizes.curve_hidden:
-            traces = {}
-            for depth in self.sizes.curve_depths:
-                flags = ["--num-layers", str(depth), "--hidden-size", str(hidden), *self.sizes.curve_flags,
-                         "--data-path", corpus["data_path"], "--tokenizer-json", corpus["tokenizer_json"],
-                         "--variable-seq-lengths", "--composition", "packed", "--calculate-per-token-loss"]
-                run = self.train(f"curve-h{hidden}-l{depth}", 1, 1, flags, self.sizes.curve_iters, trace=True)
-                runs[f"h{hidden}-l{depth}"] = run
-                if run["rc"]:
-                    return {"status": "fail", "error": run["tail"][-1] if run["tail"] else "no output",
-                            "run": f"h{hidden}-l{depth}"}
-                traces[depth] = read_trace_dir(run["trace_dir"] / "latest", 1, 1)
-            curves = fit_depth_curves(traces, skip_iterations=self.sizes.curve_skip)
-            curves.source.update({"hidden_size": hidden, "device": self.sizes.device,
-                                  "flags": " ".join(self.sizes.curve_flags)})
-            path = self.out / f"cost_curves_h{hidden}.json"
-            path.write_text(json.dumps(curves.to_json(), indent=1))
-            fitted[f"h{hidden}"] = {"file": path.name, "layer": curves.layer, "last_extra": curves.last_extra,
-                                    "tokens_range": curves.source.get("tokens_range")}
-        self._curve_runs = runs
-        return {"status": "pass", "curves": fitted}
-
     def prediction(self) -> dict:
         from megatron_app.trace.reader import read_trace_dir
 
-        corpus = self.corpus()
-        flags = self.sizes.prediction_model + ["--data-path", corpus["data_path"], "--tokenizer-json",
-                                               corpus["tokenizer_json"], "--variable-seq-lengths",
-                                               "--calculate-per-token-loss", "--policy", "planned"]
+        flags = self.model_flags()
         rows = {}
         for name, (pipeline, chunks, target) in {"p1": (1, 1, 0.05), "p2v2": (2, 2, 0.10)}.items():
-            run = self.train(f"predict-{name}", pipeline, chunks, flags, self.sizes.prediction_iters, trace=True)
+            run = (self.traced_p1("predict-p1", flags) if pipeline == 1 else
+                   self.train(f"predict-{name}", pipeline, chunks, flags, self.sizes.prediction_iters, trace=True))
             if run["rc"] or not run["json"]:
                 rows[name] = {"status": "fail", "error": run["tail"][-1] if run["tail"] else "no output"}
                 continue
@@ -450,6 +432,32 @@ class Check:
                               "send_share: the largest rank's (the transport issue's target: under 0.10; not part of "
                               "this step's pass)"}
 
+    def curves(self) -> dict:
+        """One P=1 run traced with events per hidden size, each fitted as a whole model spread evenly over its layers
+        (sim/cost_curves.fit_whole_curves): the output layer and loss are a small share of these models (the share
+        each file's source states), so one depth does. The prediction step's P=1 run is one of them."""
+        from megatron_app.sim.cost_curves import fit_whole_curves
+        from megatron_app.trace.reader import read_trace_dir
+
+        fitted = {}
+        for hidden, heads in self.sizes.curve_heads.items():
+            flags = self.model_flags(hidden, heads)
+            run = self.traced_p1(f"curve-h{hidden}", flags)
+            if run["rc"] or not run["json"]:
+                return {"status": "fail", "error": run["tail"][-1] if run["tail"] else "no output", "run": run["name"]}
+            layers = int(flags[flags.index("--num-layers") + 1])
+            curves = fit_whole_curves(read_trace_dir(run["trace_dir"] / "latest", 1, 1), layers,
+                                      skip_iterations=self.sizes.curve_skip)
+            curves.source.update({"hidden_size": hidden, "device": self.sizes.device, "run": run["name"],
+                                  "flags": " ".join(flags[:flags.index("--data-path")]),
+                                  "output_layer_share": output_layer_share(curves.model)})
+            path = self.out / f"cost_curves_h{hidden}.json"
+            path.write_text(json.dumps(curves.to_json(), indent=1))
+            fitted[f"h{hidden}"] = {"file": path.name, "run": run["name"], "layer": curves.layer,
+                                    "tokens_range": curves.source.get("tokens_range"),
+                                    "output_layer_share": curves.source["output_layer_share"]}
+        return {"status": "pass", "curves": fitted}
+
     def transport(self) -> dict:
         bench = REPO / "tools" / "bench_transport.py"
         target = self.out / "transport.json"
@@ -474,6 +482,19 @@ class Check:
                 results[f"{curves.stem}:{name}"] = entry
         status = "pass" if all(entry["status"] == "pass" for entry in results.values()) else "fail"
         return {"status": status, "rows": results}
+
+
+def output_layer_share(model: Optional[dict]) -> Optional[float]:
+    """The output layer's share of a token's forward matrix FLOPs (2 h vocab against each layer's 8 h^2 + 4 h ffn
+    and itself; attention's score FLOPs left out, so an upper bound): what a whole-model fit spreads over the layers
+    (None when the trace did not record the shape)."""
+    try:
+        h, ffn, vocab, layers = (int(model[key]) for key in ("hidden_size", "ffn_hidden_size", "vocab_size",
+                                                              "num_layers"))
+    except (TypeError, KeyError, ValueError):
+        return None
+    output = 2 * h * vocab
+    return round(output / (layers * (8 * h * h + 4 * h * ffn) + output), 4)
 
 
 def composition_rows(python: str, curves: Path, rows, work: Path, limit=lambda seconds: seconds) -> Dict[str, dict]:
