@@ -88,7 +88,7 @@ def test_setup_rebuilds_a_fresh_checkout_once_rdma_core_appears(fresh_checkout, 
         'exit 0; fi\n'
         f'PYTHONPATH="{REPO}" exec "{sys.executable}" "$@"\n')
     (venv_bin / "python").chmod(0o755)
-    requirements_hash = subprocess.run(f"cat requirements.txt | sha256sum | cut -c1-16", shell=True,
+    requirements_hash = subprocess.run("cat requirements.txt | sha256sum | cut -c1-16", shell=True,
                                        cwd=fresh_checkout, capture_output=True, text=True, check=True).stdout.strip()
     (fresh_checkout / ".venv" / f".deps-{requirements_hash}").touch()
 

@@ -3,7 +3,6 @@ through the test-only submodule _rdma_protocol, plus how the build and the backe
 Tests that need an RDMA device skip with the reason (no kernel RDMA support on these machines)."""
 
 import collections
-import os
 import random
 import zlib
 

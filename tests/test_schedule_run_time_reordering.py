@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from megatron_app.schedule import Kind, PipelineShape, RankState, Task, drive, make_policy, megatron_order
+from megatron_app.schedule import Kind, PipelineShape, Task, drive, make_policy, megatron_order
 from megatron_app.schedule.megatron_order import without_fill
 from megatron_app.schedule.planned import PlannedPolicy
 from megatron_app.sim.costs import ComputeCosts, ComputePerturbations

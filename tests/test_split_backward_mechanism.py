@@ -4,7 +4,6 @@ with a missing gradient; B frees the graph, a pending W keeps only the deferred 
 recomputation inside B is computed whole. On a Megatron-Core GPTModel chunk: bit-identical gradients with every
 local linear layer deferred. (Pipelines: the split-backward case of tests/test_pipeline_equality.py.)"""
 
-import os
 
 import pytest
 import torch

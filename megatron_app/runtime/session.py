@@ -16,7 +16,7 @@ import socket
 import statistics
 import time
 import uuid
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,9 @@ from megatron_app.say import say
 from .decide_once import decide_once
 from .layout import data_parallel_rank, pipeline_ranks
 from .settings import AppConfigError, AppSettings
+
+if TYPE_CHECKING:   # the annotation's name only: the transport package loads the compiled core
+    from megatron_app.transport.protocol import PipelineTransport
 
 _JOB_ID_ENV = "MEGATRON_APP_JOB_ID"
 

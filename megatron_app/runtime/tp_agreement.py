@@ -7,8 +7,6 @@ so following costs little, and there is no back-and-forth that could livelock.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 

@@ -32,7 +32,7 @@ from .errors import ScheduleConfigError
 from .megatron_order import megatron_slot_order, order_over, order_peak_size  # noqa: F401 (order_peak_size: the one peak function, re-exported)
 from .plan_graph import PlanGraph
 from .shape import PipelineShape
-from .tasks import Kind, Task
+from .tasks import Task
 
 # durations[kind index (Kind.index): 0 forward, 1 backward, 2 weight][chunk][microbatch] -> predicted time (any unit, the same for all)
 # (or [kind][rank * V + chunk][microbatch]: a duration per pipeline rank, plan_graph.PlanGraph.evaluate)

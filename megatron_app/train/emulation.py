@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
