@@ -53,12 +53,12 @@ def _traced_run(iterations=6, seed=3) -> TraceRun:
 def test_learning_every_rank_predicts_a_costlier_last_stage_and_rank_zero_alone_does_not():
     results = replay(_traced_run(), warmup=2)
     assert set(results) == set(VARIANTS)
-    now = results["per rank (the model now)"]
+    now = results["per rank, growth aside (now)"]
     assert len(now.errors) == 4 and now.max_abs < 0.02
     before = results["rank 0 only, plain fit"]
     assert before.bias < -0.05                      # it never saw the last stage's head: it predicts too short
     assert results["all ranks pooled"].max_abs > now.max_abs
-    assert "per rank (the model now)" in format_table("synthetic", results)
+    assert "per rank, growth aside (now)" in format_table("synthetic", results)
 
 
 def test_an_unreadable_trace_is_one_line_and_exit_2(tmp_path, capsys):

@@ -169,6 +169,30 @@ def test_length_cost_fit_keeps_non_negative_terms_and_follows_a_machine_that_slo
     assert window.seconds(B, 0, 2500, rank=1) == pytest.approx(3 * true(2500), rel=1e-6)
 
 
+def test_a_microbatch_larger_than_any_before_is_set_aside_while_the_others_determine_the_fit():
+    """Growth samples: the first microbatch above every earlier one's size pays the allocator's growth and first
+    touches (a CPU GPT's first 2,154-token forward took 28% over its later like). As the largest samples they set
+    the fit's slope: fitted, every later prediction runs long; set aside, the steady samples give the truth."""
+    true = lambda tokens: 0.002 + 4e-5 * tokens + 1e-9 * tokens ** 2
+    sizes = [300, 500, 400, 2200, 350, 700, 450, 600, 380, 650, 520, 2100, 480, 710]
+    worst = []
+    for model in (LengthCostModel(), LengthCostModel(set_aside_growth=False)):
+        largest = 0
+        for tokens in sizes:
+            slow = 1.3 if tokens > largest and largest else 1.0     # a new largest microbatch grows the allocator
+            largest = max(largest, tokens)
+            model.observe(F, 0, tokens, slow * true(tokens))
+        worst.append(max(abs(model.seconds(F, 0, t) / true(t) - 1) for t in (300, 600, 1000, 1500, 2000, 2150)))
+    aside, fitted = worst
+    assert aside < 1e-6
+    assert fitted > 0.1        # 14% long at 300 tokens, 16% at 2,150
+    # the fit uses every recent sample while the steady ones alone cannot determine it (sizes only ever grew)
+    ramp = LengthCostModel()
+    for tokens in (100, 200, 300, 400):
+        ramp.observe(F, 0, tokens, 1.3 * true(tokens))
+    assert ramp.seconds(F, 0, 250) == pytest.approx(1.3 * true(250), rel=1e-6)
+
+
 def test_unreported_samples_reach_another_model_once():
     here, planner = LengthCostModel(), LengthCostModel()
     for length in (100, 300, 800):

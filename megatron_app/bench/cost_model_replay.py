@@ -11,7 +11,11 @@ last compute end on that replica's ranks. Variants (length_costs.LengthCostModel
                              unconstrained least squares over every sample;
   rank 0 only, nn fit        the same samples, non-negative terms, the recent window;
   all ranks pooled           every rank's tasks, still one fit per (kind, chunk);
-  per rank (the model now)   every rank's tasks, one fit per (kind, chunk, pipeline rank).
+  per rank                   every rank's tasks, one fit per (kind, chunk, pipeline rank);
+  per rank, growth aside (now)
+                             the same, with a microbatch larger than any its fit saw before (a growth sample) set
+                             aside while the others determine the fit (length_costs._Fit).
+The first four fit growth samples like the others, as the model did before that was added.
 
     python tools/bench_cost_model.py TRACE_DIR [TRACE_DIR ...] [--warmup 2] [--json out.json]
 """
@@ -29,11 +33,13 @@ from megatron_app.schedule.composition_plan import PLANNED_KINDS
 from megatron_app.schedule.length_costs import LengthCostModel, by_kind
 from megatron_app.schedule.plan_search import predicted_makespan
 # name -> (LengthCostModel switches, learns from every rank)
+_BEFORE_GROWTH = dict(set_aside_growth=False)
 VARIANTS = {
-    "rank 0 only, plain fit": (dict(per_rank=False, non_negative=False, window=None), False),
-    "rank 0 only, nn fit": (dict(per_rank=False), False),
-    "all ranks pooled": (dict(per_rank=False), True),
-    "per rank (the model now)": (dict(), True),
+    "rank 0 only, plain fit": (dict(per_rank=False, non_negative=False, window=None, **_BEFORE_GROWTH), False),
+    "rank 0 only, nn fit": (dict(per_rank=False, **_BEFORE_GROWTH), False),
+    "all ranks pooled": (dict(per_rank=False, **_BEFORE_GROWTH), True),
+    "per rank": (dict(_BEFORE_GROWTH), True),
+    "per rank, growth aside (now)": (dict(), True),
 }
 
 
@@ -99,12 +105,12 @@ def replay(run, warmup: int = 2) -> Dict[str, VariantResult]:
 
 
 def format_table(label: str, results: Dict[str, VariantResult]) -> str:
-    lines = [f"{label}", f"  {'variant':<28} {'n':>3} {'median |err|':>13} {'max |err|':>10} {'median err':>11}"]
+    lines = [f"{label}", f"  {'variant':<30} {'n':>3} {'median |err|':>13} {'max |err|':>10} {'median err':>11}"]
     for result in results.values():
         if not result.errors:
-            lines.append(f"  {result.variant:<28} {0:>3} {'-':>13} {'-':>10} {'-':>11}")
+            lines.append(f"  {result.variant:<30} {0:>3} {'-':>13} {'-':>10} {'-':>11}")
             continue
-        lines.append(f"  {result.variant:<28} {len(result.errors):>3} {100 * result.median_abs:>12.1f}% "
+        lines.append(f"  {result.variant:<30} {len(result.errors):>3} {100 * result.median_abs:>12.1f}% "
                      f"{100 * result.max_abs:>9.1f}% {100 * result.bias:>+10.1f}%")
     return "\n".join(lines)
 

@@ -21,6 +21,9 @@ What real kernels taught the form (CPU GPT, traces of P=2 V=2 runs; docs/variabl
     estimates; fits that discount the slow tasks (relative weights, Huber) predicted 4-6 points shorter than the
     measured iterations on the traces tried (bench/cost_model_replay.py). Only the last WINDOW samples are kept,
     so a machine whose speed changes (a competing process starts) is followed within a few iterations.
+  * Growth samples aside: the first microbatch above every earlier size grows the allocator and touches new pages
+    (28% slow on a CPU GPT); fitted, these largest samples set the slope and a P=1 `balanced` run was predicted
+    3-8% long for many iterations. They are left out while the other samples determine the fit (_Fit).
 Until a fit has seen three distinct compositions, its prediction is proportional to T, scaled by what was seen (or
 by the prior backward = 2 x forward).
 """
@@ -49,22 +52,31 @@ _SUBSETS = tuple(subset for size in range(_FEATURES, 0, -1) for subset in combin
 class _Fit:
     """One regression over its most recent samples, tokens scaled by the first microbatch seen. Warm-up samples
     (the first iteration's: CUDA and cuBLAS initialisation, allocator growth, first-use caches; on an H200 its
-    first task took 20x its later ones) count only until a sample of a later iteration arrives."""
+    first task took 20x its later ones) count only until a sample of a later iteration arrives. Growth samples (a
+    microbatch larger than any this fit saw before: the allocator grows to hold it, first touches its pages, a
+    kernel meets a new shape) are left out while the others alone determine the fit: on a CPU GPT the first
+    2,154-token forward took 28% over its later like, and as the largest microbatches seen such samples set the
+    slope, every later iteration predicted 3-8% long (BENCHMARKS.md, "What each feature buys")."""
 
-    def __init__(self, scale: float, non_negative: bool = True, window: Optional[int] = WINDOW):
+    def __init__(self, scale: float, non_negative: bool = True, window: Optional[int] = WINDOW,
+                 set_aside_growth: bool = True):
         self.scale = scale
         self.non_negative = non_negative
-        self.recent = deque(maxlen=window)       # (tokens, squared tokens, seconds)
+        self.set_aside_growth = set_aside_growth
+        self.recent = deque(maxlen=window)       # (tokens, squared tokens, seconds, growth)
         self.warmup = deque(maxlen=window)       # the same, of the warm-up iteration
         self.samples = 0
+        self.largest = 0.0                       # the most tokens of any sample so far (warm-up's included)
         self._coefficients: Optional[np.ndarray] = None
         self._seconds_per_token: Optional[float] = None
 
     def add(self, tokens: float, squared: float, seconds: float, warmup: bool = False) -> None:
+        growth = self.set_aside_growth and self.samples > 0 and tokens > self.largest
+        self.largest = max(self.largest, tokens)
         if warmup:
-            self.warmup.append((tokens, squared, seconds))
+            self.warmup.append((tokens, squared, seconds, growth))
         else:
-            self.recent.append((tokens, squared, seconds))
+            self.recent.append((tokens, squared, seconds, growth))
             self.warmup.clear()
         self.samples += 1
         self._coefficients = None
@@ -80,14 +92,21 @@ class _Fit:
         return a, b / self.scale, c / self.scale ** 2
 
     @property
-    def fitted(self):
-        """The samples the fit uses: the recent ones, or the warm-up's while there are none."""
-        return self.recent or self.warmup
+    def fitted(self) -> List[Tuple[float, float, float]]:
+        """The samples the fit uses, as (tokens, squared tokens, seconds): the recent ones but growth samples when
+        the rest hold enough distinct compositions for the fit, all recent ones when not, the warm-up's while
+        there are none."""
+        samples = self.recent or self.warmup
+        steady = [sample[:3] for sample in samples if not sample[3]]
+        if len({(t, s) for t, s, _ in steady}) >= _FEATURES:
+            return steady
+        return [sample[:3] for sample in samples]
 
     def _solve(self) -> np.ndarray:
-        if len({(t, s) for t, s, _ in self.fitted}) < _FEATURES:
+        fitted = self.fitted
+        if len({(t, s) for t, s, _ in fitted}) < _FEATURES:
             return np.zeros(0)
-        tokens, squared, seconds = np.array(self.fitted, dtype=float).T
+        tokens, squared, seconds = np.array(fitted, dtype=float).T
         features = np.stack([np.ones_like(tokens), tokens / self.scale, squared / self.scale ** 2], axis=1)
         return _least_squares(features.T @ features, features.T @ seconds,
                               _SUBSETS if self.non_negative else _SUBSETS[:1])
@@ -135,13 +154,15 @@ class LengthCostModel:
     """duration = f(tokens, squared tokens) per (kind, chunk, pipeline rank); `observe` adds a sample, `seconds`
     predicts. squared_tokens=None means one attention block of `length` tokens (length^2)."""
 
-    def __init__(self, per_rank: bool = True, non_negative: bool = True, window: Optional[int] = WINDOW):
+    def __init__(self, per_rank: bool = True, non_negative: bool = True, window: Optional[int] = WINDOW,
+                 set_aside_growth: bool = True):
         """The switches turn this model's features off to measure what each buys (bench/cost_model_replay.py):
         per_rank False pools every rank's samples per (kind, chunk); non_negative False keeps the unconstrained fit;
-        window None keeps every sample."""
+        window None keeps every sample; set_aside_growth False fits growth samples like any other (_Fit)."""
         self._fits: Dict[Tuple[Kind, int, int], _Fit] = {}
         self._unreported = deque(maxlen=_UNREPORTED_MOST)
         self.per_rank, self.non_negative, self.window = per_rank, non_negative, window
+        self.set_aside_growth = set_aside_growth
         self._calls: Dict[int, int] = {}    # pipeline rank -> calls started (start_call): the first warms up
 
     def start_call(self, rank: int = 0) -> None:
@@ -169,7 +190,7 @@ class LengthCostModel:
             raise ScheduleConfigError(f"squared tokens must be > 0, got {squared_tokens!r}")
         key = (kind, chunk, rank if self.per_rank else 0)
         if key not in self._fits:
-            self._fits[key] = _Fit(float(length), self.non_negative, self.window)
+            self._fits[key] = _Fit(float(length), self.non_negative, self.window, self.set_aside_growth)
         self._fits[key].add(float(length), squared, float(seconds), warmup)
         if report:
             self._unreported.append((kind.index, chunk, rank, float(length), squared, float(seconds), warmup))
