@@ -31,7 +31,8 @@ def test_the_rehearsal_runs_every_step_and_writes_both_reports(rehearsal):
     launch = report["launch"]
     assert launch["launches"] == 4 + 2 + 1 and list(launch["median_alone"]) == [
         "total", "before_rank", "launcher_setup_env", "launcher_check_config", "launcher_to_rank", "rank_imports",
-        "rank_process_group", "rank_model_parallel", "rank_trainer", "iterations", "after"]
+        "rank_process_group", "rank_model_parallel", "rank_trainer", "iterations", "after",
+        "after_loop_outside_iterations", "after_rank_closing", "after_rank_process_group", "after_rank_exit"]
     assert all(value >= 0 for value in launch["median_alone"].values()), launch
     assert "launch      median seconds of the launches that ran alone (of 7)" in (out / "report.txt").read_text()
     probes = report["steps"]["host"]["startup_probes_s"]
@@ -205,6 +206,13 @@ def test_a_launchs_phases_add_up_to_its_time():
     summary = gpu_check.launch_summary({"eq-a-p1": phases, "predict-p1": {**phases, "total": 17.0}})
     assert summary["launches"] == 2 and summary["median_alone"]["total"] == 17.0
     assert summary["median_all"]["total"] == 16.0
+    # the rank's ending record splits `after`: the loop beyond its iterations, closing, the group's end, the exit
+    log["ending"] = {"seconds": {"loop": 2.25, "closing": 0.25, "process_group": 0.5}, "ended_unix": 1013.0}
+    split = gpu_check.launch_phases(1000.0, 15.0, log)
+    assert {key: value for key, value in split.items() if key.startswith("after_")} == {
+        "after_loop_outside_iterations": 0.25, "after_rank_closing": 0.25, "after_rank_process_group": 0.5,
+        "after_rank_exit": 2.0}
+    assert split["after"] == 3.0 and sum(v for k, v in split.items() if k.startswith("after_")) == 3.0
 
 
 def test_ipc_rows_share_their_reference_and_ask_for_ipc(tmp_path, monkeypatch):

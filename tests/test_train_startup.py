@@ -4,7 +4,7 @@ import subprocess
 import sys
 import time
 
-from megatron_app.train.startup import PHASES, StartupClock, process_age_s
+from megatron_app.train.startup import ENDING_PHASES, PHASES, EndingClock, StartupClock, process_age_s
 
 
 def test_a_fresh_process_knows_its_age():
@@ -35,3 +35,15 @@ def test_run_single_s_own_phases_come_from_its_marks():
     assert launcher_seconds("100.0 101.5 104.0", 107.25) == {"setup_env": 1.5, "check_config": 2.5, "to_rank": 3.25}
     assert launcher_seconds(None, 107.0) is None and launcher_seconds("1 2", 3.0) is None
     assert launcher_seconds("a b c", 3.0) is None
+
+
+def test_the_ending_phases_are_consecutive_and_end_at_the_last_mark():
+    clock = EndingClock()
+    assert clock.report() is None
+    for phase in ENDING_PHASES:
+        time.sleep(0.02)
+        clock.mark(phase)
+    report = clock.report()
+    assert list(report["seconds"]) == list(ENDING_PHASES)
+    assert all(seconds >= 0.015 for seconds in report["seconds"].values())
+    assert abs(report["ended_unix"] - time.time()) < 0.5

@@ -523,18 +523,31 @@ def composition_rows(python: str, curves: Path, rows, work: Path, limit=lambda s
 def launch_phases(started_unix: float, seconds: float, log: Optional[dict]) -> Optional[dict]:
     """One run_single.sh launch's seconds: before the rank process started (and in it: set-up check, --check-config,
     from there to the rank: run_ranks.py and torchrun), the rank's start-up phases (its log's "startup": imports,
-    process group, model parallel, trainer), its iterations, and after them (teardown and the launcher's exit).
-    None without the rank's start-up record."""
+    process group, model parallel, trainer), its iterations, and after them; where the rank's log has its "ending"
+    (startup.EndingClock), `after` splits into the loop's time outside the iterations (reports, evaluation,
+    checkpoints), closing the schedule (transport, tracer), the process group's teardown, and from the rank's last
+    mark to the launch's end (the interpreter's exit, torchrun's, the launcher's clean-up). None without the rank's
+    start-up record."""
     startup = (log or {}).get("startup")
     if not startup:
         return None
     iterations = sum(it["time_ms"] for it in log.get("iterations", [])) / 1e3
     before = startup["process_started_unix"] - started_unix
-    return {"total": round(seconds, 2), "before_rank": round(before, 2),
-            **{f"launcher_{phase}": value for phase, value in startup.get("launcher_s", {}).items()},
-            **{f"rank_{phase}": value for phase, value in startup["seconds"].items()},
-            "iterations": round(iterations, 2),
-            "after": round(seconds - before - startup["total_s"] - iterations, 2)}
+    phases = {"total": round(seconds, 2), "before_rank": round(before, 2),
+              **{f"launcher_{phase}": value for phase, value in startup.get("launcher_s", {}).items()},
+              **{f"rank_{phase}": value for phase, value in startup["seconds"].items()},
+              "iterations": round(iterations, 2),
+              "after": round(seconds - before - startup["total_s"] - iterations, 2)}
+    ending = log.get("ending")
+    if ending:
+        spent = ending["seconds"]
+        if "loop" in spent:
+            phases["after_loop_outside_iterations"] = round(spent["loop"] - iterations, 2)
+        for phase in ("closing", "process_group"):
+            if phase in spent:
+                phases[f"after_rank_{phase}"] = spent[phase]
+        phases["after_rank_exit"] = round(started_unix + seconds - ending["ended_unix"], 2)
+    return phases
 
 
 def launch_summary(launches: Dict[str, dict]) -> Optional[dict]:

@@ -29,7 +29,7 @@ from .model import build_model_chunks
 from .optim import MixedPrecision, MixedPrecisionOptimizer, build_optimizer, finalize_model_grads
 from .evaluate import evaluate
 from .report import IterationReporter, reduce_lm_loss
-from .startup import StartupClock
+from .startup import EndingClock, StartupClock
 from .step import forward_step
 from .stops import check_finite, interrupt_follows, interrupted, raise_once_on_ctrl_c
 from .trace_run import start_trace_run
@@ -209,6 +209,7 @@ def train(args) -> None:
     trainer = None
     loss_layer = None
     iteration = None
+    ending = None
     try:
         init_model_parallel(args.tensor_parallel, args.pipeline_parallel, args.model_chunks, args.device,
                             args.distributed_timeout_minutes)
@@ -221,6 +222,7 @@ def train(args) -> None:
             add_transport_wrapper(loss_layer.wrap_transport)
         if trainer.reporter.enabled:
             print("megatron_app.train: " + " ".join(f"{k}={v}" for k, v in run_config(args).items()), flush=True)
+        ending = EndingClock()
         for iteration in range(trainer.start_iteration + 1, args.iters + 1):
             start = time.perf_counter()
             loss = train_step(trainer, iteration)
@@ -254,6 +256,8 @@ def train(args) -> None:
         raise interrupted(iteration, args.iters, args.save,
                           trainer.saved_iteration if trainer is not None else None, report) from None
     finally:
+        if ending is not None:
+            ending.mark("loop")
         if loss_layer is not None:
             remove_transport_wrapper(loss_layer.wrap_transport)
             loss_layer.close()
@@ -261,5 +265,10 @@ def train(args) -> None:
             if trainer.emulation is not None:
                 trainer.emulation.close()
             close_schedule(args.schedule)
+        if ending is not None:
+            ending.mark("closing")
         shutdown(destroy_process_group=owns_process_group)
+        if ending is not None:
+            ending.mark("process_group")
+            trainer.reporter.record_ending(ending.report())
         restore_ctrl_c()

@@ -96,6 +96,12 @@ class IterationReporter:
             self.payload["startup"] = startup
             self._write()
 
+    def record_ending(self, ending: Optional[dict]) -> None:
+        """The rank's loop, closing and process-group teardown (startup.EndingClock.report), kept as "ending"."""
+        if self.enabled and ending is not None:
+            self.payload["ending"] = ending
+            self._write()
+
     def record_validation(self, iteration: int, loss: Optional[float]) -> None:
         if not self.enabled:
             return

@@ -1,4 +1,6 @@
-"""Where a rank's start-up time goes: seconds from the process's start to each phase's end, kept in the JSON log.
+"""Where a rank's start-up time goes: seconds from the process's start to each phase's end, kept in the JSON log;
+and where its end goes (EndingClock): the training loop, closing the schedule's transport and tracer, and the
+process group's teardown, so a launcher can tell what comes after the rank's last step from the rank's own exit.
 
 On the first GPU hosts a launch cost about a minute around a few seconds of training (docs/gpu.md); the phases
 say which part: the interpreter and imports (torch, megatron-core), the process group, Megatron's model-parallel
@@ -14,6 +16,7 @@ import time
 from typing import Dict, Optional
 
 PHASES = ("imports", "process_group", "model_parallel", "trainer")
+ENDING_PHASES = ("loop", "closing", "process_group")   # the iterations' loop, closing the schedule, the group's end
 LAUNCH_MARKS_ENV = "MEGATRON_APP_LAUNCH_MARKS"   # run_single.sh: unix times it started, set up, checked the config
 LAUNCHER_PHASES = ("setup_env", "check_config", "to_rank")
 
@@ -69,3 +72,27 @@ def launcher_seconds(marks: Optional[str], process_started_unix: float) -> Optio
         return None
     ends = (set_up, checked, process_started_unix)
     return {phase: round(end - begin, 3) for phase, begin, end in zip(LAUNCHER_PHASES, (started,) + ends[:2], ends)}
+
+
+class EndingClock:
+    """Started as the training loop begins; mark(phase) at the end of each of ENDING_PHASES; report() ->
+    {"seconds": {phase: its own seconds}, "ended_unix": the last mark's unix time}, kept in the JSON log as
+    "ending" (the launch's time after it is the process's exit and the launcher's)."""
+
+    def __init__(self):
+        self._started = time.time()
+        self._ends: Dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        assert phase in ENDING_PHASES, phase
+        self._ends[phase] = time.time()
+
+    def report(self) -> Optional[dict]:
+        if not self._ends:
+            return None
+        seconds, previous = {}, self._started
+        for phase in ENDING_PHASES:
+            if phase in self._ends:
+                seconds[phase] = round(self._ends[phase] - previous, 3)
+                previous = self._ends[phase]
+        return {"seconds": seconds, "ended_unix": round(previous, 3)}
