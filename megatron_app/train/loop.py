@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -268,7 +269,7 @@ def train(args) -> None:
         if ending is not None:
             ending.mark("closing")
         shutdown(destroy_process_group=owns_process_group)
-        if ending is not None:
+        if ending is not None and sys.exc_info()[0] is None:   # not while an error propagates: a write would hide it
             ending.mark("process_group")
             trainer.reporter.record_ending(ending.report())
         restore_ctrl_c()
