@@ -50,17 +50,23 @@ class StartupClock:
     def report(self) -> Optional[dict]:
         if self.started_unix is None or not self._ends:
             return None
-        seconds, previous = {}, self.started_unix
-        for phase in PHASES:
-            if phase in self._ends:
-                seconds[phase] = round(self._ends[phase] - previous, 3)
-                previous = self._ends[phase]
+        seconds, previous = _consecutive(PHASES, self._ends, self.started_unix)
         report = {"process_started_unix": round(self.started_unix, 3), "seconds": seconds,
                   "total_s": round(previous - self.started_unix, 3)}
         launcher = launcher_seconds(os.environ.get(LAUNCH_MARKS_ENV), self.started_unix)
         if launcher is not None:
             report["launcher_s"] = launcher
         return report
+
+
+def _consecutive(phases, ends: Dict[str, float], started: float):
+    """({phase: seconds from the previous marked phase's end, or `started`, to its own}, the last marked end)."""
+    seconds, previous = {}, started
+    for phase in phases:
+        if phase in ends:
+            seconds[phase] = round(ends[phase] - previous, 3)
+            previous = ends[phase]
+    return seconds, previous
 
 
 def launcher_seconds(marks: Optional[str], process_started_unix: float) -> Optional[Dict[str, float]]:
@@ -90,9 +96,5 @@ class EndingClock:
     def report(self) -> Optional[dict]:
         if not self._ends:
             return None
-        seconds, previous = {}, self._started
-        for phase in ENDING_PHASES:
-            if phase in self._ends:
-                seconds[phase] = round(self._ends[phase] - previous, 3)
-                previous = self._ends[phase]
+        seconds, previous = _consecutive(ENDING_PHASES, self._ends, self._started)
         return {"seconds": seconds, "ended_unix": round(previous, 3)}
