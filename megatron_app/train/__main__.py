@@ -8,6 +8,7 @@ import sys
 from megatron_app.say import say
 
 from .args import UsageError, parse_args
+from .fast_exit import skip_final_collections_at_exit
 
 
 def _fail(message: str) -> None:
@@ -85,6 +86,7 @@ def _marker_line(text: str, markers) -> str:
 
 
 def main(argv=None) -> None:
+    skip_final_collections_at_exit()   # first: it runs after the session's close and the exit grace
     try:
         args = parse_args(argv)
     except UsageError as exc:
