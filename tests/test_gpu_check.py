@@ -247,3 +247,23 @@ def test_ipc_rows_share_their_reference_and_ask_for_ipc(tmp_path, monkeypatch):
     assert rows["balanced-fp32-dropout+ipc-copy"]["status"] == "fail"       # 6.7e-4 over the CPU tolerance
     assert rows["balanced-fp32-dropout+ipc-copy"]["transport"].startswith("CUDA IPC to peer 1 is off")
     assert "transport" not in rows["balanced-fp32-dropout"]
+
+def test_a_curve_run_that_failed_is_its_own_row_and_the_other_size_still_fits(tmp_path, monkeypatch):
+    """A failed launch (or a trace too thin to fit) fails its hidden size's row, not the step's other sizes."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import gpu_check
+
+    sizes = dataclasses.replace(gpu_check.CPU, curve_heads={32: 4, 48: 4})
+    check = gpu_check.Check(tmp_path, sizes, sys.executable)
+    monkeypatch.setattr(check, "corpus", lambda: {"data_path": "D", "tokenizer_json": "T"})
+    failed = {"rc": 1, "json": None, "tail": ["megatron_app.train: error: out of memory"], "name": "curve-h48",
+              "trace_dir": tmp_path}
+    monkeypatch.setattr(check, "traced_p1", lambda name, flags: failed)
+    result = check.curves()
+    assert result["status"] == "fail"
+    assert result["curves"]["h48"] == {"status": "fail", "run": "curve-h48",
+                                       "error": "megatron_app.train: error: out of memory"}
+    assert set(result["curves"]) == {"h32", "h48"}      # the first size's row is there too, not a stop
+    text = gpu_check.write_text_report({"passed": False, "mode": "cpu", "seconds": 1.0, "launch": None,
+                                         "steps": {"curves": {**result, "seconds": 0.1}}})
+    assert "h48: fail: megatron_app.train: error: out of memory" in text
