@@ -133,7 +133,8 @@ def check_cuda_rows(rows, sizes):
     assert [row["size"] for row in rows] == sizes
     for row in rows:
         assert row["bit_exact"] is True
-        for method in ("ours", "ours_block", "ours_arena", "ipc", "ipc_block", "d2d", "pinned", "pageable", "gloo"):
+        for method in ("ours", "ours_block", "ours_arena", "ours_8m", "ipc", "ipc_block", "d2d", "pinned", "pageable",
+                       "gloo"):
             assert row[f"{method}_gbs"] > 0 and row[f"{method}_us"] > 0, method
         assert row["ours_over_pinned"] == pytest.approx(row["ours_gbs"] / row["pinned_gbs"])
         for name in ("ours", "ipc"):  # both event waits measured, the faster named
@@ -142,6 +143,8 @@ def check_cuda_rows(rows, sizes):
             assert row[f"{name}_block_over_spin"] == pytest.approx(row[f"{name}_block_s"] / row[f"{name}_s"])
         assert row["turn_us"] > 0 and row["host_msg_us"] > 0
         assert row["slots_over_arena"] == pytest.approx(row["ours_s"] / row["ours_arena_s"])
+        assert row["big_slots_over_ours"] == pytest.approx(row["ours_8m_s"] / row["ours_s"])
+        assert row["ours_8m_over_pinned"] == pytest.approx(row["ours_8m_gbs"] / row["pinned_gbs"])
 
 
 def test_cuda_section_rehearsed_on_host_tensors(tmp_path):

@@ -14,6 +14,9 @@ Each size, one way (a ping-pong's round trip / 2, both ends' device tensors read
              spinning ones: `faster_wait_ours` / `faster_wait_ipc` say which wait was faster at each size
   ours_arena ours with receives through the page-locked arena instead of straight from the registered slots
              (MEGATRON_APP_CUDA_RECEIVE_FROM_SLOTS=0): `slots_over_arena` is ours' time over this one's
+  ours_8m    ours with 8 MiB slots (4 of them) instead of 1 MiB ones: a large message crosses in 8x fewer chunks,
+             each a hand-off between the processes (`big_slots_over_ours`: its time over ours'; on an H100 the
+             staged path reached 0.44-0.57x pinned staging at 16-256 MiB, against a 0.8x target)
 Once per section, the floor a device message pays between two processes sharing the GPU before any copy:
   turn_us    one way of a ping-pong in which each side runs a one-element device op, waits for it, and sends a
              4-byte host tensor through our transport
@@ -37,15 +40,18 @@ from megatron_app.bench.transport.links import KIB, MIB
 
 CUDA_SIZES = [64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]
 CUDA_QUICK_SIZES = [64 * KIB, 1 * MIB]
-METHODS = ("ours", "ours_block", "ours_arena", "ipc", "ipc_block", "d2d", "pinned", "pageable", "gloo")
+METHODS = ("ours", "ours_block", "ours_arena", "ours_8m", "ipc", "ipc_block", "d2d", "pinned", "pageable", "gloo")
 # Our transports, by method: (job id suffix, CUDA IPC on, event wait mode of the copy engine, receives straight
-# from the slots).
-TRANSPORTS = {"ours": ("", False, "spin", True), "ours_block": ("b", False, "block", True),
-              "ours_arena": ("a", False, "spin", False), "ipc": ("i", True, "spin", True),
-              "ipc_block": ("ib", True, "block", True)}
+# from the slots, Transport's slot_bytes and num_slots).
+DEFAULT_SLOTS = (1 << 20, 16)     # Transport's own defaults
+TRANSPORTS = {"ours": ("", False, "spin", True, DEFAULT_SLOTS),
+              "ours_block": ("b", False, "block", True, DEFAULT_SLOTS),
+              "ours_arena": ("a", False, "spin", False, DEFAULT_SLOTS),
+              "ours_8m": ("s8", False, "spin", True, (8 << 20, 4)),
+              "ipc": ("i", True, "spin", True, DEFAULT_SLOTS), "ipc_block": ("ib", True, "block", True, DEFAULT_SLOTS)}
 # The IPC transports run in a section (two processes) of their own, after the staged one: a crash there (the H100
 # run of 2026-11-26 lost every column to one) leaves the staged, local and gloo columns measured.
-STAGED_TRANSPORTS = ("ours", "ours_block", "ours_arena")
+STAGED_TRANSPORTS = ("ours", "ours_block", "ours_arena", "ours_8m")
 IPC_TRANSPORTS = ("ipc", "ipc_block")
 
 
@@ -262,10 +268,11 @@ def run_cuda_section(plan: dict, rank: int) -> list:
     local = plan.get("local", True)
     transports = {}
     for name in plan.get("transports", list(TRANSPORTS)):
-        suffix, ipc, wait, slots = TRANSPORTS[name]
+        suffix, ipc, wait, slots, (slot_bytes, num_slots) = TRANSPORTS[name]
         engine = CudaCopyEngine(event_wait=wait) if device.cuda else RehearsalEngine()
         transports[name] = Transport(rank, 2, plan["job_id"] + suffix, timeout_s=120, cuda_ipc=ipc,
-                                     copy_engine=engine, receive_from_slots=slots)
+                                     copy_engine=engine, receive_from_slots=slots, slot_bytes=slot_bytes,
+                                     num_slots=num_slots)
     floor = message_floor(device, next(iter(transports.values())), rank) if local else {}
     rows = []
     counter = [0]
@@ -335,6 +342,10 @@ def add_cuda_ratios(rows: list) -> list:
                 row[key] = row[f"{top}_gbs"] / row[f"{bottom}_gbs"]
         if "ours" in measured and "ours_arena" in measured:
             row["slots_over_arena"] = row["ours_s"] / row["ours_arena_s"]
+        if "ours" in measured and "ours_8m" in measured:
+            row["big_slots_over_ours"] = row["ours_8m_s"] / row["ours_s"]
+            if "pinned" in measured:
+                row["ours_8m_over_pinned"] = row["ours_8m_gbs"] / row["pinned_gbs"]
         for name in ("ours", "ipc"):
             if name in measured and f"{name}_block" in measured:
                 row[f"{name}_block_over_spin"] = row[f"{name}_block_s"] / row[f"{name}_s"]
@@ -350,4 +361,5 @@ CUDA_COLUMNS = [("size", "size", 0), ("ours us", "ours_us", 1), ("ours GB/s", "o
                 ("ipc/d2d", "ipc_over_d2d", 3), ("ours blk us", "ours_block_us", 1),
                 ("ipc blk us", "ipc_block_us", 1), ("ours blk/spin", "ours_block_over_spin", 2),
                 ("ipc blk/spin", "ipc_block_over_spin", 2), ("arena us", "ours_arena_us", 1),
-                ("slots/arena", "slots_over_arena", 2)]
+                ("slots/arena", "slots_over_arena", 2), ("8M-slot us", "ours_8m_us", 1),
+                ("8M/ours", "big_slots_over_ours", 2), ("8M/pinned", "ours_8m_over_pinned", 2)]
