@@ -8,7 +8,7 @@ import sys
 from megatron_app.say import say
 
 from .args import UsageError, parse_args
-from .fast_exit import skip_final_collections_at_exit
+from .gc_phases import pause_collections_while_importing, resume_collections
 
 
 def _fail(message: str) -> None:
@@ -86,7 +86,6 @@ def _marker_line(text: str, markers) -> str:
 
 
 def main(argv=None) -> None:
-    skip_final_collections_at_exit()   # first: it runs after the session's close and the exit grace
     try:
         args = parse_args(argv)
     except UsageError as exc:
@@ -115,6 +114,7 @@ def _train(args) -> None:
     from .loop import train
     from .stops import NonFiniteError, TrainingInterrupted
 
+    resume_collections()   # torch and megatron-core are in: the model is built with the collector on
     rank = os.environ.get("RANK", "0")
     try:
         train(args)
@@ -141,4 +141,7 @@ def _train(args) -> None:
 
 
 if __name__ == "__main__":
+    # As a program only (an in-process caller of main() keeps its collector): before the first heavy import, and
+    # its freeze at exit runs after the session's close and the exit grace, registered later.
+    pause_collections_while_importing()
     main()
