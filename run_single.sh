@@ -53,6 +53,6 @@ echo "[run_single] $world ranks: pipeline $P x tensor $T x data $D, $V model chu
 # run_ranks.py: a failed rank ends the output with one line naming it, instead of torchrun's traceback.
 torchrun_logs="${LOG_DIR:-logs}/torchrun"
 "$VENV_PY" tools/run_ranks.py --name run_single.sh --log-dir "$torchrun_logs" --job-id "$MEGATRON_APP_JOB_ID" -- \
-    "$VENV_PY" -m torch.distributed.run --standalone --nnodes 1 --nproc_per_node "$world" \
+    "$VENV_PY" -m megatron_app.train.torchrun --standalone --nnodes 1 --nproc_per_node "$world" \
     --max_restarts 0 --redirects 3 --tee 3 --log_dir "$torchrun_logs" \
     -m megatron_app.train "${layout[@]}" "${passthrough[@]}"

@@ -102,7 +102,7 @@ echo "[$script] node $node_rank: $nproc of $world ranks (pipeline $P x tensor $T
 # run_ranks.py: a failed rank ends the output with one line naming it, instead of torchrun's traceback.
 torchrun_logs="${LOG_DIR:-logs}/torchrun_node$node_rank"
 "$VENV_PY" tools/run_ranks.py --name "$script (node $node_rank)" --log-dir "$torchrun_logs" --job-id "$job_id" -- \
-    "$VENV_PY" -m torch.distributed.run --nnodes "$nnodes" --node_rank "$node_rank" --nproc_per_node "$nproc" \
+    "$VENV_PY" -m megatron_app.train.torchrun --nnodes "$nnodes" --node_rank "$node_rank" --nproc_per_node "$nproc" \
     --master_addr "$master_addr" --master_port "$master_port" --max_restarts 0 \
     --redirects 3 --tee 3 --log_dir "$torchrun_logs" \
     -m megatron_app.train "${layout[@]}" ${passthrough[@]+"${passthrough[@]}"}
