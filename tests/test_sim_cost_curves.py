@@ -109,23 +109,6 @@ def test_a_p1_trace_spread_evenly_keeps_the_whole_models_cost():
         fit_whole_curves(_fake_run(), num_layers=8)
 
 
-def test_p1_traces_at_two_depths_give_one_layer_and_what_the_chunk_adds():
-    """fit_depth_curves: the whole model's growth per layer is one layer; the rest (first + last chunk's extras of a
-    P=1 model, whose one chunk is both) goes to the last chunk."""
-    from megatron_app.sim.cost_curves import fit_depth_curves
-
-    curves = fit_depth_curves({2: _fake_run(P=1, V=1, layers=2), 4: _fake_run(P=1, V=1, layers=4)})
-    for kind in ("forward", "backward"):
-        assert curves.layer[kind] == pytest.approx(LAYER[kind], rel=1e-6)
-        assert curves.first_extra[kind] == (0.0, 0.0, 0.0)
-        assert curves.last_extra[kind] == pytest.approx(FIRST[kind], rel=1e-6, abs=1e-6)
-    assert curves.source["depths"] == [2, 4] and curves.source["tokens_range"][0] >= 100
-    with pytest.raises(ScheduleConfigError, match="two depths"):
-        fit_depth_curves({2: _fake_run(P=1, V=1, layers=2)})
-    with pytest.raises(ScheduleConfigError, match="P=1 V=1"):
-        fit_depth_curves({2: _fake_run(), 4: _fake_run(P=1, V=1, layers=4)})
-
-
 def _write_p1_trace(directory, model=None):
     import json
 
@@ -263,22 +246,6 @@ def test_old_curves_without_a_model_still_load_and_say_once_that_nothing_is_chec
         f"cost curves {path}: the file records no traced model (fitted before curve files recorded one): whether "
         "they are this model's costs is not checked"]
     assert "records no traced model" in curves.replay_note(8)
-
-
-def test_a_depth_fit_takes_one_model_and_records_it_without_its_depth():
-    from megatron_app.sim.cost_curves import fit_depth_curves, summary
-
-    runs = {2: _traced(_fake_run(P=1, V=1, layers=2), dict(MODEL, num_layers=2)),
-            4: _traced(_fake_run(P=1, V=1, layers=4), dict(MODEL, num_layers=4))}
-    curves = fit_depth_curves(runs)
-    assert curves.source["model"] == {k: v for k, v in MODEL.items() if k != "num_layers"}
-    assert "traced model: hidden_size 64, num_attention_heads 4" in summary(curves)
-    runs[4] = _traced(_fake_run(P=1, V=1, layers=4), dict(MODEL, num_layers=4, hidden_size=128))
-    with pytest.raises(ScheduleConfigError, match="^fitting by depth takes one model at several depths: the 2- and "
-                                                  "4-layer traces differ in hidden_size 64 -> 128$"):
-        fit_depth_curves(runs)
-    assert "model" not in fit_depth_curves({2: _fake_run(P=1, V=1, layers=2),      # traces that record none
-                                            4: _fake_run(P=1, V=1, layers=4)}).source
 
 
 def test_the_emulation_says_once_when_its_model_is_not_the_traced_one(capsys, tmp_path):

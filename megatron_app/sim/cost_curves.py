@@ -12,8 +12,8 @@ predicts a P=4 V=2 or P=8 V=2 layout of the same model (more chunks, fewer layer
     python -m megatron_app.sim.cost_curves --trace-dir traces/latest --pipeline_parallel 2 --model_chunks 2 \\
         --num-layers 8 --out docs/results/cost_curves/gpt_cpu_p2v2.json
 
-A P=1 V=1 trace at one depth has no middle chunk: `--spread-evenly` divides the whole model's fit evenly over its
-layers (fit_whole_curves); two depths or more separate a layer from the rest (fit_depth_curves, tools/gpu_check.py).
+A P=1 V=1 trace has no middle chunk: `--spread-evenly` divides the whole model's fit evenly over its layers
+(fit_whole_curves; tools/gpu_check.py's curves).
 
 The simulator takes them with --cost-curves FILE --num-layers L (sim/composition.py).
 """
@@ -29,7 +29,7 @@ import numpy as np
 
 from megatron_app.schedule import PipelineShape, ScheduleConfigError
 from megatron_app.schedule.tasks import KINDS_BY_INDEX, Kind
-from megatron_app.trace.model_shape import NOT_COMPARED, describe, model_differences
+from megatron_app.trace.model_shape import describe, model_differences
 
 from .costs import DurationTable
 
@@ -232,8 +232,8 @@ def fit_curves(run, num_layers: int, skip_iterations: int = 1) -> CostCurves:
 
 def fit_whole_curves(run, num_layers: int, skip_iterations: int = 1) -> CostCurves:
     """From one P=1 V=1 trace at one depth: the whole model's fit per kind divided evenly over its layers, nothing
-    counted to the first or last chunk. One depth cannot tell a layer from the embedding, output layer and loss (two
-    depths can: fit_depth_curves), so they are spread over the layers with it: honest only where they are a small
+    counted to the first or last chunk. One depth cannot tell a layer from the embedding, output layer and loss,
+    so they are spread over the layers with it: honest only where they are a small
     share of the model's work (say how small: e.g. the output layer's 2 x hidden x vocab FLOPs a token against
     24 x hidden^2 a layer)."""
     if run.pipeline_parallel * run.model_chunks != 1:
@@ -268,42 +268,6 @@ def whole_model_samples(run, skip_iterations: int, name: str) -> Dict[str, List[
     return samples
 
 
-def fit_depth_curves(runs_by_depth: Dict[int, object], skip_iterations: int = 1) -> CostCurves:
-    """From P=1 V=1 traces of the same model at two or more depths (layers): no chunk is a middle one there, so one
-    layer's cost is the whole-model fit's growth per layer, least squares over depths per kind; what a chunk adds
-    beyond its layers (embedding, output layer and loss) is the rest, all of it counted to the last chunk (the
-    embedding is a lookup: its cost is within the fit's noise at these sizes)."""
-    if len(runs_by_depth) < 2:
-        raise ScheduleConfigError("fitting by depth needs runs at two depths at least")
-    whole: Dict[int, Dict[str, Tuple[float, float, float]]] = {}
-    counts: Dict[str, int] = {}
-    tokens_seen: List[float] = []
-    for depth, run in sorted(runs_by_depth.items()):
-        if run.pipeline_parallel * run.model_chunks != 1:
-            raise ScheduleConfigError(f"fitting by depth takes P=1 V=1 runs, got P={run.pipeline_parallel} "
-                                      f"V={run.model_chunks}")
-        samples = whole_model_samples(run, skip_iterations, f"the {depth}-layer trace")
-        tokens_seen += [t for found in samples.values() for t, _, _ in found]
-        whole[depth] = {kind: _fit(found) for kind, found in samples.items()}
-        for kind, found in samples.items():
-            counts[f"{kind} {depth} layers"] = len(found)
-    model = _one_model_at_depths(runs_by_depth)
-    depths = np.asarray(sorted(whole), dtype=float)
-    layer, last_extra = {}, {}
-    for kind in FITTED_KINDS:
-        per_depth = np.asarray([whole[int(d)][kind] for d in depths])          # [depths, 3]
-        design = np.stack([np.ones_like(depths), depths], axis=1)
-        (intercepts, slopes), *_ = np.linalg.lstsq(design, per_depth, rcond=None)
-        layer[kind] = tuple(float(max(v, 0.0)) for v in slopes)
-        last_extra[kind] = tuple(float(v) for v in intercepts)
-    zero = {kind: (0.0, 0.0, 0.0) for kind in FITTED_KINDS}
-    return CostCurves(layer, zero, last_extra,
-                      _with_model({"fit": "by depth (P=1 V=1)", "depths": [int(d) for d in depths], "samples": counts,
-                                   "tokens_range": [min(tokens_seen), max(tokens_seen)],
-                                   "trace_dirs": [str(run.trace_dir) for _, run in sorted(runs_by_depth.items())]},
-                                  model))
-
-
 def _check_layers(run, num_layers: int) -> None:
     """The layer count a fit is told must be the traced model's, where its trace records one: a layer's cost is the
     chunk's divided by its layers."""
@@ -318,22 +282,6 @@ def _with_model(source: dict, model: Optional[dict]) -> dict:
     if model is not None:
         source["model"] = dict(model)
     return source
-
-
-def _one_model_at_depths(runs_by_depth: Dict[int, object]) -> Optional[dict]:
-    """The model the depth runs traced, its layer count left out (the depths are listed instead); None when a trace
-    records none. Runs of different models (beyond their depth) cannot make one curve: refused in one line."""
-    models = {depth: traced_model(run) for depth, run in sorted(runs_by_depth.items())}
-    known = {depth: model for depth, model in models.items() if model is not None}
-    if len(known) < len(models):
-        return None
-    (first_depth, first), *rest = known.items()
-    for depth, model in rest:
-        differs = model_differences(first, model)
-        if differs:
-            raise ScheduleConfigError(f"fitting by depth takes one model at several depths: the {first_depth}- and "
-                                      f"{depth}-layer traces differ in {', '.join(differs)}")
-    return {name: value for name, value in first.items() if name not in NOT_COMPARED}
 
 
 def summary(curves: CostCurves) -> str:
@@ -376,8 +324,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.spread_evenly:
             curves = fit_whole_curves(run, args.num_layers)
         elif args.pipeline_parallel * args.model_chunks == 1:
-            raise ScheduleConfigError("a P=1 V=1 trace has no middle chunk: fit it with --spread-evenly (one depth) "
-                                      "or by depth (fit_depth_curves, two depths or more)")
+            raise ScheduleConfigError("a P=1 V=1 trace has no middle chunk: fit it with --spread-evenly")
         else:
             curves = fit_curves(run, args.num_layers)
     except (ScheduleConfigError, TraceError, ValueError, OSError) as error:
