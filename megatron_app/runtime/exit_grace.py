@@ -13,16 +13,13 @@ releases the GIL), none of 40. Registered once per process, before the session's
 from __future__ import annotations
 
 import atexit
-import threading
+import functools
 import time
 
 GRACE_S = 0.1         # 20 ms sufficed in 40 runs idle; a loaded machine schedules the thread later
-_registered = threading.Event()   # process-wide by nature: atexit is the process's
 
 
+@functools.cache      # once per process: atexit is the process's
 def let_collective_threads_finish_at_exit() -> None:
-    """Registers, once per process, the grace sleep that runs after every other atexit handler registered later."""
-    if _registered.is_set():
-        return
-    _registered.set()
+    """Registers the grace sleep that runs after every other atexit handler registered later."""
     atexit.register(time.sleep, GRACE_S)

@@ -16,19 +16,22 @@ user's process that imports it.
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import threading
 
-_registered = threading.Event()   # process-wide by nature: atexit and the collector are the process's
-_paused = threading.Event()
+_paused = threading.Event()       # process-wide by nature: the collector is the process's
+
+
+@functools.cache      # once per process: atexit is the process's
+def _freeze_at_exit() -> None:
+    atexit.register(gc.freeze)
 
 
 def pause_collections_while_importing() -> None:
     """The collector off until resume_collections(); gc.freeze registered, once per process, to run after every
     atexit handler registered later."""
-    if not _registered.is_set():
-        _registered.set()
-        atexit.register(gc.freeze)
+    _freeze_at_exit()
     if gc.isenabled():
         gc.disable()
         _paused.set()
