@@ -479,10 +479,10 @@ class Stager:
         error = pending = marks = None
         try:
             self.engine.follow(source, ready)
-            start = self._mark(source)
+            start = self.engine.mark(source.device)
             sent, pending = self._send_by_ipc(peer, tag, dtype_code(source.dtype), tuple(source.shape),
                                               flat_bytes(source))
-            marks = None if start is None else (start, self._mark(source))
+            marks = (start, self.engine.mark(source.device))
         except Exception as exc:  # noqa: BLE001 - handed to the caller through the handle, as from the stager
             sent, error = True, _peer_gone_or(self._core, peer, exc)
         if not sent:
@@ -600,20 +600,18 @@ class Stager:
         on the copy stream, the end mark the send's last copy there."""
         for handle in earlier:  # the core's sends to this peer posted before this one
             handle.wait()
-        start = None
-        if device_tensor:
-            self.engine.follow(source, ready)
-            start = self._mark(source)
         code = dtype_code(source.dtype)
         shape = tuple(source.shape)
-        flat = flat_bytes(source)
         if not device_tensor:  # a host tensor queued behind device sends: the core's ordinary send
-            self._core_send(peer, tag, code, shape, flat)
+            self._core_send(peer, tag, code, shape, flat_bytes(source))
             return None, None
+        self.engine.follow(source, ready)
+        start = self.engine.mark(source.device)
+        flat = flat_bytes(source)
         if through_slots and self._ipc is not None and flat.numel():
             sent, pending = self._send_by_ipc(peer, tag, code, shape, flat)
             if sent:
-                return pending, None if start is None else (start, self._mark(source))
+                return pending, (start, self.engine.mark(source.device))
         if through_slots:
             self._ensure_region(peer)
             self._took(peer, "slots, registered" if self._regions[peer] else "slots, not registered")
@@ -625,13 +623,7 @@ class Stager:
             if flat.numel():
                 self.engine.wait(self.engine.to_host(host, flat))
             self._core_send(peer, tag, code, shape, host)
-        return None, None if start is None else (start, self._mark(source))
-
-    def _mark(self, source: torch.Tensor):
-        """A timing mark on the copy stream of `source`'s device (the engine's `mark`), or None for an engine
-        without marks."""
-        mark = getattr(self.engine, "mark", None)
-        return None if mark is None else mark(source.device)
+        return None, (start, self.engine.mark(source.device))
 
     def _send_by_ipc(self, peer: int, tag: int, code: int, shape, flat: torch.Tensor) -> tuple[bool, object]:
         """(True, the copy's token) once sent through CUDA IPC (device_ipc.py); (False, None): take the staged path
