@@ -20,6 +20,8 @@ import torch
 from megatron.core.datasets.gpt_dataset import GPTDataset
 from megatron.core.datasets.megatron_dataset import MegatronDataset
 
+from .synthetic_documents import SyntheticDocuments
+
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 CU_SEQLENS = "cu_seqlens"   # a packed batch's extra key: [documents + 1] int32 bounds in its one row
 PAD_TOKEN_ID = 0   # any valid id: padded positions are masked out of the loss and seen by no real token
@@ -72,8 +74,9 @@ class DocumentDataset(MegatronDataset):
 
 
 def sample_length(dataset, index: int) -> int:
-    """Length of sample ``index`` of a DocumentDataset or of Megatron's BlendedDataset over DocumentDatasets."""
-    if isinstance(dataset, DocumentDataset):
+    """Length of sample ``index`` of a DocumentDataset, SyntheticDocuments or Megatron's BlendedDataset over
+    DocumentDatasets."""
+    if isinstance(dataset, (DocumentDataset, SyntheticDocuments)):
         return dataset.sample_length(index)
     if hasattr(dataset, "dataset_index"):   # megatron.core.datasets.blended_dataset.BlendedDataset
         if dataset.dataset_index is None:

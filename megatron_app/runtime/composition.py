@@ -81,7 +81,8 @@ def decide_iteration_plan(lengths: Sequence[int], micro_batch_size: int, composi
                           pg_collection=None, job: Optional[AppJob] = None,
                           next_lengths: Optional[Sequence[int]] = None,
                           next_document_ids: Optional[Sequence[int]] = None,
-                          microbatch_group_size: Optional[int] = None) -> IterationPlan:
+                          microbatch_group_size: Optional[int] = None,
+                          groups: Optional[Sequence[Sequence[int]]] = None) -> IterationPlan:
     """The next call's IterationPlan for the whole global batch (``lengths``: every document, loader order), the
     same on every rank. The caller hands this rank's replica's share (CallPlan.of_replica) to the call it plans.
 
@@ -90,7 +91,10 @@ def decide_iteration_plan(lengths: Sequence[int], micro_batch_size: int, composi
     when it is ready, planning in line when it is late. Planning time on the critical path is then about nil.
 
     microbatch_group_size: the model config's microbatch_group_size_per_vp_stage (None: Megatron's default, P); with
-    several chunks it bounds the microbatch counts the call accepts, so the plan chooses among those."""
+    several chunks it bounds the microbatch counts the call accepts, so the plan chooses among those.
+
+    groups: with composition `packed` and one replica, the microbatches themselves (positions in ``lengths``), as
+    the trainer's --synthetic-microbatches gives them; the planned policy still orders and predicts them."""
     job = job or current_job()
     session = job.session
     layout = job_layout(pg_collection)
@@ -100,7 +104,8 @@ def decide_iteration_plan(lengths: Sequence[int], micro_batch_size: int, composi
     request = PlanRequest(tuple(int(v) for v in lengths), composition, micro_batch_size, pipeline,
                           num_replicas=layout.num_replicas,
                           document_ids=None if document_ids is None else tuple(int(i) for i in document_ids),
-                          token_budget=token_budget)
+                          token_budget=token_budget,
+                          groups=None if groups is None else tuple(tuple(int(p) for p in g) for g in groups))
     request.check()     # on every rank: a bad request fails where it is made, not in a broadcast
     plans_order = session.plans_calls
     measured = (_gather_measurements(session, layout) if composition in PLANNED_COMPOSITIONS or plans_order

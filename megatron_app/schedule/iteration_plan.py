@@ -95,6 +95,8 @@ class PlanRequest:
     min_gain: float = 0.0                    # balanced: predicted gain over packing needed to regroup (model error)
     plan_order: bool = False                 # loader, packed, dp-balanced: plan each replica's order and predict it
                                              # (the `planned` policy runs the call; balanced always plans)
+    groups: Optional[Tuple[Tuple[int, ...], ...]] = None   # packed, one replica: these microbatches (positions
+                                             # in loader order) instead of the loader's (synthetic compositions)
 
     def check(self) -> None:
         check_composition_name(self.composition)
@@ -108,6 +110,11 @@ class PlanRequest:
             raise ScheduleConfigError(f"{len(self.document_ids)} document ids for {n} documents")
         if self.replica_speeds is not None and (len(self.replica_speeds) != D or min(self.replica_speeds) <= 0):
             raise ScheduleConfigError(f"replica speeds must be {D} positive numbers, got {self.replica_speeds!r}")
+        if self.groups is not None:
+            if self.composition != PACKED or D != 1:
+                raise ScheduleConfigError(f"given microbatches are packed on one replica, not {self.composition} "
+                                          f"on {D}")
+            Composition(tuple(tuple(g) for g in self.groups), packed=True).check(n)
 
     @property
     def speeds(self) -> Tuple[float, ...]:
@@ -365,6 +372,9 @@ def plan_iteration(request: PlanRequest, costs: Optional[LengthCostModel] = None
     prior); stop(predicted_loader_s): the caller's time budget for the search (None: the whole search)."""
     request.check()
     shares = loader_shares(len(request.lengths), request.micro_batch_size, request.num_replicas)
+    if request.groups is not None:
+        composition = Composition(tuple(tuple(g) for g in request.groups), packed=True)
+        return _ordered(request, (ReplicaPlan(tuple(range(len(request.lengths))), composition),), costs, stop)
     if request.composition in (LOADER, PACKED):
         return _fixed_plan(request, shares, request.composition == PACKED, costs, stop)
     if request.composition == DP_BALANCED:

@@ -97,8 +97,12 @@ def main(argv=None) -> None:
             _fail(str(exc))
         check_forced_rdma(args)
         check_shared_memory(args)
+        microbatches = args.num_microbatches
+        if args.synthetic_plan is not None:
+            counts = [len(iteration) for iteration in args.synthetic_plan.iterations]
+            microbatches = f"{min(counts)}..{max(counts)} (the file's)"
         print(f"megatron_app.train: config ok: {args.world_size} ranks, P={args.pipeline_parallel} "
-              f"V={args.model_chunks} T={args.tensor_parallel} D={args.data_parallel} m={args.num_microbatches}")
+              f"V={args.model_chunks} T={args.tensor_parallel} D={args.data_parallel} m={microbatches}")
         return
     try:
         _train(args)

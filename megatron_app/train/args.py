@@ -13,7 +13,7 @@ import os
 from typing import Mapping, Optional, Sequence
 
 from megatron_app.schedule import DEFAULT_POLICY
-from megatron_app.schedule.composition import BALANCED, LOADER, PLANNED_COMPOSITIONS, default_composition
+from megatron_app.schedule.composition import BALANCED, LOADER, PACKED, PLANNED_COMPOSITIONS, default_composition
 from megatron_app.schedule.policies import policies_taking
 
 from .flags import (DEFAULT_HYSTERESIS, DEFAULT_INITIAL_LOSS_SCALE, DEFAULT_LOSS_SCALE_WINDOW,  # noqa: F401
@@ -104,6 +104,55 @@ def _check_model_split(args: argparse.Namespace) -> None:
         raise UsageError(f"--vocab-size must be at least 2, got {args.vocab_size}")
     if args.vocab_size % T:
         raise UsageError(f"--vocab-size {args.vocab_size} is not divisible by tensor_parallel({T})")
+
+
+def _read_synthetic_microbatches(args: argparse.Namespace) -> None:
+    """--synthetic-microbatches FILE -> args.synthetic_plan (a SyntheticPlan; None without the flag): the file
+    readable and consistent, its documents the global batch, packed and variable-length, no other data."""
+    path = getattr(args, "synthetic_microbatches", None)
+    args.synthetic_plan = None
+    if path is None:
+        return
+    from megatron_app.data.synthetic_documents import SyntheticPlanError, check_against, read_plan
+
+    flag = f"--synthetic-microbatches {path}"
+    for dest in ("data_path", "emulate_compute", "emulate_lengths_file", "eval_interval"):
+        if getattr(args, dest, None):
+            raise UsageError(f"{flag} is the run's data: drop {_flag(dest)}")
+    if getattr(args, "composition", None) not in (None, PACKED):
+        raise UsageError(f"{flag} gives packed microbatches: drop --composition {args.composition}")
+    try:
+        plan = read_plan(path)
+        check_against(plan, args.seq_length)
+    except SyntheticPlanError as error:
+        raise UsageError(f"{flag}: {error}") from None
+    documents = plan.documents_per_iteration
+    if args.global_batch_size is None:
+        args.global_batch_size = documents
+    elif args.global_batch_size != documents:
+        raise UsageError(f"{flag}: its iterations hold {documents} documents, not --global-batch-size "
+                         f"{args.global_batch_size}")
+    args.synthetic_plan = plan
+    args.variable_seq_lengths = True
+    args.composition = PACKED
+
+
+def _check_synthetic_layout(args: argparse.Namespace) -> None:
+    """Every iteration's microbatches on one replica, in counts this pipeline runs."""
+    plan = getattr(args, "synthetic_plan", None)
+    if plan is None:
+        return
+    flag = f"--synthetic-microbatches {args.synthetic_microbatches}"
+    if args.data_parallel != 1:
+        raise UsageError(f"{flag} gives one replica's microbatches: run it with data_parallel 1 "
+                         f"(got {args.data_parallel})")
+    from megatron_app.schedule import PipelineShape, ScheduleConfigError
+
+    for number, iteration in enumerate(plan.iterations, 1):
+        try:
+            PipelineShape(args.pipeline_parallel, args.model_chunks, len(iteration))
+        except ScheduleConfigError as error:
+            raise UsageError(f"{flag}: iteration {number}'s {len(iteration)} microbatches: {error}") from None
 
 
 def _derive_microbatches(args: argparse.Namespace) -> None:
@@ -262,11 +311,13 @@ def running_policy_name(args: argparse.Namespace) -> str:
 def validate(args: argparse.Namespace, environ: Mapping[str, str]) -> argparse.Namespace:
     """Check flag combinations; derive world_size, data_parallel, vocab_size, num_microbatches and the device."""
     _check_scalars(args)
+    _read_synthetic_microbatches(args)   # before the batch size is derived: the file says it
     _resolve_virtual_stages(args)
     _refuse_ignored_options(args)
     _derive_layout(args, environ)
     _resolve_vocab_size(args)
     _check_model_split(args)
+    _check_synthetic_layout(args)
     _derive_microbatches(args)
     args.device = _resolve_device(args.device)
     if args.schedule == "megatron" and args.pipeline_parallel > 1 and args.device == "cpu":
@@ -410,7 +461,7 @@ def _check_variable_lengths(args: argparse.Namespace) -> None:
     if args.composition in PLANNED_COMPOSITIONS and args.schedule == MEGATRON_SCHEDULE:
         raise UsageError(f"--composition {args.composition} needs our schedule (--schedule app|interleaved|1f1b): the plan "
                          "comes from its runtime")
-    if args.data_path is None:
+    if args.data_path is None and getattr(args, "synthetic_plan", None) is None:
         raise UsageError("--variable-seq-lengths needs --data-path (one document per sample; mock data has no "
                          "documents; tools/make_corpus.py builds a real corpus)")
     args.calculate_per_token_loss = True

@@ -22,6 +22,7 @@ from .flags import MEGATRON_SCHEDULE, completed
 from .forward_backward import with_call
 from megatron_app.data.document_data import sample_length
 from megatron_app.data.replica_batches import collate_replica
+from megatron_app.data.synthetic_documents import SyntheticDocuments
 from .step import forward_step, packed_forward_step
 
 
@@ -56,19 +57,21 @@ def global_batch_samples(args, first_sample: int) -> List[int]:
     return list(range(first_sample, first_sample + args.global_batch_size))
 
 
-def plan_global_batch(args, lengths: Sequence[int], samples: Sequence[int], upcoming=None) -> IterationPlan:
+def plan_global_batch(args, lengths: Sequence[int], samples: Sequence[int], upcoming=None, groups=None
+                      ) -> IterationPlan:
     """The plan of the next forward_backward call; our runtime agrees it over the job (and is handed this rank's
     share), Megatron's own schedule takes the loader's groups. upcoming: (lengths, samples) of the batch after, to
-    plan ahead. Tests replace this function to regroup."""
+    plan ahead. groups: the microbatches themselves, packed (--synthetic-microbatches). Tests replace this function
+    to regroup."""
     if args.schedule == MEGATRON_SCHEDULE:
         return plan_iteration(PlanRequest(tuple(lengths), PACKED if composition_name(args) == PACKED else LOADER,
                                           args.micro_batch_size, num_replicas=args.data_parallel,
-                                          document_ids=tuple(samples)))
+                                          document_ids=tuple(samples), groups=groups))
     from megatron_app.runtime.composition import decide_iteration_plan
 
     return decide_iteration_plan(lengths, args.micro_batch_size, composition_name(args), document_ids=samples,
                                 next_lengths=None if upcoming is None else upcoming[0],
-                                next_document_ids=None if upcoming is None else upcoming[1])
+                                next_document_ids=None if upcoming is None else upcoming[1], groups=groups)
 
 
 def compose_global_batch(args, dataset, dp_rank: int, first_sample: int, num_chunks: int,
@@ -81,7 +84,8 @@ def compose_global_batch(args, dataset, dp_rank: int, first_sample: int, num_chu
     if plan_ahead:
         following = global_batch_samples(args, first_sample + args.global_batch_size)
         upcoming = ([sample_length(dataset, index) for index in following], following)
-    plan = plan_global_batch(args, [sample_length(dataset, index) for index in samples], samples, upcoming)
+    groups = dataset.groups_at(first_sample) if isinstance(dataset, SyntheticDocuments) else None
+    plan = plan_global_batch(args, [sample_length(dataset, index) for index in samples], samples, upcoming, groups)
     replica = plan.replica(dp_rank)
     mine = [samples[position] for position in replica.documents]
     set_microbatch_documents(plan.document_segments(dp_rank))    # keyed dropout: each document's masks by document

@@ -21,6 +21,7 @@ from megatron.core.datasets.utils import get_blend_from_list
 from megatron_app.megatron_compat import null_tokenizer
 
 from megatron_app.data.document_data import DocumentDataset, pad_to_longest, padded_lengths, sample_length
+from megatron_app.data.synthetic_documents import SyntheticDocuments
 
 from .flags import DEFAULT_SPLIT, completed  # noqa: F401 (DEFAULT_SPLIT re-exported)
 
@@ -56,9 +57,12 @@ def build_datasets(args):
     """(train, validation or None) GPT datasets; call on every rank (the builder synchronises ranks).
 
     ``args`` needs seq_length, vocab_size, seed, iters, global_batch_size, data_path and, for validation,
-    split, eval_interval and eval_iters. Mock data (MockGPTDataset) when data_path is None.
+    split, eval_interval and eval_iters. Mock data (MockGPTDataset) when data_path is None, synthetic documents
+    (SyntheticDocuments) under --synthetic-microbatches.
     """
     args = completed(args)
+    if args.synthetic_plan is not None:    # --synthetic-microbatches: no corpus, no validation split
+        return SyntheticDocuments(args.synthetic_plan, args.seed, args.vocab_size, train_samples(args)), None
     data_path = args.data_path
     config = GPTDatasetConfig(
         random_seed=args.seed,

@@ -114,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(train, "--lr", type=float, default=1e-3, help="Adam's learning rate (constant)")
     _add_flag(train, "--data-path", nargs="+", default=None, metavar="PREFIX",
               help="Megatron indexed dataset prefix(es) [weight prefix ...]; default: mock data")
+    _add_flag(train, "--synthetic-microbatches", default=None, metavar="FILE",
+              help="instead of --data-path: documents of random tokens whose every iteration's microbatches FILE "
+                   "gives as document lengths (JSON {\"iterations\": [[[L, L], [L]], ...]}; python -m "
+                   "megatron_app.data.synthetic_documents writes a sweep), packed, iterations repeating; every "
+                   "iteration holds --global-batch-size documents; implies --variable-seq-lengths; for profiling a "
+                   "model over chosen compositions (cost curves)")
     _add_flag(train, "--variable-seq-lengths", action="store_true",
               help="one document per sample (not fixed-length windows), truncated at --seq-length; --composition "
                    "says how documents form microbatches; needs --data-path; implies --calculate-per-token-loss")
@@ -280,7 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
 # takes once the refusals have run; and what validate() derives for a run that gives none of the flags it reads.
 _FILLED_DEFAULTS = {"slow_factor": DEFAULT_SLOW_FACTOR, "straggler_factor": DEFAULT_STRAGGLER_FACTOR,
                     "eval_iters": DEFAULT_EVAL_ITERS, "split": DEFAULT_SPLIT, "trace_dir": DEFAULT_TRACE_DIR}
-_DERIVED_DEFAULTS = {"precision": "fp32", "composition": default_composition(planned_by_our_runtime=False)}
+_DERIVED_DEFAULTS = {"precision": "fp32", "composition": default_composition(planned_by_our_runtime=False),
+                     "synthetic_plan": None}
 
 
 @functools.lru_cache(maxsize=None)

@@ -123,7 +123,7 @@ def regrouped_composition(packed: bool):
     from megatron_app.schedule.composition import Composition
     from megatron_app.schedule.iteration_plan import IterationPlan, ReplicaPlan
 
-    def plan(args, lengths, samples, upcoming=None):
+    def plan(args, lengths, samples, upcoming=None, groups=None):
         n, P = len(lengths), args.pipeline_parallel
         stride = next(s for s in range(5, n + 5) if math.gcd(s, n) == 1)
         order = [(stride * i + 3) % n for i in range(n)]
