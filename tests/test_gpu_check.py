@@ -29,12 +29,12 @@ def test_the_rehearsal_runs_every_step_and_writes_both_reports(rehearsal):
                                      "curves", "composition"]
     # where the launches' time went: before the rank, the rank's start-up phases, iterations, after
     launch = report["launch"]
-    assert launch["launches"] == 4 + 2 + 1 and list(launch["median_alone"]) == [
+    assert launch["launches"] == 4 + 2 + 2 and list(launch["median_alone"]) == [
         "total", "before_rank", "launcher_setup_env", "launcher_check_config", "launcher_to_rank", "rank_imports",
         "rank_process_group", "rank_model_parallel", "rank_trainer", "iterations", "after",
         "after_loop_outside_iterations", "after_rank_closing", "after_rank_process_group", "after_rank_exit"]
     assert all(value >= 0 for value in launch["median_alone"].values()), launch
-    assert "launch      median seconds of the launches that ran alone (of 7)" in (out / "report.txt").read_text()
+    assert "launch      median seconds of the launches that ran alone (of 8)" in (out / "report.txt").read_text()
     probes = report["steps"]["host"]["startup_probes_s"]
     assert set(probes) == {"python", "import_torch", "import_megatron_core", "import_megatron_core_gc_paused",
                            "getfqdn", "gethostbyname"}
@@ -90,13 +90,16 @@ def test_the_users_own_loop_runs_and_matches_megatrons_schedule(rehearsal):
 
 @pytest.mark.slow
 def test_the_curves_are_the_simulators_cost_curves(rehearsal):
-    """The fitted file loads as --cost-curves and the simulator runs a composition row with it. The curves at the
-    prediction model's hidden size are fitted on the prediction step's P=1 run, not a launch of their own."""
+    """The fitted file loads as --cost-curves and the simulator runs a composition row with it. Each hidden size's
+    curves come from a P=1 run of its own on the sweep of compositions (every document count, the token range)."""
     out, _ = rehearsal
     curves = out / "cost_curves_h32.json"
     source = json.loads(curves.read_text())["source"]
     assert source["fit"].startswith("whole model") and source["num_layers"] == 4
-    assert source["run"] == "predict-p1" and not (out / "work" / "curve-h32").exists()
+    assert source["run"] == "curve-h32" and "--synthetic-microbatches" not in source["flags"]
+    assert source["sweep"]["documents_range"] == [1, 16] and source["sweep"]["iterations"] == 6
+    low, high = source["tokens_range"]      # the fitted iterations' (after the skipped first)
+    assert 16 <= low < 40 and 90 < high <= 128
     other = json.loads((out / "cost_curves_h48.json").read_text())["source"]
     assert other["run"] == "curve-h48" and other["model"]["hidden_size"] == 48
     # the output layer's FLOP share that the fit spreads over the layers: 2 h V / (L (8 h^2 + 4 h ffn) + 2 h V)
@@ -256,10 +259,8 @@ def test_a_curve_run_that_failed_is_its_own_row_and_the_other_size_still_fits(tm
 
     sizes = dataclasses.replace(gpu_check.CPU, curve_heads={32: 4, 48: 4})
     check = gpu_check.Check(tmp_path, sizes, sys.executable)
-    monkeypatch.setattr(check, "corpus", lambda: {"data_path": "D", "tokenizer_json": "T"})
-    failed = {"rc": 1, "json": None, "tail": ["megatron_app.train: error: out of memory"], "name": "curve-h48",
-              "trace_dir": tmp_path}
-    monkeypatch.setattr(check, "traced_p1", lambda name, flags: failed)
+    failed = {"rc": 1, "json": None, "tail": ["megatron_app.train: error: out of memory"], "trace_dir": tmp_path}
+    monkeypatch.setattr(check, "train", lambda name, *_, **__: failed)
     result = check.curves()
     assert result["status"] == "fail"
     assert result["curves"]["h48"] == {"status": "fail", "run": "curve-h48",

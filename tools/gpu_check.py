@@ -19,8 +19,9 @@ side by side, the steps that time something alone):
   transport   tools/bench_transport.py --device cuda (its table and JSON)
   prediction  predicted against measured iteration after warm-up (P=1 and P=2 V=2), and a rank's compute spans
               against its forward_backward call's span (the trace's iteration event)
-  curves      event-timed cost curves from one P=1 run per hidden size (2048: one more launch; 4096: the
-              prediction step's P=1 run), in the simulator's --cost-curves format
+  curves      event-timed cost curves from one P=1 run per hidden size (2048 and 4096) of the prediction model on
+              a sweep of compositions (--synthetic-microbatches: 128..8,192 tokens and 1..16 documents a
+              microbatch), in the simulator's --cost-curves format
   composition the simulator's composition rows (copyright 2,048 / 8,192; P=4 V=2 m=16, P=8 V=2 m=32, D=4) under the
               curves step's event-timed curves: `balanced` against `packed` and the DpBalanced-style packer
 The report's `launch` line: the median seconds of each trainer launch before its rank started, in the rank's
@@ -43,7 +44,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -69,6 +70,8 @@ class Sizes:
     prediction_model: List[str]
     prediction_iters: int
     curve_heads: Dict[int, int]        # hidden size -> attention heads of each curve run (the prediction model's rest)
+    curve_sweep: Tuple[int, int, int]  # the curve runs' microbatches: fewest and most tokens, most documents
+    curve_iters: int
     curve_skip: int
     transport_flags: List[str]
     device: str
@@ -90,9 +93,11 @@ GPU = Sizes(
     # 10: the median is over 8 scored iterations; at 6 the model's one-iteration learning transient (H100: iteration
     # 3 planned from one size of microbatch) was a quarter of them. Each iteration adds well under a second.
     prediction_iters=10,
-    # The curves: P=1 runs of the prediction model at hidden 2048 and 4096 (head size 128); the 4096 one is the
-    # prediction step's own P=1 run, so one launch more. Its first two iterations are left out of the fit.
-    curve_heads={2048: 16, 4096: 32}, curve_skip=2,
+    # The curves: P=1 runs of the prediction model at hidden 2048 and 4096 (head size 128) on a sweep of 16
+    # documents an iteration, 1, 2, 4, 8 or 16 a microbatch, 128..8,192 tokens a microbatch (the composition rows
+    # replay 2,048 and 8,192-token microbatches; `balanced` microbatches of the corpus span a narrow range). The
+    # first two iterations are left out of the fit; the eight after them hold every document count twice.
+    curve_heads={2048: 16, 4096: 32}, curve_sweep=(128, 8192, 16), curve_iters=10, curve_skip=2,
     transport_flags=["--device", "cuda"],
     # Every equality launch at once (7 references, 9 P=2 V=2 runs; own-loop's 5 beside them): on the first H100 a
     # launch took 51-68 s with 7 side by side and 55-65 s alone, so a launch waits rather than computes.
@@ -108,7 +113,7 @@ CPU = Sizes(
     prediction_model=["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "128",
                       "--micro-batch-size", "2", "--global-batch-size", "8"],
     prediction_iters=3,
-    curve_heads={32: 4, 48: 4}, curve_skip=1,   # hidden 32 is the prediction run's (reused), 48 one launch
+    curve_heads={32: 4, 48: 4}, curve_sweep=(16, 128, 16), curve_iters=6, curve_skip=1,
     transport_flags=["--backends", "shm", "--quick"],
     device="cpu", parallel_runs=1,
     rows=["mock-fp32", "balanced-fp32-dropout"],
@@ -173,7 +178,6 @@ class Check:
         self.report: Dict[str, dict] = {}
         self.launches: Dict[str, dict] = {}   # run name -> launch_phases(...): where each trainer launch's time went
         self._corpus: Optional[dict] = None
-        self._traced_p1: Dict[tuple, dict] = {}   # traced_p1's runs by their flags
         self._lock = threading.Lock()          # steps that run side by side share the corpus and the launches
 
     def limit(self, seconds: float) -> float:
@@ -221,25 +225,30 @@ class Check:
                             "tokenizer_json": str(directory / "tokenizer.json")}
         return self._corpus
 
-    def model_flags(self, hidden: Optional[int] = None, heads: Optional[int] = None) -> List[str]:
-        """The prediction step's trainer flags (its model on the corpus, variable lengths, the planned policy),
-        at another hidden size and head count when given (the curves step's runs)."""
+    def model_flags(self) -> List[str]:
+        """The prediction step's trainer flags: its model on the corpus, variable lengths, the planned policy."""
         model = list(self.sizes.prediction_model)
-        for flag, value in (("--hidden-size", hidden), ("--num-attention-heads", heads)):
-            if value is not None:
-                model[model.index(flag) + 1] = str(value)
         corpus = self.corpus()
         return model + ["--data-path", corpus["data_path"], "--tokenizer-json", corpus["tokenizer_json"],
                         "--variable-seq-lengths", "--calculate-per-token-loss", "--policy", "planned"]
 
-    def traced_p1(self, name: str, flags: List[str]) -> dict:
-        """A P=1 run of these flags traced, launched once per check: the prediction step's P=1 run is also the
-        curves step's run at its hidden size (a launch is ~1 minute, mostly start-up, on the first H100)."""
-        key = tuple(flags)
-        if key not in self._traced_p1:
-            self._traced_p1[key] = {**self.train(name, 1, 1, flags, self.sizes.prediction_iters, trace=True),
-                                    "name": name}
-        return self._traced_p1[key]
+    def curve_flags(self, hidden: int, heads: int) -> List[str]:
+        """A curves run's trainer flags: the prediction model at this hidden size and head count, trained on the
+        sweep of compositions (written once) instead of the corpus, the planned policy."""
+        from megatron_app.data.synthetic_documents import sweep_iterations
+
+        sweep = self.work / "curve_sweep.json"
+        with self._lock:
+            if not sweep.exists():
+                low, high, documents = self.sizes.curve_sweep
+                plan = sweep_iterations(low, high, documents, self.sizes.curve_iters, documents_per_iteration=16)
+                sweep.write_text(json.dumps(plan.to_json()))
+        model = list(self.sizes.prediction_model)
+        for flag, value in (("--hidden-size", hidden), ("--num-attention-heads", heads), ("--micro-batch-size", 1)):
+            model[model.index(flag) + 1] = str(value)
+        at = model.index("--global-batch-size")    # the sweep's 16 documents an iteration are the global batch
+        del model[at:at + 2]
+        return model + ["--synthetic-microbatches", str(sweep), "--policy", "planned"]
 
     # ---- steps ------------------------------------------------------------------------------------------------
     def host(self) -> dict:
@@ -402,8 +411,7 @@ class Check:
         flags = self.model_flags()
         rows = {}
         for name, (pipeline, chunks, target) in {"p1": (1, 1, 0.05), "p2v2": (2, 2, 0.10)}.items():
-            run = (self.traced_p1("predict-p1", flags) if pipeline == 1 else
-                   self.train(f"predict-{name}", pipeline, chunks, flags, self.sizes.prediction_iters, trace=True))
+            run = self.train(f"predict-{name}", pipeline, chunks, flags, self.sizes.prediction_iters, trace=True)
             if run["rc"] or not run["json"]:
                 rows[name] = {"status": "fail", "error": run["tail"][-1] if run["tail"] else "no output"}
                 continue
@@ -437,19 +445,21 @@ class Check:
                               "this step's pass)"}
 
     def curves(self) -> dict:
-        """One P=1 run traced with events per hidden size, each fitted as a whole model spread evenly over its layers
-        (sim/cost_curves.fit_whole_curves): the output layer and loss are a small share of these models (the share
-        each file's source states), so one depth does. The prediction step's P=1 run is one of them."""
+        """One P=1 run traced with events per hidden size on the sweep of compositions, each fitted as a whole model
+        spread evenly over its layers (sim/cost_curves.fit_whole_curves): the output layer and loss are a small
+        share of these models (the share each file's source states), so one depth does."""
+        from megatron_app.data.synthetic_documents import read_plan
         from megatron_app.schedule import ScheduleConfigError
         from megatron_app.sim.cost_curves import fit_whole_curves
         from megatron_app.trace.reader import read_trace_dir
 
         fitted = {}
         for hidden, heads in self.sizes.curve_heads.items():
-            flags = self.model_flags(hidden, heads)
-            run = self.traced_p1(f"curve-h{hidden}", flags)
+            flags = self.curve_flags(hidden, heads)
+            name = f"curve-h{hidden}"
+            run = self.train(name, 1, 1, flags, self.sizes.curve_iters, trace=True)
             if run["rc"] or not run["json"]:   # the other hidden size still gets its curves
-                fitted[f"h{hidden}"] = {"status": "fail", "run": run["name"],
+                fitted[f"h{hidden}"] = {"status": "fail", "run": name,
                                         "error": run["tail"][-1] if run["tail"] else "no output"}
                 continue
             layers = int(flags[flags.index("--num-layers") + 1])
@@ -457,15 +467,20 @@ class Check:
                 curves = fit_whole_curves(read_trace_dir(run["trace_dir"] / "latest", 1, 1), layers,
                                           skip_iterations=self.sizes.curve_skip)
             except ScheduleConfigError as error:   # too few samples with tokens, say
-                fitted[f"h{hidden}"] = {"status": "fail", "run": run["name"], "error": str(error)}
+                fitted[f"h{hidden}"] = {"status": "fail", "run": name, "error": str(error)}
                 continue
-            curves.source.update({"hidden_size": hidden, "device": self.sizes.device, "run": run["name"],
-                                  "flags": " ".join(flags[:flags.index("--data-path")]),
+            sweep = read_plan(flags[flags.index("--synthetic-microbatches") + 1])
+            curves.source.update({"hidden_size": hidden, "device": self.sizes.device, "run": name,
+                                  "flags": " ".join(flags[:flags.index("--synthetic-microbatches")]),
+                                  "sweep": {"tokens_range": list(sweep.tokens_range),
+                                            "documents_range": list(sweep.documents_range),
+                                            "iterations": len(sweep.iterations), "skipped": self.sizes.curve_skip},
                                   "output_layer_share": output_layer_share(curves.model)})
             path = self.out / f"cost_curves_h{hidden}.json"
             path.write_text(json.dumps(curves.to_json(), indent=1))
-            fitted[f"h{hidden}"] = {"status": "pass", "file": path.name, "run": run["name"], "layer": curves.layer,
+            fitted[f"h{hidden}"] = {"status": "pass", "file": path.name, "run": name, "layer": curves.layer,
                                     "tokens_range": curves.source.get("tokens_range"),
+                                    "documents_range": list(sweep.documents_range),
                                     "output_layer_share": curves.source["output_layer_share"]}
         status = "pass" if all(entry["status"] == "pass" for entry in fitted.values()) else "fail"
         return {"status": status, "curves": fitted}
@@ -678,7 +693,12 @@ def write_text_report(report: dict) -> str:
                        if k in entry}
             lines.append(f"            {row:<24} {entry['status']:<5} {json.dumps(summary)}")
         for key, curve in step.get("curves", {}).items():
-            said = f"layer {json.dumps(curve['layer'])}" if "layer" in curve else f"fail: {curve.get('error')}"
+            said = f"fail: {curve.get('error')}"
+            if "layer" in curve:
+                tokens = [round(t) for t in curve.get("tokens_range") or []] or ["?", "?"]
+                documents = curve.get("documents_range") or ["?", "?"]
+                said = (f"fitted on {tokens[0]}..{tokens[1]} tokens, {documents[0]}..{documents[1]} documents a "
+                        f"microbatch; layer {json.dumps(curve['layer'])}")
             lines.append(f"            {key}: {said}")
         for line in step.get("table", []):
             lines.append(f"            {line}")
