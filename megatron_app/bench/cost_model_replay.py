@@ -12,10 +12,13 @@ last compute end on that replica's ranks. Variants (length_costs.LengthCostModel
   rank 0 only, nn fit        the same samples, non-negative terms, the recent window;
   all ranks pooled           every rank's tasks, still one fit per (kind, chunk);
   per rank                   every rank's tasks, one fit per (kind, chunk, pipeline rank);
-  per rank, growth aside (now)
-                             the same, with a microbatch larger than any its fit saw before (a growth sample) set
-                             aside while the others determine the fit (length_costs._Fit).
-The first four fit growth samples like the others, as the model did before that was added.
+  per rank, growth aside     the same, with a microbatch larger than any its fit saw before (a growth sample) set
+                             aside while the others determine the fit (length_costs._Fit);
+  per rank, growth aside, gaps (now)
+                             the same, with each rank's time between its tasks added to every task of it
+                             (length_costs.observe_gap; here from the trace as the runtime learns it: the mean
+                             time from a task's end to the next's start where the rank waited for no input).
+The first four fit growth samples like the others, as the model did before that was added; only the last adds gaps.
 
     python tools/bench_cost_model.py TRACE_DIR [TRACE_DIR ...] [--warmup 2] [--json out.json]
 """
@@ -33,13 +36,15 @@ from megatron_app.schedule.composition_plan import PLANNED_KINDS
 from megatron_app.schedule.length_costs import LengthCostModel, by_kind
 from megatron_app.schedule.plan_search import predicted_makespan
 # name -> (LengthCostModel switches, learns from every rank)
-_BEFORE_GROWTH = dict(set_aside_growth=False)
+_BEFORE_GAPS = dict(task_gaps=False)
+_BEFORE_GROWTH = dict(set_aside_growth=False, **_BEFORE_GAPS)
 VARIANTS = {
     "rank 0 only, plain fit": (dict(per_rank=False, non_negative=False, window=None, **_BEFORE_GROWTH), False),
     "rank 0 only, nn fit": (dict(per_rank=False, **_BEFORE_GROWTH), False),
     "all ranks pooled": (dict(per_rank=False, **_BEFORE_GROWTH), True),
     "per rank": (dict(_BEFORE_GROWTH), True),
-    "per rank, growth aside (now)": (dict(), True),
+    "per rank, growth aside": (dict(_BEFORE_GAPS), True),
+    "per rank, growth aside, gaps (now)": (dict(), True),
 }
 
 
@@ -66,6 +71,15 @@ def _iteration_tasks(ranks, iteration: int):
     return [sorted((e for e in rank.events_of(iteration) if e.kind in KIND_OF_TRACE_NAME
                     and KIND_OF_TRACE_NAME[e.kind] in PLANNED_KINDS and "tokens" in e.extra),
                    key=lambda e: e.start) for rank in ranks]
+
+
+def _gap_seconds(rank, iteration: int, tasks) -> Optional[float]:
+    """A rank's mean time from one task's end to the next's start where it waited for no input in between (what
+    the runtime learns per call, executor.py), None without such a pair."""
+    waits = [e for e in rank.events_of(iteration) if e.kind == "wait"]
+    gaps = [after.start - before.end for before, after in zip(tasks, tasks[1:])
+            if not any(w.start < after.start and w.end > before.end for w in waits)]
+    return max(0.0, sum(gaps) / len(gaps)) / 1e6 if gaps else None
 
 
 def replay(run, warmup: int = 2) -> Dict[str, VariantResult]:
@@ -98,6 +112,9 @@ def replay(run, warmup: int = 2) -> Dict[str, VariantResult]:
                 for pp_rank, rank_events in enumerate(events):
                     if pp_rank and not learns_all:
                         continue
+                    gap = _gap_seconds(ranks[pp_rank], iteration, rank_events)
+                    if gap is not None:
+                        model.observe_gap(gap, rank=pp_rank, warmup=position == 0)
                     for e in rank_events:
                         model.observe(KIND_OF_TRACE_NAME[e.kind], e.chunk, tokens[e.microbatch], e.duration / 1e6,
                                       squared[e.microbatch], rank=pp_rank, warmup=position == 0)
@@ -105,12 +122,12 @@ def replay(run, warmup: int = 2) -> Dict[str, VariantResult]:
 
 
 def format_table(label: str, results: Dict[str, VariantResult]) -> str:
-    lines = [f"{label}", f"  {'variant':<30} {'n':>3} {'median |err|':>13} {'max |err|':>10} {'median err':>11}"]
+    lines = [f"{label}", f"  {'variant':<36} {'n':>3} {'median |err|':>13} {'max |err|':>10} {'median err':>11}"]
     for result in results.values():
         if not result.errors:
-            lines.append(f"  {result.variant:<30} {0:>3} {'-':>13} {'-':>10} {'-':>11}")
+            lines.append(f"  {result.variant:<36} {0:>3} {'-':>13} {'-':>10} {'-':>11}")
             continue
-        lines.append(f"  {result.variant:<30} {len(result.errors):>3} {100 * result.median_abs:>12.1f}% "
+        lines.append(f"  {result.variant:<36} {len(result.errors):>3} {100 * result.median_abs:>12.1f}% "
                      f"{100 * result.max_abs:>9.1f}% {100 * result.bias:>+10.1f}%")
     return "\n".join(lines)
 

@@ -166,6 +166,10 @@ class PipelineStep:
         self._handlers = {Kind.FORWARD: self._run_forward, Kind.BACKWARD: self._run_backward,
                           Kind.WEIGHT: self._run_weight}
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)
+        self._run_order: List[Tuple[Task, bool]] = []               # (task, the rank waited for an input before it)
+        self._spans: Dict[Task, Tuple[float, float]] = {}           # task -> its compute span (trace clock, us)
+        self._waited = False
+        self.task_gap_s: Optional[float] = None                   # run() sets it (training calls)
         # Compute time as the device sees it: CUDA events on a GPU (read at the pipeline's end), the host clock else.
         self.task_clock = task_clock_for(self.device, self._now)
 
@@ -207,11 +211,16 @@ class PipelineStep:
             if task is None:
                 self._wait_for_input()
                 continue
+            self._run_order.append((task, self._waited))
+            self._waited = False
             self._handlers[task.kind](task)
             self._reap_sends(block=False)
         self._reap_sends(block=True)
         for task, start, end in self.task_clock.resolve():
             self._task_timed(task, start, end)
+        self.task_gap_s = None if self.forward_only else self._mean_gap_s()
+        if self.task_gap_s is not None:
+            self.policy.observe_gap(self.task_gap_s)
         self.grad_sync.finish()
         if not self.forward_only:   # before the data-parallel reduction, which waits for the slowest replica
             self.session.record_pipeline_time(self.call_plan, time.perf_counter() - started)
@@ -223,6 +232,15 @@ class PipelineStep:
                 force_all_reduce=self.force_all_reduce,
             )
         return [entry for mb in sorted(self._stored) for entry in self._stored[mb]]
+
+    def _mean_gap_s(self) -> Optional[float]:
+        """The rank's mean time from one task's end to the next's start where it waited for no input in between
+        (taking the input, deciding, posting the send, tracing; on a GPU the device's idle time between the two,
+        about nil while the host runs ahead): the planner adds it to every task (length_costs.observe_gap)."""
+        gaps = [self._spans[task][0] - self._spans[previous][1]
+                for (previous, _), (task, waited) in zip(self._run_order, self._run_order[1:])
+                if not waited and task in self._spans and previous in self._spans]
+        return max(0.0, sum(gaps) / len(gaps)) / 1e6 if gaps else None
 
     def _decide(self) -> Optional[Task]:
         if self.agreement.active and not self.agreement.is_leader:
@@ -257,7 +275,9 @@ class PipelineStep:
     def _block_until(self, keys):
         start = self._now()
         self.transport.wait_any(keys, timeout=self.settings.timeout_s)
-        self._trace("wait", start, self._now())
+        end = self._now()
+        self._waited = True
+        self._trace("wait", start, end)
 
     # ---- tasks ------------------------------------------------------------------------------------------------
     def _take_input(self, task: Task) -> Optional[torch.Tensor]:
@@ -359,6 +379,7 @@ class PipelineStep:
     def _task_timed(self, task: Task, start_us: float, end_us: float):
         """Trace a compute task's span and tell the policy its duration (the cost model learns from it)."""
         self._trace(task.kind.trace_name, start_us, end_us, task)
+        self._spans[task] = (start_us, end_us)
         self.policy.observe(task, (end_us - start_us) / 1e6)
 
     def _accumulating(self, task: Task):
@@ -500,7 +521,8 @@ def _forward_backward(schedule: MegatronSchedule, *, forward_step_func, data_ite
         result = step.run()
         end = step.tracer.now_us()
         session.last_iteration_s = (end - start) / 1e6
-        step.tracer.record("iteration", start, end, iteration=step.iteration)
+        gap = {} if step.task_gap_s is None else {"task_gap_us": round(step.task_gap_s * 1e6, 3)}
+        step.tracer.record("iteration", start, end, iteration=step.iteration, **gap)
         step.tracer.flush()   # a crash loses at most the iteration in flight
         step.training_call_done()
         return result

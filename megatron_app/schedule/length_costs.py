@@ -26,6 +26,12 @@ What real kernels taught the form (CPU GPT, traces of P=2 V=2 runs; docs/variabl
     3-8% long for many iterations. They are left out while the other samples determine the fit (_Fit).
 Until a fit has seen three distinct compositions, its prediction is proportional to T, scaled by what was seen (or
 by the prior backward = 2 x forward).
+
+Besides its tasks, a rank spends time between them: taking an input, deciding the next task, posting a send, tracing
+(0.1 ms a task on a CPU GPT of 1 ms tasks: predictions of P=2 V=2 runs came out 4-20% short). That per-task gap is
+learnt per pipeline rank from each call (observe_gap: the call's span less its tasks and its waits for inputs, over
+its tasks) and added to every task of the plan evaluator's tables (duration_table), never to a task's own duration
+(seconds, seconds_of), which is what a trace's task span measures.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ _FEATURES = 3
 _RIDGE = 1e-9          # keeps the normal equations solvable when compositions repeat
 _FLOOR_SHARE = 0.1     # never predict below this share of the proportional estimate (extrapolation guard)
 _UNREPORTED_MOST = 16384   # samples kept for the planning rank when nobody collects them (oldest dropped)
+_GAP_CALLS = 8         # the per-task gap is the median over a rank's most recent calls (a slow call moves it little)
+_GAP_SAMPLE = -1       # the kind index of a gap in take_unreported's tuples
 WINDOW = 512           # the most recent samples each fit keeps: a machine whose speed changes is followed
 # Every non-empty subset of the features, the fuller first: the non-negative solution is the best feasible one.
 _SUBSETS = tuple(subset for size in range(_FEATURES, 0, -1) for subset in combinations(range(_FEATURES), size))
@@ -155,11 +163,14 @@ class LengthCostModel:
     predicts. squared_tokens=None means one attention block of `length` tokens (length^2)."""
 
     def __init__(self, per_rank: bool = True, non_negative: bool = True, window: Optional[int] = WINDOW,
-                 set_aside_growth: bool = True):
+                 set_aside_growth: bool = True, task_gaps: bool = True):
         """The switches turn this model's features off to measure what each buys (bench/cost_model_replay.py):
         per_rank False pools every rank's samples per (kind, chunk); non_negative False keeps the unconstrained fit;
-        window None keeps every sample; set_aside_growth False fits growth samples like any other (_Fit)."""
+        window None keeps every sample; set_aside_growth False fits growth samples like any other (_Fit);
+        task_gaps False leaves the time between a rank's tasks out of the tables (observe_gap)."""
         self._fits: Dict[Tuple[Kind, int, int], _Fit] = {}
+        self._gaps: Dict[int, deque] = {}    # pipeline rank -> seconds between tasks, one per recent call
+        self.task_gaps = task_gaps
         self._unreported = deque(maxlen=_UNREPORTED_MOST)
         self.per_rank, self.non_negative, self.window = per_rank, non_negative, window
         self.set_aside_growth = set_aside_growth
@@ -195,9 +206,29 @@ class LengthCostModel:
         if report:
             self._unreported.append((kind.index, chunk, rank, float(length), squared, float(seconds), warmup))
 
+    def observe_gap(self, seconds: float, rank: int = 0, report: bool = True, warmup: bool = False) -> None:
+        """A call's time between its tasks, per task, on pipeline rank `rank` (the call's span less its tasks' and
+        its waits for inputs, over its tasks). A warm-up call's is left out (first-call costs)."""
+        if not seconds >= 0.0:
+            raise ScheduleConfigError(f"a gap between tasks must be >= 0 seconds, got {seconds!r}")
+        if not warmup:
+            self._gaps.setdefault(rank, deque(maxlen=_GAP_CALLS)).append(float(seconds))
+        if report:
+            self._unreported.append((_GAP_SAMPLE, 0, rank, 0.0, 0.0, float(seconds), warmup))
+
+    def gap_seconds(self, rank: Optional[int] = None) -> float:
+        """The learnt per-task gap of pipeline rank `rank` (None, or a rank not seen: the mean over the ranks seen;
+        0.0 before any, or with task_gaps off)."""
+        if not self.task_gaps or not self._gaps:
+            return 0.0
+        if rank in self._gaps:
+            return float(np.median(self._gaps[rank]))
+        return float(np.mean([np.median(gaps) for gaps in self._gaps.values()]))
+
     def take_unreported(self) -> List[Tuple[int, int, int, float, float, float, bool]]:
         """The samples observed here since the last call, as (kind index, chunk, rank, tokens, squared tokens,
-        seconds, warm-up): what a rank sends the rank that plans (observe_reported there)."""
+        seconds, warm-up), gaps between tasks with kind index -1: what a rank sends the rank that plans
+        (observe_reported there)."""
         samples = list(self._unreported)
         self._unreported.clear()
         return samples
@@ -205,6 +236,9 @@ class LengthCostModel:
     def observe_reported(self, samples) -> None:
         """Samples another rank measured (take_unreported's tuples)."""
         for kind, chunk, rank, tokens, squared, seconds, *warmup in samples:
+            if kind == _GAP_SAMPLE:
+                self.observe_gap(seconds, rank, report=False, warmup=bool(warmup and warmup[0]))
+                continue
             self.observe(KINDS_BY_INDEX[kind], chunk, tokens, seconds, squared, rank=rank, report=False,
                          warmup=bool(warmup and warmup[0]))
 
@@ -247,11 +281,12 @@ class LengthCostModel:
                        squared: Sequence[float], num_stages: Optional[int] = None) -> np.ndarray:
         """Predicted durations, one row per kind and chunk (num_stages None: every rank alike, rows kind * V +
         chunk) or per kind, pipeline rank and chunk (rows (kind * P + rank) * V + chunk), m columns: the plan
-        evaluator's layouts (plan_graph.PlanGraph reads either)."""
+        evaluator's layouts (plan_graph.PlanGraph reads either). Each task's with its rank's gap before the next
+        (gap_seconds): what the task holds the rank."""
         t = np.asarray(tokens, dtype=float)
         s = np.asarray(squared, dtype=float)
         ranks = (None,) if num_stages is None else range(num_stages)
-        return np.array([np.broadcast_to(self.seconds_of(kind, chunk, t, s, rank), t.shape)
+        return np.array([np.broadcast_to(self.seconds_of(kind, chunk, t, s, rank) + self.gap_seconds(rank), t.shape)
                          for kind in kinds for rank in ranks for chunk in range(num_chunks)], dtype=float)
 
 

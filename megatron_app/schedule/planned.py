@@ -110,10 +110,14 @@ class PlannedPolicy(AdaptivePolicy):
         graph = plan_graph_for(shape, extras)
         if not graph.acyclic:
             return {}
-        return {Task(KINDS_BY_INDEX[kind], chunk, microbatch): (start, duration)
+        gap = self.costs.gap_seconds(self.rank)   # in the table's durations, not in a task's own span
+        return {Task(KINDS_BY_INDEX[kind], chunk, microbatch): (start, duration - gap)
                 for kind, chunk, microbatch, start, duration in graph.timeline(self.rank, plan.start_order, table)}
 
     # ---- learning -----------------------------------------------------------------------------------------------
+    def observe_gap(self, seconds_per_task: float) -> None:
+        self.costs.observe_gap(seconds_per_task, rank=self.rank, warmup=self.costs.warming_up(self.rank))
+
     def observe(self, task: Task, duration_s: float) -> None:
         super().observe(task, duration_s)
         if self.lengths is not None:

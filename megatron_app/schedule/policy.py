@@ -35,6 +35,10 @@ class Policy:
     def observe(self, task: Task, duration_s: float) -> None:
         """Called after each task with its measured duration; adaptive cost models override it."""
 
+    def observe_gap(self, seconds_per_task: float) -> None:
+        """Called after each call with its time between tasks, per task (length_costs.observe_gap); cost models
+        that plan override it."""
+
     # Planning policies adopt each iteration's plan, chosen on one rank (schedule/iteration_plan.py: the simulator
     # hands it over, the runtime broadcasts it); for the others use_plan does nothing.
     plans_iterations = False

@@ -12,7 +12,8 @@ from typing import Any
 
 from megatron_app.schedule.tasks import Kind, TASK_KINDS
 
-SCHEMA_VERSION = "1.5"   # 1.4: iterations count from 1 (FIRST_ITERATION); 1.5: a device send spans its transfer
+SCHEMA_VERSION = "1.6"   # 1.4: iterations count from 1 (FIRST_ITERATION); 1.5: a device send spans its transfer;
+                         # 1.6: an iteration event may carry extra.task_gap_us
 FORMAT_NAME = "megatron_app.trace"
 FILE_PATTERN = "trace_rank{rank}.jsonl"
 # Iterations count from 1 in every trace, real or simulated, as in the trainer's log ("iter 1/N"), its --log-json and
