@@ -51,6 +51,9 @@ def test_the_rehearsal_runs_every_step_and_writes_both_reports(rehearsal):
     assert set(rows) == {"p1", "p2v2"}
     assert all(row["errors"] and set(row["span_coverage"]) == ({"pp0"} if name == "p1" else {"pp0", "pp1"})
                for name, row in rows.items())
+    # the time between tasks each rank's planner learnt (its calls' task_gap_us): positive on CPU
+    assert set(rows["p2v2"]["task_gap_us"]) == {"pp0", "pp1"} and all(
+        gap > 0 for row in rows.values() for gap in row["task_gap_us"].values()), rows
     # the transport issue's measure on the P=2 V=2 run: shares of the call with a send in flight, receiving, waiting
     shares = rows["p2v2"]["transfer_shares"]
     assert set(shares) == {"pp0", "pp1"} and "transfer_shares" not in rows["p1"]

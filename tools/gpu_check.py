@@ -428,7 +428,8 @@ class Check:
             if name == "p1":   # the GPU-true spans check: at P=1 the GPU is busy through the whole call
                 ok = ok and all(abs(c - 1.0) <= 0.05 for c in coverage.values())
             rows[name] = {"status": "pass" if ok else "fail", "target": target,
-                          "median_abs_error": median, "errors": errors, "span_coverage": coverage}
+                          "median_abs_error": median, "errors": errors, "span_coverage": coverage,
+                          "task_gap_us": task_gaps(trace, skip=2)}
             if pipeline > 1:   # the transport issue's target for this run: sends in flight under 10% of the iteration
                 rows[name].update(transfer_shares=transfers, send_share=max(t["send"] for t in transfers.values()),
                                   send_share_target=0.10)
@@ -436,7 +437,9 @@ class Check:
         return {"status": status, "rows": rows,
                 "definition": "error = predicted_ms / time_ms - 1 per iteration from the third; span_coverage = "
                               "sum of a rank's compute spans / its forward_backward call's span, median over "
-                              "iterations from the third (P=1 target: within 5% of 1); transfer_shares: per rank, "
+                              "iterations from the third (P=1 target: within 5% of 1); task_gap_us: per rank, the "
+                              "median of the calls' mean time between tasks run back to back (added to every task "
+                              "of the rank by the planner); transfer_shares: per rank, "
                               "the share of the call's span with a send in flight (a device tensor's from its data "
                               "ready on the device to its copies' end, device-timed; a host tensor's from posting "
                               "to the completion the rank saw), taking inputs (recv) and blocked on one (wait), "
@@ -622,6 +625,15 @@ def span_coverage(run, skip: int) -> Dict[str, float]:
     return {rank: shares["compute"] for rank, shares in _median_per_rank(run, skip, compute).items()}
 
 
+def task_gaps(run, skip: int) -> Dict[str, float]:
+    """Per pipeline rank: the median over iterations of the call's mean time between tasks run back to back, in
+    microseconds (the iteration event's task_gap_us: what the planner adds to every task of the rank)."""
+    def gap(events, call):
+        return {"gap": call.extra["task_gap_us"]} if "task_gap_us" in call.extra else {}
+
+    return {rank: values["gap"] for rank, values in _median_per_rank(run, skip, gap).items()}
+
+
 def transfer_shares(run, skip: int) -> Dict[str, Dict[str, float]]:
     """Per pipeline rank, the median over iterations (from skip) of the share of the call's span during which a send
     was in flight (its trace span: a device tensor's own transfer, a host tensor's posting to the completion the
@@ -687,7 +699,7 @@ def write_text_report(report: dict) -> str:
                                                    if k not in ("status", "seconds")))
         for row, entry in step.get("rows", {}).items():
             summary = {k: entry[k] for k in ("max_relative_difference", "tolerance", "median_abs_error", "target",
-                                             "span_coverage", "send_share", "send_share_target",
+                                             "span_coverage", "task_gap_us", "send_share", "send_share_target",
                                              "balanced_over_packed", "balanced_over_dp_balanced", "transport",
                                              "error")
                        if k in entry}

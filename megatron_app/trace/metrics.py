@@ -31,6 +31,7 @@ class RankMetrics:
     idle_us: float
     bubble_ratio: float
     comm_wait_us: float
+    task_gap_us: float | None        # the runtime's mean time between tasks run back to back (its iteration event)
     optimizer_us: float
     max_sends_in_flight: int
     sent_bytes: int
@@ -111,6 +112,8 @@ def _rank_metrics(rank: RankTrace, events: list, makespan: float) -> RankMetrics
         idle_us=idle,
         bubble_ratio=idle / makespan if makespan > 0 else 0.0,
         comm_wait_us=union_length(spans(WAIT)),
+        task_gap_us=next((e.extra["task_gap_us"] for e in events if e.kind == ITERATION and "task_gap_us" in e.extra),
+                         None),
         optimizer_us=union_length(spans(OPTIMIZER)),
         max_sends_in_flight=max_concurrency(interval_deltas((e.start, e.end) for e in sends)),
         sent_bytes=sum(e.nbytes or 0 for e in sends),
