@@ -98,6 +98,9 @@ def test_damaged_manifests_and_trackers_are_named(tmp_path):
     ({"variable_seq_lengths": True}, "was trained with --variable-seq-lengths off but this run has "
                                      "--variable-seq-lengths on; resume with the same, or pass "
                                      "--allow-data-change-on-resume"),
+    ({"synthetic_microbatches": "/plans/sweep.json"}, "was trained with no --synthetic-microbatches but this run has "
+                                                      "--synthetic-microbatches /plans/sweep.json; resume with the "
+                                                      "same, or pass --allow-data-change-on-resume"),
     ({"iters": 10}, "is at iteration 10, and --iters is 10: nothing left to train"),
     ({"precision": "bf16"}, "was trained in fp32 but this run has --bf16; resume in fp32"),
 ])

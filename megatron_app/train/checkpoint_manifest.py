@@ -25,7 +25,7 @@ LAYOUT_KEYS = ("pipeline_parallel", "model_chunks", "tensor_parallel")
 MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
 # What the run reads: resuming with other data or another length mode changes results without an error, so it is
 # refused unless --allow-data-change-on-resume says the change is meant.
-DATA_KEYS = ("data_path", "variable_seq_lengths")
+DATA_KEYS = ("data_path", "variable_seq_lengths", "synthetic_microbatches")
 DATA_OVERRIDE_FLAG = "--allow-data-change-on-resume"
 
 
@@ -93,13 +93,17 @@ def _absolute_data_path(items):
 
 
 def data_identity(args) -> dict:
+    synthetic = completed(args).synthetic_microbatches
     return {"data_path": _absolute_data_path(args.data_path),
-            "variable_seq_lengths": bool(completed(args).variable_seq_lengths)}
+            "variable_seq_lengths": bool(completed(args).variable_seq_lengths),
+            "synthetic_microbatches": None if synthetic is None else os.path.abspath(synthetic)}
 
 
 def _describe_data(key: str, value) -> str:
     if key == "data_path":
         return "--data-path " + (" ".join(str(item) for item in value) if value else "(mock data)")
+    if key == "synthetic_microbatches":
+        return f"--synthetic-microbatches {value}" if value else "no --synthetic-microbatches"
     return f"--variable-seq-lengths {'on' if value else 'off'}"
 
 
@@ -192,7 +196,8 @@ def check_compatible(found: FoundCheckpoint, args) -> None:
     for key in DATA_KEYS:
         if key not in saved_training or values["allow_data_change_on_resume"]:
             continue  # a manifest from before the key was recorded, or a change the user asked for
-        saved = _absolute_data_path(saved_training[key]) if key == "data_path" else bool(saved_training[key])
+        saved = (_absolute_data_path(saved_training[key]) if key == "data_path" else saved_training[key]
+                 if key == "synthetic_microbatches" else bool(saved_training[key]))
         if saved != here_data[key]:
             raise CheckpointError(
                 f"checkpoint {found.directory} was trained with {_describe_data(key, saved)} but this run has "
