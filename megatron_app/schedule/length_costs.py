@@ -29,9 +29,9 @@ by the prior backward = 2 x forward).
 
 Besides its tasks, a rank spends time between them: taking an input, deciding the next task, posting a send, tracing
 (0.1 ms a task on a CPU GPT of 1 ms tasks: predictions of P=2 V=2 runs came out 4-20% short). That per-task gap is
-learnt per pipeline rank from each call (observe_gap: the call's span less its tasks and its waits for inputs, over
-its tasks) and added to every task of the plan evaluator's tables (duration_table), never to a task's own duration
-(seconds, seconds_of), which is what a trace's task span measures.
+learnt per pipeline rank from each call (observe_gap: the mean time from one task's end to the next's start where the
+rank waited for no input in between) and added to every task of the plan evaluator's tables (duration_table), never
+to a task's own duration (seconds, seconds_of), which is what a trace's task span measures.
 """
 
 from __future__ import annotations
@@ -207,8 +207,8 @@ class LengthCostModel:
             self._unreported.append((kind.index, chunk, rank, float(length), squared, float(seconds), warmup))
 
     def observe_gap(self, seconds: float, rank: int = 0, report: bool = True, warmup: bool = False) -> None:
-        """A call's time between its tasks, per task, on pipeline rank `rank` (the call's span less its tasks' and
-        its waits for inputs, over its tasks). A warm-up call's is left out (first-call costs)."""
+        """A call's time between its tasks on pipeline rank `rank`: the mean from one task's end to the next's
+        start where the rank waited for no input in between. A warm-up call's is left out (first-call costs)."""
         if not seconds >= 0.0:
             raise ScheduleConfigError(f"a gap between tasks must be >= 0 seconds, got {seconds!r}")
         if not warmup:
