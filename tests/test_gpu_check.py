@@ -101,6 +101,7 @@ def test_the_curves_are_the_simulators_cost_curves(rehearsal):
     assert source["fit"].startswith("whole model") and source["num_layers"] == 4
     assert source["run"] == "curve-h32" and "--synthetic-microbatches" not in source["flags"]
     assert source["sweep"]["documents_range"] == [1, 16] and source["sweep"]["iterations"] == 6
+    assert source["documents_range"] == [1, 16]          # what the fitted (traced) microbatches held
     low, high = source["tokens_range"]      # the fitted iterations' (after the skipped first)
     assert 16 <= low < 40 and 90 < high <= 128
     other = json.loads((out / "cost_curves_h48.json").read_text())["source"]

@@ -476,14 +476,14 @@ class Check:
             curves.source.update({"hidden_size": hidden, "device": self.sizes.device, "run": name,
                                   "flags": " ".join(flags[:flags.index("--synthetic-microbatches")]),
                                   "sweep": {"tokens_range": list(sweep.tokens_range),
-                                            "documents_range": list(sweep.documents_range),
+                                            "documents_range": curves.source.get("documents_range"),
                                             "iterations": len(sweep.iterations), "skipped": self.sizes.curve_skip},
                                   "output_layer_share": output_layer_share(curves.model)})
             path = self.out / f"cost_curves_h{hidden}.json"
             path.write_text(json.dumps(curves.to_json(), indent=1))
             fitted[f"h{hidden}"] = {"status": "pass", "file": path.name, "run": name, "layer": curves.layer,
                                     "tokens_range": curves.source.get("tokens_range"),
-                                    "documents_range": list(sweep.documents_range),
+                                    "documents_range": curves.source.get("documents_range"),
                                     "output_layer_share": curves.source["output_layer_share"]}
         status = "pass" if all(entry["status"] == "pass" for entry in fitted.values()) else "fail"
         return {"status": status, "curves": fitted}

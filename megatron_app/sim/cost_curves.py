@@ -227,7 +227,8 @@ def fit_curves(run, num_layers: int, skip_iterations: int = 1) -> CostCurves:
                       _with_model({"trace_dir": str(run.trace_dir), "pipeline_parallel": P, "model_chunks": V,
                                    "num_layers": num_layers,
                                    "samples": {f"{k} {r}": len(v) for (k, r), v in samples.items()},
-                                   "tokens_range": [min(tokens_seen), max(tokens_seen)]}, traced_model(run)))
+                                   "tokens_range": [min(tokens_seen), max(tokens_seen)],
+                                   **documents_range(run, skip_iterations)}, traced_model(run)))
 
 
 def fit_whole_curves(run, num_layers: int, skip_iterations: int = 1) -> CostCurves:
@@ -248,7 +249,8 @@ def fit_whole_curves(run, num_layers: int, skip_iterations: int = 1) -> CostCurv
                       _with_model({"fit": "whole model (P=1 V=1) spread evenly over its layers",
                                    "trace_dir": str(run.trace_dir), "num_layers": num_layers,
                                    "samples": {kind: len(found) for kind, found in samples.items()},
-                                   "tokens_range": [min(tokens_seen), max(tokens_seen)]}, traced_model(run)))
+                                   "tokens_range": [min(tokens_seen), max(tokens_seen)],
+                                   **documents_range(run, skip_iterations)}, traced_model(run)))
 
 
 def whole_model_samples(run, skip_iterations: int, name: str) -> Dict[str, List[Tuple[float, float, float]]]:
@@ -266,6 +268,15 @@ def whole_model_samples(run, skip_iterations: int, name: str) -> Dict[str, List[
         raise ScheduleConfigError(f"{name} has too few tasks with tokens for: {', '.join(short)} "
                                   "(run with --variable-seq-lengths, tracing on)")
     return samples
+
+
+def documents_range(run, skip_iterations: int) -> dict:
+    """{"documents_range": [fewest, most]} documents a fitted microbatch held (a packed task's `documents`), or {}
+    when the trace does not say (padded microbatches, older traces)."""
+    counts = [event.extra["documents"] for rank in run.pipeline_view()
+              for iteration in run.iterations()[skip_iterations:] for event in rank.events_of(iteration)
+              if event.kind in FITTED_KINDS and "documents" in event.extra]
+    return {"documents_range": [min(counts), max(counts)]} if counts else {}
 
 
 def _check_layers(run, num_layers: int) -> None:
@@ -297,9 +308,11 @@ def summary(curves: CostCurves) -> str:
     lines.append(f"traced model: {describe(model)}" if model is not None else
                  "traced model: not recorded (a trace written before trace headers recorded it)")
     fitted = curves.source.get("tokens_range")
+    documents = curves.source.get("documents_range")
     if fitted:
-        lines.append(f"fitted on microbatches of {fitted[0]:,.0f}-{fitted[1]:,.0f} tokens (replaying lengths more "
-                     f"than {OUT_OF_RANGE_FACTOR:.0f}x outside that range is warned of)")
+        held = f", {documents[0]}-{documents[1]} documents each" if documents else ""
+        lines.append(f"fitted on microbatches of {fitted[0]:,.0f}-{fitted[1]:,.0f} tokens{held} (replaying lengths "
+                     f"more than {OUT_OF_RANGE_FACTOR:.0f}x outside that range is warned of)")
     return "\n".join(lines)
 
 
