@@ -130,7 +130,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     add("--num-layers", "--num_layers", dest="num_layers", type=positive_int, default=8,
         help="with --cost-curves: the model's transformer layers, spread over P x V chunks (default 8)")
     add("--host-ms", "--host_ms", dest="host_ms", type=number(0.0), default=None,
-        help="with --documents-per-microbatch: the runtime's own time per task, ms (default 0.4, measured)")
+        help="with --documents-per-microbatch: the runtime's own time per task, ms (default 0.4, measured; a "
+             "traced run's process_trace 'gap us' column measures the runtime's time between tasks)")
     add("--iterations", type=positive_int, default=1, help="iterations, separated by a barrier (default 1)")
     add("--seed", type=non_negative_int, default=0, help="seed of the random perturbations (default 0)")
     add("--trace-dir", "--trace_dir", dest="trace_dir", default=None,
