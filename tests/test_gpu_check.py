@@ -54,6 +54,7 @@ def test_the_rehearsal_runs_every_step_and_writes_both_reports(rehearsal):
     # the time between tasks each rank's planner learnt (its calls' task_gap_us): positive on CPU
     assert set(rows["p2v2"]["task_gap_us"]) == {"pp0", "pp1"} and all(
         gap > 0 for row in rows.values() for gap in row["task_gap_us"].values()), rows
+    assert set(rows["p2v2"]["replay"]) == {"without_gaps", "with_gaps"}   # what the gap buys on this host
     # the transport issue's measure on the P=2 V=2 run: shares of the call with a send in flight, receiving, waiting
     shares = rows["p2v2"]["transfer_shares"]
     assert set(shares) == {"pp0", "pp1"} and "transfer_shares" not in rows["p1"]

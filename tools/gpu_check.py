@@ -429,7 +429,7 @@ class Check:
                 ok = ok and all(abs(c - 1.0) <= 0.05 for c in coverage.values())
             rows[name] = {"status": "pass" if ok else "fail", "target": target,
                           "median_abs_error": median, "errors": errors, "span_coverage": coverage,
-                          "task_gap_us": task_gaps(trace, skip=2)}
+                          "task_gap_us": task_gaps(trace, skip=2), "replay": replayed_errors(trace)}
             if pipeline > 1:   # the transport issue's target for this run: sends in flight under 10% of the iteration
                 rows[name].update(transfer_shares=transfers, send_share=max(t["send"] for t in transfers.values()),
                                   send_share_target=0.10)
@@ -439,7 +439,9 @@ class Check:
                               "sum of a rank's compute spans / its forward_backward call's span, median over "
                               "iterations from the third (P=1 target: within 5% of 1); task_gap_us: per rank, the "
                               "median of the calls' mean time between tasks run back to back (added to every task "
-                              "of the rank by the planner); transfer_shares: per rank, "
+                              "of the rank by the planner); replay: the cost model replayed on the trace "
+                              "(tools/bench_cost_model.py), median |error| of the pipeline without and with that "
+                              "gap; transfer_shares: per rank, "
                               "the share of the call's span with a send in flight (a device tensor's from its data "
                               "ready on the device to its copies' end, device-timed; a host tensor's from posting "
                               "to the completion the rank saw), taking inputs (recv) and blocked on one (wait), "
@@ -625,6 +627,16 @@ def span_coverage(run, skip: int) -> Dict[str, float]:
     return {rank: shares["compute"] for rank, shares in _median_per_rank(run, skip, compute).items()}
 
 
+def replayed_errors(run) -> Dict[str, Optional[float]]:
+    """The cost model replayed over this trace (bench/cost_model_replay.py) without and with the time between
+    tasks: median |predicted / measured - 1| of the pipeline, so a GPU run says what that term buys there."""
+    from megatron_app.bench.cost_model_replay import replay
+
+    results = replay(run, warmup=2)
+    return {"without_gaps": results["per rank, growth aside"].median_abs,
+            "with_gaps": results["per rank, growth aside, gaps (now)"].median_abs}
+
+
 def task_gaps(run, skip: int) -> Dict[str, float]:
     """Per pipeline rank: the median over iterations of the call's mean time between tasks run back to back, in
     microseconds (the iteration event's task_gap_us: what the planner adds to every task of the rank)."""
@@ -699,7 +711,8 @@ def write_text_report(report: dict) -> str:
                                                    if k not in ("status", "seconds")))
         for row, entry in step.get("rows", {}).items():
             summary = {k: entry[k] for k in ("max_relative_difference", "tolerance", "median_abs_error", "target",
-                                             "span_coverage", "task_gap_us", "send_share", "send_share_target",
+                                             "span_coverage", "task_gap_us", "replay", "send_share",
+                                             "send_share_target",
                                              "balanced_over_packed", "balanced_over_dp_balanced", "transport",
                                              "error")
                        if k in entry}
