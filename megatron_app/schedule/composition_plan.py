@@ -267,26 +267,28 @@ class CompositionPlanner:
         first = [0] if has_loader_candidate else []
         order = first + sorted(range(len(first), len(candidates)), key=lambda i: (estimates[i], i))
         screened = []          # (predicted makespan, index, composition)
+        screens = {}           # index -> its screen's PlanChoice (the final search goes on from the winner's)
         for index in order:
             if len(screened) > len(first) and stop is not None and stop(loader_value):
                 break
             composition = candidates[index]
             tokens, table = tables[index]
-            value = (estimates[index] if large else
-                     self._screen(self._shape(composition.num_microbatches), tokens, caps, table,
-                                  screen_warmup).predicted_makespan)
+            if not large:
+                screens[index] = self._screen(self._shape(composition.num_microbatches), tokens, caps, table,
+                                              screen_warmup)
+            value = estimates[index] if large else screens[index].predicted_makespan
             screened.append((value, index, composition))
         best_value, best_index, best = min(screened, key=lambda entry: entry[:2])
         packed_fallback = False
         if has_loader_candidate and best_index != 0 and screened[0][0] - best_value < min_gain * screened[0][0]:
-            best, packed_fallback = screened[0][2], True
+            best, best_index, packed_fallback = screened[0][2], screened[0][1], True
         shape = self._shape(best.num_microbatches)
-        tokens = best.microbatch_tokens(lengths)
+        tokens, table = tables[best_index]
         squared = best.microbatch_squared_tokens(lengths)
-        table = self._table(costs, tokens, squared)
         evaluations = min(self.final_evaluations, LARGE_FINAL_EVALUATIONS) if large else self.final_evaluations
         choice = PlanSearch(shape, evaluations=evaluations, max_extra_warmup=screen_warmup).choose(
-            tokens, caps, by_kind(table), stop=None if stop is None else (lambda _: stop(loader_value)))
+            tokens, caps, by_kind(table), stop=None if stop is None else (lambda _: stop(loader_value)),
+            seeded=screens.get(best_index))
         order = choice.plan.start_order
         composition = Composition(tuple(best.groups[k] for k in order), packed=True)
         plan = Plan(tuple(range(len(order))), choice.plan.extra_warmup)

@@ -36,6 +36,7 @@ to a task's own duration (seconds, seconds_of), which is what a trace's task spa
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from itertools import combinations
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -170,6 +171,7 @@ class LengthCostModel:
         task_gaps False leaves the time between a rank's tasks out of the tables (observe_gap)."""
         self._fits: Dict[Tuple[Kind, int, int], _Fit] = {}
         self._gaps: Dict[int, deque] = {}    # pipeline rank -> seconds between tasks, one per recent call
+        self._gap_of: Dict[Optional[int], float] = {}   # gap_seconds' answers until the next gap (planning asks often)
         self.task_gaps = task_gaps
         self._unreported = deque(maxlen=_UNREPORTED_MOST)
         self.per_rank, self.non_negative, self.window = per_rank, non_negative, window
@@ -213,6 +215,7 @@ class LengthCostModel:
             raise ScheduleConfigError(f"a gap between tasks must be >= 0 seconds, got {seconds!r}")
         if not warmup:
             self._gaps.setdefault(rank, deque(maxlen=_GAP_CALLS)).append(float(seconds))
+            self._gap_of.clear()
         if report:
             self._unreported.append((_GAP_SAMPLE, 0, rank, 0.0, 0.0, float(seconds), warmup))
 
@@ -221,9 +224,10 @@ class LengthCostModel:
         0.0 before any, or with task_gaps off)."""
         if not self.task_gaps or not self._gaps:
             return 0.0
-        if rank in self._gaps:
-            return float(np.median(self._gaps[rank]))
-        return float(np.mean([np.median(gaps) for gaps in self._gaps.values()]))
+        if rank not in self._gap_of:
+            medians = {seen: statistics.median(gaps) for seen, gaps in self._gaps.items()}
+            self._gap_of[rank] = medians[rank] if rank in medians else sum(medians.values()) / len(medians)
+        return self._gap_of[rank]
 
     def take_unreported(self) -> List[Tuple[int, int, int, float, float, float, bool]]:
         """The samples observed here since the last call, as (kind index, chunk, rank, tokens, squared tokens,

@@ -121,10 +121,13 @@ class PlanSearch:
         self.temperature = temperature
 
     def choose(self, sizes: Sequence[float], caps: Sequence[float], durations: DurationTable,
-               transfer: float = 0.0, stop: Optional[Callable[[float], bool]] = None) -> PlanChoice:
+               transfer: float = 0.0, stop: Optional[Callable[[float], bool]] = None,
+               seeded: Optional[PlanChoice] = None) -> PlanChoice:
         """sizes: activation size per microbatch; caps: per rank, the peak of held sizes a plan may reach;
         stop: asked before each round with the data order's predicted makespan (a driver's time budget, which may
-        be a share of the iteration being planned: policies read no clocks)."""
+        be a share of the iteration being planned: policies read no clocks). seeded: what a search with no rounds
+        (evaluations=0) and the same max_extra_warmup returned for these same arguments (a screen): its seeds are
+        not evaluated again, and the search goes on from there as it would have."""
         shape = self.shape
         P, m = shape.num_stages, shape.num_microbatches
         table = _stacked(durations)
@@ -141,7 +144,12 @@ class PlanSearch:
         seeds = np.array([tuple(range(m)), ascending, _short_ends(ascending), _alternating(ascending)],
                          dtype=np.int64)
         best = None                              # (makespan, start order, extras, peaks)
-        for extra in range(self.max_extra_warmup + 1):
+        if seeded is not None:
+            count = seeded.evaluations
+            data_makespan = seeded.predicted_data_order_makespan
+            best = (seeded.predicted_makespan, np.array(seeded.plan.start_order, dtype=np.int64),
+                    tuple(seeded.plan.extra_for(rank) for rank in range(P)), np.array(seeded.admission_needs))
+        for extra in range(self.max_extra_warmup + 1 if seeded is None else 0):
             extras = (extra,) * P
             values, peaks = evaluate(extras, seeds)
             if extra == 0:
