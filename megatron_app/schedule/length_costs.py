@@ -78,6 +78,7 @@ class _Fit:
         self.largest = 0.0                       # the most tokens of any sample so far (warm-up's included)
         self._coefficients: Optional[np.ndarray] = None
         self._seconds_per_token: Optional[float] = None
+        self._fitted: Optional[Tuple[np.ndarray, int]] = None   # fitted's answer until the next sample
 
     def add(self, tokens: float, squared: float, seconds: float, warmup: bool = False) -> None:
         growth = self.set_aside_growth and self.samples > 0 and tokens > self.largest
@@ -89,7 +90,8 @@ class _Fit:
             self.warmup.clear()
         self.samples += 1
         self._coefficients = None
-        self._seconds_per_token: Optional[float] = None
+        self._seconds_per_token = None
+        self._fitted = None
 
     def affine(self) -> Optional[Tuple[float, float, float]]:
         """(a, b, c) of seconds = a + b*T + c*S in unscaled units, or None while the fit is proportional."""
@@ -101,21 +103,26 @@ class _Fit:
         return a, b / self.scale, c / self.scale ** 2
 
     @property
-    def fitted(self) -> List[Tuple[float, float, float]]:
-        """The samples the fit uses, as (tokens, squared tokens, seconds): the recent ones but growth samples when
-        the rest hold enough distinct compositions for the fit, all recent ones when not, the warm-up's while
-        there are none."""
-        samples = self.recent or self.warmup
-        steady = [sample[:3] for sample in samples if not sample[3]]
-        if len({(t, s) for t, s, _ in steady}) >= _FEATURES:
-            return steady
-        return [sample[:3] for sample in samples]
+    def fitted(self) -> Tuple[np.ndarray, int]:
+        """The samples the fit uses, as an N x 3 array of (tokens, squared tokens, seconds), and how many distinct
+        compositions they hold: the recent ones but growth samples when the rest hold enough distinct compositions
+        for the fit, all recent ones when not, the warm-up's while there are none. Kept until the next sample (a
+        plan asks every fit several times)."""
+        if self._fitted is None:
+            samples = self.recent or self.warmup
+            steady = [sample[:3] for sample in samples if not sample[3]]
+            distinct = len({(t, s) for t, s, _ in steady})
+            if distinct < _FEATURES:
+                steady = [sample[:3] for sample in samples]
+                distinct = len({(t, s) for t, s, _ in steady})
+            self._fitted = (np.array(steady, dtype=float).reshape(-1, 3), distinct)
+        return self._fitted
 
     def _solve(self) -> np.ndarray:
-        fitted = self.fitted
-        if len({(t, s) for t, s, _ in fitted}) < _FEATURES:
+        fitted, distinct = self.fitted
+        if distinct < _FEATURES:
             return np.zeros(0)
-        tokens, squared, seconds = np.array(fitted, dtype=float).T
+        tokens, squared, seconds = fitted.T
         features = np.stack([np.ones_like(tokens), tokens / self.scale, squared / self.scale ** 2], axis=1)
         return _least_squares(features.T @ features, features.T @ seconds,
                               _SUBSETS if self.non_negative else _SUBSETS[:1])
@@ -123,7 +130,8 @@ class _Fit:
     def predict(self, tokens, squared):
         """Works on floats and numpy arrays alike."""
         if self._seconds_per_token is None:
-            self._seconds_per_token = float(np.mean([s / t for t, _, s in self.fitted]))
+            fitted, _ = self.fitted
+            self._seconds_per_token = float(np.mean(fitted[:, 2] / fitted[:, 0]))
         linear = self._seconds_per_token * tokens
         affine = self.affine()
         if affine is None:
