@@ -178,6 +178,7 @@ class Check:
         self.report: Dict[str, dict] = {}
         self.launches: Dict[str, dict] = {}   # run name -> launch_phases(...): where each trainer launch's time went
         self._corpus: Optional[dict] = None
+        self._sweep = None                     # (file, SyntheticPlan) of the curves runs, written once
         self._lock = threading.Lock()          # steps that run side by side share the corpus and the launches
 
     def limit(self, seconds: float) -> float:
@@ -232,23 +233,28 @@ class Check:
         return model + ["--data-path", corpus["data_path"], "--tokenizer-json", corpus["tokenizer_json"],
                         "--variable-seq-lengths", "--calculate-per-token-loss", "--policy", "planned"]
 
-    def curve_flags(self, hidden: int, heads: int) -> List[str]:
-        """A curves run's trainer flags: the prediction model at this hidden size and head count, trained on the
-        sweep of compositions (written once) instead of the corpus, the planned policy."""
+    def curve_sweep(self):
+        """(file, plan) of the sweep of compositions the curves runs train on, written once."""
         from megatron_app.data.synthetic_documents import sweep_iterations
 
-        sweep = self.work / "curve_sweep.json"
         with self._lock:
-            if not sweep.exists():
+            if self._sweep is None:
                 low, high, documents = self.sizes.curve_sweep
                 plan = sweep_iterations(low, high, documents, self.sizes.curve_iters, documents_per_iteration=16)
-                sweep.write_text(json.dumps(plan.to_json()))
+                path = self.work / "curve_sweep.json"
+                path.write_text(json.dumps(plan.to_json()))
+                self._sweep = (path, plan)
+            return self._sweep
+
+    def curve_flags(self, hidden: int, heads: int) -> List[str]:
+        """A curves run's trainer flags: the prediction model at this hidden size and head count, trained on the
+        sweep of compositions instead of the corpus, the planned policy."""
         model = list(self.sizes.prediction_model)
         for flag, value in (("--hidden-size", hidden), ("--num-attention-heads", heads), ("--micro-batch-size", 1)):
             model[model.index(flag) + 1] = str(value)
         at = model.index("--global-batch-size")    # the sweep's 16 documents an iteration are the global batch
         del model[at:at + 2]
-        return model + ["--synthetic-microbatches", str(sweep), "--policy", "planned"]
+        return model + ["--synthetic-microbatches", str(self.curve_sweep()[0]), "--policy", "planned"]
 
     # ---- steps ------------------------------------------------------------------------------------------------
     def host(self) -> dict:
@@ -453,7 +459,6 @@ class Check:
         """One P=1 run traced with events per hidden size on the sweep of compositions, each fitted as a whole model
         spread evenly over its layers (sim/cost_curves.fit_whole_curves): the output layer and loss are a small
         share of these models (the share each file's source states), so one depth does."""
-        from megatron_app.data.synthetic_documents import read_plan
         from megatron_app.schedule import ScheduleConfigError
         from megatron_app.sim.cost_curves import fit_whole_curves
         from megatron_app.trace.reader import read_trace_dir
@@ -474,11 +479,11 @@ class Check:
             except ScheduleConfigError as error:   # too few samples with tokens, say
                 fitted[f"h{hidden}"] = {"status": "fail", "run": name, "error": str(error)}
                 continue
-            sweep = read_plan(flags[flags.index("--synthetic-microbatches") + 1])
+            sweep = self.curve_sweep()[1]
             curves.source.update({"hidden_size": hidden, "device": self.sizes.device, "run": name,
                                   "flags": " ".join(flags[:flags.index("--synthetic-microbatches")]),
                                   "sweep": {"tokens_range": list(sweep.tokens_range),
-                                            "documents_range": curves.source.get("documents_range"),
+                                            "documents_range": list(sweep.documents_range),
                                             "iterations": len(sweep.iterations), "skipped": self.sizes.curve_skip},
                                   "output_layer_share": output_layer_share(curves.model)})
             path = self.out / f"cost_curves_h{hidden}.json"
