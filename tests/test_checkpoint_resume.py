@@ -1,6 +1,7 @@
 """End to end on CPU, P=2 V=2 through the app schedule: preprocess a corpus with a BPE trained here -> train 20
-iterations with evaluation -> a second run stops at 10 with a checkpoint -> a third resumes it and must continue
-exactly like the uninterrupted run (losses, validation loss and final weights within 1e-6).
+iterations with evaluation (a cosine learning rate after a warm-up, clipping, weight decay) -> a second run stops at 10
+with a checkpoint -> a third resumes it and must continue exactly like the uninterrupted run (losses, validation loss
+and final weights within 1e-6).
 
 One 2-process gloo group runs the three trainings in turn (megatron imported once per process).
 """
@@ -26,7 +27,10 @@ TOLERANCE = 1e-6
 MODEL = ["--pipeline_parallel", "2", "--model_chunks", "2", "--num-layers", "4", "--hidden-size", "32",
          "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
          "--lr", "5e-3", "--seed", "7", "--iters", str(ITERS), "--eval-interval", str(EVAL_INTERVAL),
-         "--eval-iters", "2", "--no-trace"]
+         "--eval-iters", "2", "--no-trace",
+         # Megatron-LM's optimizer flags: the schedule's place and the clipped AdamW state must resume too
+         "--clip-grad", "1.0", "--weight-decay", "0.01", "--lr-decay-style", "cosine", "--lr-warmup-iters", "3",
+         "--min-lr", "5e-4"]
 
 
 def _fake_crashed_save(save_dir, iteration):

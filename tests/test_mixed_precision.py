@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_app.train.args import UsageError, parse_args
-from megatron_app.train.optim import MixedPrecision, MixedPrecisionOptimizer, build_optimizer
+from megatron_app.train.optim import AdamSettings, MixedPrecision, MixedPrecisionOptimizer, build_optimizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = {"WORLD_SIZE": "1"}
@@ -78,7 +78,7 @@ def _backward(chunk, scale=1.0, factor=1.0):
 
 def test_bf16_gradients_accumulate_in_fp32_and_adam_steps_fp32_main_params():
     chunk = _chunk(torch.bfloat16)
-    optimizer = build_optimizer([chunk], 0.1, MixedPrecision(accumulate_in_fp32=True))
+    optimizer = build_optimizer([chunk], AdamSettings(lr=0.1), MixedPrecision(accumulate_in_fp32=True))
     weight = chunk.weight
     assert isinstance(optimizer, MixedPrecisionOptimizer) and optimizer.grad_scaler is None
     assert chunk.config.grad_scale_func is None
@@ -105,7 +105,7 @@ def test_fp16_overflow_skips_the_step_and_the_scale_follows_megatron_rules():
     mixed = MixedPrecision(accumulate_in_fp32=False, dynamic={
         "initial_scale": 2.0 ** 16, "min_scale": 1.0, "growth_factor": 2.0, "backoff_factor": 0.5,
         "growth_interval": 2, "hysteresis": 1})
-    optimizer = build_optimizer([chunk], 0.1, mixed)
+    optimizer = build_optimizer([chunk], AdamSettings(lr=0.1), mixed)
     assert chunk.weight.main_grad.dtype == torch.float16
     assert chunk.config.grad_scale_func == optimizer.scale_loss          # the schedules' backward scales the loss
     before = chunk.weight.detach().clone()
@@ -124,7 +124,7 @@ def test_fp16_overflow_skips_the_step_and_the_scale_follows_megatron_rules():
 def test_state_dict_keeps_main_params_adam_state_and_loss_scale():
     def trained():
         chunk = _chunk(torch.float16)
-        optimizer = build_optimizer([chunk], 0.1, MixedPrecision(False, dynamic={
+        optimizer = build_optimizer([chunk], AdamSettings(lr=0.1), MixedPrecision(False, dynamic={
             "initial_scale": 1024.0, "min_scale": 1.0, "growth_factor": 2.0, "backoff_factor": 0.5,
             "growth_interval": 1, "hysteresis": 2}))
         return chunk, optimizer

@@ -57,6 +57,34 @@ def _assert_same(name, got, reference):
         assert err <= 1e-5, f"{name} {param}: gradient differs by {err:.2e} of its max"
 
 
+# Megatron-LM's optimizer flags: clipping (every step clipped here: the norms are ~1), decoupled weight decay and a
+# cosine decay of the learning rate. The clip needs the norm over every pipeline and tensor-parallel rank, a
+# tensor-parallel duplicate counted once: each step's norm must be P=1's.
+OPTIMIZER_FLAGS = "--clip-grad 0.3 --weight-decay 0.1 --lr 3e-3 --lr-decay-style cosine --min-lr 3e-4"
+OPTIMIZER_LAYOUTS = [(2, 2, 1), (2, 1, 2)]
+
+
+@pytest.fixture(scope="module")
+def optimizer_reference(tmp_path_factory):
+    out = _run(tmp_path_factory.mktemp("optimizer_reference"), 1, 1, 1, ["megatron"], extra=OPTIMIZER_FLAGS)
+    return _losses_and_grads(out), json.loads((out / "steps_megatron.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("P,V,T", OPTIMIZER_LAYOUTS, ids=[f"P{p}-V{v}-T{t}" for p, v, t in OPTIMIZER_LAYOUTS])
+def test_clipping_weight_decay_and_lr_schedule_match_unpipelined_training(tmp_path, optimizer_reference, P, V, T):
+    (reference, ref_steps) = optimizer_reference
+    assert [step["lr"] for step in ref_steps] == pytest.approx([3e-3, 3e-4 + 2.7e-3 * 0.75, 3e-4 + 2.7e-3 * 0.25])
+    assert all(step["grad_norm"] > 0.3 for step in ref_steps), ref_steps   # every step clipped
+    out = _run(tmp_path, P, V, T, ["app:planned"], extra=OPTIMIZER_FLAGS)
+    _assert_same(f"P{P} V{V} T{T} with {OPTIMIZER_FLAGS}", _losses_and_grads(out, "app-planned"), reference)
+    steps = json.loads((out / "steps_app-planned.json").read_text())
+    for it, (step, want) in enumerate(zip(steps, ref_steps), start=1):
+        assert step["lr"] == want["lr"], f"iteration {it}: lr {step['lr']} != {want['lr']}"
+        assert abs(step["grad_norm"] - want["grad_norm"]) <= 1e-5 * want["grad_norm"], \
+            f"iteration {it}: grad norm {step['grad_norm']} != P=1's {want['grad_norm']}"
+
+
 # Tensor parallelism is orthogonal to the order: with it, one non-interleaved and one interleaved layout.
 LAYOUTS = [(2, 1, 1), (2, 2, 1), (4, 1, 1), (4, 2, 1), (2, 1, 2), (2, 2, 2)]
 

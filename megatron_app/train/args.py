@@ -18,7 +18,8 @@ from megatron_app.schedule.policies import policies_taking
 
 from .flags import (DEFAULT_HYSTERESIS, DEFAULT_INITIAL_LOSS_SCALE, DEFAULT_LOSS_SCALE_WINDOW,  # noqa: F401
                     DEFAULT_MICROBATCHES, DEFAULT_MIN_LOSS_SCALE, DEFAULT_SPLIT, DEFAULT_VOCAB_SIZE, MEGATRON_SCHEDULE,
-                    POLICIES, SCHEDULES, UsageError, _FILLED_DEFAULTS, build_parser, writes_traces)
+                    POLICIES, SCHEDULES, UsageError, _FILLED_DEFAULTS, build_parser, lr_schedule_iterations,
+                    writes_traces)
 
 
 _POSITIVE_INT_FLAGS = (
@@ -325,6 +326,7 @@ def validate(args: argparse.Namespace, environ: Mapping[str, str]) -> argparse.N
             "--schedule megatron with --pipeline_parallel > 1 needs CUDA (Megatron's p2p code is CUDA-only); "
             "use --schedule app|interleaved|1f1b on CPU")
     _check_precision(args)   # before the checkpoint check, which compares precisions
+    _check_optimizer(args)
     _check_checkpointing(args)
     _check_variable_lengths(args)
     _check_planned_composition_options(args)
@@ -400,6 +402,49 @@ def _check_precision(args: argparse.Namespace) -> None:
                              f"{args.initial_loss_scale}")
     if bf16:
         args.accumulate_allreduce_grads_in_fp32 = True   # Megatron-LM: bf16 needs fp32 accumulation and all-reduce
+
+
+def _check_optimizer(args: argparse.Namespace) -> None:
+    """Adam's, clipping's and the learning-rate schedule's flags (Megatron-LM's meaning and the rules its
+    OptimizerParamScheduler asserts), each in one line; a flag the chosen schedule would not read is refused."""
+    for dest in ("clip_grad", "weight_decay", "lr_warmup_init", "min_lr"):
+        if not getattr(args, dest) >= 0.0:
+            raise UsageError(f"{_flag(dest)} must be >= 0, got {getattr(args, dest)}")
+    for dest in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= getattr(args, dest) < 1.0:
+            raise UsageError(f"{_flag(dest)} must be in [0, 1), got {getattr(args, dest)}")
+    if not args.adam_eps > 0.0:
+        raise UsageError(f"--adam-eps must be positive, got {args.adam_eps}")
+    style, decay = args.lr_decay_style, args.lr_decay_iters
+    if decay is not None and decay < 1:
+        raise UsageError(f"--lr-decay-iters must be a positive integer, got {decay}")
+    if args.lr_warmup_iters is not None and args.lr_warmup_fraction is not None:
+        raise UsageError("--lr-warmup-iters and --lr-warmup-fraction both give the warm-up: drop one")
+    if args.lr_warmup_iters is not None and args.lr_warmup_iters < 0:
+        raise UsageError(f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
+    if args.lr_warmup_fraction is not None and not 0.0 <= args.lr_warmup_fraction < 1.0:
+        raise UsageError(f"--lr-warmup-fraction must be in [0, 1), got {args.lr_warmup_fraction}")
+    if style == "constant":
+        for dest in ("lr_decay_iters", "min_lr"):
+            if getattr(args, dest):
+                raise UsageError(f"{_flag(dest)} shapes a decay; --lr-decay-style constant has none (give linear, "
+                                 "cosine or inverse-square-root)")
+    if args.min_lr > args.lr:
+        raise UsageError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
+    warmup, decay = lr_schedule_iterations(args)
+    if not warmup and args.lr_warmup_init:
+        raise UsageError("--lr-warmup-init is where a warm-up starts; give --lr-warmup-iters or --lr-warmup-fraction")
+    if args.lr_warmup_init > args.lr:
+        raise UsageError(f"--lr-warmup-init {args.lr_warmup_init} is above --lr {args.lr}")
+    if warmup and warmup >= decay:
+        raise UsageError(f"the warm-up ({warmup:g} iterations) must end before --lr-decay-iters ({decay}, default "
+                         "--iters)")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise UsageError("--override-opt-param-scheduler takes this run's schedule, "
+                         "--use-checkpoint-opt-param-scheduler the checkpoint's: give one")
+    for dest in ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"):
+        if getattr(args, dest) and not args.load:
+            raise UsageError(f"{_flag(dest)} applies when resuming (--load)")
 
 
 def _check_split_backward(args: argparse.Namespace) -> None:

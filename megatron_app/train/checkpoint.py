@@ -5,7 +5,8 @@ torch.cuda.synchronize() while staging tensors, and its save verification alloca
 optimizer is plain torch Adam, not a MegatronOptimizer with a sharded_state_dict. Per-rank files in the
 layout that wrote them are simple and exact; a checkpoint of another layout is refused (checkpoint_manifest).
 
-A rank file holds its model chunks' state_dicts, the Adam state, the RNG states of every data-parallel rank
+A rank file holds its model chunks' state_dicts, the optimizer's state, the learning-rate schedule's (lr_schedule.py),
+the RNG states of every data-parallel rank
 (python, numpy, torch, CUDA, Megatron's named tracker streams) and the iteration / consumed samples. Data-
 parallel rank 0 writes it; all ranks agree the files are written before rank 0 commits the manifest.
 """
@@ -24,6 +25,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import random as megatron_random
 from megatron_app.devices import collective_device
 
+from .lr_schedule import restore_scheduler
 from .checkpoint_manifest import (
     MANIFEST, CheckpointError, FoundCheckpoint, check_compatible, commit, find_checkpoint, iteration_dir,
     manifest_for, rank_file_name)
@@ -73,8 +75,8 @@ def _save_file(payload: dict, path: str) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(save_dir: str, args, chunks: List[torch.nn.Module], optimizer: torch.optim.Optimizer,
-                    iteration: int, consumed_samples: int) -> str:
+def save_checkpoint(save_dir: str, args, chunks: List[torch.nn.Module], optimizer, scheduler, iteration: int,
+                    consumed_samples: int) -> str:
     """Collective over all ranks; returns the iteration directory once the checkpoint is committed."""
     directory = iteration_dir(save_dir, iteration)
     if dist.get_rank() == 0:
@@ -96,6 +98,7 @@ def save_checkpoint(save_dir: str, args, chunks: List[torch.nn.Module], optimize
             "consumed_samples": consumed_samples,
             "model": [chunk.state_dict() for chunk in chunks],
             "optimizer": optimizer.state_dict(),
+            "opt_param_scheduler": scheduler.state_dict(),
             "rng": rng_states,
         }
         try:
@@ -114,9 +117,10 @@ def save_checkpoint(save_dir: str, args, chunks: List[torch.nn.Module], optimize
 
 # ---- load ---------------------------------------------------------------------------------------------------------
 
-def load_checkpoint(load_dir: str, args, chunks: List[torch.nn.Module], optimizer: torch.optim.Optimizer
+def load_checkpoint(load_dir: str, args, chunks: List[torch.nn.Module], optimizer, scheduler
                     ) -> Tuple[Optional[FoundCheckpoint], bool]:
-    """Restore model, optimizer and RNG from ``load_dir``; returns (checkpoint or None, RNG restored).
+    """Restore model, optimizer, learning-rate schedule and RNG from ``load_dir``; returns (checkpoint or None, RNG
+    restored).
 
     None: ``load_dir`` holds no checkpoint yet (the caller starts from scratch). RNG states are restored when
     the data-parallel size is the one that saved them; the model and optimizer under any data-parallel size.
@@ -137,7 +141,14 @@ def load_checkpoint(load_dir: str, args, chunks: List[torch.nn.Module], optimize
                               f"with {len(chunks)} model chunks per rank")
     for chunk, state in zip(chunks, payload["model"]):
         chunk.load_state_dict(state, strict=True)
-    optimizer.load_state_dict(payload["optimizer"])
+    try:
+        optimizer.load_state_dict(payload["optimizer"])
+    except ValueError as exc:   # torch: another number or size of parameter groups
+        raise CheckpointError(f"{path}: its optimizer state does not fit this run's ({str(exc).splitlines()[0]}; "
+                              "--weight-decay 0 keeps every parameter in one group, another value splits off "
+                              "biases and norms)") from None
+    # after the optimizer's groups, whose saved lr and weight decay it replaces (Megatron-LM's order)
+    restore_scheduler(scheduler, payload.get("opt_param_scheduler"), found.consumed_samples, args)
     rng_states = payload["rng"]
     restored = len(rng_states) == parallel_state.get_data_parallel_world_size()
     if restored:

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from .flags import completed
+from .flags import completed, lr_schedule_iterations
 
 SCHEMA = "megatron_app.checkpoint/1"
 MANIFEST = "manifest.json"
@@ -77,9 +77,46 @@ def manifest_for(args, iteration: int, consumed_samples: int, files) -> dict:
         "layout": {key: values[key] for key in LAYOUT_KEYS + ("data_parallel",)},
         "model": {**{key: values[key] for key in MODEL_KEYS}, "precision": values["precision"]},
         "training": {"global_batch_size": args.global_batch_size, "micro_batch_size": args.micro_batch_size,
-                     "seed": args.seed, "iters": args.iters, **data_identity(args)},
+                     "seed": args.seed, "iters": args.iters, **data_identity(args),
+                     "lr_schedule": schedule_identity(args)},
         "files": sorted(files),
     }
+
+
+def schedule_identity(args) -> dict:
+    """The learning-rate schedule and weight decay a run trains with (what a resumed run must agree on); the decay's
+    length and floor only where there is a decay (a constant lr may go on past the --iters it was saved with)."""
+    args = completed(args)
+    warmup, decay = lr_schedule_iterations(args)
+    identity = {"lr": args.lr, "lr_decay_style": args.lr_decay_style, "lr_warmup_iters": warmup,
+                "lr_warmup_init": args.lr_warmup_init, "weight_decay": args.weight_decay}
+    if args.lr_decay_style != "constant":
+        identity.update(lr_decay_iters=decay, min_lr=args.min_lr)
+    return identity
+
+
+# How a schedule field reads as the flag that sets it.
+_SCHEDULE_FLAGS = {"lr": "--lr", "lr_decay_style": "--lr-decay-style", "lr_warmup_iters": "--lr-warmup-iters",
+                   "lr_warmup_init": "--lr-warmup-init", "weight_decay": "--weight-decay",
+                   "lr_decay_iters": "--lr-decay-iters", "min_lr": "--min-lr"}
+
+
+def _check_schedule(found: "FoundCheckpoint", args) -> None:
+    """A resumed run keeps its checkpoint's learning-rate schedule unless one of the two flags says otherwise (a
+    manifest from before schedules were recorded trained at a constant --lr: that alone is compared)."""
+    if args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
+        return
+    here = schedule_identity(args)
+    saved = found.manifest.get("training", {}).get("lr_schedule") or {"lr": found.manifest.get("training", {}).get(
+        "lr", here["lr"]), "lr_decay_style": "constant", "lr_warmup_iters": 0, "lr_warmup_init": 0.0,
+        "weight_decay": 0.0}
+    for key, flag in _SCHEDULE_FLAGS.items():
+        if saved.get(key) != here.get(key):
+            shown = "none" if saved.get(key) is None else saved[key]
+            raise CheckpointError(
+                f"checkpoint {found.directory} was trained with {flag} {shown} but this run has "
+                f"{'none' if here.get(key) is None else here[key]}; give --override-opt-param-scheduler to use this "
+                "run's learning-rate flags or --use-checkpoint-opt-param-scheduler to keep the checkpoint's")
 
 
 def _absolute_data_path(items):
@@ -191,6 +228,7 @@ def check_compatible(found: FoundCheckpoint, args) -> None:
         flag = {"fp32": "neither --bf16 nor --fp16"}.get(precision, f"--{precision}")
         raise CheckpointError(f"checkpoint {found.directory} was trained in {saved_precision} but this run has {flag}; "
                               f"resume in {saved_precision}")
+    _check_schedule(found, completed(args))
     saved_training = found.manifest.get("training", {})
     here_data = data_identity(args)
     for key in DATA_KEYS:

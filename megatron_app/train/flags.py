@@ -25,6 +25,7 @@ DEFAULT_SLOW_FACTOR = 1.5
 DEFAULT_STRAGGLER_FACTOR = 3.0
 DEFAULT_EVAL_ITERS = 10
 DEFAULT_TRACE_DIR = "traces/"
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")   # Megatron-LM's, but WSD
 # Megatron-LM's defaults of its dynamic loss scale (--fp16)
 DEFAULT_INITIAL_LOSS_SCALE = 2.0 ** 32
 DEFAULT_MIN_LOSS_SCALE = 1.0
@@ -111,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(train, "--iters", type=int, default=5, help="iterations to train, counted from 1 as in the log",
               megatron=["--train-iters"])
     _add_flag(train, "--seed", type=int, default=1234, help="seeds the model, data order and dropout")
-    _add_flag(train, "--lr", type=float, default=1e-3, help="Adam's learning rate (constant)")
+    _add_flag(train, "--lr", type=float, default=1e-3,
+              help="Adam's learning rate (the peak of a --lr-decay-style schedule)")
     _add_flag(train, "--data-path", nargs="+", default=None, metavar="PREFIX",
               help="Megatron indexed dataset prefix(es) [weight prefix ...]; default: mock data")
     _add_flag(train, "--synthetic-microbatches", default=None, metavar="FILE",
@@ -186,6 +188,35 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(precision, "--accumulate-allreduce-grads-in-fp32", action="store_true",
               help="--fp16: accumulate gradients over microbatches and all-reduce them in fp32 (always so under "
                    "--bf16, as in Megatron-LM; default under --fp16: in fp16)")
+
+    optimizer = parser.add_argument_group(
+        "optimizer (Megatron-LM's flags and meaning; our defaults keep a constant-lr Adam without clipping)")
+    _add_flag(optimizer, "--clip-grad", type=float, default=0.0, metavar="NORM",
+              help="clip the gradients to this global L2 norm over every rank's parameters, tensor-parallel copies "
+                   "counted once (0: no clipping; Megatron-LM's default is 1.0)")
+    _add_flag(optimizer, "--weight-decay", type=float, default=0.0, metavar="WD",
+              help="decoupled weight decay (AdamW), none on biases and 1-D parameters as in Megatron-Core "
+                   "(Megatron-LM's default is 0.01)")
+    _add_flag(optimizer, "--adam-beta1", type=float, default=0.9, metavar="B1", help="Adam's beta1")
+    _add_flag(optimizer, "--adam-beta2", type=float, default=0.999, metavar="B2", help="Adam's beta2")
+    _add_flag(optimizer, "--adam-eps", type=float, default=1e-8, metavar="EPS", help="Adam's epsilon")
+    _add_flag(optimizer, "--lr-decay-style", choices=LR_DECAY_STYLES, default="constant",
+              help="the learning rate after warm-up, from --lr to --min-lr over --lr-decay-iters (Megatron-Core's "
+                   "OptimizerParamScheduler; Megatron-LM's default is linear)")
+    _add_flag(optimizer, "--lr-decay-iters", type=int, default=None, metavar="N",
+              help="iterations of the decay (default: --iters)")
+    _add_flag(optimizer, "--lr-warmup-iters", type=int, default=None, metavar="N",
+              help="iterations of linear warm-up from --lr-warmup-init to --lr (default: 0)")
+    _add_flag(optimizer, "--lr-warmup-fraction", type=float, default=None, metavar="F",
+              help="the warm-up as a fraction of --lr-decay-iters (instead of --lr-warmup-iters)")
+    _add_flag(optimizer, "--lr-warmup-init", type=float, default=0.0, metavar="LR", help="where warm-up starts")
+    _add_flag(optimizer, "--min-lr", type=float, default=0.0, metavar="LR", help="where the decay ends")
+    _add_flag(optimizer, "--override-opt-param-scheduler", action="store_true",
+              help="resuming: this run's learning-rate flags replace the checkpoint's schedule (otherwise a "
+                   "changed schedule is refused)", megatron=["--override-opt_param-scheduler"])
+    _add_flag(optimizer, "--use-checkpoint-opt-param-scheduler", action="store_true",
+              help="resuming: keep the checkpoint's schedule whatever this run's learning-rate flags say",
+              megatron=["--use-checkpoint-opt_param-scheduler"])
 
     sched = parser.add_argument_group("schedule")
     _add_flag(sched, "--schedule", choices=SCHEDULES, default="app",
@@ -294,6 +325,16 @@ _DERIVED_DEFAULTS = {"precision": "fp32", "composition": default_composition(pla
 def _parser_defaults() -> Mapping[str, object]:
     return {action.dest: action.default for action in build_parser()._actions
             if action.default is not argparse.SUPPRESS}
+
+
+def lr_schedule_iterations(args) -> tuple:
+    """(warm-up, decay) of the learning-rate schedule in iterations, as Megatron-LM derives them: the decay over
+    --lr-decay-iters (default --iters), the warm-up --lr-warmup-iters or --lr-warmup-fraction x the decay."""
+    args = completed(args)
+    decay = args.lr_decay_iters or args.iters
+    if args.lr_warmup_fraction is not None:
+        return args.lr_warmup_fraction * decay, decay
+    return args.lr_warmup_iters or 0, decay
 
 
 def writes_traces(args) -> bool:

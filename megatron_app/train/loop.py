@@ -27,7 +27,8 @@ from .forward_backward import (close_schedule, optimizer_span, runtime_settings,
                                select_forward_backward_func, with_told_lengths)
 from .init import init_distributed, init_model_parallel, seed_all, shutdown
 from .model import build_model_chunks
-from .optim import MixedPrecision, MixedPrecisionOptimizer, build_optimizer, finalize_model_grads
+from .lr_schedule import build_scheduler, current_lr, varies_lr
+from .optim import AdamSettings, MixedPrecision, build_optimizer, finalize_model_grads
 from .evaluate import evaluate
 from .report import IterationReporter, reduce_lm_loss
 from .startup import EndingClock, StartupClock
@@ -38,7 +39,8 @@ from .trace_run import start_trace_run
 _RUN_CONFIG_KEYS = (
     "pipeline_parallel", "model_chunks", "tensor_parallel", "data_parallel", "world_size",
     "num_microbatches", "num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
-    "micro_batch_size", "global_batch_size", "iters", "seed", "lr", "hidden_dropout", "attention_dropout",
+    "micro_batch_size", "global_batch_size", "iters", "seed", "lr", "lr_decay_style", "clip_grad", "weight_decay",
+    "hidden_dropout", "attention_dropout",
     "schedule", "policy", "device", "precision",
     "data_path", "variable_seq_lengths", "composition", "calculate_per_token_loss", "split", "eval_interval", "eval_iters", "save",
     "save_interval", "load", "start_iteration",
@@ -54,7 +56,8 @@ def run_config(args) -> dict:
 class Trainer:
     args: object
     chunks: List[torch.nn.Module]
-    optimizer: torch.optim.Optimizer
+    optimizer: object               # optim.Fp32Optimizer or MixedPrecisionOptimizer
+    scheduler: object               # lr_schedule's (Megatron-Core's OptimizerParamScheduler)
     data_iterator: object  # one iterator, or one per chunk when V > 1
     forward_backward: Callable
     reporter: IterationReporter
@@ -68,6 +71,7 @@ class Trainer:
     last_plan: object = None        # the last composed iteration's IterationPlan (None when not composing)
     stop_on_nonfinite: bool = False  # --check-for-nan-in-loss-and-grad
     plan_ahead: bool = False        # --plan-ahead: plan each next global batch while this one trains
+    last_lr: Optional[float] = None  # the learning rate of the last step
 
     @property
     def composes(self) -> bool:
@@ -76,11 +80,12 @@ class Trainer:
         return bool(self.args.variable_seq_lengths) and self.emulation is None
 
 
-def _resume(args, chunks, optimizer) -> Tuple[int, str]:
-    """Load --load's checkpoint into the model and optimizer; returns (iteration reached, note for the user)."""
+def _resume(args, chunks, optimizer, scheduler) -> Tuple[int, str]:
+    """Load --load's checkpoint into the model, optimizer and learning-rate schedule; returns (iteration reached,
+    note for the user)."""
     if not args.load:
         return 0, ""
-    found, rng_restored = load_checkpoint(args.load, args, chunks, optimizer)
+    found, rng_restored = load_checkpoint(args.load, args, chunks, optimizer, scheduler)
     if found is None:
         return 0, f"no checkpoint in {args.load} yet: starting from iteration 0"
     note = f"resumed from {found.directory} (iteration {found.iteration}, {found.consumed_samples} samples)"
@@ -101,8 +106,10 @@ def build_trainer(args) -> Trainer:
     if emulation is None and (args.hidden_dropout or args.attention_dropout):
         enable_keyed_randomness(chunks, args.seed)   # the same masks under every schedule, P and V
     chunks[0].config.finalize_model_grads_func = finalize_model_grads  # shared by all chunks
-    optimizer = build_optimizer(chunks, args.lr, None if emulation is not None else MixedPrecision.from_args(args))
-    start_iteration, resume_note = _resume(args, chunks, optimizer)
+    optimizer = build_optimizer(chunks, AdamSettings.from_args(args),
+                                None if emulation is not None else MixedPrecision.from_args(args))
+    scheduler = build_scheduler(optimizer, args)
+    start_iteration, resume_note = _resume(args, chunks, optimizer, scheduler)
     args.start_iteration = start_iteration
     train_dataset, dp_rank = None, data_parallel_rank()
     if emulation is None:
@@ -115,12 +122,12 @@ def build_trainer(args) -> Trainer:
     trace_dir = start_trace_run(args.trace_dir) if writes_traces(args) else None   # else no run directory
     forward_backward = select_forward_backward_func(runtime_settings(args, trace_dir), args.device)
     reporter = IterationReporter(run_config(args), args.iters, args.global_batch_size * args.seq_length,
-                                 args.log_json, emulated=emulation is not None)
+                                 args.log_json, emulated=emulation is not None, shows_lr=varies_lr(args))
     if resume_note:
         reporter.note(resume_note)
     if trace_dir is not None:
         reporter.note(f"traces: {trace_dir} ({Path(args.trace_dir) / LATEST} points there)")
-    return Trainer(args, chunks, optimizer, data_iterator, forward_backward, reporter, valid_dataset,
+    return Trainer(args, chunks, optimizer, scheduler, data_iterator, forward_backward, reporter, valid_dataset,
                    start_iteration,
                    forward_step_func=forward_step if emulation is None else emulation.forward_step,
                    emulation=emulation, train_dataset=train_dataset,
@@ -166,8 +173,10 @@ def train_step(trainer: Trainer, iteration: int) -> Optional[float]:
         # all ranks stop here together, or none; under a loss scale an overflow skips the step instead (Megatron's)
         check_finite(iteration, loss, trainer.chunks, args.device,
                      gradients=getattr(trainer.optimizer, "grad_scaler", None) is None)
+    trainer.last_lr = current_lr(trainer.scheduler)
     with optimizer_span(args.schedule, iteration):
-        trainer.optimizer.step()
+        if trainer.optimizer.step():   # Megatron-LM: the schedule advances by the global batch after a step taken
+            trainer.scheduler.step(increment=args.global_batch_size)
     if trainer.emulation is not None:
         trainer.emulation.end_iteration()
     return loss
@@ -186,7 +195,7 @@ def after_iteration(trainer: Trainer, iteration: int) -> bool:
     stop = _due(iteration, args.exit_interval)
     save_dir = args.save
     if save_dir and (_due(iteration, args.save_interval) or stop or iteration == args.iters):
-        directory = save_checkpoint(save_dir, args, trainer.chunks, trainer.optimizer, iteration,
+        directory = save_checkpoint(save_dir, args, trainer.chunks, trainer.optimizer, trainer.scheduler, iteration,
                                     iteration * args.global_batch_size)
         trainer.saved_iteration = iteration
         trainer.reporter.note(f"saved checkpoint {directory}")
@@ -233,8 +242,7 @@ def train(args) -> None:
             composed = trainer.emulation.composition_report(iteration - 1) if trainer.emulation is not None else \
                 None if trainer.last_plan is None else trainer.last_plan.report(trainer.dp_rank)
             trainer.reporter.record(iteration, loss, seconds, tokens, composed,
-                                    trainer.optimizer.report() if isinstance(trainer.optimizer,
-                                                                             MixedPrecisionOptimizer) else None)
+                                    {"lr": trainer.last_lr, **trainer.optimizer.report()})
             if loss_layer is not None:
                 loss_layer.end_iteration(iteration, current_tracer())
             if not after_iteration(trainer, iteration):

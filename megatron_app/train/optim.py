@@ -16,19 +16,29 @@ of the parameters (its state fp32 too) and the step copies them back into the mo
 own grad scaler (dynamic under --fp16 unless --loss-scale): the schedules scale the loss through
 ``config.grad_scale_func`` as in Megatron, the step unscales, and an iteration whose gradients overflow on any
 model-parallel rank is skipped everywhere.
+
+Both optimizers are AdamW as Megatron-Core falls back to it without Transformer Engine or Apex (torch.optim.AdamW:
+decoupled weight decay; with --weight-decay 0 the same steps as Adam), biases and 1-D parameters without weight decay
+(Megatron-Core's default rule, wd_mult 0), and both clip as Megatron's optimizers do under --clip-grad: after the
+gradients are final (reduced, unscaled, checked), the global L2 norm over the model-parallel group, counting a
+tensor-parallel duplicate once (Megatron's get_grad_norm_fp32 and its duplicate rule), scales them by
+clip / (norm + 1e-6) when that is below 1. The learning rate and weight decay of each step: lr_schedule.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron.core import parallel_state
+from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from megatron.core.transformer.module import param_is_not_shared
 
 from megatron_app.runtime.layout import data_parallel_group, pipeline_group
 
@@ -37,6 +47,94 @@ from .flags import completed
 
 def _trainable(model: List[torch.nn.Module]) -> List[torch.nn.Parameter]:
     return [p for chunk in model for p in chunk.parameters() if p.requires_grad]
+
+
+@dataclass(frozen=True)
+class AdamSettings:
+    """What the optimizer flags ask (Megatron-LM's meaning); lr is the schedule's peak (lr_schedule.py sets each
+    step's)."""
+
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: Tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    clip_grad: float = 0.0       # 0: no clipping
+
+    @classmethod
+    def from_args(cls, args) -> "AdamSettings":
+        args = completed(args)
+        return cls(args.lr, args.weight_decay, (args.adam_beta1, args.adam_beta2), args.adam_eps, args.clip_grad)
+
+    def adamw(self, groups) -> torch.optim.AdamW:
+        return torch.optim.AdamW(groups, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+
+
+def param_groups(chunks: List[torch.nn.Module], weight_decay: float) -> List[dict]:
+    """The trainable parameters in groups: one group without weight decay (the layout a checkpoint without it has);
+    with it, Megatron-Core's default rule: biases and 1-D parameters (norms) get none (wd_mult 0, which the
+    scheduler multiplies in)."""
+    named = [(name, param) for chunk in chunks for name, param in chunk.named_parameters() if param.requires_grad]
+    if not weight_decay:
+        return [{"params": [param for _, param in named], "wd_mult": 1.0}]
+    decayed = [param for name, param in named if not (name.endswith(".bias") or param.dim() == 1)]
+    exempt = [param for name, param in named if name.endswith(".bias") or param.dim() == 1]
+    return [group for group in ({"params": decayed, "wd_mult": 1.0}, {"params": exempt, "wd_mult": 0.0})
+            if group["params"]]
+
+
+def clip_by_global_norm(model_params: List[torch.nn.Parameter], grads: List[torch.Tensor], max_norm: float
+                        ) -> float:
+    """Megatron's clip_grad_norm: the L2 norm of every model-parallel rank's gradients (grads[i] belongs to
+    model_params[i]; a tensor-parallel duplicate or a shared parameter counted once), all of them scaled by
+    max_norm / (norm + 1e-6) when that is below 1. Returns the norm before clipping."""
+    counted = [grad for param, grad in zip(model_params, grads)
+               if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param)]
+    group = parallel_state.get_model_parallel_group() if parallel_state.model_parallel_is_initialized() else None
+    from .cpu_compat import CudaDeviceToCpu
+
+    # get_grad_norm_fp32 makes its buffers with device='cuda'; on CPU they go to the CPU.
+    on_cuda = bool(grads) and grads[0].device.type == "cuda"
+    with contextlib.nullcontext() if on_cuda else CudaDeviceToCpu():
+        norm = float(get_grad_norm_fp32(counted, grad_stats_parallel_group=group))
+    coefficient = max_norm / (norm + 1.0e-6)
+    if coefficient < 1.0:
+        torch._foreach_mul_(grads, coefficient)   # Megatron's clip_grad_by_total_norm_fp32 (it asserts CUDA types)
+    return norm
+
+
+class Fp32Optimizer:
+    """AdamW on the fp32 parameters' own gradients, clipped first under --clip-grad (Megatron's FP32Optimizer)."""
+
+    def __init__(self, chunks: List[torch.nn.Module], settings: AdamSettings):
+        self.model_params = _trainable(chunks)
+        self.optimizer = settings.adamw(param_groups(chunks, settings.weight_decay))
+        self.clip_grad = settings.clip_grad
+        self.grad_norm: Optional[float] = None
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        if self.clip_grad > 0.0:
+            params = [param for param in self.model_params if param.grad is not None]
+            self.grad_norm = clip_by_global_norm(params, [param.grad for param in params], self.clip_grad)
+        self.optimizer.step()
+        return True
+
+    def report(self) -> dict:
+        """For the iteration line and the JSON log: the gradients' norm before clipping (under --clip-grad)."""
+        return {} if self.grad_norm is None else {"grad_norm": self.grad_norm}
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
 
 
 def model_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
@@ -92,10 +190,15 @@ class MixedPrecisionOptimizer:
     main_grad accumulation (its DistributedDataParallel). Also what the log reports: the loss scale and the iterations
     skipped for an overflow."""
 
-    def __init__(self, chunks: List[torch.nn.Module], lr: float, mixed: MixedPrecision):
+    def __init__(self, chunks: List[torch.nn.Module], settings: AdamSettings, mixed: MixedPrecision):
         self.model_params = _trainable(chunks)
         self.main_params = [param.detach().clone().float() for param in self.model_params]
-        self.optimizer = torch.optim.Adam(self.main_params, lr=lr)
+        main_of = {id(param): main for param, main in zip(self.model_params, self.main_params)}
+        groups = param_groups(chunks, settings.weight_decay)
+        self.optimizer = settings.adamw([{**group, "params": [main_of[id(p)] for p in group["params"]]}
+                                         for group in groups])
+        self.clip_grad = settings.clip_grad
+        self.grad_norm: Optional[float] = None
         self.grad_scaler = mixed.grad_scaler(self.model_params[0].device)
         grad_dtype = torch.float32 if mixed.accumulate_in_fp32 else None
         self._hooks = []
@@ -131,6 +234,7 @@ class MixedPrecisionOptimizer:
             main.grad = param.main_grad.float()
             param.grad = None
         self.last_step_skipped = False
+        self.grad_norm = None
         if self.grad_scaler is not None:
             found_inf = self._unscale_and_check()
             self.grad_scaler.update(found_inf)
@@ -138,6 +242,9 @@ class MixedPrecisionOptimizer:
                 self.skipped_iterations += 1
                 self.last_step_skipped = True
                 return False
+        if self.clip_grad > 0.0:
+            self.grad_norm = clip_by_global_norm(self.model_params, [main.grad for main in self.main_params],
+                                                 self.clip_grad)
         self.optimizer.step()
         for param, main in zip(self.model_params, self.main_params):
             param.copy_(main)
@@ -155,7 +262,7 @@ class MixedPrecisionOptimizer:
     def report(self) -> dict:
         """For the iteration line and the JSON log."""
         return {"loss_scale": self.get_loss_scale(), "skipped_iterations": self.skipped_iterations,
-                "skipped": self.last_step_skipped}
+                "skipped": self.last_step_skipped, **({} if self.grad_norm is None else {"grad_norm": self.grad_norm})}
 
     def state_dict(self) -> dict:
         state = {"optimizer": self.optimizer.state_dict(),
@@ -180,12 +287,12 @@ class MixedPrecisionOptimizer:
                 self.grad_scaler._hysteresis_tracker = saved["hysteresis_tracker"]
 
 
-def build_optimizer(chunks: List[torch.nn.Module], lr: float, mixed: Optional[MixedPrecision] = None):
-    """Adam (constant ``lr``); under mixed precision (``mixed``) on fp32 main parameters, and the chunks' config
-    then scales the loss when the run has a loss scale."""
+def build_optimizer(chunks: List[torch.nn.Module], settings: AdamSettings, mixed: Optional[MixedPrecision] = None):
+    """AdamW as the flags ask (settings); under mixed precision (``mixed``) on fp32 main parameters, and the chunks'
+    config then scales the loss when the run has a loss scale."""
     if mixed is None:
-        return torch.optim.Adam(_trainable(chunks), lr=lr)
-    optimizer = MixedPrecisionOptimizer(chunks, lr, mixed)
+        return Fp32Optimizer(chunks, settings)
+    optimizer = MixedPrecisionOptimizer(chunks, settings, mixed)
     if optimizer.grad_scaler is not None:
         chunks[0].config.grad_scale_func = optimizer.scale_loss   # shared by all chunks, as in Megatron-LM
     return optimizer

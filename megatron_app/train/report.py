@@ -52,24 +52,27 @@ class IterationReporter:
     """Prints one line per iteration and keeps the JSON log up to date (reporting rank only)."""
 
     def __init__(self, run_config: dict, iters: int, tokens_per_iteration: int,
-                 log_json: Optional[str], emulated: bool = False):
+                 log_json: Optional[str], emulated: bool = False, shows_lr: bool = False):
         """``emulated``: --emulate-compute replaced the model by timed waits, so the loss means nothing: the line
-        says so instead of printing it (the JSON log keeps the number, marked "emulated")."""
+        says so instead of printing it (the JSON log keeps the number, marked "emulated"). ``shows_lr``: the
+        learning rate varies (a schedule): the line shows each step's."""
         self.enabled = is_reporting_rank()
         self.iters = iters
         self.tokens_per_iteration = tokens_per_iteration
         self.log_json = log_json
         self.emulated = emulated
+        self.shows_lr = shows_lr
         self.payload = {"schema": LOG_SCHEMA, "config": run_config, "iterations": [], "validation": []}
         if emulated:
             self.payload["emulated"] = True
 
     def record(self, iteration: int, loss: Optional[float], seconds: float, tokens: Optional[int] = None,
-               composed: Optional[dict] = None, precision: Optional[dict] = None) -> None:
+               composed: Optional[dict] = None, optimizer: Optional[dict] = None) -> None:
         """``tokens``: the iteration's tokens when they vary (variable-length samples), else the fixed count.
         ``composed``: the planned microbatches when the loop composed them (num_microbatches, microbatch_tokens,
-        padding_tokens, composition), kept in the JSON log. ``precision``: under --bf16 / --fp16, the loss scale and
-        the iterations skipped for overflowing gradients (MixedPrecisionOptimizer.report), shown as Megatron-LM does."""
+        padding_tokens, composition), kept in the JSON log. ``optimizer``: the step's learning rate ("lr"), the
+        gradients' norm before clipping under --clip-grad ("grad_norm"), under --bf16 / --fp16 the loss scale and the
+        iterations skipped for overflowing gradients (the optimizer's report), shown as Megatron-LM does."""
         if not self.enabled:
             return
         tokens_per_s = (self.tokens_per_iteration if tokens is None else tokens) / seconds
@@ -77,16 +80,21 @@ class IterationReporter:
         if composed is not None and composed.get("predicted_ms") is not None:
             planned += f" | predicted {composed['predicted_ms']:.1f} ms"
         shown = "emulated compute, no real loss" if self.emulated else f"loss {loss:.4f}"
-        if precision is not None:
-            planned += (f" | loss scale {precision['loss_scale']:g} | skipped iterations "
-                        f"{precision['skipped_iterations']}" + (" (this one: gradients overflowed)"
-                                                                if precision["skipped"] else ""))
+        optimizer = optimizer or {}
+        if self.shows_lr and optimizer.get("lr") is not None:
+            planned += f" | lr {optimizer['lr']:.3e}"
+        if optimizer.get("grad_norm") is not None:
+            planned += f" | grad norm {optimizer['grad_norm']:.4g}"
+        if "loss_scale" in optimizer:
+            planned += (f" | loss scale {optimizer['loss_scale']:g} | skipped iterations "
+                        f"{optimizer['skipped_iterations']}" + (" (this one: gradients overflowed)"
+                                                                if optimizer["skipped"] else ""))
         print(f"iter {iteration}/{self.iters} | {shown} | {seconds * 1e3:.1f} ms | "
               f"{tokens_per_s:.0f} tokens/s{planned}", flush=True)
         self.payload["iterations"].append({
             "iteration": iteration, "loss": loss, "time_ms": seconds * 1e3, "tokens_per_s": tokens_per_s,
             **({} if composed is None else {"composed": composed}),
-            **({} if precision is None else precision),
+            **optimizer,
         })
         self._write()
 

@@ -68,7 +68,7 @@ def main():
 
             composed_data.plan_global_batch = regrouped_composition(packed=composition == "regrouped")
         trainer = build_trainer(args)
-        losses = []
+        losses, steps = [], []
         if opts.tell_lengths:
             # This test's uneven lengths must be the ones used (the trainer tells none for packed data; make sure).
             import megatron_app.train.loop as train_loop
@@ -81,6 +81,7 @@ def main():
                 m = args.num_microbatches
                 set_microbatch_lengths([1 + (37 * (i + it) ** 2) % 97 for i in range(m)])
             losses.append(train_step(trainer, it))
+            steps.append({"lr": trainer.last_lr, **trainer.optimizer.report()})
             if trainer.last_plan is not None and dist.get_rank() == 0:
                 with open(os.path.join(opts.out, f"plans_{name}.jsonl"), "a") as f:
                     f.write(json.dumps(trainer.last_plan.report(0)) + "\n")
@@ -97,6 +98,8 @@ def main():
         if losses[0] is not None and trainer.reporter.enabled:
             with open(os.path.join(opts.out, f"losses_{name}.json"), "w") as f:
                 json.dump(losses, f)
+            with open(os.path.join(opts.out, f"steps_{name}.json"), "w") as f:   # each step's lr, grad norm
+                json.dump(steps, f)
         dist.barrier()
     close_schedule(schedule)
     shutdown(destroy_process_group=True)
