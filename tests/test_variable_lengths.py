@@ -173,9 +173,10 @@ def test_train_step_tells_the_schedule_the_tokens_of_the_microbatches_it_then_fe
         fed.append(batches)
         return []
 
-    optimizer = SimpleNamespace(zero_grad=lambda set_to_none: None, step=lambda: None)
-    trainer = loop.Trainer(args, [], optimizer, None, forward_backward, reporter=None, train_dataset=dataset,
-                           dp_rank=0)
+    optimizer = SimpleNamespace(zero_grad=lambda set_to_none: None, step=lambda: True, param_groups=[{"lr": 1e-3}])
+    scheduler = SimpleNamespace(optimizer=optimizer, step=lambda increment: None)
+    trainer = loop.Trainer(args, [], optimizer, scheduler, None, forward_backward, reporter=None,
+                           train_dataset=dataset, dp_rank=0)
     for iteration in range(1, args.iters + 1):
         loop.train_step(trainer, iteration)
     assert told == [[batch["tokens"].numel() for batch in batches] for batches in fed] and len(told) == args.iters

@@ -94,8 +94,11 @@ def clip_by_global_norm(model_params: List[torch.nn.Parameter], grads: List[torc
 
     # get_grad_norm_fp32 makes its buffers with device='cuda'; on CPU they go to the CPU.
     on_cuda = bool(grads) and grads[0].device.type == "cuda"
+    # One tensor of per-parameter norms (one kernel, as torch's clip_grad_norm_): without Apex or Transformer Engine
+    # Megatron's fallback would read every parameter's norm to the host, a device sync each on CUDA.
+    per_parameter = [torch.stack(torch._foreach_norm(counted))] if counted else []
     with contextlib.nullcontext() if on_cuda else CudaDeviceToCpu():
-        norm = float(get_grad_norm_fp32(counted, grad_stats_parallel_group=group))
+        norm = float(get_grad_norm_fp32(per_parameter, grad_stats_parallel_group=group))
     coefficient = max_norm / (norm + 1.0e-6)
     if coefficient < 1.0:
         torch._foreach_mul_(grads, coefficient)   # Megatron's clip_grad_by_total_norm_fp32 (it asserts CUDA types)
