@@ -102,7 +102,7 @@ GPU = Sizes(
     # Every equality launch at once (7 references, 9 P=2 V=2 runs; own-loop's 5 beside them): on the first H100 a
     # launch took 51-68 s with 7 side by side and 55-65 s alone, so a launch waits rather than computes.
     device="cuda", parallel_runs=16,
-    rows=["mock-fp32", "mock-bf16", "loader-fp32-dropout", "packed-fp32-dropout", "balanced-fp32-dropout",
+    rows=["mock-fp32", "mock-bf16-optim", "loader-fp32-dropout", "packed-fp32-dropout", "balanced-fp32-dropout",
           "packed-bf16-dropout", "balanced-bf16-dropout", "balanced-fp32-dropout+ipc", "packed-bf16-dropout+ipc-copy"],
     own_loop_rows=["fixed", "packed", "balanced"],
 )
@@ -116,7 +116,7 @@ CPU = Sizes(
     curve_heads={32: 4, 48: 4}, curve_sweep=(16, 128, 16), curve_iters=6, curve_skip=1,
     transport_flags=["--backends", "shm", "--quick"],
     device="cpu", parallel_runs=1,
-    rows=["mock-fp32", "balanced-fp32-dropout"],
+    rows=["mock-fp32-optim", "balanced-fp32-dropout"],
     own_loop_rows=["fixed", "balanced"],
 )
 
@@ -125,6 +125,11 @@ CPU = Sizes(
 # them: what a training receive holds until its backward) instead of the staged default; the same P=1 reference.
 TRANSPORT_ENVS = {"default": {}, "ipc": {"MEGATRON_APP_CUDA_IPC": "1"},
                   "ipc-copy": {"MEGATRON_APP_CUDA_IPC": "1", "MEGATRON_APP_CUDA_IPC_LEND": "0"}}
+
+
+# A row's `-optim`: Megatron-LM's optimizer defaults (clipping at 1.0, weight decay 0.01) and a cosine decay: the
+# clipping norm crosses the pipeline ranks' group on the device.
+OPTIMIZER_FLAGS = ["--clip-grad", "1.0", "--weight-decay", "0.01", "--lr-decay-style", "cosine", "--min-lr", "1e-4"]
 
 
 def split_row(row: str) -> tuple:
@@ -148,6 +153,8 @@ def equality_flags(row: str, corpus: dict) -> List[str]:
         flags += ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
     elif data != "mock":
         flags += ["--hidden-dropout", "0.0", "--attention-dropout", "0.0"]
+    if "optim" in rest:
+        flags += OPTIMIZER_FLAGS
     return flags
 
 
