@@ -46,6 +46,10 @@ def test_defaults_keep_a_constant_lr_adam_without_clipping_or_decay(tmp_path):
     (["--lr-decay-style", "cosine", "--min-lr", "0.1"], "--min-lr 0.1 is above --lr 0.001"),
     (["--lr-warmup-init", "1e-4"], "give --lr-warmup-iters or --lr-warmup-fraction"),
     (["--lr-warmup-iters", "5", "--iters", "5"], "must end before --lr-decay-iters (5, default --iters)"),
+    (["--lr-decay-style", "WSD"], "--lr-decay-style WSD needs --lr-wsd-decay-iters N"),
+    (["--lr-wsd-decay-style", "cosine"], "--lr-wsd-decay-style shapes WSD's anneal"),
+    (["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "5", "--lr-warmup-iters", "1"],
+     "--lr-wsd-decay-iters 5 must be 1..4"),
     (["--override-opt-param-scheduler"], "applies when resuming (--load)"),
     (["--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler", "--load", "x"], "give one"),
 ])
@@ -53,6 +57,45 @@ def test_optimizer_mistakes_are_refused_in_one_line(argv, fragment):
     with pytest.raises(UsageError) as error:
         parse_args(argv, WORLD)
     assert fragment in str(error.value) and "\n" not in str(error.value)
+
+
+def _schedule_of(*argv, iters=10, batch=8):
+    """Each step's learning rate under these flags, from the scheduler the trainer builds."""
+    from types import SimpleNamespace
+
+    from megatron_app.train.lr_schedule import build_scheduler, current_lr
+
+    args = parse_args(["--iters", str(iters), "--global-batch-size", str(batch), *argv], WORLD)
+    scheduler = build_scheduler(SimpleNamespace(param_groups=[{"wd_mult": 1.0}]), args)
+    rates = []
+    for _ in range(iters):
+        rates.append(current_lr(scheduler))
+        scheduler.step(increment=batch)
+    return rates
+
+
+@pytest.mark.parametrize("style,closed_form", [
+    ("linear", lambda s: 1e-4 + 9e-4 * (1 - (s - 2) / 8)),
+    ("cosine", lambda s: 1e-4 + 9e-4 * 0.5 * (1 + math.cos(math.pi * (s - 2) / 8))),
+    ("inverse-square-root", lambda s: max(1e-4, 1e-3 * math.sqrt(2 / s))),
+])
+def test_each_decay_style_is_megatron_lms_closed_form(style, closed_form):
+    """Step s (global batches done): warm-up from --lr-warmup-init for 2 steps, then the style down to --min-lr."""
+    rates = _schedule_of("--lr-decay-style", style, "--lr-warmup-iters", "2", "--lr-warmup-init", "1e-5",
+                         "--min-lr", "1e-4")
+    expected = [1e-5 + (1e-3 - 1e-5) * s / 2 if s <= 2 else closed_form(s) for s in range(10)]
+    assert rates == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("anneal,closed_form", [
+    ("exponential", lambda r: 2 * 0.5 ** r - 1), ("linear", lambda r: 1 - r),
+    ("cosine", lambda r: 0.5 * (math.cos(math.pi * r) + 1)), ("minus_sqrt", lambda r: 1 - math.sqrt(r)),
+])
+def test_wsd_holds_the_peak_then_anneals_over_its_last_iterations(anneal, closed_form):
+    rates = _schedule_of("--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "4", "--lr-wsd-decay-style", anneal,
+                         "--min-lr", "1e-4")
+    expected = [1e-3 if s <= 6 else 1e-4 + 9e-4 * closed_form((s - 6) / 4) for s in range(10)]
+    assert rates == pytest.approx(expected, rel=1e-12)
 
 
 # ---- parameter groups, clipping -------------------------------------------------------------------------------------

@@ -429,6 +429,14 @@ def _check_optimizer(args: argparse.Namespace) -> None:
             if getattr(args, dest):
                 raise UsageError(f"{_flag(dest)} shapes a decay; --lr-decay-style constant has none (give linear, "
                                  "cosine or inverse-square-root)")
+    if style == "WSD":
+        if args.lr_wsd_decay_iters is None:
+            raise UsageError("--lr-decay-style WSD needs --lr-wsd-decay-iters N (the anneal at the decay's end)")
+        args.lr_wsd_decay_style = args.lr_wsd_decay_style or "exponential"
+    else:
+        for dest in ("lr_wsd_decay_iters", "lr_wsd_decay_style"):
+            if getattr(args, dest) is not None:
+                raise UsageError(f"{_flag(dest)} shapes WSD's anneal: give --lr-decay-style WSD")
     if args.min_lr > args.lr:
         raise UsageError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
     warmup, decay = lr_schedule_iterations(args)
@@ -439,6 +447,9 @@ def _check_optimizer(args: argparse.Namespace) -> None:
     if warmup and warmup >= decay:
         raise UsageError(f"the warm-up ({warmup:g} iterations) must end before --lr-decay-iters ({decay}, default "
                          "--iters)")
+    if style == "WSD" and not 0 < args.lr_wsd_decay_iters <= decay - warmup:
+        raise UsageError(f"--lr-wsd-decay-iters {args.lr_wsd_decay_iters} must be 1..{decay - warmup:g} (the decay's "
+                         f"{decay} iterations, default --iters, after the warm-up's {warmup:g})")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise UsageError("--override-opt-param-scheduler takes this run's schedule, "
                          "--use-checkpoint-opt-param-scheduler the checkpoint's: give one")

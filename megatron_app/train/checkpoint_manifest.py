@@ -92,13 +92,16 @@ def schedule_identity(args) -> dict:
                 "lr_warmup_init": args.lr_warmup_init, "weight_decay": args.weight_decay}
     if args.lr_decay_style != "constant":
         identity.update(lr_decay_iters=decay, min_lr=args.min_lr)
+    if args.lr_decay_style == "WSD":
+        identity.update(lr_wsd_decay_iters=args.lr_wsd_decay_iters, lr_wsd_decay_style=args.lr_wsd_decay_style)
     return identity
 
 
 # How a schedule field reads as the flag that sets it.
 _SCHEDULE_FLAGS = {"lr": "--lr", "lr_decay_style": "--lr-decay-style", "lr_warmup_iters": "--lr-warmup-iters",
                    "lr_warmup_init": "--lr-warmup-init", "weight_decay": "--weight-decay",
-                   "lr_decay_iters": "--lr-decay-iters", "min_lr": "--min-lr"}
+                   "lr_decay_iters": "--lr-decay-iters", "min_lr": "--min-lr",
+                   "lr_wsd_decay_iters": "--lr-wsd-decay-iters", "lr_wsd_decay_style": "--lr-wsd-decay-style"}
 
 
 def _check_schedule(found: "FoundCheckpoint", args) -> None:

@@ -25,7 +25,8 @@ DEFAULT_SLOW_FACTOR = 1.5
 DEFAULT_STRAGGLER_FACTOR = 3.0
 DEFAULT_EVAL_ITERS = 10
 DEFAULT_TRACE_DIR = "traces/"
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")   # Megatron-LM's, but WSD
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")   # Megatron-LM's
+LR_WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 # Megatron-LM's defaults of its dynamic loss scale (--fp16)
 DEFAULT_INITIAL_LOSS_SCALE = 2.0 ** 32
 DEFAULT_MIN_LOSS_SCALE = 1.0
@@ -205,6 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "OptimizerParamScheduler; Megatron-LM's default is linear)")
     _add_flag(optimizer, "--lr-decay-iters", type=int, default=None, metavar="N",
               help="iterations of the decay (default: --iters)")
+    _add_flag(optimizer, "--lr-wsd-decay-iters", type=int, default=None, metavar="N",
+              help="WSD (warm-up, stable, decay): the last N iterations of --lr-decay-iters anneal the lr")
+    _add_flag(optimizer, "--lr-wsd-decay-style", choices=LR_WSD_DECAY_STYLES, default=None,
+              help="WSD: how the anneal falls to --min-lr (default: exponential, as in Megatron-LM)")
     _add_flag(optimizer, "--lr-warmup-iters", type=int, default=None, metavar="N",
               help="iterations of linear warm-up from --lr-warmup-init to --lr (default: 0)")
     _add_flag(optimizer, "--lr-warmup-fraction", type=float, default=None, metavar="F",

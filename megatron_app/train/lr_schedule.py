@@ -32,7 +32,9 @@ def build_scheduler(optimizer, args) -> OptimizerParamScheduler:
         lr_decay_steps=decay, lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
         end_wd=args.weight_decay, wd_incr_steps=args.iters * args.global_batch_size, wd_incr_style="constant",
         use_checkpoint_opt_param_scheduler=bool(args.use_checkpoint_opt_param_scheduler),
-        override_opt_param_scheduler=bool(args.override_opt_param_scheduler))
+        override_opt_param_scheduler=bool(args.override_opt_param_scheduler),
+        wsd_decay_steps=None if args.lr_wsd_decay_iters is None else args.lr_wsd_decay_iters * args.global_batch_size,
+        lr_wsd_decay_style=args.lr_wsd_decay_style)
 
 
 def varies_lr(args) -> bool:
