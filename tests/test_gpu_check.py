@@ -29,12 +29,12 @@ def test_the_rehearsal_runs_every_step_and_writes_both_reports(rehearsal):
                                      "curves", "composition"]
     # where the launches' time went: before the rank, the rank's start-up phases, iterations, after
     launch = report["launch"]
-    assert launch["launches"] == 4 + 2 + 2 and list(launch["median_alone"]) == [
+    assert launch["launches"] == 4 + 3 + 2 and list(launch["median_alone"]) == [
         "total", "before_rank", "launcher_setup_env", "launcher_check_config", "launcher_to_rank", "rank_imports",
         "rank_process_group", "rank_model_parallel", "rank_trainer", "iterations", "after",
         "after_loop_outside_iterations", "after_rank_closing", "after_rank_process_group", "after_rank_exit"]
     assert all(value >= 0 for value in launch["median_alone"].values()), launch
-    assert "launch      median seconds of the launches that ran alone (of 8)" in (out / "report.txt").read_text()
+    assert "launch      median seconds of the launches that ran alone (of 9)" in (out / "report.txt").read_text()
     probes = report["steps"]["host"]["startup_probes_s"]
     assert set(probes) == {"python", "import_torch", "import_megatron_core", "import_megatron_core_gc_paused",
                            "getfqdn", "gethostbyname"}
@@ -48,7 +48,8 @@ def test_the_rehearsal_runs_every_step_and_writes_both_reports(rehearsal):
     assert "no CUDA" in report["steps"]["pytest"]["reason"]
     # the prediction step measures (its targets are a GPU host's): numbers for both layouts, spans for every rank
     rows = report["steps"]["prediction"]["rows"]
-    assert set(rows) == {"p1", "p2v2"}
+    assert set(rows) == {"p1", "p2v2", "p2v2+ipc"}
+    assert rows["p2v2+ipc"]["transport"] == "ipc (no fallback said)"   # opt-in CUDA IPC: host tensors here
     assert all(row["errors"] and set(row["span_coverage"]) == ({"pp0"} if name == "p1" else {"pp0", "pp1"})
                for name, row in rows.items())
     # the time between tasks each rank's planner learnt (its calls' task_gap_us): positive on CPU
