@@ -424,6 +424,27 @@ def test_where_ipc_cannot_work_the_link_is_staged_and_says_so_once(job_id, caplo
         receiver.close()
 
 
+def test_a_peer_known_to_be_out_of_ipcs_reach_is_staged_and_said_once(job_id, caplog):
+    """The rendezvous saw the peer in another PID namespace (ipc_off): no IPC buffer is made for it, its device
+    tensors go through the slots, and the reason is said at the first device send."""
+    engine = FakeIpcEngine()
+    why = "rank 1 runs in another PID namespace than rank 0"
+    sender = Transport(0, 2, job_id, slot_bytes=4096, num_slots=8, copy_engine=engine, cuda_ipc=True,
+                       ipc_off={1: why})
+    receiver = Transport(1, 2, job_id, slot_bytes=4096, num_slots=8, copy_engine=engine, cuda_ipc=True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="megatron_app.transport.device_staging"):
+            for index in range(3):
+                sender.send(1, make_tag(FWD, index), torch.full((64,), float(index)))
+                assert torch.equal(receiver.recv(0, make_tag(FWD, index)), torch.full((64,), float(index)))
+        lines = [r.getMessage() for r in caplog.records if "IPC" in r.getMessage()]
+        assert len(lines) == 1 and why in lines[0], lines
+        assert sender.device_path_of(1) == "slots, registered" and engine.buffers_made == 0
+    finally:
+        sender.close()
+        receiver.close()
+
+
 def test_ipc_is_off_unless_asked(job_id, monkeypatch):
     monkeypatch.delenv("MEGATRON_APP_CUDA_IPC", raising=False)
     engine = FakeIpcEngine()

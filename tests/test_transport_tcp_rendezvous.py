@@ -56,6 +56,32 @@ def test_host_identity_includes_the_network_namespace():
     assert advertised_address("127.0.0.1") == "127.0.0.1"
 
 
+def test_cuda_ipc_is_known_impossible_across_pid_namespaces_of_one_host():
+    from megatron_app.transport.backend_choice import ipc_impossible, pid_namespace
+
+    namespaces = {0: 11, 1: 12, 2: 13, 3: 0}
+    off = ipc_impossible(0, [1, 2, 3], {**HOSTS, 3: HOSTS[0]}, namespaces)
+    assert list(off) == [1] and "rank 1 runs in another PID namespace than rank 0" in off[1]  # 2: another host
+    assert ipc_impossible(0, [1], HOSTS, {0: 11, 1: 11}) == {}                               # 3: unknown, tried
+    assert pid_namespace() > 0
+
+
+def test_the_rendezvous_tells_each_transport_which_peers_ipc_cannot_reach(monkeypatch):
+    """Each rank publishes its PID namespace; here every rank (a thread) claims its own."""
+    import megatron_app.transport.rendezvous as rendezvous
+
+    monkeypatch.setattr(rendezvous, "pid_namespace", lambda: threading.get_ident())
+    transports = _open_all(_store(), 2, "rdvpidns", {0: "auto", 1: "auto"})
+    try:
+        assert all(not isinstance(t, Exception) for t in transports.values()), transports
+        assert list(transports[0]._ipc_off) == [1] and list(transports[1]._ipc_off) == [0]
+        assert "another PID namespace" in transports[0]._ipc_off[1]
+    finally:
+        for transport in transports.values():
+            if not isinstance(transport, Exception):
+                transport.close()
+
+
 def _store(port=0):
     return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=30))

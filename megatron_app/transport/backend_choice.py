@@ -45,6 +45,25 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{boot_id}/{netns}"
 
 
+def pid_namespace() -> int:
+    """This process's PID namespace (0 where /proc cannot say): CUDA IPC opens a peer's memory by its process id, so
+    two ranks of one host in different PID namespaces (containers without a shared one) cannot use it."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def ipc_impossible(my_rank: int, peers: Iterable[int], hosts: Mapping[int, str], pid_namespaces: Mapping[int, int]
+                   ) -> dict[int, str]:
+    """{peer: why} for the same-host peers CUDA IPC cannot serve: another PID namespace (0: unknown, not refused)."""
+    mine = pid_namespaces.get(my_rank, 0)
+    return {peer: f"rank {peer} runs in another PID namespace than rank {my_rank} (CUDA IPC opens a peer's memory "
+                  "by its process id; share one, e.g. docker --pid=host)"
+            for peer in peers if hosts[peer] == hosts[my_rank] and mine and pid_namespaces.get(peer, 0)
+            and pid_namespaces[peer] != mine}
+
+
 def advertised_address(master_addr: str | None) -> str:
     """The address peers should use to reach this process: $MEGATRON_APP_HOST_ADDRESS, else the local address of
     the interface that routes to the master (no packet is sent), else the loopback address."""

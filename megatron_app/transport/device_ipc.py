@@ -23,8 +23,10 @@ The sender never waits for the receiver's process: when every slot still awaits 
 is behind), the message takes the staged path (shared-memory slots) instead, so a rank whose receiver is busy
 elsewhere never blocks other traffic. Both paths share the core's link, so messages stay in order.
 
-On by `cuda_ipc=True` (or MEGATRON_APP_CUDA_IPC=1); where IPC cannot work (the engine says why: expandable
-segments, an export that fails) the link falls back to the staged path and says so once.
+On by `cuda_ipc=True` (or MEGATRON_APP_CUDA_IPC=1); where IPC cannot work the link falls back to the staged path
+and says so once: the engine says why (expandable segments, an export that fails), or the rendezvous saw the peer in
+another PID namespace (backend_choice.ipc_impossible). A receiver that cannot open a peer's export for another
+reason (two GPUs without peer access) ends the run with one line.
 """
 
 from __future__ import annotations

@@ -415,7 +415,9 @@ class DeviceSendHandle:
 class Stager:
     """The thread that carries device sends (and host sends queued behind them) of one transport, in order."""
 
-    def __init__(self, core, engine, ipc: bool = False):
+    def __init__(self, core, engine, ipc: bool = False, ipc_known_off: Optional[dict] = None):
+        """ipc_known_off: {peer: why} for peers IPC cannot serve, known before any send (the rendezvous saw
+        another PID namespace): their links are staged, said once at the first device send."""
         self._core = core
         self.engine = engine
         self._ipc = None
@@ -424,6 +426,7 @@ class Stager:
 
             self._ipc = IpcSender(core, engine)
         self._ipc_off: dict[int, str] = {}  # peer -> why IPC does not serve it
+        self._ipc_known_off = dict(ipc_known_off or {})
         self._queue: collections.deque = collections.deque()
         self._queued_per_peer: collections.Counter = collections.Counter()
         self._lock = threading.Condition()
@@ -629,7 +632,7 @@ class Stager:
         """(True, the copy's token) once sent through CUDA IPC (device_ipc.py); (False, None): take the staged path
         (IPC cannot serve this peer, said once, or every IPC slot to it awaits the receiver)."""
         if peer not in self._ipc_off:
-            reason = self.engine.ipc_unavailable_reason()
+            reason = self._ipc_known_off.get(peer) or self.engine.ipc_unavailable_reason()
             if reason is None:
                 try:
                     sent, pending = self._ipc.send(peer, tag, code, shape, flat)

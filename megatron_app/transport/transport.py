@@ -126,6 +126,7 @@ class Transport(ClosesOnExit):
         copy_engine=None,
         cuda_ipc: bool | None = None,
         receive_from_slots: bool | None = None,
+        ipc_off: Mapping[int, str] | None = None,
     ):
         if not isinstance(job_id, str):
             raise TypeError(f"job_id must be a str, got {type(job_id).__name__}")
@@ -169,6 +170,7 @@ class Transport(ClosesOnExit):
         # made at the first CUDA send; tests give a fake one that takes host tensors down the same path).
         self._copy_engine = copy_engine
         self._cuda_ipc = ipc_requested(cuda_ipc)  # device_ipc.py: device buffers between ranks of this host
+        self._ipc_off = {_int_arg(peer, "peer"): str(why) for peer, why in (ipc_off or {}).items()}  # known to fail
         self._ipc_receiver = None
         self._stager: Stager | None = None
         self._stager_finalizer = None
@@ -266,7 +268,7 @@ class Transport(ClosesOnExit):
         return self._copy_engine
 
     def _start_stager(self) -> Stager:
-        self._stager = Stager(self._core, self._engine(), ipc=self._cuda_ipc)
+        self._stager = Stager(self._core, self._engine(), ipc=self._cuda_ipc, ipc_known_off=self._ipc_off)
         # Registered slots are unregistered before the core unmaps them, also when nobody calls close().
         self._stager_finalizer = weakref.finalize(self, self._stager.stop, self._core.close)
         return self._stager
