@@ -50,6 +50,12 @@ def test_defaults_keep_a_constant_lr_adam_without_clipping_or_decay(tmp_path):
     (["--lr-wsd-decay-style", "cosine"], "--lr-wsd-decay-style shapes WSD's anneal"),
     (["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "5", "--lr-warmup-iters", "1"],
      "--lr-wsd-decay-iters 5 must be 1..4"),
+    (["--start-weight-decay", "0.1"], "--start-weight-decay shapes a changing weight decay"),
+    (["--weight-decay-incr-style", "linear", "--end-weight-decay", "0.1"], "needs --start-weight-decay and"),
+    (["--weight-decay-incr-style", "cosine", "--start-weight-decay", "0.2", "--end-weight-decay", "0.1"],
+     "--end-weight-decay 0.1 is below --start-weight-decay 0.2"),
+    (["--weight-decay-incr-style", "linear", "--start-weight-decay", "0", "--end-weight-decay", "0.1",
+      "--weight-decay", "0.1"], "--weight-decay is a constant decay"),
     (["--override-opt-param-scheduler"], "applies when resuming (--load)"),
     (["--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler", "--load", "x"], "give one"),
 ])
@@ -96,6 +102,25 @@ def test_wsd_holds_the_peak_then_anneals_over_its_last_iterations(anneal, closed
                          "--min-lr", "1e-4")
     expected = [1e-3 if s <= 6 else 1e-4 + 9e-4 * closed_form((s - 6) / 4) for s in range(10)]
     assert rates == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("style,closed_form", [("linear", lambda r: r),
+                                                ("cosine", lambda r: 0.5 * (math.cos(math.pi * (1 - r)) + 1))])
+def test_an_increasing_weight_decay_follows_megatron_lm_and_spares_the_exempt_group(style, closed_form):
+    from types import SimpleNamespace
+
+    from megatron_app.train.lr_schedule import build_scheduler
+
+    args = parse_args(["--iters", "10", "--global-batch-size", "8", "--weight-decay-incr-style", style,
+                       "--start-weight-decay", "0.01", "--end-weight-decay", "0.1"], WORLD)
+    groups = [{"wd_mult": 1.0}, {"wd_mult": 0.0}]
+    scheduler = build_scheduler(SimpleNamespace(param_groups=groups), args)
+    decays = []
+    for _ in range(10):
+        decays.append((groups[0]["weight_decay"], groups[1]["weight_decay"]))
+        scheduler.step(increment=8)
+    assert [d for d, _ in decays] == pytest.approx([0.01 + 0.09 * closed_form(s / 10) for s in range(10)])
+    assert all(exempt == 0.0 for _, exempt in decays)
 
 
 # ---- parameter groups, clipping -------------------------------------------------------------------------------------

@@ -407,9 +407,24 @@ def _check_precision(args: argparse.Namespace) -> None:
 def _check_optimizer(args: argparse.Namespace) -> None:
     """Adam's, clipping's and the learning-rate schedule's flags (Megatron-LM's meaning and the rules its
     OptimizerParamScheduler asserts), each in one line; a flag the chosen schedule would not read is refused."""
-    for dest in ("clip_grad", "weight_decay", "lr_warmup_init", "min_lr"):
-        if not getattr(args, dest) >= 0.0:
+    for dest in ("clip_grad", "weight_decay", "lr_warmup_init", "min_lr", "start_weight_decay", "end_weight_decay"):
+        if getattr(args, dest) is not None and not getattr(args, dest) >= 0.0:
             raise UsageError(f"{_flag(dest)} must be >= 0, got {getattr(args, dest)}")
+    if args.weight_decay_incr_style == "constant":
+        for dest in ("start_weight_decay", "end_weight_decay"):
+            if getattr(args, dest) is not None:
+                raise UsageError(f"{_flag(dest)} shapes a changing weight decay: give --weight-decay-incr-style "
+                                 "linear or cosine (or --weight-decay alone for a constant one)")
+    else:
+        if args.start_weight_decay is None or args.end_weight_decay is None:
+            raise UsageError(f"--weight-decay-incr-style {args.weight_decay_incr_style} needs --start-weight-decay "
+                             "and --end-weight-decay")
+        if args.end_weight_decay < args.start_weight_decay:
+            raise UsageError(f"--end-weight-decay {args.end_weight_decay} is below --start-weight-decay "
+                             f"{args.start_weight_decay} (Megatron's schedule only increases it)")
+        if args.weight_decay:
+            raise UsageError("--weight-decay is a constant decay; --weight-decay-incr-style takes --start-weight-decay "
+                             "and --end-weight-decay instead: drop it")
     for dest in ("adam_beta1", "adam_beta2"):
         if not 0.0 <= getattr(args, dest) < 1.0:
             raise UsageError(f"{_flag(dest)} must be in [0, 1), got {getattr(args, dest)}")

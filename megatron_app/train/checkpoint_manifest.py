@@ -90,6 +90,9 @@ def schedule_identity(args) -> dict:
     warmup, decay = lr_schedule_iterations(args)
     identity = {"lr": args.lr, "lr_decay_style": args.lr_decay_style, "lr_warmup_iters": warmup,
                 "lr_warmup_init": args.lr_warmup_init, "weight_decay": args.weight_decay}
+    if args.weight_decay_incr_style != "constant":
+        identity.update(weight_decay_incr_style=args.weight_decay_incr_style,
+                        start_weight_decay=args.start_weight_decay, end_weight_decay=args.end_weight_decay)
     if args.lr_decay_style != "constant":
         identity.update(lr_decay_iters=decay, min_lr=args.min_lr)
     if args.lr_decay_style == "WSD":
@@ -101,7 +104,9 @@ def schedule_identity(args) -> dict:
 _SCHEDULE_FLAGS = {"lr": "--lr", "lr_decay_style": "--lr-decay-style", "lr_warmup_iters": "--lr-warmup-iters",
                    "lr_warmup_init": "--lr-warmup-init", "weight_decay": "--weight-decay",
                    "lr_decay_iters": "--lr-decay-iters", "min_lr": "--min-lr",
-                   "lr_wsd_decay_iters": "--lr-wsd-decay-iters", "lr_wsd_decay_style": "--lr-wsd-decay-style"}
+                   "lr_wsd_decay_iters": "--lr-wsd-decay-iters", "lr_wsd_decay_style": "--lr-wsd-decay-style",
+                   "weight_decay_incr_style": "--weight-decay-incr-style",
+                   "start_weight_decay": "--start-weight-decay", "end_weight_decay": "--end-weight-decay"}
 
 
 def _check_schedule(found: "FoundCheckpoint", args) -> None:

@@ -27,6 +27,7 @@ DEFAULT_EVAL_ITERS = 10
 DEFAULT_TRACE_DIR = "traces/"
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")   # Megatron-LM's
 LR_WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+WEIGHT_DECAY_INCR_STYLES = ("constant", "linear", "cosine")
 # Megatron-LM's defaults of its dynamic loss scale (--fp16)
 DEFAULT_INITIAL_LOSS_SCALE = 2.0 ** 32
 DEFAULT_MIN_LOSS_SCALE = 1.0
@@ -198,6 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(optimizer, "--weight-decay", type=float, default=0.0, metavar="WD",
               help="decoupled weight decay (AdamW), none on biases and 1-D parameters as in Megatron-Core "
                    "(Megatron-LM's default is 0.01)")
+    _add_flag(optimizer, "--start-weight-decay", type=float, default=None, metavar="WD",
+              help="with --weight-decay-incr-style linear or cosine: the decay's first value")
+    _add_flag(optimizer, "--end-weight-decay", type=float, default=None, metavar="WD",
+              help="with --weight-decay-incr-style linear or cosine: its value at the last iteration")
+    _add_flag(optimizer, "--weight-decay-incr-style", choices=WEIGHT_DECAY_INCR_STYLES, default="constant",
+              help="how the weight decay goes from --start-weight-decay to --end-weight-decay over --iters")
     _add_flag(optimizer, "--adam-beta1", type=float, default=0.9, metavar="B1", help="Adam's beta1")
     _add_flag(optimizer, "--adam-beta2", type=float, default=0.999, metavar="B2", help="Adam's beta2")
     _add_flag(optimizer, "--adam-eps", type=float, default=1e-8, metavar="EPS", help="Adam's epsilon")

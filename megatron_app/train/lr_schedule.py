@@ -23,14 +23,26 @@ def schedule_samples(args) -> Tuple[float, int]:
     return warmup * batch, decay * batch
 
 
+def start_weight_decay(args) -> float:
+    """The weight decay of the first step: --weight-decay, or --start-weight-decay under an increasing style."""
+    args = completed(args)
+    return args.weight_decay if args.weight_decay_incr_style == "constant" else args.start_weight_decay
+
+
+def end_weight_decay(args) -> float:
+    args = completed(args)
+    return args.weight_decay if args.weight_decay_incr_style == "constant" else args.end_weight_decay
+
+
 def build_scheduler(optimizer, args) -> OptimizerParamScheduler:
     """Sets every parameter group's lr and weight_decay (x its wd_mult) for the first iteration."""
     args = completed(args)
     warmup, decay = schedule_samples(args)
     return OptimizerParamScheduler(
         optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=warmup,
-        lr_decay_steps=decay, lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
-        end_wd=args.weight_decay, wd_incr_steps=args.iters * args.global_batch_size, wd_incr_style="constant",
+        lr_decay_steps=decay, lr_decay_style=args.lr_decay_style, start_wd=start_weight_decay(args),
+        end_wd=end_weight_decay(args), wd_incr_steps=args.iters * args.global_batch_size,
+        wd_incr_style=args.weight_decay_incr_style,
         use_checkpoint_opt_param_scheduler=bool(args.use_checkpoint_opt_param_scheduler),
         override_opt_param_scheduler=bool(args.override_opt_param_scheduler),
         wsd_decay_steps=None if args.lr_wsd_decay_iters is None else args.lr_wsd_decay_iters * args.global_batch_size,

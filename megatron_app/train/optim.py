@@ -63,7 +63,9 @@ class AdamSettings:
     @classmethod
     def from_args(cls, args) -> "AdamSettings":
         args = completed(args)
-        return cls(args.lr, args.weight_decay, (args.adam_beta1, args.adam_beta2), args.adam_eps, args.clip_grad)
+        # the largest decay the run reaches decides the groups (lr_schedule sets each step's)
+        decay = args.weight_decay if args.weight_decay_incr_style == "constant" else args.end_weight_decay
+        return cls(args.lr, decay, (args.adam_beta1, args.adam_beta2), args.adam_eps, args.clip_grad)
 
     def adamw(self, groups) -> torch.optim.AdamW:
         return torch.optim.AdamW(groups, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
