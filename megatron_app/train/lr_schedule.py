@@ -16,6 +16,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from .flags import completed, lr_schedule_iterations
 
+
 def schedule_samples(args) -> Tuple[float, int]:
     """(warm-up, decay) in samples, as Megatron-LM derives them from iterations and the global batch."""
     warmup, decay = lr_schedule_iterations(args)
