@@ -85,6 +85,27 @@ def test_clipping_weight_decay_and_lr_schedule_match_unpipelined_training(tmp_pa
             f"iteration {it}: grad norm {step['grad_norm']} != P=1's {want['grad_norm']}"
 
 
+@pytest.mark.slow
+def test_bf16_with_clipping_and_a_schedule_matches_unpipelined_bf16(tmp_path, tmp_path_factory, optimizer_reference):
+    """--bf16 with the same optimizer flags, against P=1 in bf16 within the tolerance derived for bf16 below (the
+    layouts accumulate main_grad in another order, a few fp32 main parameters then round to other bf16 values). Each
+    step's norm: the first within 1e-5 (the same parameters); later ones within 2 E, E = |bf16 - fp32| at P=1 that
+    step (the triangle argument of the bf16 section)."""
+    extra = OPTIMIZER_FLAGS + " --bf16"
+    bf16_reference = _run(tmp_path_factory.mktemp("optimizer_bf16_reference"), 1, 1, 1, ["megatron"], extra=extra)
+    out = _run(tmp_path, 2, 2, 1, ["app:planned"], extra=extra)
+    (fp32_losses_and_grads, fp32_steps) = optimizer_reference
+    _assert_bf16_close("bf16 P2 V2 with " + extra, _losses_and_grads(out, "app-planned"),
+                       _losses_and_grads(bf16_reference), fp32_losses_and_grads)
+    ref_steps = json.loads((bf16_reference / "steps_megatron.json").read_text())
+    steps = json.loads((out / "steps_app-planned.json").read_text())
+    assert all(step["grad_norm"] > 0.3 for step in ref_steps), ref_steps   # every step clipped
+    for it, (step, want, fp32) in enumerate(zip(steps, ref_steps, fp32_steps), start=1):
+        bound = 1e-5 * want["grad_norm"] if it == 1 else 2 * abs(want["grad_norm"] - fp32["grad_norm"])
+        assert abs(step["grad_norm"] - want["grad_norm"]) <= bound, \
+            f"iteration {it}: grad norm {step['grad_norm']} != P=1's {want['grad_norm']} within {bound:.2e}"
+
+
 # Tensor parallelism is orthogonal to the order: with it, one non-interleaved and one interleaved layout.
 LAYOUTS = [(2, 1, 1), (2, 2, 1), (4, 1, 1), (4, 2, 1), (2, 1, 2), (2, 2, 2)]
 
