@@ -26,7 +26,7 @@ def test_the_rehearsal_runs_every_step_and_writes_both_reports(rehearsal):
     out, result = rehearsal
     report = json.loads((out / "report.json").read_text())
     assert list(report["steps"]) == ["setup", "host", "pytest", "equality", "own-loop", "transport", "prediction",
-                                     "curves", "composition"]
+                                     "curves", "composition", "ipc-sends"]
     # where the launches' time went: before the rank, the rank's start-up phases, iterations, after
     launch = report["launch"]
     assert launch["launches"] == 4 + 3 + 2 and list(launch["median_alone"]) == [
@@ -48,8 +48,9 @@ def test_the_rehearsal_runs_every_step_and_writes_both_reports(rehearsal):
     assert "no CUDA" in report["steps"]["pytest"]["reason"]
     # the prediction step measures (its targets are a GPU host's): numbers for both layouts, spans for every rank
     rows = report["steps"]["prediction"]["rows"]
-    assert set(rows) == {"p1", "p2v2", "p2v2+ipc"}
-    assert rows["p2v2+ipc"]["transport"] == "ipc (no fallback said)"   # opt-in CUDA IPC: host tensors here
+    assert set(rows) == {"p1", "p2v2"}
+    ipc = report["steps"]["ipc-sends"]["rows"]["p2v2+ipc"]   # the same run by opt-in CUDA IPC: host tensors here
+    assert ipc["transport"] == "ipc (no fallback said)" and set(ipc["transfer_shares"]) == {"pp0", "pp1"}
     assert all(row["errors"] and set(row["span_coverage"]) == ({"pp0"} if name == "p1" else {"pp0", "pp1"})
                for name, row in rows.items())
     # the time between tasks each rank's planner learnt (its calls' task_gap_us): positive on CPU
