@@ -59,9 +59,10 @@ def _assert_same(name, got, reference):
 
 # Megatron-LM's optimizer flags: clipping (every step clipped here: the norms are ~1), decoupled weight decay and a
 # cosine decay of the learning rate. The clip needs the norm over every pipeline and tensor-parallel rank, a
-# tensor-parallel duplicate counted once: each step's norm must be P=1's.
-OPTIMIZER_FLAGS = "--clip-grad 0.3 --weight-decay 0.1 --lr 3e-3 --lr-decay-style cosine --min-lr 3e-4"
-OPTIMIZER_LAYOUTS = [(2, 2, 1), (2, 1, 2)]
+# tensor-parallel duplicate counted once, after the data-parallel all-reduce: each step's norm must be P=1's.
+OPTIMIZER_FLAGS = ("--clip-grad 0.3 --weight-decay 0.1 --lr 3e-3 --lr-decay-style cosine --min-lr 3e-4 "
+                   "--global-batch-size 16")   # the same global batch at D=2
+OPTIMIZER_LAYOUTS = [(2, 2, 1, 1), (2, 1, 2, 1), (2, 1, 1, 2)]
 
 
 @pytest.fixture(scope="module")
@@ -71,13 +72,13 @@ def optimizer_reference(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("P,V,T", OPTIMIZER_LAYOUTS, ids=[f"P{p}-V{v}-T{t}" for p, v, t in OPTIMIZER_LAYOUTS])
-def test_clipping_weight_decay_and_lr_schedule_match_unpipelined_training(tmp_path, optimizer_reference, P, V, T):
+@pytest.mark.parametrize("P,V,T,D", OPTIMIZER_LAYOUTS, ids=[f"P{p}-V{v}-T{t}-D{d}" for p, v, t, d in OPTIMIZER_LAYOUTS])
+def test_clipping_weight_decay_and_lr_schedule_match_unpipelined_training(tmp_path, optimizer_reference, P, V, T, D):
     (reference, ref_steps) = optimizer_reference
     assert [step["lr"] for step in ref_steps] == pytest.approx([3e-3, 3e-4 + 2.7e-3 * 0.75, 3e-4 + 2.7e-3 * 0.25])
     assert all(step["grad_norm"] > 0.3 for step in ref_steps), ref_steps   # every step clipped
-    out = _run(tmp_path, P, V, T, ["app:planned"], extra=OPTIMIZER_FLAGS)
-    _assert_same(f"P{P} V{V} T{T} with {OPTIMIZER_FLAGS}", _losses_and_grads(out, "app-planned"), reference)
+    out = _run(tmp_path, P, V, T, ["app:planned"], D=D, extra=OPTIMIZER_FLAGS)
+    _assert_same(f"P{P} V{V} T{T} D{D} with {OPTIMIZER_FLAGS}", _losses_and_grads(out, "app-planned"), reference)
     steps = json.loads((out / "steps_app-planned.json").read_text())
     for it, (step, want) in enumerate(zip(steps, ref_steps), start=1):
         assert step["lr"] == want["lr"], f"iteration {it}: lr {step['lr']} != {want['lr']}"
