@@ -66,6 +66,19 @@ def test_cuda_ipc_is_known_impossible_across_pid_namespaces_of_one_host():
     assert pid_namespace() > 0
 
 
+def test_cuda_ipc_is_known_impossible_between_gpus_without_peer_access():
+    from megatron_app.transport.backend_choice import gpu_identity, ipc_impossible
+
+    namespaces = {0: 11, 1: 11, 2: 11, 3: 11}
+    hosts = {rank: HOSTS[0] for rank in range(4)}
+    gpus = {0: "GPU-a", 1: "GPU-a", 2: "GPU-b", 3: "GPU-c"}     # 1 shares rank 0's GPU: IPC needs no peer access
+    access = {("GPU-a", "GPU-b"): False, ("GPU-a", "GPU-c"): None}   # c is not visible to rank 0: tried
+    off = ipc_impossible(0, [1, 2, 3], hosts, namespaces, gpus, lambda mine, theirs: access[(mine, theirs)])
+    assert list(off) == [2] and "rank 2's GPU (GPU-b) has no peer access to rank 0's (GPU-a)" in off[2]
+    assert ipc_impossible(0, [1, 2], hosts, namespaces, {0: None, 1: "GPU-a", 2: "GPU-b"}) == {}   # a CPU rank
+    assert gpu_identity() is None   # no CUDA in use in this process: nothing is initialised for the answer
+
+
 def test_the_rendezvous_tells_each_transport_which_peers_ipc_cannot_reach(monkeypatch):
     """Each rank publishes its PID namespace; here every rank (a thread) claims its own."""
     import megatron_app.transport.rendezvous as rendezvous

@@ -54,14 +54,44 @@ def pid_namespace() -> int:
         return 0
 
 
-def ipc_impossible(my_rank: int, peers: Iterable[int], hosts: Mapping[int, str], pid_namespaces: Mapping[int, int]
-                   ) -> dict[int, str]:
-    """{peer: why} for the same-host peers CUDA IPC cannot serve: another PID namespace (0: unknown, not refused)."""
-    mine = pid_namespaces.get(my_rank, 0)
-    return {peer: f"rank {peer} runs in another PID namespace than rank {my_rank} (CUDA IPC opens a peer's memory "
-                  "by its process id; share one, e.g. docker --pid=host)"
-            for peer in peers if hosts[peer] == hosts[my_rank] and mine and pid_namespaces.get(peer, 0)
-            and pid_namespaces[peer] != mine}
+def gpu_identity() -> str | None:
+    """The UUID of this process's current CUDA device, None where CUDA is not in use yet (a CPU rank: the transport
+    never initialises CUDA for this)."""
+    import torch
+
+    if not torch.cuda.is_initialized():
+        return None
+    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+
+
+def cuda_peer_access(mine: str, theirs: str) -> bool | None:
+    """Whether this process's view of the GPUs says device `mine` can map memory of device `theirs` (by UUID): None
+    when one of them is not visible here (CUDA may still open it: tried)."""
+    import torch
+
+    visible = {str(torch.cuda.get_device_properties(index).uuid): index for index in range(torch.cuda.device_count())}
+    if mine not in visible or theirs not in visible:
+        return None
+    return bool(torch.cuda.can_device_access_peer(visible[mine], visible[theirs]))
+
+
+def ipc_impossible(my_rank: int, peers: Iterable[int], hosts: Mapping[int, str], pid_namespaces: Mapping[int, int],
+                   gpus: Mapping[int, str | None] | None = None, peer_access=cuda_peer_access) -> dict[int, str]:
+    """{peer: why} for the same-host peers CUDA IPC cannot serve: another PID namespace (0: unknown, not refused), or
+    another GPU that this one has no peer access to (gpus: each rank's gpu_identity; unknown: tried)."""
+    gpus = gpus or {}
+    mine, my_gpu = pid_namespaces.get(my_rank, 0), gpus.get(my_rank)
+    impossible = {}
+    for peer in peers:
+        if hosts[peer] != hosts[my_rank]:
+            continue
+        if mine and pid_namespaces.get(peer, 0) and pid_namespaces[peer] != mine:
+            impossible[peer] = (f"rank {peer} runs in another PID namespace than rank {my_rank} (CUDA IPC opens a "
+                                "peer's memory by its process id; share one, e.g. docker --pid=host)")
+        elif my_gpu and gpus.get(peer) and gpus[peer] != my_gpu and peer_access(my_gpu, gpus[peer]) is False:
+            impossible[peer] = (f"rank {peer}'s GPU ({gpus[peer]}) has no peer access to rank {my_rank}'s "
+                                f"({my_gpu})")
+    return impossible
 
 
 def advertised_address(master_addr: str | None) -> str:

@@ -25,8 +25,8 @@ elsewhere never blocks other traffic. Both paths share the core's link, so messa
 
 On by `cuda_ipc=True` (or MEGATRON_APP_CUDA_IPC=1); where IPC cannot work the link falls back to the staged path
 and says so once: the engine says why (expandable segments, an export that fails), or the rendezvous saw the peer in
-another PID namespace (backend_choice.ipc_impossible). A receiver that cannot open a peer's export for another
-reason (two GPUs without peer access) ends the run with one line.
+another PID namespace or on a GPU without peer access to ours (backend_choice.ipc_impossible). A receiver that cannot
+open a peer's export for another reason (a GPU it cannot see) ends the run with one line.
 """
 
 from __future__ import annotations

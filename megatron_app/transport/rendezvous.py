@@ -17,8 +17,8 @@ from collections.abc import Iterable
 
 from ._core import core
 from .backends import BACKENDS, RDMA
-from .backend_choice import (BackendUnavailable, advertised_address, choose_backends, host_identity, ipc_impossible,
-                             pid_namespace, requested_mode)
+from .backend_choice import (BackendUnavailable, advertised_address, choose_backends, gpu_identity, host_identity,
+                             ipc_impossible, pid_namespace, requested_mode)
 from .transport import Transport
 
 KEY_PREFIX = "megatron_app/link"
@@ -56,7 +56,8 @@ def open_transport(store, rank: int, world_size: int, job_id: str, peers: Iterab
     round_id = store.add(f"{KEY_PREFIX}/{job_id}/round/{rank}", 1)
     prefix = f"{KEY_PREFIX}/{job_id}/{round_id}"
     built, usable, rdma_detail = core.rdma_status()
-    mine = {"host": host_identity(), "rdma": bool(built and usable), "mode": mode, "pid_ns": pid_namespace()}
+    mine = {"host": host_identity(), "rdma": bool(built and usable), "mode": mode, "pid_ns": pid_namespace(),
+            "gpu": gpu_identity()}
     store.set(f"{prefix}/info/{rank}", json.dumps(mine))
     _wait(store, [f"{prefix}/info/{peer}" for peer in peers], timeout_s, f"peers {peers} of rank {rank}")
     infos = {rank: mine} | {peer: _read_json(store, f"{prefix}/info/{peer}") for peer in peers}
@@ -76,7 +77,8 @@ def open_transport(store, rank: int, world_size: int, job_id: str, peers: Iterab
     host = advertised_address(master_addr) if remote else "127.0.0.1"
     secret = job_admission_secret(store, prefix) if remote else b""
     ipc_off = ipc_impossible(rank, peers, {r: info["host"] for r, info in infos.items()},
-                             {r: info.get("pid_ns", 0) for r, info in infos.items()})
+                             {r: info.get("pid_ns", 0) for r, info in infos.items()},
+                             {r: info.get("gpu") for r, info in infos.items()})
     transport = Transport(rank, world_size, job_id, peers=peers, timeout_s=timeout_s, backends=remote,
                           listen_host=host, admission_secret=secret, ipc_off=ipc_off, **transport_options)
     try:
