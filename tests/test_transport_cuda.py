@@ -394,3 +394,18 @@ def test_a_device_sends_transfer_span_starts_when_its_producer_is_done(pair):
     assert posted <= start <= end <= seen + 1e-3, (posted, start, end, seen)
     assert end - start < (seen - posted) - 0.5 * producer_s, (end - start, seen - posted, producer_s)
     assert torch.equal(receiver.recv(0, make_tag(FWD, 0), device="cuda"), a[:256])
+
+
+def test_the_rendezvous_names_this_gpu_and_its_peer_access():
+    """What each rank publishes for the IPC fallback: its current GPU's UUID once CUDA is in use, and peer access as
+    torch reports it between two visible GPUs (a GPU and itself need none: never checked)."""
+    from megatron_app.transport.backend_choice import cuda_peer_access, gpu_identity
+
+    torch.zeros(1, device="cuda")
+    mine = gpu_identity()
+    assert mine == str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    if torch.cuda.device_count() > 1:
+        other = str(torch.cuda.get_device_properties(1).uuid)
+        assert cuda_peer_access(str(torch.cuda.get_device_properties(0).uuid), other) == \
+            torch.cuda.can_device_access_peer(0, 1)
+    assert cuda_peer_access(mine, "GPU-not-on-this-host") is None
