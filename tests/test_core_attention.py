@@ -33,7 +33,7 @@ def test_packed_documents_carry_host_bounds_so_no_device_tensor_is_read():
     attention = _attention()
     q, k, v = _qkv(2, 2, 8)
     unreadable = torch.empty(len(BOUNDS), dtype=torch.int32, device="meta")
-    params = packed_documents(BOUNDS, unreadable)
+    params = packed_documents(BOUNDS, unreadable, qkv_format="sbhd")
     assert params.max_seqlen_q == 12 and isinstance(params.max_seqlen_q, int)
     packed = attention(q, k, v, None, packed_seq_params=params)
     alone = torch.cat([attention(q[s:e], k[s:e], v[s:e], None) for s, e in zip(BOUNDS[:-1], BOUNDS[1:])])
@@ -70,7 +70,7 @@ def test_the_varlen_path_hands_the_kernel_every_document_at_once(monkeypatch, he
 
     attention = _attention(heads=heads, query_groups=groups, hidden=8 * heads)
     q, k, v = _qkv(heads, groups, 8)
-    params = attention_module.packed_documents(BOUNDS, torch.tensor(BOUNDS, dtype=torch.int32))
+    params = attention_module.packed_documents(BOUNDS, torch.tensor(BOUNDS, dtype=torch.int32), qkv_format="sbhd")
     per_document = attention(q, k, v, None, packed_seq_params=params)
     monkeypatch.setattr(attention_module, "_VARLEN_KERNEL", reference_kernel)
     monkeypatch.setattr(attention_module.SdpaCoreAttention, "_takes_varlen_kernel", lambda self, query: True)
@@ -111,7 +111,7 @@ def test_cuda_varlen_kernel_matches_per_document_sdpa(dtype):
     attention = _attention(heads=4, query_groups=2, hidden=256).cuda()
     q, k, v = (t.requires_grad_() for t in _qkv(4, 2, 64, device="cuda", dtype=dtype))
     bounds = torch.tensor(BOUNDS, dtype=torch.int32, device="cuda")
-    params = attention_module.packed_documents(BOUNDS, bounds)
+    params = attention_module.packed_documents(BOUNDS, bounds, qkv_format="sbhd")
     assert attention._takes_varlen_kernel(q)
     fused = attention(q, k, v, None, packed_seq_params=params)
     fused.float().square().sum().backward()
@@ -154,3 +154,16 @@ def test_cuda_keyed_dropout_masks_follow_the_document_on_device_generators():
         assert torch.equal(padded_draw, packed_draw)
     finally:
         current_job().keyed_randomness = None
+
+
+def test_thd_packed_rows_attend_as_sbhd_ones():
+    """The trainer packs in 'thd' (Megatron squeezes the batch dimension before the core attention and restarts
+    rotary positions per document): the same result as the 'sbhd' row, reshaped."""
+    from megatron_app.train.attention import packed_documents
+
+    attention = _attention()
+    q, k, v = _qkv(2, 2, 8)
+    bounds = torch.tensor(BOUNDS, dtype=torch.int32)
+    sbhd = attention(q, k, v, None, packed_seq_params=packed_documents(BOUNDS, bounds, qkv_format="sbhd"))
+    thd = attention(q.squeeze(1), k.squeeze(1), v.squeeze(1), None, packed_seq_params=packed_documents(BOUNDS, bounds))
+    assert torch.equal(thd, sbhd.squeeze(1))

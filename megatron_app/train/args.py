@@ -107,6 +107,37 @@ def _check_model_split(args: argparse.Namespace) -> None:
         raise UsageError(f"--vocab-size {args.vocab_size} is not divisible by tensor_parallel({T})")
 
 
+def _check_architecture(args: argparse.Namespace) -> None:
+    """Megatron-LM's architecture flags and its derived defaults: the MLP's width (SwiGLU's 2/3 x 4h rounded down to
+    a multiple of 64, as Megatron-LM does), the query groups (every head its own without --group-query-attention)."""
+    T, heads = args.tensor_parallel, args.num_attention_heads
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu else 4 * args.hidden_size
+        if args.ffn_hidden_size < 1:
+            raise UsageError(f"--swiglu at --hidden-size {args.hidden_size}: Megatron-LM's MLP width rounds to 0; "
+                             "give --ffn-hidden-size")
+    if args.ffn_hidden_size < 1 or args.ffn_hidden_size % T:
+        raise UsageError(f"--ffn-hidden-size {args.ffn_hidden_size} must be a positive multiple of tensor_parallel({T})")
+    if not args.norm_epsilon > 0:
+        raise UsageError(f"--norm-epsilon must be positive, got {args.norm_epsilon}")
+    if args.num_query_groups is not None and not args.group_query_attention:
+        raise UsageError("--num-query-groups takes effect with --group-query-attention (Megatron-LM's rule): give both")
+    if args.group_query_attention:
+        groups = args.num_query_groups
+        if groups is None or groups < 1 or heads % groups or groups % T:
+            raise UsageError(f"--group-query-attention needs --num-query-groups G that divides --num-attention-heads "
+                             f"{heads} and that tensor_parallel({T}) divides, got {groups}")
+    else:
+        args.num_query_groups = heads
+    if args.position_embedding_type != "rope":
+        for dest, default in (("rotary_base", 10000), ("rotary_percent", 1.0)):
+            if getattr(args, dest) != default:
+                raise UsageError(f"{_flag(dest)} shapes rotary embeddings: give --position-embedding-type rope")
+    elif not 0.0 < args.rotary_percent <= 1.0 or args.rotary_base < 1:
+        raise UsageError(f"--rotary-percent must be in (0, 1] and --rotary-base positive, got {args.rotary_percent} "
+                         f"and {args.rotary_base}")
+
+
 def _read_synthetic_microbatches(args: argparse.Namespace) -> None:
     """--synthetic-microbatches FILE -> args.synthetic_plan (a SyntheticPlan; None without the flag): the file
     readable and consistent, its documents the global batch, packed and variable-length, no other data."""
@@ -318,6 +349,7 @@ def validate(args: argparse.Namespace, environ: Mapping[str, str]) -> argparse.N
     _derive_layout(args, environ)
     _resolve_vocab_size(args)
     _check_model_split(args)
+    _check_architecture(args)
     _check_synthetic_layout(args)
     _derive_microbatches(args)
     args.device = _resolve_device(args.device)

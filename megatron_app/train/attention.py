@@ -44,10 +44,12 @@ class PackedDocuments(PackedSeqParams):
     bounds: Tuple[int, ...] = ()
 
 
-def packed_documents(bounds: Tuple[int, ...], cu_seqlens: torch.Tensor) -> PackedDocuments:
-    """PackedDocuments for one packed row: ``bounds`` on the host, ``cu_seqlens`` (int32) on the model's device."""
+def packed_documents(bounds: Tuple[int, ...], cu_seqlens: torch.Tensor, qkv_format: str = "thd") -> PackedDocuments:
+    """PackedDocuments for one packed row: ``bounds`` on the host, ``cu_seqlens`` (int32) on the model's device.
+    'thd' (Megatron hands the core attention [t, heads, dim]): rotary embeddings then restart at each document
+    (Megatron applies them per cu_seqlens segment); the core attention takes 'sbhd' ([t, 1, heads, dim]) too."""
     longest = max((end - start for start, end in zip(bounds[:-1], bounds[1:])), default=0)
-    return PackedDocuments(qkv_format="sbhd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+    return PackedDocuments(qkv_format=qkv_format, cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                            max_seqlen_q=longest, max_seqlen_kv=longest, bounds=tuple(bounds))
 
 
@@ -146,7 +148,8 @@ class SdpaCoreAttention(MegatronModule):
         if query.size(1) != 1:
             raise ValueError(f"packed sequences come as one row, got a batch of {query.size(1)}")
         if packed_seq_params.cu_seqlens_q_padded is not None:
-            raise NotImplementedError("SdpaCoreAttention does not support padded packed sequences (cu_seqlens_*_padded)")
+            raise NotImplementedError("SdpaCoreAttention does not support padded packed sequences "
+                                      "(cu_seqlens_*_padded)")
         bounds = self._bounds_of(packed_seq_params)
         if bounds[0] != 0 or bounds[-1] != query.size(0):
             raise ValueError(f"cu_seqlens {bounds} do not cover the {query.size(0)} packed tokens")

@@ -25,6 +25,8 @@ DEFAULT_SLOW_FACTOR = 1.5
 DEFAULT_STRAGGLER_FACTOR = 3.0
 DEFAULT_EVAL_ITERS = 10
 DEFAULT_TRACE_DIR = "traces/"
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")   # Megatron-LM's
 LR_WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 WEIGHT_DECAY_INCR_STYLES = ("constant", "linear", "cosine")
@@ -106,6 +108,27 @@ def build_parser() -> argparse.ArgumentParser:
               help="dropout on attention probabilities, keyed the same way (default: %(default)s; Megatron-LM's is 0.1)")
     _add_flag(model, "--make-vocab-size-divisible-by", type=int, default=128, metavar="N",
               help="pad a derived vocabulary size to a multiple of N x tensor_parallel (Megatron's rule)")
+    # Megatron-LM's architecture flags (a Llama-shaped model: --normalization RMSNorm --swiglu --disable-bias-linear
+    # --group-query-attention --num-query-groups G --position-embedding-type rope)
+    _add_flag(model, "--normalization", choices=NORMALIZATIONS, default="LayerNorm", help="the layers' norm")
+    _add_flag(model, "--norm-epsilon", type=float, default=1e-5, metavar="EPS", help="the norms' epsilon")
+    _add_flag(model, "--swiglu", action="store_true",
+              help="gated MLP with SiLU (SwiGLU); --ffn-hidden-size then defaults to Megatron-LM's 2/3 x 4h, rounded "
+                   "down to a multiple of 64")
+    _add_flag(model, "--ffn-hidden-size", type=int, default=None, metavar="N",
+              help="the MLP's hidden width (default: 4 x --hidden-size, or SwiGLU's as above)")
+    _add_flag(model, "--disable-bias-linear", action="store_true", help="no biases in the linear layers")
+    _add_flag(model, "--group-query-attention", action="store_true",
+              help="grouped-query attention: --num-query-groups key/value heads shared by the query heads")
+    _add_flag(model, "--num-query-groups", type=int, default=None, metavar="G",
+              help="with --group-query-attention: key/value head groups (divides the heads and tensor_parallel "
+                   "divides it)")
+    _add_flag(model, "--position-embedding-type", choices=POSITION_EMBEDDINGS, default="learned_absolute",
+              help="learned absolute position embeddings, or rotary (RoPE: positions restart at each packed "
+                   "document)")
+    _add_flag(model, "--rotary-base", type=int, default=10000, metavar="B", help="RoPE's base")
+    _add_flag(model, "--rotary-percent", type=float, default=1.0, metavar="F",
+              help="RoPE: the share of each head's dimensions rotated")
 
     train = parser.add_argument_group("training")
     _add_flag(train, "--micro-batch-size", type=int, default=2, help="sequences per microbatch")

@@ -23,6 +23,7 @@ from megatron_app.devices import local_device
 
 from .flags import completed
 from .attention import SdpaCoreAttention
+from .cpu_compat import keep_rotary_on_cpu
 from .document_dropout import ATTENTION_OUTPUT_STREAM, MLP_OUTPUT_STREAM, DocumentBiasDropoutAdd, DocumentDropout
 from .names import global_param_name, named_global_parameters  # noqa: F401 (re-exported API)
 from .weights import reinitialize_by_global_name
@@ -30,11 +31,11 @@ from .weights import reinitialize_by_global_name
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}   # args.precision's
 
 
-def document_layer_spec() -> ModuleSpec:
+def document_layer_spec(normalization: str = "LayerNorm") -> ModuleSpec:
     """Megatron's local GPT layer spec with our core attention (CPU and CUDA; packed documents by cu_seqlens), and
     hidden dropouts that key their masks by document when the loop tells the documents (Megatron's own otherwise).
     The one spec for both devices, so the CPU tests cover the code a GPU runs."""
-    spec = copy.deepcopy(get_gpt_layer_local_spec())
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization))
     spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
     spec.submodules.self_attn_bda = ModuleSpec(module=DocumentBiasDropoutAdd,
                                                params={"stream": ATTENTION_OUTPUT_STREAM})
@@ -71,6 +72,15 @@ def build_transformer_config(args) -> TransformerConfig:
         # Megatron refuses variable lengths with the default MoE dispatcher even without experts (there are none).
         moe_token_dispatcher_type="alltoall" if variable else "allgather",
         cuda_graph_scope=[],  # the default "full" is deprecated and warns
+        # Megatron-LM's architecture flags
+        normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=bool(args.swiglu),
+        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
+        bias_activation_fusion=False,
+        ffn_hidden_size=args.ffn_hidden_size,
+        add_bias_linear=not args.disable_bias_linear,
+        num_query_groups=args.num_query_groups,
     )
 
 
@@ -82,7 +92,7 @@ def build_model_chunks(args) -> List[GPTModel]:
     Model-parallel state must be initialised first.
     """
     config = build_transformer_config(args)
-    spec = document_layer_spec()
+    spec = document_layer_spec(args.normalization)
     chunks = []
     for vp_stage in range(args.model_chunks):
         stage = vp_stage if args.model_chunks > 1 else None
@@ -96,12 +106,18 @@ def build_model_chunks(args) -> List[GPTModel]:
             share_embeddings_and_output_weights=False,
             parallel_output=True,
             vp_stage=stage,
+            position_embedding_type=args.position_embedding_type,
+            rotary_percent=args.rotary_percent,
+            rotary_base=args.rotary_base,
         ))
     for chunk in chunks:   # with the spec's dropouts: the embedding's too is keyed by document
         if chunk.pre_process:
             chunk.embedding.embedding_dropout = DocumentDropout(config.hidden_dropout)
     reinitialize_by_global_name(chunks, config, args.seed)
     device = local_device(args.device)
+    if device.type == "cpu":
+        for chunk in chunks:
+            keep_rotary_on_cpu(chunk)
     return [wrap_precision(chunk.to(device), config) for chunk in chunks]
 
 
