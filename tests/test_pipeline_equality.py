@@ -227,6 +227,33 @@ def test_composed_microbatches_match_unpipelined_training(request, tmp_path, rea
                 assert any(plan["cross_replica"] for plan in plans), plans
 
 
+# A Llama-shaped model (Megatron-LM's flags): RMSNorm, SwiGLU (its fc1 split with stride 2 across tensor-parallel
+# ranks), no biases, grouped-query attention and rotary embeddings. The reference pads each document into its own row
+# (positions from 0); packed and `balanced` rows hold several documents, so they equal it only if the rotary
+# positions restart at every document, and T=2 only if the gated and grouped weights are split as Megatron splits them.
+LLAMA_FLAGS = ("--normalization RMSNorm --swiglu --disable-bias-linear --group-query-attention --num-query-groups 2 "
+               "--position-embedding-type rope")
+LLAMA_ROWS = [(2, 2, 1, ["packed", "balanced"]), (2, 1, 2, ["balanced"])]
+
+
+@pytest.fixture(scope="module")
+def llama_reference(tmp_path_factory, real_corpus):
+    out = _run(tmp_path_factory.mktemp("llama_reference"), 1, 1, 1, ["megatron"], "--dropout", DROPOUT,
+               extra=f"{_varlen_flags(real_corpus)} {LLAMA_FLAGS}")
+    return _losses_and_grads(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("P,V,T,compositions", LLAMA_ROWS, ids=[f"P{p}-V{v}-T{t}" for p, v, t, _ in LLAMA_ROWS])
+def test_a_llama_shaped_model_matches_unpipelined_training(tmp_path, real_corpus, llama_reference, P, V, T,
+                                                         compositions):
+    out = _run(tmp_path, P, V, T, ["app:planned"], "--compositions", ",".join(compositions), "--dropout", DROPOUT,
+               extra=f"{_varlen_flags(real_corpus)} {LLAMA_FLAGS}")
+    for composition in compositions:
+        _assert_same(f"Llama-shaped P{P} V{V} T{T} {composition}", _losses_and_grads(out, f"app-planned_{composition}"),
+                     llama_reference)
+
+
 # bf16 (--bf16: bf16 parameters, activations and pipeline tensors; fp32 main parameters, main_grad accumulation and
 # all-reduce, as Megatron's mixed-precision optimizer does). Pipelining itself changes no arithmetic here: the same
 # microbatches at P=1 and P=2 V=2 give the same bits (measured: identical losses, gradients within 3e-8 of their

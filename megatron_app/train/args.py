@@ -117,7 +117,8 @@ def _check_architecture(args: argparse.Namespace) -> None:
             raise UsageError(f"--swiglu at --hidden-size {args.hidden_size}: Megatron-LM's MLP width rounds to 0; "
                              "give --ffn-hidden-size")
     if args.ffn_hidden_size < 1 or args.ffn_hidden_size % T:
-        raise UsageError(f"--ffn-hidden-size {args.ffn_hidden_size} must be a positive multiple of tensor_parallel({T})")
+        raise UsageError(f"--ffn-hidden-size {args.ffn_hidden_size} must be a positive multiple of "
+                         f"tensor_parallel({T})")
     if not args.norm_epsilon > 0:
         raise UsageError(f"--norm-epsilon must be positive, got {args.norm_epsilon}")
     if args.num_query_groups is not None and not args.group_query_attention:

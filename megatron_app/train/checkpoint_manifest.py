@@ -23,6 +23,10 @@ MANIFEST = "manifest.json"
 TRACKER = "latest_iteration.txt"
 LAYOUT_KEYS = ("pipeline_parallel", "model_chunks", "tensor_parallel")
 MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
+# The architecture flags, with the value a manifest from before they were recorded stands for.
+ARCHITECTURE_DEFAULTS = {"normalization": "LayerNorm", "swiglu": False, "ffn_hidden_size": None,
+                         "disable_bias_linear": False, "num_query_groups": None,
+                         "position_embedding_type": "learned_absolute"}
 # What the run reads: resuming with other data or another length mode changes results without an error, so it is
 # refused unless --allow-data-change-on-resume says the change is meant.
 DATA_KEYS = ("data_path", "variable_seq_lengths", "synthetic_microbatches")
@@ -75,7 +79,8 @@ def manifest_for(args, iteration: int, consumed_samples: int, files) -> dict:
         "iteration": iteration,
         "consumed_samples": consumed_samples,
         "layout": {key: values[key] for key in LAYOUT_KEYS + ("data_parallel",)},
-        "model": {**{key: values[key] for key in MODEL_KEYS}, "precision": values["precision"]},
+        "model": {**{key: values[key] for key in MODEL_KEYS}, "precision": values["precision"],
+                  **{key: values[key] for key in ARCHITECTURE_DEFAULTS}},
         "training": {"global_batch_size": args.global_batch_size, "micro_batch_size": args.micro_batch_size,
                      "seed": args.seed, "iters": args.iters, **data_identity(args),
                      "lr_schedule": schedule_identity(args)},
@@ -229,6 +234,15 @@ def check_compatible(found: FoundCheckpoint, args) -> None:
             raise CheckpointError(
                 f"checkpoint {found.directory} has {key}={found.manifest['model'].get(key)} but this run has "
                 f"--{key.replace('_', '-')} {values[key]}")
+    for key, default in ARCHITECTURE_DEFAULTS.items():
+        saved_value = found.manifest["model"].get(key, default)
+        here_value = values[key]
+        if default is None and saved_value is None:   # derived (4h, every head its own group) before recorded
+            continue
+        if saved_value != here_value:
+            raise CheckpointError(
+                f"checkpoint {found.directory} has {key}={saved_value} but this run has "
+                f"--{key.replace('_', '-')} {here_value}")
     # The optimizer's state differs (fp32 main parameters and the loss scale under --bf16 / --fp16): refused, as the
     # layout is. Manifests from before precision was recorded are fp32's.
     saved_precision, precision = found.manifest["model"].get("precision", "fp32"), values["precision"]
