@@ -1,8 +1,9 @@
 """Model provider: Megatron-Core GPTModel chunks for this pipeline rank.
 
 Only the layer spec differs from Megatron's local one, on CPU and CUDA alike (core attention -> SdpaCoreAttention,
-dropouts keyed by document); the model is stock Megatron-Core. Embedding and output weights are untied, so no
-embedding-group all-reduce is needed between the first and last pipeline stage.
+dropouts keyed by document); the model is stock Megatron-Core, shaped by Megatron-LM's architecture flags (norm,
+SwiGLU, biases, query groups, rotary embeddings). Embedding and output weights are untied, so no embedding-group
+all-reduce is needed between the first and last pipeline stage.
 """
 
 from __future__ import annotations
