@@ -75,7 +75,7 @@ def test_the_rehearsal_runs_every_step_and_writes_both_reports(rehearsal):
 def test_the_equality_rows_hold_their_tolerance(rehearsal):
     out, _ = rehearsal
     rows = json.loads((out / "report.json").read_text())["steps"]["equality"]["rows"]
-    assert set(rows) == {"mock-fp32-optim", "balanced-fp32-dropout"}
+    assert set(rows) == {"mock-fp32-optim", "balanced-fp32-dropout-llama"}
     for row in rows.values():
         assert row["max_relative_difference"] <= row["tolerance"] and len(row["losses_p1"]) == 2
 

@@ -105,7 +105,7 @@ GPU = Sizes(
     # launch took 51-68 s with 7 side by side and 55-65 s alone, so a launch waits rather than computes.
     device="cuda", parallel_runs=16,
     rows=["mock-fp32", "mock-bf16-optim", "loader-fp32-dropout", "packed-fp32-dropout", "balanced-fp32-dropout",
-          "packed-bf16-dropout", "balanced-bf16-dropout", "balanced-fp32-dropout+ipc", "packed-bf16-dropout+ipc-copy"],
+          "packed-bf16-dropout-llama", "balanced-bf16-dropout", "balanced-fp32-dropout+ipc", "packed-bf16-dropout+ipc-copy"],
     own_loop_rows=["fixed", "packed", "balanced"],
 )
 CPU = Sizes(
@@ -118,7 +118,7 @@ CPU = Sizes(
     curve_heads={32: 4, 48: 4}, curve_sweep=(16, 128, 16), curve_iters=6, curve_skip=1,
     transport_flags=["--backends", "shm", "--quick"],
     device="cpu", parallel_runs=1,
-    rows=["mock-fp32-optim", "balanced-fp32-dropout"],
+    rows=["mock-fp32-optim", "balanced-fp32-dropout-llama"],
     own_loop_rows=["fixed", "balanced"],
 )
 
@@ -132,6 +132,10 @@ TRANSPORT_ENVS = {"default": {}, "ipc": {"MEGATRON_APP_CUDA_IPC": "1"},
 # A row's `-optim`: Megatron-LM's optimizer defaults (clipping at 1.0, weight decay 0.01) and a cosine decay: the
 # clipping norm crosses the pipeline ranks' group on the device.
 OPTIMIZER_FLAGS = ["--clip-grad", "1.0", "--weight-decay", "0.01", "--lr-decay-style", "cosine", "--min-lr", "1e-4"]
+# A row's `-llama`: a Llama-shaped model (RMSNorm, SwiGLU, no biases, grouped-query attention, rotary embeddings that
+# restart at every packed document).
+LLAMA_FLAGS = ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--group-query-attention",
+               "--num-query-groups", "2", "--position-embedding-type", "rope"]
 
 
 # The prediction step's runs: (P, V, target of the median |error|); the ipc-sends step's: the P=2 V=2 run with its
@@ -173,6 +177,8 @@ def equality_flags(row: str, corpus: dict) -> List[str]:
         flags += ["--hidden-dropout", "0.0", "--attention-dropout", "0.0"]
     if "optim" in rest:
         flags += OPTIMIZER_FLAGS
+    if "llama" in rest:
+        flags += LLAMA_FLAGS
     return flags
 
 
