@@ -105,7 +105,8 @@ GPU = Sizes(
     # launch took 51-68 s with 7 side by side and 55-65 s alone, so a launch waits rather than computes.
     device="cuda", parallel_runs=16,
     rows=["mock-fp32", "mock-bf16-optim", "loader-fp32-dropout", "packed-fp32-dropout", "balanced-fp32-dropout",
-          "packed-bf16-dropout-llama", "balanced-bf16-dropout", "balanced-fp32-dropout+ipc", "packed-bf16-dropout+ipc-copy"],
+          "packed-bf16-dropout-llama", "balanced-bf16-dropout", "balanced-fp32-dropout+ipc",
+          "packed-bf16-dropout+ipc-copy"],
     own_loop_rows=["fixed", "packed", "balanced"],
 )
 CPU = Sizes(
