@@ -13,8 +13,8 @@ import pytest
 
 from megatron_app.train.args import UsageError, parse_args
 from megatron_app.train.checkpoint_manifest import (
-    MANIFEST, TRACKER, CheckpointError, check_compatible, commit, find_checkpoint, iteration_dir, manifest_for,
-    rank_file_name)
+    ARCHITECTURE_DEFAULTS, MANIFEST, TRACKER, CheckpointError, check_compatible, commit, find_checkpoint, iteration_dir,
+    manifest_for, rank_file_name)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,7 +47,8 @@ def test_the_tracker_names_the_latest_committed_checkpoint(tmp_path):
     _save(tmp_path, 20)
     found = find_checkpoint(str(tmp_path))
     assert (found.iteration, found.consumed_samples) == (20, 160)
-    assert found.manifest["layout"] == LAYOUT and found.manifest["model"] == {**MODEL, "precision": "fp32"}
+    assert found.manifest["layout"] == LAYOUT and \
+        found.manifest["model"] == {**MODEL, "precision": "fp32", **ARCHITECTURE_DEFAULTS}
     assert found.manifest["files"] == ["model_optim_rng_pp000_tp00.pt", "model_optim_rng_pp001_tp00.pt"]
     assert (tmp_path / TRACKER).read_text().strip() == "20"
     # --load may also name one iteration's directory.
