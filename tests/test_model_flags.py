@@ -31,6 +31,7 @@ def test_defaults_are_the_classic_gpt_and_swiglu_takes_megatron_lms_width():
     (["--rotary-base", "500000"], "--rotary-base shapes rotary embeddings"),
     (["--position-embedding-type", "rope", "--rotary-percent", "0"], "--rotary-percent must be in (0, 1]"),
     (["--norm-epsilon", "0"], "--norm-epsilon must be positive"),
+    (["--init-method-std", "-1"], "--init-method-std must be positive"),
 ])
 def test_architecture_mistakes_are_refused_in_one_line(argv, fragment):
     with pytest.raises(UsageError) as error:
@@ -52,6 +53,18 @@ def test_the_flags_reach_megatron_cores_config_and_model(tmp_path):
     norm = document_layer_spec("RMSNorm").submodules.input_layernorm   # Megatron's wrapper: the config decides
     assert isinstance(norm(config=config, hidden_size=64, eps=config.layernorm_epsilon), torch.nn.RMSNorm)
     assert isinstance(norm(config=classic, hidden_size=64, eps=classic.layernorm_epsilon), torch.nn.LayerNorm)
+
+
+def test_the_initial_spread_reaches_the_layout_independent_weights_and_untying_is_accepted():
+    from megatron_app.train.model import build_transformer_config
+    from megatron_app.train.weights import draw_full_parameter
+
+    config = build_transformer_config(parse_args(["--init-method-std", "0.1", "--num-layers", "8"], WORLD))
+    weight = draw_full_parameter("decoder.layers.0.mlp.linear_fc1.weight", (256, 64), config, seed=1)
+    projection = draw_full_parameter("decoder.layers.0.mlp.linear_fc2.weight", (64, 256), config, seed=1)
+    assert weight.std().item() == pytest.approx(0.1, rel=0.05)
+    assert projection.std().item() == pytest.approx(0.1 / (2 * 8) ** 0.5, rel=0.05)   # Megatron's depth scaling
+    assert parse_args(["--untie-embeddings-and-output-weights"], WORLD).untie_embeddings_and_output_weights
 
 
 def test_a_checkpoint_of_another_architecture_is_refused(tmp_path):

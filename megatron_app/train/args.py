@@ -119,8 +119,9 @@ def _check_architecture(args: argparse.Namespace) -> None:
     if args.ffn_hidden_size < 1 or args.ffn_hidden_size % T:
         raise UsageError(f"--ffn-hidden-size {args.ffn_hidden_size} must be a positive multiple of "
                          f"tensor_parallel({T})")
-    if not args.norm_epsilon > 0:
-        raise UsageError(f"--norm-epsilon must be positive, got {args.norm_epsilon}")
+    for dest in ("norm_epsilon", "init_method_std"):
+        if not getattr(args, dest) > 0:
+            raise UsageError(f"{_flag(dest)} must be positive, got {getattr(args, dest)}")
     if args.num_query_groups is not None and not args.group_query_attention:
         raise UsageError("--num-query-groups takes effect with --group-query-attention (Megatron-LM's rule): give both")
     if args.group_query_attention:

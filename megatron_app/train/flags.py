@@ -126,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(model, "--position-embedding-type", choices=POSITION_EMBEDDINGS, default="learned_absolute",
               help="learned absolute position embeddings, or rotary (RoPE: positions restart at each packed "
                    "document)")
+    _add_flag(model, "--init-method-std", type=float, default=0.02, metavar="STD",
+              help="the weights' initial standard deviation (the output projections' scaled by depth, as Megatron "
+                   "does)")
+    _add_flag(model, "--untie-embeddings-and-output-weights", action="store_true",
+              help="accepted for Megatron-LM's command lines: the input embedding and the output layer are always "
+                   "separate weights here (Megatron-LM ties them without this flag)")
     _add_flag(model, "--rotary-base", type=int, default=10000, metavar="B", help="RoPE's base")
     _add_flag(model, "--rotary-percent", type=float, default=1.0, metavar="F",
               help="RoPE: the share of each head's dimensions rotated")

@@ -76,6 +76,7 @@ def build_transformer_config(args) -> TransformerConfig:
         # Megatron-LM's architecture flags
         normalization=args.normalization,
         layernorm_epsilon=args.norm_epsilon,
+        init_method_std=args.init_method_std,
         gated_linear_unit=bool(args.swiglu),
         activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
         bias_activation_fusion=False,
