@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_app.train.args import UsageError, parse_args
-from megatron_app.train.optim import (AdamSettings, Fp32Optimizer, MixedPrecision, build_optimizer,
-                                      clip_by_global_norm, param_groups)
+from megatron_app.train.optim import (AdamSettings, Fp32Optimizer, GlobalNormClipper, MixedPrecision,
+                                      build_optimizer, param_groups)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = {"WORLD_SIZE": "1"}
@@ -143,7 +143,7 @@ def test_weight_decay_spares_biases_and_norms_as_megatron_core_does():
 
 @pytest.fixture
 def one_rank_group(tmp_path):
-    """clip_by_global_norm all-reduces over the model-parallel group: Megatron's groups of a 1-rank gloo job."""
+    """GlobalNormClipper all-reduces over the model-parallel group: Megatron's groups of a 1-rank gloo job."""
     from megatron.core import parallel_state
 
     from megatron_app.train.init import init_model_parallel
@@ -171,13 +171,13 @@ def test_clipping_matches_torch_clip_grad_norm(one_rank_group):
     ours, theirs = _gradients(), _gradients()
     params = list(ours.parameters())
     expected = torch.nn.utils.clip_grad_norm_(list(theirs.parameters()), max_norm=0.5)
-    norm = clip_by_global_norm(params, [p.grad for p in params], 0.5)
+    norm = GlobalNormClipper(params, 0.5)([p.grad for p in params])
     assert norm == pytest.approx(expected.item(), rel=1e-6) and norm > 0.5
     for mine, reference in zip(params, theirs.parameters()):
         torch.testing.assert_close(mine.grad, reference.grad, rtol=1e-6, atol=0)
     unclipped = _gradients()
     before = [p.grad.clone() for p in unclipped.parameters()]
-    clip_by_global_norm(list(unclipped.parameters()), [p.grad for p in unclipped.parameters()], 1e9)
+    GlobalNormClipper(list(unclipped.parameters()), 1e9)([p.grad for p in unclipped.parameters()])
     assert all(torch.equal(a, p.grad) for a, p in zip(before, unclipped.parameters()))   # below the clip: untouched
 
 

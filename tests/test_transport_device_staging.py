@@ -406,10 +406,10 @@ def test_a_receiver_behind_gets_the_rest_staged_in_order(ipc_pair):
     assert engine.takes == 4
 
 
-@pytest.mark.parametrize("problem", ["ipc_problem", "export_problem"])
-def test_where_ipc_cannot_work_the_link_is_staged_and_says_so_once(job_id, caplog, problem):
-    engine = FakeIpcEngine(**{problem: "not in this container"})
-    sender = Transport(0, 2, job_id, slot_bytes=4096, num_slots=8, copy_engine=engine, cuda_ipc=True)
+def _staged_and_said_once(job_id, caplog, engine, reason: str, **sender_options) -> None:
+    """Three device sends from rank 0 to rank 1 arrive through the slots, and `reason` is said once."""
+    sender = Transport(0, 2, job_id, slot_bytes=4096, num_slots=8, copy_engine=engine, cuda_ipc=True,
+                       **sender_options)
     receiver = Transport(1, 2, job_id, slot_bytes=4096, num_slots=8, copy_engine=engine, cuda_ipc=True)
     try:
         with caplog.at_level(logging.WARNING, logger="megatron_app.transport.device_staging"):
@@ -417,11 +417,16 @@ def test_where_ipc_cannot_work_the_link_is_staged_and_says_so_once(job_id, caplo
                 sender.send(1, make_tag(FWD, index), torch.full((100,), float(index)))
                 assert torch.equal(receiver.recv(0, make_tag(FWD, index)), torch.full((100,), float(index)))
         lines = [r.getMessage() for r in caplog.records if "IPC" in r.getMessage()]
-        assert len(lines) == 1 and "not in this container" in lines[0]
+        assert len(lines) == 1 and reason in lines[0], lines
         assert sender.device_path_of(1) == "slots, registered"
     finally:
         sender.close()
         receiver.close()
+
+
+@pytest.mark.parametrize("problem", ["ipc_problem", "export_problem"])
+def test_where_ipc_cannot_work_the_link_is_staged_and_says_so_once(job_id, caplog, problem):
+    _staged_and_said_once(job_id, caplog, FakeIpcEngine(**{problem: "not in this container"}), "not in this container")
 
 
 def test_a_peer_known_to_be_out_of_ipcs_reach_is_staged_and_said_once(job_id, caplog):
@@ -429,20 +434,8 @@ def test_a_peer_known_to_be_out_of_ipcs_reach_is_staged_and_said_once(job_id, ca
     tensors go through the slots, and the reason is said at the first device send."""
     engine = FakeIpcEngine()
     why = "rank 1 runs in another PID namespace than rank 0"
-    sender = Transport(0, 2, job_id, slot_bytes=4096, num_slots=8, copy_engine=engine, cuda_ipc=True,
-                       ipc_off={1: why})
-    receiver = Transport(1, 2, job_id, slot_bytes=4096, num_slots=8, copy_engine=engine, cuda_ipc=True)
-    try:
-        with caplog.at_level(logging.WARNING, logger="megatron_app.transport.device_staging"):
-            for index in range(3):
-                sender.send(1, make_tag(FWD, index), torch.full((64,), float(index)))
-                assert torch.equal(receiver.recv(0, make_tag(FWD, index)), torch.full((64,), float(index)))
-        lines = [r.getMessage() for r in caplog.records if "IPC" in r.getMessage()]
-        assert len(lines) == 1 and why in lines[0], lines
-        assert sender.device_path_of(1) == "slots, registered" and engine.buffers_made == 0
-    finally:
-        sender.close()
-        receiver.close()
+    _staged_and_said_once(job_id, caplog, engine, why, ipc_off={1: why})
+    assert engine.buffers_made == 0
 
 
 def test_ipc_is_off_unless_asked(job_id, monkeypatch):

@@ -452,7 +452,7 @@ class Check:
         """The prediction step's P=2 V=2 run again with its device tensors crossing by CUDA IPC (opt-in for users):
         the transport issue's send share on the path a host allows. Last, so that a budget cuts it first."""
         rows = self._predicted_rows(IPC_PREDICTION_ROWS)
-        status = "pass" if all(r["status"] == "pass" and r.get("send_share", 1.0) <= r.get("send_share_target", 0)
+        status = "pass" if all(r["status"] == "pass" and r["send_share"] <= r["send_share_target"]
                                for r in rows.values()) else "fail"
         return {"status": status, "rows": rows,
                 "definition": "the prediction step's rows on the CUDA IPC path (transport: which path ran); passes "

@@ -120,8 +120,9 @@ def _check_schedule(found: "FoundCheckpoint", args) -> None:
     if args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
         return
     here = schedule_identity(args)
-    saved = found.manifest.get("training", {}).get("lr_schedule") or {"lr": found.manifest.get("training", {}).get(
-        "lr", here["lr"]), "lr_decay_style": "constant", "lr_warmup_iters": 0, "lr_warmup_init": 0.0,
+    # such a manifest did not record its --lr either: only the rest of a constant schedule is compared
+    saved = found.manifest.get("training", {}).get("lr_schedule") or {
+        "lr": here["lr"], "lr_decay_style": "constant", "lr_warmup_iters": 0, "lr_warmup_init": 0.0,
         "weight_decay": 0.0}
     for key, flag in _SCHEDULE_FLAGS.items():
         if saved.get(key) != here.get(key):

@@ -62,10 +62,12 @@ class AdamSettings:
 
     @classmethod
     def from_args(cls, args) -> "AdamSettings":
+        from .lr_schedule import end_weight_decay
+
         args = completed(args)
         # the largest decay the run reaches decides the groups (lr_schedule sets each step's)
-        decay = args.weight_decay if args.weight_decay_incr_style == "constant" else args.end_weight_decay
-        return cls(args.lr, decay, (args.adam_beta1, args.adam_beta2), args.adam_eps, args.clip_grad)
+        return cls(args.lr, end_weight_decay(args), (args.adam_beta1, args.adam_beta2), args.adam_eps,
+                   args.clip_grad)
 
     def adamw(self, groups) -> torch.optim.AdamW:
         return torch.optim.AdamW(groups, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
@@ -84,27 +86,36 @@ def param_groups(chunks: List[torch.nn.Module], weight_decay: float) -> List[dic
             if group["params"]]
 
 
-def clip_by_global_norm(model_params: List[torch.nn.Parameter], grads: List[torch.Tensor], max_norm: float
-                        ) -> float:
-    """Megatron's clip_grad_norm: the L2 norm of every model-parallel rank's gradients (grads[i] belongs to
-    model_params[i]; a tensor-parallel duplicate or a shared parameter counted once), all of them scaled by
-    max_norm / (norm + 1e-6) when that is below 1. Returns the norm before clipping."""
-    counted = [grad for param, grad in zip(model_params, grads)
-               if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param)]
-    group = parallel_state.get_model_parallel_group() if parallel_state.model_parallel_is_initialized() else None
-    from .cpu_compat import CudaDeviceToCpu
+class GlobalNormClipper:
+    """Megatron's clip_grad_norm for one model's parameters: the L2 norm of every model-parallel rank's gradients (a
+    tensor-parallel duplicate or a shared parameter counted once, decided once here), all of them scaled by
+    max_norm / (norm + 1e-6) when that is below 1."""
 
-    # get_grad_norm_fp32 makes its buffers with device='cuda'; on CPU they go to the CPU.
-    on_cuda = bool(grads) and grads[0].device.type == "cuda"
-    # One tensor of per-parameter norms (one kernel, as torch's clip_grad_norm_): without Apex or Transformer Engine
-    # Megatron's fallback would read every parameter's norm to the host, a device sync each on CUDA.
-    per_parameter = [torch.stack(torch._foreach_norm(counted))] if counted else []
-    with contextlib.nullcontext() if on_cuda else CudaDeviceToCpu():
-        norm = float(get_grad_norm_fp32(per_parameter, grad_stats_parallel_group=group))
-    coefficient = max_norm / (norm + 1.0e-6)
-    if coefficient < 1.0:
-        torch._foreach_mul_(grads, coefficient)   # Megatron's clip_grad_by_total_norm_fp32 (it asserts CUDA types)
-    return norm
+    def __init__(self, model_params: List[torch.nn.Parameter], max_norm: float):
+        self.max_norm = max_norm
+        self._counted = [param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param)
+                         for param in model_params]
+        self._group = parallel_state.get_model_parallel_group() if parallel_state.model_parallel_is_initialized() \
+            else None
+
+    def __call__(self, grads: List[Optional[torch.Tensor]]) -> float:
+        """Clips ``grads`` (grads[i] belongs to model_params[i]; None: no gradient) in place; returns the norm before
+        clipping."""
+        from .cpu_compat import CudaDeviceToCpu
+
+        present = [grad for grad in grads if grad is not None]
+        counted = [grad for grad, counts in zip(grads, self._counted) if counts and grad is not None]
+        # One tensor of per-parameter norms (one kernel, as torch's clip_grad_norm_): without Apex or Transformer
+        # Engine Megatron's fallback would read every parameter's norm to the host, a device sync each on CUDA.
+        per_parameter = [torch.stack(torch._foreach_norm(counted))] if counted else []
+        # get_grad_norm_fp32 makes its buffers with device='cuda'; on CPU they go to the CPU.
+        on_cuda = bool(present) and present[0].device.type == "cuda"
+        with contextlib.nullcontext() if on_cuda else CudaDeviceToCpu():
+            norm = float(get_grad_norm_fp32(per_parameter, grad_stats_parallel_group=self._group))
+        coefficient = self.max_norm / (norm + 1.0e-6)
+        if coefficient < 1.0:
+            torch._foreach_mul_(present, coefficient)   # Megatron's clip_grad_by_total_norm_fp32 (it asserts CUDA)
+        return norm
 
 
 class Fp32Optimizer:
@@ -113,7 +124,7 @@ class Fp32Optimizer:
     def __init__(self, chunks: List[torch.nn.Module], settings: AdamSettings):
         self.model_params = _trainable(chunks)
         self.optimizer = settings.adamw(param_groups(chunks, settings.weight_decay))
-        self.clip_grad = settings.clip_grad
+        self.clip = GlobalNormClipper(self.model_params, settings.clip_grad) if settings.clip_grad > 0.0 else None
         self.grad_norm: Optional[float] = None
 
     @property
@@ -125,9 +136,8 @@ class Fp32Optimizer:
 
     @torch.no_grad()
     def step(self) -> bool:
-        if self.clip_grad > 0.0:
-            params = [param for param in self.model_params if param.grad is not None]
-            self.grad_norm = clip_by_global_norm(params, [param.grad for param in params], self.clip_grad)
+        if self.clip is not None:
+            self.grad_norm = self.clip([param.grad for param in self.model_params])
         self.optimizer.step()
         return True
 
@@ -202,7 +212,7 @@ class MixedPrecisionOptimizer:
         groups = param_groups(chunks, settings.weight_decay)
         self.optimizer = settings.adamw([{**group, "params": [main_of[id(p)] for p in group["params"]]}
                                          for group in groups])
-        self.clip_grad = settings.clip_grad
+        self.clip = GlobalNormClipper(self.model_params, settings.clip_grad) if settings.clip_grad > 0.0 else None
         self.grad_norm: Optional[float] = None
         self.grad_scaler = mixed.grad_scaler(self.model_params[0].device)
         grad_dtype = torch.float32 if mixed.accumulate_in_fp32 else None
@@ -247,9 +257,8 @@ class MixedPrecisionOptimizer:
                 self.skipped_iterations += 1
                 self.last_step_skipped = True
                 return False
-        if self.clip_grad > 0.0:
-            self.grad_norm = clip_by_global_norm(self.model_params, [main.grad for main in self.main_params],
-                                                 self.clip_grad)
+        if self.clip is not None:
+            self.grad_norm = self.clip([main.grad for main in self.main_params])
         self.optimizer.step()
         for param, main in zip(self.model_params, self.main_params):
             param.copy_(main)
