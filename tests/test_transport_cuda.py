@@ -379,11 +379,14 @@ def test_a_device_sends_transfer_span_starts_when_its_producer_is_done(pair):
     still run, it starts when they are done, on the device's clock."""
     sender, receiver = pair
     a = torch.randn(4096, 4096, device="cuda")
+    gain = torch.randn(4096, 4096, device="cuda") / 32.0
     torch.cuda.synchronize()
     began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     began.record()
     for _ in range(20):
-        a = a @ a / 64.0   # tens of milliseconds queued before the send
+        # tens of milliseconds queued before the send; tanh of a gain-2 product keeps the values finite and
+        # non-zero (a @ a / 64 overflowed to NaN on an H200, and NaN never compares equal)
+        a = torch.tanh(a @ gain)
     ended.record()
     posted = time.monotonic()
     handle = sender.send(1, make_tag(FWD, 0), a[:256].contiguous())
