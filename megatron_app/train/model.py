@@ -27,7 +27,7 @@ from .attention import SdpaCoreAttention
 from .cpu_compat import keep_rotary_on_cpu
 from .document_dropout import ATTENTION_OUTPUT_STREAM, MLP_OUTPUT_STREAM, DocumentBiasDropoutAdd, DocumentDropout
 from .names import global_param_name, named_global_parameters  # noqa: F401 (re-exported API)
-from .weights import reinitialize_by_global_name
+from .weights import megatron_draws_skipped, reinitialize_by_global_name
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}   # args.precision's
 
@@ -96,22 +96,9 @@ def build_model_chunks(args) -> List[GPTModel]:
     config = build_transformer_config(args)
     spec = document_layer_spec(args.normalization)
     chunks = []
-    for vp_stage in range(args.model_chunks):
-        stage = vp_stage if args.model_chunks > 1 else None
-        chunks.append(GPTModel(
-            config=config,
-            transformer_layer_spec=spec,
-            vocab_size=args.vocab_size,
-            max_sequence_length=args.seq_length,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            share_embeddings_and_output_weights=False,
-            parallel_output=True,
-            vp_stage=stage,
-            position_embedding_type=args.position_embedding_type,
-            rotary_percent=args.rotary_percent,
-            rotary_base=args.rotary_base,
-        ))
+    with megatron_draws_skipped(config):
+        for vp_stage in range(args.model_chunks):
+            chunks.append(_gpt_chunk(args, config, spec, vp_stage if args.model_chunks > 1 else None))
     for chunk in chunks:   # with the spec's dropouts: the embedding's too is keyed by document
         if chunk.pre_process:
             chunk.embedding.embedding_dropout = DocumentDropout(config.hidden_dropout)
@@ -121,6 +108,23 @@ def build_model_chunks(args) -> List[GPTModel]:
         for chunk in chunks:
             keep_rotary_on_cpu(chunk)
     return [wrap_precision(chunk.to(device), config) for chunk in chunks]
+
+
+def _gpt_chunk(args, config: TransformerConfig, spec, stage) -> GPTModel:
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+        share_embeddings_and_output_weights=False,
+        parallel_output=True,
+        vp_stage=stage,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+    )
 
 
 def wrap_precision(chunk: torch.nn.Module, config: TransformerConfig) -> torch.nn.Module:

@@ -1,0 +1,93 @@
+"""Building the model draws each initial weight once (megatron_app.train.weights): Megatron's own draw is skipped
+while its initialisation still allocates and tags the parameters, and ours runs on several threads; the weights are
+bit-identical to drawing everything serially after Megatron's draw."""
+
+import pytest
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*not installed")
+
+
+@pytest.fixture(scope="module")
+def gpt(tmp_path_factory):
+    """(config, build) of a small GPTModel with biases, on a one-rank job."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_app.train.model import document_layer_spec
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('store') / 'store'}", rank=0,
+                            world_size=1)
+    parallel_state.initialize_model_parallel()
+    config = TransformerConfig(num_layers=3, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+                               pipeline_dtype=torch.float32, init_method_std=0.02)
+    yield config, lambda: GPTModel(config=config, transformer_layer_spec=document_layer_spec(), vocab_size=64,
+                                   max_sequence_length=16)
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def _state(model):
+    return {name: tensor.clone() for name, tensor in model.state_dict().items() if hasattr(tensor, "clone")}
+
+
+def _same(a, b):
+    import torch
+
+    return a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_skipping_megatrons_draw_leaves_the_weights_bit_identical(gpt, monkeypatch):
+    from megatron_app.train import weights
+
+    config, build = gpt
+    monkeypatch.setattr(weights, "_MOST_DRAW_THREADS", 1)
+    reference = build()                      # Megatron draws, then ours serially: what every run did before
+    weights.reinitialize_by_global_name([reference], config, seed=5)
+    monkeypatch.setattr(weights, "_MOST_DRAW_THREADS", 8)
+    with weights.megatron_draws_skipped(config):
+        model = build()
+    qkv = model.decoder.layers[0].self_attention.linear_qkv.weight
+    assert qkv.partition_dim == 0 and qkv.tensor_model_parallel   # still tagged for the sharding and the clipping
+    weights.reinitialize_by_global_name([model], config, seed=5)
+    assert _same(_state(model), _state(reference))
+
+
+def test_the_threads_draw_what_one_thread_draws(gpt, monkeypatch):
+    from megatron_app.train import weights
+
+    config, build = gpt
+    drawn = {}
+    for threads in (1, 4):
+        monkeypatch.setattr(weights, "_MOST_DRAW_THREADS", threads)
+        monkeypatch.setattr(weights.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+        model = build()
+        weights.reinitialize_by_global_name([model], config, seed=11)
+        drawn[threads] = _state(model)
+    assert weights._draw_threads(100) == 4
+    assert _same(drawn[1], drawn[4])
+
+
+def test_the_configs_init_methods_come_back_even_after_a_failed_build(gpt):
+    from megatron_app.train import weights
+
+    config, _ = gpt
+    before = (config.init_method, config.output_layer_init_method, config.embedding_init_method)
+    with pytest.raises(RuntimeError, match="mid-build"):
+        with weights.megatron_draws_skipped(config):
+            assert config.init_method is weights._leave_as_allocated
+            raise RuntimeError("mid-build")
+    assert (config.init_method, config.output_layer_init_method, config.embedding_init_method) == before
+
+
+def test_a_worker_threads_failure_reaches_the_caller(gpt, monkeypatch):
+    from megatron_app.train import weights
+
+    config, build = gpt
+    model = build()
+    monkeypatch.setattr(weights, "_MOST_DRAW_THREADS", 4)
+    monkeypatch.setattr(weights, "init_rule", lambda name, cfg: (_ for _ in ()).throw(ValueError(f"no rule {name}")))
+    with pytest.raises(ValueError, match="no rule"):
+        weights.reinitialize_by_global_name([model], config, seed=1)
