@@ -217,6 +217,12 @@ def test_a_launchs_phases_add_up_to_its_time():
     summary = gpu_check.launch_summary({"eq-a-p1": phases, "predict-p1": {**phases, "total": 17.0}})
     assert summary["launches"] == 2 and summary["median_alone"]["total"] == 17.0
     assert summary["median_all"]["total"] == 16.0
+    # the trainer's parts (startup.TRAINER_PARTS) follow its phase
+    log["startup"]["trainer_parts"] = {"model": 0.25, "optimizer": 0.1, "data": 0.05}
+    parts = gpu_check.launch_phases(1000.0, 15.0, log)
+    assert list(parts)[6:9] == ["rank_trainer_model", "rank_trainer_optimizer", "rank_trainer_data"]
+    assert parts["rank_trainer_model"] == 0.25
+    del log["startup"]["trainer_parts"]
     # the rank's ending record splits `after`: the loop beyond its iterations, closing, the group's end, the exit
     log["ending"] = {"seconds": {"loop": 2.25, "closing": 0.25, "process_group": 0.5}, "ended_unix": 1013.0}
     split = gpu_check.launch_phases(1000.0, 15.0, log)

@@ -4,7 +4,7 @@ import subprocess
 import sys
 import time
 
-from megatron_app.train.startup import ENDING_PHASES, PHASES, EndingClock, StartupClock, process_age_s
+from megatron_app.train.startup import ENDING_PHASES, PHASES, TRAINER_PARTS, EndingClock, StartupClock, process_age_s
 
 
 def test_a_fresh_process_knows_its_age():
@@ -27,6 +27,23 @@ def test_the_phases_are_consecutive_and_sum_to_the_total():
     assert abs(sum(report["seconds"].values()) - report["total_s"]) < 0.01
     assert abs(report["process_started_unix"] + report["total_s"] - time.time()) < 1.0
     assert report["total_s"] >= process_age_s() - 1.0
+
+
+def test_the_trainers_parts_are_consecutive_and_sum_to_its_phase():
+    clock = StartupClock()
+    for phase in PHASES[:-1]:
+        clock.mark(phase)
+    for part in TRAINER_PARTS:
+        time.sleep(0.02)
+        clock.mark_part(part)
+    clock.mark("trainer")
+    report = clock.report()
+    assert list(report["trainer_parts"]) == list(TRAINER_PARTS)
+    assert all(seconds >= 0.015 for seconds in report["trainer_parts"].values())
+    assert abs(sum(report["trainer_parts"].values()) - report["seconds"]["trainer"]) < 0.01
+    unparted = StartupClock()
+    unparted.mark("imports")
+    assert "trainer_parts" not in unparted.report()
 
 
 def test_run_single_s_own_phases_come_from_its_marks():

@@ -598,7 +598,8 @@ def composition_rows(python: str, curves: Path, rows, work: Path, limit=lambda s
 def launch_phases(started_unix: float, seconds: float, log: Optional[dict]) -> Optional[dict]:
     """One run_single.sh launch's seconds: before the rank process started (and in it: set-up check, --check-config,
     from there to the rank: run_ranks.py and torchrun), the rank's start-up phases (its log's "startup": imports,
-    process group, model parallel, trainer), its iterations, and after them; where the rank's log has its "ending"
+    process group, model parallel, trainer, and the trainer's parts: model, optimizer, data, runtime), its iterations,
+    and after them; where the rank's log has its "ending"
     (startup.EndingClock), `after` splits into the loop's time outside the iterations (reports, evaluation,
     checkpoints), closing the schedule (transport, tracer), the process group's teardown, and from the rank's last
     mark to the launch's end (the interpreter's exit, torchrun's, the launcher's clean-up). None without the rank's
@@ -611,6 +612,7 @@ def launch_phases(started_unix: float, seconds: float, log: Optional[dict]) -> O
     phases = {"total": round(seconds, 2), "before_rank": round(before, 2),
               **{f"launcher_{phase}": value for phase, value in startup.get("launcher_s", {}).items()},
               **{f"rank_{phase}": value for phase, value in startup["seconds"].items()},
+              **{f"rank_trainer_{part}": value for part, value in startup.get("trainer_parts", {}).items()},
               "iterations": round(iterations, 2),
               "after": round(seconds - before - startup["total_s"] - iterations, 2)}
     ending = log.get("ending")

@@ -94,8 +94,10 @@ def _resume(args, chunks, optimizer, scheduler) -> Tuple[int, str]:
     return found.iteration, note
 
 
-def build_trainer(args) -> Trainer:
-    """Model chunks, optimizer (restored from --load when given), data and schedule; process groups must exist."""
+def build_trainer(args, startup: Optional[StartupClock] = None) -> Trainer:
+    """Model chunks, optimizer (restored from --load when given), data and schedule; process groups must exist.
+    ``startup`` is told the end of each part (startup.TRAINER_PARTS)."""
+    mark_part = startup.mark_part if startup is not None else (lambda part: None)
     seed_all(args.seed, args.device)
     emulation = None
     if args.emulate_compute is not None:
@@ -105,12 +107,14 @@ def build_trainer(args) -> Trainer:
     chunks = build_model_chunks(args) if emulation is None else emulation.build_chunks()
     if emulation is None and (args.hidden_dropout or args.attention_dropout):
         enable_keyed_randomness(chunks, args.seed)   # the same masks under every schedule, P and V
+    mark_part("model")
     chunks[0].config.finalize_model_grads_func = finalize_model_grads  # shared by all chunks
     optimizer = build_optimizer(chunks, AdamSettings.from_args(args),
                                 None if emulation is not None else MixedPrecision.from_args(args))
     scheduler = build_scheduler(optimizer, args)
     start_iteration, resume_note = _resume(args, chunks, optimizer, scheduler)
     args.start_iteration = start_iteration
+    mark_part("optimizer")
     train_dataset, dp_rank = None, data_parallel_rank()
     if emulation is None:
         train_dataset, valid_dataset = build_datasets(args)
@@ -119,6 +123,7 @@ def build_trainer(args) -> Trainer:
             consumed_samples=start_iteration * args.global_batch_size, dataset=train_dataset)
     else:
         valid_dataset, data_iterator = None, emulation.data_iterators()
+    mark_part("data")
     trace_dir = start_trace_run(args.trace_dir) if writes_traces(args) else None   # else no run directory
     forward_backward = select_forward_backward_func(runtime_settings(args, trace_dir), args.device)
     reporter = IterationReporter(run_config(args), args.iters, args.global_batch_size * args.seq_length,
@@ -127,6 +132,7 @@ def build_trainer(args) -> Trainer:
         reporter.note(resume_note)
     if trace_dir is not None:
         reporter.note(f"traces: {trace_dir} ({Path(args.trace_dir) / LATEST} points there)")
+    mark_part("runtime")
     return Trainer(args, chunks, optimizer, scheduler, data_iterator, forward_backward, reporter, valid_dataset,
                    start_iteration,
                    forward_step_func=forward_step if emulation is None else emulation.forward_step,
@@ -224,7 +230,7 @@ def train(args) -> None:
         init_model_parallel(args.tensor_parallel, args.pipeline_parallel, args.model_chunks, args.device,
                             args.distributed_timeout_minutes)
         startup.mark("model_parallel")
-        trainer = build_trainer(args)
+        trainer = build_trainer(args, startup)
         startup.mark("trainer")
         trainer.reporter.record_startup(startup.report())
         loss_layer = start_loss_layer(args, dist.get_rank())  # before the first step creates the transport
