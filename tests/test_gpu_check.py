@@ -31,7 +31,8 @@ def test_the_rehearsal_runs_every_step_and_writes_both_reports(rehearsal):
     launch = report["launch"]
     assert launch["launches"] == 4 + 3 + 2 and list(launch["median_alone"]) == [
         "total", "before_rank", "launcher_setup_env", "launcher_check_config", "launcher_to_rank", "rank_imports",
-        "rank_process_group", "rank_model_parallel", "rank_trainer", "iterations", "after",
+        "rank_process_group", "rank_model_parallel", "rank_trainer", "rank_trainer_model", "rank_trainer_optimizer",
+        "rank_trainer_data", "rank_trainer_runtime", "iterations", "after",
         "after_loop_outside_iterations", "after_rank_closing", "after_rank_process_group", "after_rank_exit"]
     assert all(value >= 0 for value in launch["median_alone"].values()), launch
     assert "launch      median seconds of the launches that ran alone (of 9)" in (out / "report.txt").read_text()
