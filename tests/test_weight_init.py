@@ -1,6 +1,6 @@
-"""Building the model draws each initial weight once (megatron_app.train.weights): Megatron's own draw is skipped
-while its initialisation still allocates and tags the parameters, and ours runs on several threads; the weights are
-bit-identical to drawing everything serially after Megatron's draw."""
+"""Building the model draws each initial weight once (megatron_app.train.weights): Megatron's own draw and master
+weights are skipped while its initialisation still allocates and tags the parameters, and ours runs on several
+threads; the weights and tags are those of drawing everything serially after Megatron's full initialisation."""
 
 import pytest
 
@@ -33,6 +33,13 @@ def _state(model):
     return {name: tensor.clone() for name, tensor in model.state_dict().items() if hasattr(tensor, "clone")}
 
 
+def _tags(model):
+    """Each parameter's tensor-parallel tags, as Megatron's initialisation sets them."""
+    return {name: tuple(getattr(param, tag, None) for tag in ("tensor_model_parallel", "partition_dim",
+                                                              "partition_stride", "allreduce"))
+            for name, param in model.named_parameters()}
+
+
 def _same(a, b):
     import torch
 
@@ -51,6 +58,7 @@ def test_skipping_megatrons_draw_leaves_the_weights_bit_identical(gpt, monkeypat
         model = build()
     qkv = model.decoder.layers[0].self_attention.linear_qkv.weight
     assert qkv.partition_dim == 0 and qkv.tensor_model_parallel   # still tagged for the sharding and the clipping
+    assert _tags(model) == _tags(reference)
     weights.reinitialize_by_global_name([model], config, seed=5)
     assert _same(_state(model), _state(reference))
 
@@ -75,11 +83,35 @@ def test_the_configs_init_methods_come_back_even_after_a_failed_build(gpt):
 
     config, _ = gpt
     before = (config.init_method, config.output_layer_init_method, config.embedding_init_method)
+    initializer = weights.megatron_layers._initialize_affine_weight_cpu
     with pytest.raises(RuntimeError, match="mid-build"):
         with weights.megatron_draws_skipped(config):
             assert config.init_method is weights._leave_as_allocated
+            assert weights.megatron_layers._initialize_affine_weight_cpu is not initializer
             raise RuntimeError("mid-build")
     assert (config.init_method, config.output_layer_init_method, config.embedding_init_method) == before
+    assert weights.megatron_layers._initialize_affine_weight_cpu is initializer
+
+
+def test_a_caller_keeping_megatrons_master_weight_gets_megatrons_initializer():
+    import torch
+
+    from megatron_app.train import weights
+
+    calls = []
+
+    def megatron_like(weight, output_size, input_size, per_partition_size, partition_dim, init_method, stride=1,
+                      return_master_weight=False, *, params_dtype=torch.float32, rank=None, world_size=None,
+                      skip_set_tensor_parallel_attributes=False):
+        calls.append(return_master_weight)
+        return "master"
+
+    tag_only = weights._tag_only(megatron_like)
+    weight = torch.empty(4, 2)
+    assert tag_only(weight, 8, 2, 4, 0, None, return_master_weight=True, rank=0, world_size=2) == "master"
+    assert tag_only(weight, 8, 2, 4, 0, None, 2, rank=0, world_size=2) is None and calls == [True]
+    assert (weight.tensor_model_parallel, weight.partition_dim, weight.partition_stride) == (True, 0, 2)
+    assert weights._tag_only(lambda tensor: None) is None   # another signature: Megatron's own stays
 
 
 def test_a_worker_threads_failure_reaches_the_caller(gpt, monkeypatch):

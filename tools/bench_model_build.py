@@ -5,10 +5,10 @@ ours spread over threads (train/weights.py), in fresh interpreters on a one-rank
     python tools/bench_model_build.py [--repeats 3] [--json out.json] [-- model flags]
 
 Each repeat starts two fresh interpreters, one per variant, alternating:
-  now      build_model_chunks as the trainer calls it (Megatron allocates and tags, draws nothing; ours on up to 8
-           threads)
-  before   the same pieces as they ran before: Megatron's initialisation draws every weight, then ours draws them all
-           again on one thread
+  now      build_model_chunks as the trainer calls it (Megatron allocates and tags; no draw, no master weights; ours
+           on up to 8 threads)
+  before   the same pieces as they ran before: Megatron's initialisation draws every weight into a master weight,
+           then ours draws them all again on one thread
 Both end with bit-identical weights (tests/test_weight_init.py). Measured: build_model_chunks' seconds (the model
 alone, no optimizer or data). Model flags after `--` (default: 8 layers, hidden 2048, 16 heads, bf16: 411 M
 parameters). Prints medians and the ratio. Exit 2 on a bad flag.

@@ -315,11 +315,12 @@ class Check:
 
     def startup_probes(self) -> Dict[str, Optional[float]]:
         """Seconds of what every launch does before it trains, each in a fresh interpreter (as a launch's processes
-        are), each with its exit: the interpreter alone, importing torch, importing megatron.core (also under the
-        trainer's collector policy, train/gc_phases.py), torch plus the first CUDA tensor, and the host-name lookups
-        torchrun and NCCL make (a host whose name no resolver answers waits out timeouts)."""
-        probes = {"python": "pass", "import_torch": "import torch", "import_megatron_core": "import megatron.core",
-                  # under the trainer's collector policy (train/gc_phases.py): what it buys on this host
+        are), each with its exit: the interpreter alone, importing torch, importing megatron.core under the trainer's
+        collector policy (train/gc_phases.py), torch plus the first CUDA tensor, and the host-name lookups torchrun
+        and NCCL make (a host whose name no resolver answers waits out timeouts). The import of megatron.core with
+        the collector on is no longer probed: on an H200 it took 16.6 s against 12.2 s paused (BENCHMARKS.md,
+        2026-11-27), the two of them over a third of the check's host step."""
+        probes = {"python": "pass", "import_torch": "import torch",
                   "import_megatron_core_gc_paused": ("import atexit, gc; gc.disable(); atexit.register(gc.freeze); "
                                                      "import megatron.core"),
                   "getfqdn": "import socket; socket.getfqdn()",
