@@ -12,23 +12,11 @@ import pytest
 @pytest.fixture(scope="module")
 def gpt(tmp_path_factory):
     """A tiny GPTModel built on a one-rank job: the check reads only its flags, set per case."""
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from helpers.one_rank_gpt import one_rank_gpt
 
-    from megatron_app.train.model import document_layer_spec
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('store') / 'store'}", rank=0,
-                            world_size=1)
-    parallel_state.initialize_model_parallel()
-    config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True,
-                               pipeline_dtype=torch.float32)
-    yield config, lambda: GPTModel(config=config, transformer_layer_spec=document_layer_spec(), vocab_size=32,
-                                   max_sequence_length=8)
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    with one_rank_gpt(tmp_path_factory.mktemp("store"), vocab_size=32, max_sequence_length=8, num_layers=2,
+                      hidden_size=16, num_attention_heads=2) as built:
+        yield built
 
 
 def _chunks(gpt, P, V, pp_rank):

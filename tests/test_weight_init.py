@@ -10,23 +10,11 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*not installed")
 @pytest.fixture(scope="module")
 def gpt(tmp_path_factory):
     """(config, build) of a small GPTModel with biases, on a one-rank job."""
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from helpers.one_rank_gpt import one_rank_gpt
 
-    from megatron_app.train.model import document_layer_spec
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('store') / 'store'}", rank=0,
-                            world_size=1)
-    parallel_state.initialize_model_parallel()
-    config = TransformerConfig(num_layers=3, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
-                               pipeline_dtype=torch.float32, init_method_std=0.02)
-    yield config, lambda: GPTModel(config=config, transformer_layer_spec=document_layer_spec(), vocab_size=64,
-                                   max_sequence_length=16)
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    with one_rank_gpt(tmp_path_factory.mktemp("store"), vocab_size=64, max_sequence_length=16, num_layers=3,
+                      hidden_size=32, num_attention_heads=4, init_method_std=0.02) as built:
+        yield built
 
 
 def _state(model):
