@@ -161,12 +161,13 @@ def test_a_time_budget_cuts_the_steps_it_cannot_start_and_fails_the_check(tmp_pa
         return {"status": "pass"}
 
     monkeypatch.setattr(gpu_check.Check, "host", slow_host)
-    monkeypatch.setattr(gpu_check.Check, "pytest", lambda self: ran.append("pytest") or {"status": "pass"})
-    rc = gpu_check.main(["--out", str(tmp_path), "--cpu", "--steps", "host,pytest", "--budget-s", "0.2"])
+    monkeypatch.setattr(gpu_check.Check, "transport", lambda self: ran.append("transport") or {"status": "pass"})
+    rc = gpu_check.main(["--out", str(tmp_path), "--cpu", "--steps", "host,transport", "--budget-s", "0.2"])
     report = json.loads((tmp_path / "report.json").read_text())
     assert rc == 1 and ran == ["host"] and not report["passed"]
-    assert report["steps"]["pytest"]["status"] == "cut" and "0 s budget was spent" in report["steps"]["pytest"]["reason"]
-    assert "pytest      cut" in (tmp_path / "report.txt").read_text()
+    transport = report["steps"]["transport"]
+    assert transport["status"] == "cut" and "0 s budget was spent" in transport["reason"]
+    assert "transport   cut" in (tmp_path / "report.txt").read_text()
     # a step whose command the budget's end stopped is `cut` too, with its error kept (the H100 run's curves step)
     monkeypatch.setattr(gpu_check.Check, "host", lambda self: time.sleep(0.3) or {"status": "fail",
                                                                                    "error": "the run took over 0.2 s"})

@@ -6,8 +6,8 @@
     bash tools/gpu_check.sh --out DIR --budget-s 420     # stop starting steps after 420 s (set-up not counted)
 
 Steps, in this order (each one passes, fails or is skipped with its reason; one failing step never stops the others;
-under --budget-s a step not started in time is reported as `cut`, which fails the check; equality and own-loop run
-side by side, the steps that time something alone):
+under --budget-s a step not started in time is reported as `cut`, which fails the check; host and pytest run side
+by side, so do equality and own-loop, and composition and ipc-sends; the other steps that time something alone):
   setup       tools/setup_env.sh's time (measured by gpu_check.sh)
   host        host, GPU, driver and package versions; seconds of a fresh interpreter's imports, first CUDA tensor
               and host-name lookups (what every launch pays before it trains)
@@ -25,7 +25,8 @@ side by side, the steps that time something alone):
   composition the simulator's composition rows (copyright 2,048 / 8,192; P=4 V=2 m=16, P=8 V=2 m=32, D=4) under the
               curves step's event-timed curves: `balanced` against `packed` and the DpBalanced-style packer
   ipc-sends   the prediction step's P=2 V=2 run with device tensors by CUDA IPC (opt-in for users): the transport
-              issue's send share (under 10% of the iteration) on the path a host allows; last, so a budget cuts it first
+              issue's send share (under 10% of the iteration) on the path a host allows; last (beside composition,
+              which computes on one CPU core), so a budget cuts it first
 The report's `launch` line: the median seconds of each trainer launch before its rank started, in the rank's
 start-up phases (train/startup.py), in iterations and after them.
 """
@@ -734,10 +735,11 @@ def _junit_counts(path: Path) -> dict:
 
 # In the order they run: what judges the GPU issues first (equality, transport, prediction), the long curves runs
 # late, composition last (it reads the curves step's files). The steps of one phase run side by side: equality and
-# own-loop only check losses (each launch costs about a minute on the first GPU hosts, mostly start-up); the steps
-# that time something (pytest's event-timing test, transport, prediction, curves) run alone.
-PHASES = (("host",), ("pytest",), ("equality", "own-loop"), ("transport",), ("prediction",), ("curves",),
-          ("composition",), ("ipc-sends",))
+# own-loop only check losses (each launch costs about a minute on the first GPU hosts, mostly start-up); the host
+# step's import probes take a core or two of 16 beside pytest's GPU tests, and composition (the simulator, one core)
+# beside ipc-sends (22 s and 23 s of the H200's 11-minute run); transport, prediction and curves run alone.
+PHASES = (("host", "pytest"), ("equality", "own-loop"), ("transport",), ("prediction",), ("curves",),
+          ("composition", "ipc-sends"))
 STEPS = tuple(name for phase in PHASES for name in phase)
 
 # The simulator's composition rows (BENCHMARKS.md, "Microbatch composition"): (name, corpus lengths, P, V, m, D,
