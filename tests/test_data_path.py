@@ -187,3 +187,79 @@ def test_a_damaged_pair_ends_in_one_line_naming_the_file_and_nothing_after(data,
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert f"{prefix}{file_named}" in lines[0] and fragment in lines[0], lines[0]
+
+
+# --- read as Megatron-Core reads them, without importing it ------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [numpy.uint16, numpy.int32, numpy.int64])
+def test_the_index_reads_as_megatrons_reader_reads_it(data, tmp_path, dtype):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+
+    from megatron_app.data.indexed_data import _read_index
+
+    prefixes = [data["prefix"]]
+    if dtype is not numpy.uint16:        # another token type, documents of several sequences, an empty sequence
+        built = str(tmp_path / f"built_{numpy.dtype(dtype).name}")
+        builder = IndexedDatasetBuilder(built + ".bin", dtype=dtype)
+        rng = numpy.random.default_rng(3)
+        for document in range(7):
+            for _ in range(1 + document % 3):
+                builder.add_item(torch_tensor(rng.integers(0, 5000, size=int(rng.integers(0, 40))), dtype))
+            builder.end_document()
+        builder.finalize(built + ".idx")
+        prefixes.append(built)
+    for prefix in prefixes:
+        theirs = IndexedDataset(prefix, mmap=True).index
+        ours = _read_index(prefix)
+        assert ours.dtype == theirs.dtype
+        for name in ("sequence_lengths", "sequence_pointers", "document_indices"):
+            assert numpy.array_equal(getattr(ours, name), getattr(theirs, name)), (prefix, name)
+
+
+def torch_tensor(values, dtype):
+    import torch
+
+    return torch.from_numpy(numpy.asarray(values, dtype=dtype))
+
+
+@pytest.mark.parametrize("split", ["949,50,1", "99,1,0", "1,0,0", "1", "2,1", "0.9,0.1", ".5/.25/.25", "3, 3, 3",
+                                   "1000,1,1", "7/0/3", "1,2,3"])
+def test_the_split_matrix_is_megatrons(split):
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix, parse_and_normalize_split)
+
+    from megatron_app.data.indexed_data import split_matrix_of
+
+    assert split_matrix_of(split) == convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+
+
+def test_a_split_megatron_would_read_otherwise_is_refused(data):
+    # Megatron takes every run of digits and dots: "1e-3" would be 1 and 3, not a thousandth
+    assert "must be up to three non-negative numbers" in _bad("--data-path", data["prefix"], "--split", "1e-3")
+
+
+@pytest.mark.parametrize("blend", [["a"], ["a", "b", "c"], ["1", "a", "3", "b"], ["0.5", " a ", "2", "b"],
+                                   ["x", "a"], ["a", "b"]])
+def test_the_blends_prefixes_are_megatrons(blend):
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    from megatron_app.data.indexed_data import blend_prefixes
+
+    assert blend_prefixes(blend) == get_blend_from_list(blend)[0]
+
+
+def test_checking_a_data_path_imports_no_megatron_core(data):
+    """--check-config with --data-path (what every launcher runs before the ranks): no megatron-core import, which
+    took 12-16 s of each launch on an H200 host."""
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import sys\nfrom megatron_app.train.__main__ import main\n"
+            f"main(['--data-path', {data['prefix']!r}, '--split', '99,1,0', '--eval-interval', '5', "
+            "'--check-config'])\nprint(sorted(m for m in sys.modules if m.startswith('megatron.')))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, WORLD_SIZE="1", PYTHONPATH=repo, PYTHONWARNINGS="ignore"))
+    assert result.returncode == 0, result.stderr
+    assert "config ok" in result.stdout and result.stdout.strip().splitlines()[-1] == "[]", result.stdout

@@ -1,14 +1,21 @@
 """Checks on Megatron indexed datasets (.bin/.idx pairs) before training starts.
 
 Megatron's reader asserts on a bad header and trusts the .idx to describe the .bin; a mismatched pair then
-fails deep inside a data-loader worker or, worse, reads garbage tokens. Here each prefix is opened with
-Megatron's own IndexedDataset, the byte count the .idx implies is compared with the .bin's size, and the
-largest token id is found so the model's vocabulary can be sized from (or checked against) the data.
+fails deep inside a data-loader worker or, worse, reads garbage tokens. Here each prefix's index is read, the byte
+count the .idx implies is compared with the .bin's size, and the largest token id is found so the model's
+vocabulary can be sized from (or checked against) the data.
+
+The index, the --data-path blend and the --split matrix are read here as Megatron-Core reads them
+(indexed_dataset._IndexReader, utils.get_blend_from_list, blended_megatron_dataset_config's split functions),
+without importing megatron-core: a launcher's --check-config then needs neither it nor its import, which took 12-16
+s of every launch on an H200 host (2.4 s here). tests/test_data_path.py holds each of them to Megatron's own answer.
+The ranks build their datasets with Megatron-Core's builder.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import struct
 from dataclasses import dataclass
 
@@ -74,15 +81,39 @@ def _check_files(prefix: str) -> None:
                         f"{documents} documents ({needed} bytes) but the file has {idx_bytes} bytes")
 
 
-def _open(prefix: str):
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
+# Megatron's token type codes in the .idx header (indexed_dataset.DType).
+_IDX_DTYPES = {1: numpy.uint8, 2: numpy.int8, 3: numpy.int16, 4: numpy.int32, 5: numpy.int64, 6: numpy.float64,
+               7: numpy.float32, 8: numpy.uint16}
 
+
+@dataclass(frozen=True, eq=False)
+class _Index:
+    dtype: type
+    sequence_lengths: numpy.ndarray    # int32, tokens of each sequence
+    sequence_pointers: numpy.ndarray   # int64, byte offset of each sequence in the .bin
+    document_indices: numpy.ndarray    # int64, first sequence of each document, then the sequence count
+
+
+def _read_index(prefix: str) -> _Index:
+    """The .idx as Megatron's _IndexReader reads it: magic, version 1, token type code, sequence and document
+    counts, then the sequence lengths, pointers and document indices (a multimodal index's modes follow; not read)."""
     _check_files(prefix)
-    try:
-        return IndexedDataset(prefix, mmap=True)
-    except (AssertionError, ValueError, OSError, KeyError, IndexError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise DataError(f"--data-path: {prefix}.idx is not a readable Megatron index ({reason})") from None
+    path = prefix + ".idx"
+    with open(path, "rb") as handle:
+        header = handle.read(_IDX_HEADER_BYTES)
+    version, code = struct.unpack_from("<QB", header, len(_IDX_MAGIC))
+    sequences, documents = struct.unpack_from("<QQ", header, len(_IDX_MAGIC) + 9)
+    if version != 1:
+        raise DataError(f"--data-path: {path} is not a readable Megatron index (version {version}, Megatron reads 1)")
+    if code not in _IDX_DTYPES:
+        raise DataError(f"--data-path: {path} is not a readable Megatron index (unknown token type code {code})")
+    mapped = numpy.memmap(path, dtype=numpy.uint8, mode="r")
+    arrays, offset = [], _IDX_HEADER_BYTES
+    for dtype, count in ((numpy.int32, sequences), (numpy.int64, sequences), (numpy.int64, documents)):
+        arrays.append(numpy.frombuffer(mapped, dtype=dtype, count=count, offset=offset) if count
+                      else numpy.zeros(0, dtype=dtype))
+        offset += count * numpy.dtype(dtype).itemsize
+    return _Index(_IDX_DTYPES[code], *arrays)
 
 
 def _token_id_range(bin_path: str, dtype, count: int):
@@ -99,8 +130,7 @@ def _token_id_range(bin_path: str, dtype, count: int):
 
 def inspect_indexed_dataset(prefix: str, scan_tokens: bool = True) -> IndexedDataInfo:
     """Validate one prefix; raises DataError naming the file and what is wrong."""
-    dataset = _open(prefix)
-    index = dataset.index
+    index = _read_index(prefix)
     lengths, pointers = index.sequence_lengths, index.sequence_pointers
     itemsize = numpy.dtype(index.dtype).itemsize
     expected_bytes = int(pointers[-1]) + int(lengths[-1]) * itemsize if len(lengths) else 0
@@ -129,33 +159,53 @@ _SPLIT_NAMES = ("train", "validation", "test")
 
 
 def split_matrix_of(split: str):
-    """Megatron's split matrix for a '--split' string like '949,50,1' (checked here, computed by Megatron)."""
-    from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix, parse_and_normalize_split)
-
+    """Megatron's split matrix for a '--split' string like '949,50,1': [(first, end) as shares of the documents, or
+    None] for train, validation and test. Megatron takes every run of digits and dots as a number, pads to three
+    with zeros and normalises; a string it would read otherwise than as written (1e-3) is refused."""
     parts = [part.strip() for part in split.replace("/", ",").split(",")]
     try:
         weights = [float(part) for part in parts]
     except ValueError:
         weights = []
-    if not 1 <= len(weights) <= 3 or any(not w >= 0 for w in weights) or not weights[0] > 0:
+    numbers = re.findall(r"[.0-9]+", split)
+    if (not 1 <= len(weights) <= 3 or any(not w >= 0 for w in weights) or not weights[0] > 0
+            or numbers != parts):
         raise DataError(f"--split {split!r} must be up to three non-negative numbers TRAIN,VALID,TEST "
                         "with TRAIN > 0, e.g. 949,50,1")
-    return convert_split_vector_to_split_matrix(parse_and_normalize_split(",".join(parts)))
+    weights = numpy.array(weights + [0.0] * (3 - len(weights)), dtype=numpy.float64)
+    shares = (weights / weights.sum()).tolist()
+    ends = [0.0]
+    for share in shares:
+        ends.append(ends[-1] + share)
+    return [(begin, end) if end > begin else None for begin, end in zip(ends[:-1], ends[1:])]
+
+
+def blend_prefixes(data_path) -> list:
+    """The dataset prefixes of a --data-path blend as Megatron's get_blend_from_list reads it: an odd-length list is
+    prefixes; an even-length one WEIGHT PREFIX pairs when every weight is a number, prefixes otherwise."""
+    items = list(data_path)
+    if len(items) % 2 == 0 and all(_is_number(weight) for weight in items[0::2]):
+        items = items[1::2]
+    return [item.strip() for item in items]
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def check_blend(data_path, split: str, need_validation: bool) -> int:
     """Check every dataset of a --data-path blend and that the splits the run reads hold tokens (Megatron's
     dataset loops forever on an empty split). Returns the largest token id in the blend."""
-    from megatron.core.datasets.utils import get_blend_from_list
-
     matrix = split_matrix_of(split)
     if need_validation and matrix[1] is None:
         raise DataError(f"--split {split} gives the validation split no share, but --eval-interval asks for "
                         "evaluation")
-    prefixes, _weights = get_blend_from_list(list(data_path))
     largest = -1
-    for prefix in prefixes:
+    for prefix in blend_prefixes(data_path):
         info = inspect_indexed_dataset(prefix)
         largest = max(largest, info.max_token_id)
         for which, bounds in enumerate(info.split_ranges(matrix)):
