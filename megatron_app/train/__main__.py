@@ -60,7 +60,10 @@ def check_shared_memory(args) -> None:
         return  # no /dev/shm to measure: the transport names what it cannot open
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
     node_rank = int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0")))
-    needed = estimate(args.pipeline_parallel, args.tensor_parallel, args.data_parallel, ranks_per_node, node_rank)
+    try:
+        needed = estimate(args.pipeline_parallel, args.tensor_parallel, args.data_parallel, ranks_per_node, node_rank)
+    except ValueError as exc:   # MEGATRON_APP_SLOT_MIB / MEGATRON_APP_SLOTS not a number in range
+        _fail(str(exc))
     reason = needed.shortfall(*space)
     if reason is not None:
         _fail(reason)

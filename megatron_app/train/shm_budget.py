@@ -8,7 +8,6 @@ fails with the number instead of inside every rank.
 
 from __future__ import annotations
 
-import inspect
 import os
 from dataclasses import dataclass
 
@@ -22,11 +21,11 @@ def _round_up(value: int, step: int) -> int:
 
 
 def transport_sizes() -> tuple[int, int]:
-    """(slot_bytes, num_slots) the runtime opens its transport with: the Transport's own defaults."""
-    from megatron_app.transport.transport import Transport
+    """(slot_bytes, num_slots) the runtime opens its transport with: the Transport's defaults
+    (MEGATRON_APP_SLOT_MIB / MEGATRON_APP_SLOTS where set)."""
+    from megatron_app.transport.transport import default_slot_geometry
 
-    parameters = inspect.signature(Transport.__init__).parameters
-    return int(parameters["slot_bytes"].default), int(parameters["num_slots"].default)
+    return default_slot_geometry()
 
 
 def segment_bytes(rings: int, slot_bytes: int, num_slots: int) -> int:

@@ -38,6 +38,30 @@ DEVICE_WAIT_SPIN_ENV = "MEGATRON_APP_DEVICE_WAIT_SPIN_US"  # overrides it (a GPU
 # A blocking recv(device=...) of a message not arrived yet takes it straight from this rank's registered slots
 # (device_staging.receive_through_slots); "0" turns that off (every device-bound message through the arena).
 SLOT_RECEIVE_ENV = "MEGATRON_APP_CUDA_RECEIVE_FROM_SLOTS"
+# The receive slots a transport opens when its caller names none (the runtime's): MiB a slot and slots in all (shared
+# among the peer rings). A message larger than a slot crosses in slot-size chunks, each a hand-off between the
+# processes: on one H200, 8 MiB slots (4) moved 16-256 MiB CUDA tensors 1.9-2.3x faster than 1 MiB ones (16) and lost
+# at 1-4 MiB (BENCHMARKS.md, 2026-11-27); one run, so the default stays.
+SLOT_MIB_ENV, SLOTS_ENV = "MEGATRON_APP_SLOT_MIB", "MEGATRON_APP_SLOTS"
+DEFAULT_SLOT_BYTES, DEFAULT_NUM_SLOTS = 1 << 20, 16
+
+
+def default_slot_geometry(environ=None) -> tuple[int, int]:
+    """(slot_bytes, num_slots) from MEGATRON_APP_SLOT_MIB and MEGATRON_APP_SLOTS, each defaulted on its own;
+    ValueError, one line, for a value that is not a whole number in range."""
+    environ = os.environ if environ is None else environ
+    geometry = []
+    for name, default, least, most in ((SLOT_MIB_ENV, DEFAULT_SLOT_BYTES >> 20, 1, 1024),
+                                       (SLOTS_ENV, DEFAULT_NUM_SLOTS, 2, 1 << 20)):
+        raw = environ.get(name, "").strip()
+        try:
+            value = int(raw) if raw else default
+        except ValueError:
+            value = None
+        if value is None or not least <= value <= most:
+            raise ValueError(f"{name}={raw!r} must be a whole number from {least} to {most}")
+        geometry.append(value)
+    return geometry[0] << 20, geometry[1]
 
 TransportTimeout = core.TransportTimeout
 PeerDied = core.PeerDied
@@ -113,8 +137,8 @@ class Transport(ClosesOnExit):
         world_size: int,
         job_id: str,
         *,
-        slot_bytes: int = 1 << 20,
-        num_slots: int = 16,
+        slot_bytes: int | None = None,
+        num_slots: int | None = None,
         max_message_bytes: int = 1 << 30,
         send_workers: int = 2,
         peers: Iterable[int] | None = None,
@@ -130,6 +154,10 @@ class Transport(ClosesOnExit):
     ):
         if not isinstance(job_id, str):
             raise TypeError(f"job_id must be a str, got {type(job_id).__name__}")
+        if slot_bytes is None or num_slots is None:
+            default_bytes, default_slots = default_slot_geometry()
+            slot_bytes = default_bytes if slot_bytes is None else slot_bytes
+            num_slots = default_slots if num_slots is None else num_slots
         sizes = {"slot_bytes": slot_bytes, "num_slots": num_slots, "max_message_bytes": max_message_bytes}
         for name, value in sizes.items():
             if _int_arg(value, name) < 1:
