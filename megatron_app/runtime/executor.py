@@ -42,6 +42,9 @@ def _unkeyed(microbatch: int):
     return _NOT_KEYED
 
 
+_CALL_MARKER = object()   # the task clock's key for the call-start marker (run())
+
+
 class PipelineStallError(RuntimeError):
     """The policy can run nothing and no input is awaited: a schedule bug, reported instead of hanging."""
 
@@ -172,6 +175,9 @@ class PipelineStep:
         self.task_gap_s: Optional[float] = None                   # run() sets it (training calls)
         # Compute time as the device sees it: CUDA events on a GPU (read at the pipeline's end), the host clock else.
         self.task_clock = task_clock_for(self.device, self._now)
+        # When the device reached this call (a deferred clock's marker at run()'s start; None on the host clock). On
+        # an H200 the previous step's optimizer was still running there: 7-19 ms of the call's host span at P=1.
+        self.device_call_start_us: Optional[float] = None
 
     def training_call_done(self):
         if self._keyed is not None:
@@ -201,6 +207,7 @@ class PipelineStep:
     # ---- the loop ---------------------------------------------------------------------------------------------
     def run(self) -> List[Any]:
         started = time.perf_counter()
+        call_marker = self.task_clock.start() if self.task_clock.deferred else None
         if self.policy.plans_iterations:      # inside run(): the trace's iteration time includes planning
             self._adopt_plan()
         self._call_start_us = self._now()     # a plan's predicted starts count from here
@@ -216,7 +223,12 @@ class PipelineStep:
             self._handlers[task.kind](task)
             self._reap_sends(block=False)
         self._reap_sends(block=True)
+        if call_marker is not None:
+            self.task_clock.stop(call_marker, _CALL_MARKER)
         for task, start, end in self.task_clock.resolve():
+            if task is _CALL_MARKER:
+                self.device_call_start_us = start
+                continue
             self._task_timed(task, start, end)
         self.task_gap_s = None if self.forward_only else self._mean_gap_s()
         if self.task_gap_s is not None:
@@ -520,6 +532,8 @@ def _forward_backward(schedule: MegatronSchedule, *, forward_step_func, data_ite
         start = step.tracer.now_us()
         result = step.run()
         end = step.tracer.now_us()
+        if step.device_call_start_us is not None:   # the call's span as the device saw it (task spans are too)
+            start = min(max(start, step.device_call_start_us), end)
         session.last_iteration_s = (end - start) / 1e6
         gap = {} if step.task_gap_s is None else {"task_gap_us": round(step.task_gap_s * 1e6, 3)}
         step.tracer.record("iteration", start, end, iteration=step.iteration, **gap)

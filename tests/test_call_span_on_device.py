@@ -1,0 +1,61 @@
+"""A training call's trace span starts where the device reached the call (executor.run's marker on the task clock),
+not where the host entered it: on a GPU the previous step's optimizer can still be running then (7-19 ms of each
+call's host span on an H200 at P=1), and the call's compute spans are the device's. Here a stand-in device that
+completes every event LAG after the host records it, on a CPU run."""
+
+import json
+import subprocess
+import sys
+
+from pipeline_runs import REPO, run_env
+
+LAG_US = 40_000.0
+
+WORKER = """
+import json, os, sys, time
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+from megatron_app.runtime import executor
+from megatron_app.runtime.task_clock import CudaEventTaskClock
+from megatron_app.train.args import parse_args
+from megatron_app.train.loop import train
+
+LAG_US = float(sys.argv[3])
+
+
+class LaggingEvent:
+    # completes LAG_US after the host records it; the host waits for it in synchronize(), as for a CUDA event
+    def record(self):
+        self.at = time.monotonic() * 1e6 + LAG_US
+
+    def synchronize(self):
+        time.sleep(max(0.0, self.at - time.monotonic() * 1e6) / 1e6)
+
+    def elapsed_time(self, other):
+        return (other.at - self.at) / 1e3
+
+
+executor.task_clock_for = lambda device, now: CudaEventTaskClock(now, event_factory=LaggingEvent)
+train(parse_args(["--pipeline_parallel", "1", "--model_chunks", "1", "--num-layers", "2", "--hidden-size", "32",
+                  "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "2",
+                  "--global-batch-size", "8", "--iters", "3", "--trace-dir", sys.argv[1], "--device", "cpu"]))
+"""
+
+
+def test_the_call_span_starts_where_the_device_reached_the_call(tmp_path):
+    from helpers.fork_ranks import free_port
+    from megatron_app.trace.reader import read_trace_dir
+
+    result = subprocess.run([sys.executable, "-c", WORKER, str(tmp_path), str(free_port()), str(LAG_US)], cwd=REPO,
+                            env=run_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    run = read_trace_dir(str(tmp_path / "latest"))
+    rank = run.ranks[0]
+    heads = []
+    for iteration in run.iterations():
+        events = rank.events_of(iteration)
+        call = next(e for e in events if e.kind == "iteration")
+        tasks = [e for e in events if e.kind in ("forward", "backward")]
+        assert tasks and call.start <= min(e.start for e in tasks) and max(e.end for e in tasks) <= call.end
+        heads.append(min(e.start for e in tasks) - call.start)
+    # the host's entry was LAG before the device reached the call: a span from there would open with LAG of nothing
+    assert max(heads) < LAG_US / 2, json.dumps(heads)
