@@ -29,13 +29,13 @@ def test_the_rehearsal_runs_every_step_and_writes_both_reports(rehearsal):
                                      "curves", "composition", "ipc-sends"]
     # where the launches' time went: before the rank, the rank's start-up phases, iterations, after
     launch = report["launch"]
-    assert launch["launches"] == 4 + 3 + 2 and list(launch["median_alone"]) == [
+    assert launch["launches"] == 4 + 4 + 2 and list(launch["median_alone"]) == [
         "total", "before_rank", "launcher_setup_env", "launcher_check_config", "launcher_to_rank", "rank_imports",
         "rank_process_group", "rank_model_parallel", "rank_trainer", "rank_trainer_model", "rank_trainer_optimizer",
         "rank_trainer_data", "rank_trainer_runtime", "iterations", "after",
         "after_loop_outside_iterations", "after_rank_closing", "after_rank_process_group", "after_rank_exit"]
     assert all(value >= 0 for value in launch["median_alone"].values()), launch
-    assert "launch      median seconds of the launches that ran alone (of 9)" in (out / "report.txt").read_text()
+    assert "launch      median seconds of the launches that ran alone (of 10)" in (out / "report.txt").read_text()
     probes = report["steps"]["host"]["startup_probes_s"]
     assert set(probes) == {"python", "import_torch", "import_megatron_core_gc_paused",
                            "getfqdn", "gethostbyname"}
@@ -51,6 +51,8 @@ def test_the_rehearsal_runs_every_step_and_writes_both_reports(rehearsal):
     rows = report["steps"]["prediction"]["rows"]
     assert set(rows) == {"p1", "p2v2"}
     ipc = report["steps"]["ipc-sends"]["rows"]["p2v2+ipc"]   # the same run by opt-in CUDA IPC: host tensors here
+    slots8 = report["steps"]["ipc-sends"]["rows"]["p2v2+slots8"]   # and staged through 8 MiB slots: measured
+    assert slots8["transport"] == "staged, 8 MiB slots x 4" and 0 < slots8["send_share"] <= 1
     assert ipc["transport"] == "ipc (no fallback said)" and set(ipc["transfer_shares"]) == {"pp0", "pp1"}
     assert all(row["errors"] and set(row["span_coverage"]) == ({"pp0"} if name == "p1" else {"pp0", "pp1"})
                for name, row in rows.items())

@@ -25,8 +25,9 @@ by side, so do equality and own-loop, and composition and ipc-sends; the other s
   composition the simulator's composition rows (copyright 2,048 / 8,192; P=4 V=2 m=16, P=8 V=2 m=32, D=4) under the
               curves step's event-timed curves: `balanced` against `packed` and the DpBalanced-style packer
   ipc-sends   the prediction step's P=2 V=2 run with device tensors by CUDA IPC (opt-in for users): the transport
-              issue's send share (under 10% of the iteration) on the path a host allows; last (beside composition,
-              which computes on one CPU core), so a budget cuts it first
+              issue's send share (under 10% of the iteration) on the path a host allows; and staged through 8 MiB
+              slots (measured, not judged); last (beside composition, which computes on one CPU core), so a budget
+              cuts it first
 The report's `launch` line: the median seconds of each trainer launch before its rank started, in the rank's
 start-up phases (train/startup.py), in iterations and after them.
 """
@@ -127,8 +128,11 @@ CPU = Sizes(
 
 # A row's `+ipc` / `+ipc-copy` suffix: its P=2 V=2 run moves device tensors by CUDA IPC (lent slots / copied out of
 # them: what a training receive holds until its backward) instead of the staged default; the same P=1 reference.
+# `+slots8`: the staged default with 8 MiB receive slots (4) instead of 1 MiB ones (16): on the H200 of 2026-11-27
+# the transport bench moved 16-256 MiB 1.9-2.3x faster so (users: MEGATRON_APP_SLOT_MIB / MEGATRON_APP_SLOTS).
 TRANSPORT_ENVS = {"default": {}, "ipc": {"MEGATRON_APP_CUDA_IPC": "1"},
-                  "ipc-copy": {"MEGATRON_APP_CUDA_IPC": "1", "MEGATRON_APP_CUDA_IPC_LEND": "0"}}
+                  "ipc-copy": {"MEGATRON_APP_CUDA_IPC": "1", "MEGATRON_APP_CUDA_IPC_LEND": "0"},
+                  "slots8": {"MEGATRON_APP_SLOT_MIB": "8", "MEGATRON_APP_SLOTS": "4"}}
 
 
 # A row's `-optim`: Megatron-LM's optimizer defaults (clipping at 1.0, weight decay 0.01) and a cosine decay: the
@@ -143,7 +147,7 @@ LLAMA_FLAGS = ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear"
 # The prediction step's runs: (P, V, target of the median |error|); the ipc-sends step's: the P=2 V=2 run with its
 # device tensors crossing by CUDA IPC (the transport issue's send share on the path a host allows).
 PREDICTION_ROWS = {"p1": (1, 1, 0.05), "p2v2": (2, 2, 0.10)}
-IPC_PREDICTION_ROWS = {"p2v2+ipc": (2, 2, 0.10)}
+IPC_PREDICTION_ROWS = {"p2v2+ipc": (2, 2, 0.10), "p2v2+slots8": (2, 2, 0.10)}
 PREDICTION_DEFINITION = (
     "error = predicted_ms / time_ms - 1 per iteration from the third; span_coverage = sum of a rank's compute spans "
     "/ its forward_backward call's span, median over iterations from the third (P=1 target: within 5% of 1); "
@@ -452,14 +456,17 @@ class Check:
 
     def ipc_sends(self) -> dict:
         """The prediction step's P=2 V=2 run again with its device tensors crossing by CUDA IPC (opt-in for users):
-        the transport issue's send share on the path a host allows. Last, so that a budget cuts it first."""
+        the transport issue's send share on the path a host allows; and once more staged through 8 MiB slots, whose
+        send share is measured, not judged (a setting users may choose, not the default). Last, so that a budget
+        cuts it first."""
         rows = self._predicted_rows(IPC_PREDICTION_ROWS)
-        status = "pass" if all(r["status"] == "pass" and r["send_share"] <= r["send_share_target"]
-                               for r in rows.values()) else "fail"
+        status = "pass" if all(r["status"] == "pass" and (split_row(name)[1] != "ipc" or "send_share" in r and
+                                                          r["send_share"] <= r["send_share_target"])
+                               for name, r in rows.items()) else "fail"
         return {"status": status, "rows": rows,
-                "definition": "the prediction step's rows on the CUDA IPC path (transport: which path ran); passes "
-                              "when the prediction is within its target and send_share under 0.10 "
-                              "(the transport issue's target). " + PREDICTION_DEFINITION}
+                "definition": "the prediction step's rows on the CUDA IPC path (transport: which path ran) and staged "
+                              "through 8 MiB slots; passes when each prediction is within its target and the IPC "
+                              "row's send_share under 0.10 (the transport issue's target). " + PREDICTION_DEFINITION}
 
     def _predicted_rows(self, which: Dict[str, tuple]) -> Dict[str, dict]:
         from megatron_app.trace.reader import read_trace_dir
@@ -491,7 +498,9 @@ class Check:
             if pipeline > 1:   # the transport issue's target for this run: sends in flight under 10% of the iteration
                 rows[name].update(transfer_shares=transfers, send_share=max(t["send"] for t in transfers.values()),
                                   send_share_target=0.10)
-            if transport != "default":
+            if transport == "slots8":
+                rows[name]["transport"] = "staged, 8 MiB slots x 4"
+            elif transport != "default":
                 rows[name]["transport"] = run["ipc_fallback"] or f"{transport} (no fallback said)"
         return rows
 
