@@ -66,6 +66,37 @@ def test_the_threads_draw_what_one_thread_draws(gpt, monkeypatch):
     assert _same(drawn[1], drawn[4])
 
 
+def test_drawn_ahead_within_the_byte_bound_and_copied_on_the_calling_thread(gpt, monkeypatch):
+    """Workers only draw: the copies into the parameters (on a GPU, onto the device) run on the calling thread, and
+    no more than the bound is drawn ahead of them (here 1 byte: each parameter alone)."""
+    import threading
+
+    import torch
+
+    from megatron_app.train import weights
+
+    config, build = gpt
+    monkeypatch.setattr(weights, "_MOST_DRAW_THREADS", 1)
+    reference = build()
+    weights.reinitialize_by_global_name([reference], config, seed=7)
+    monkeypatch.setattr(weights, "_MOST_DRAW_THREADS", 4)
+    monkeypatch.setattr(weights.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(weights, "_DRAWN_BYTES_AHEAD", 1)
+    copying_threads = set()
+    megatron_copy = torch.Tensor.copy_
+
+    def copy_(tensor, *args, **kwargs):
+        copying_threads.add(threading.get_ident())
+        return megatron_copy(tensor, *args, **kwargs)
+
+    model = build()
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    weights.reinitialize_by_global_name([model], config, seed=7)
+    monkeypatch.setattr(torch.Tensor, "copy_", megatron_copy)
+    assert copying_threads == {threading.get_ident()}
+    assert _same(_state(model), _state(reference))
+
+
 def test_the_configs_init_methods_come_back_even_after_a_failed_build(gpt):
     from megatron_app.train import weights
 

@@ -8,8 +8,10 @@ keeps its shard. Same seed => bit-identical weights for any P, V, T, D.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import inspect
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -74,6 +76,9 @@ def draw_full_parameter(global_name: str, shape, config: TransformerConfig, seed
 # Threads drawing parameters at once: each parameter has its own generator, so the values do not depend on the
 # order; torch's normal_ draws serially (~270 M values/s a core), 6 s for a 1.6 B-parameter model on one.
 _MOST_DRAW_THREADS = 8
+# Full fp32 tensors drawn ahead of their copies, at most (one larger parameter is drawn alone): every rank of a host
+# draws at once, so the host's memory bounds it, not the model.
+_DRAWN_BYTES_AHEAD = 1 << 30
 _MEGATRON_INIT_FIELDS = ("init_method", "output_layer_init_method", "embedding_init_method")
 
 
@@ -134,23 +139,38 @@ def _draw_threads(parameters: int) -> int:
 
 
 def reinitialize_by_global_name(chunks, config: TransformerConfig, seed: int) -> None:
-    """Overwrite every parameter of ``chunks`` with its layout-independent initial value (parameters drawn on
-    several threads: each has its own generator, so the values are the same in any order)."""
+    """Overwrite every parameter of ``chunks`` with its layout-independent initial value. Drawn on several threads
+    (each parameter has its own generator, so the values are the same in any order), copied into the parameters on
+    the calling thread: a worker thread copying into a GPU's parameter could make a CUDA context on device 0."""
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    parameters = [item for chunk in chunks for item in named_global_parameters(chunk)]
+    parameters = []
+    for chunk in chunks:
+        for global_name, param in named_global_parameters(chunk):
+            info = ShardInfo.of(param)
+            parameters.append((global_name, param, info, full_shape(param.shape, info, tp_size)))
 
-    def fill(item) -> None:
-        global_name, param = item
-        info = ShardInfo.of(param)
-        full = draw_full_parameter(global_name, full_shape(param.shape, info, tp_size), config, seed)
-        with torch.no_grad():   # grad mode is per thread
-            param.copy_(take_shard(full, info, tp_rank, tp_size))
+    def drawn_shard(global_name: str, info: ShardInfo, shape) -> torch.Tensor:
+        return take_shard(draw_full_parameter(global_name, shape, config, seed), info, tp_rank, tp_size)
+
+    def copy(param: torch.nn.Parameter, shard: torch.Tensor) -> None:
+        with torch.no_grad():
+            param.copy_(shard)
 
     threads = _draw_threads(len(parameters))
     if threads == 1:
-        for item in parameters:
-            fill(item)
+        for global_name, param, info, shape in parameters:
+            copy(param, drawn_shard(global_name, info, shape))
         return
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="weights") as pool:
-        list(pool.map(fill, parameters))   # list(): a worker's exception is raised here
+        ahead, drawn_bytes = collections.deque(), 0
+        for global_name, param, info, shape in parameters:
+            full_bytes = 4 * math.prod(shape)
+            while ahead and drawn_bytes + full_bytes > _DRAWN_BYTES_AHEAD:
+                waiting, future, size = ahead.popleft()
+                copy(waiting, future.result())   # a worker's exception is raised here
+                drawn_bytes -= size
+            ahead.append((param, pool.submit(drawn_shard, global_name, info, shape), full_bytes))
+            drawn_bytes += full_bytes
+        for waiting, future, _ in ahead:
+            copy(waiting, future.result())
