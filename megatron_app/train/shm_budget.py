@@ -20,14 +20,6 @@ def _round_up(value: int, step: int) -> int:
     return -(-value // step) * step
 
 
-def transport_sizes() -> tuple[int, int]:
-    """(slot_bytes, num_slots) the runtime opens its transport with: the Transport's defaults
-    (MEGATRON_APP_SLOT_MIB / MEGATRON_APP_SLOTS where set)."""
-    from megatron_app.transport.transport import default_slot_geometry
-
-    return default_slot_geometry()
-
-
 def segment_bytes(rings: int, slot_bytes: int, num_slots: int) -> int:
     if rings < 1:
         return 0
@@ -71,7 +63,9 @@ class ShmEstimate:
 
 def estimate(pipeline_parallel: int, tensor_parallel: int, data_parallel: int, ranks_per_node: int,
              node_rank: int = 0, sizes: tuple[int, int] | None = None) -> ShmEstimate:
-    slot_bytes, num_slots = sizes or transport_sizes()
+    from megatron_app.transport.transport import default_slot_geometry   # the runtime's transport opens with these
+
+    slot_bytes, num_slots = sizes or default_slot_geometry()
     per_rank = [segment_bytes(rings, slot_bytes, num_slots) for rings in
                 local_ring_counts(pipeline_parallel, tensor_parallel, data_parallel, ranks_per_node, node_rank)]
     owners = [size for size in per_rank if size]

@@ -63,6 +63,7 @@ def default_slot_geometry(environ=None) -> tuple[int, int]:
         geometry.append(value)
     return geometry[0] << 20, geometry[1]
 
+
 TransportTimeout = core.TransportTimeout
 PeerDied = core.PeerDied
 TransportClosed = core.TransportClosed
