@@ -30,12 +30,16 @@ def test_the_rehearsal_runs_every_step_and_writes_both_reports(rehearsal):
     # where the launches' time went: before the rank, the rank's start-up phases, iterations, after
     launch = report["launch"]
     assert launch["launches"] == 4 + 4 + 2 and list(launch["median_alone"]) == [
-        "total", "before_rank", "launcher_setup_env", "launcher_check_config", "launcher_to_rank", "rank_imports",
-        "rank_process_group", "rank_model_parallel", "rank_trainer", "rank_trainer_model", "rank_trainer_optimizer",
-        "rank_trainer_data", "rank_trainer_runtime", "iterations", "after",
-        "after_loop_outside_iterations", "after_rank_closing", "after_rank_process_group", "after_rank_exit"]
+        "total", "exposed", "gate_opened", "before_rank", "launcher_setup_env", "launcher_check_config",
+        "launcher_to_rank", "rank_imports", "rank_gate", "rank_process_group", "rank_model_parallel", "rank_trainer",
+        "rank_trainer_model", "rank_trainer_optimizer", "rank_trainer_data", "rank_trainer_runtime", "iterations",
+        "after", "after_loop_outside_iterations", "after_rank_closing", "after_rank_process_group",
+        "after_rank_exit", "ahead_overlap"]
     assert all(value >= 0 for value in launch["median_alone"].values()), launch
-    assert "launch      median seconds of the launches that ran alone (of 10)" in (out / "report.txt").read_text()
+    # the timing steps' six runs: each started ahead, behind its gate (the first beside the equality step)
+    assert launch["started_ahead"] == 6 and launch["ahead_overlap_max"] >= 0
+    assert ("launch      median seconds of the launches that ran alone (of 10; 6 started ahead behind a gate"
+            in (out / "report.txt").read_text())
     probes = report["steps"]["host"]["startup_probes_s"]
     assert set(probes) == {"python", "import_torch", "import_megatron_core_gc_paused",
                            "getfqdn", "gethostbyname"}
@@ -215,8 +219,13 @@ def test_a_launchs_phases_add_up_to_its_time():
                        "seconds": {"imports": 5.0, "process_group": 0.5, "model_parallel": 0.1, "trainer": 0.4}},
            "iterations": [{"time_ms": 1500.0}, {"time_ms": 500.0}]}
     phases = gpu_check.launch_phases(1000.0, 15.0, log)
-    assert phases == {"total": 15.0, "before_rank": 4.0, "rank_imports": 5.0, "rank_process_group": 0.5,
-                      "rank_model_parallel": 0.1, "rank_trainer": 0.4, "iterations": 2.0, "after": 3.0}
+    assert phases == {"total": 15.0, "exposed": 15.0, "before_rank": 4.0, "rank_imports": 5.0,
+                      "rank_process_group": 0.5, "rank_model_parallel": 0.1, "rank_trainer": 0.4, "iterations": 2.0,
+                      "after": 3.0}
+    # a run started ahead: its gate opened 3 s in; what it added to the check is the rest
+    gated = gpu_check.launch_phases(1000.0, 15.0, log, gate_opened_unix=1003.0)
+    assert gated["exposed"] == 12.0 and gated["gate_opened"] == 3.0 and list(gated)[:3] == [
+        "total", "exposed", "gate_opened"]
     assert gpu_check.launch_phases(1000.0, 15.0, {"iterations": []}) is None
     summary = gpu_check.launch_summary({"eq-a-p1": phases, "predict-p1": {**phases, "total": 17.0}})
     assert summary["launches"] == 2 and summary["median_alone"]["total"] == 17.0
@@ -224,7 +233,7 @@ def test_a_launchs_phases_add_up_to_its_time():
     # the trainer's parts (startup.TRAINER_PARTS) follow its phase
     log["startup"]["trainer_parts"] = {"model": 0.25, "optimizer": 0.1, "data": 0.05}
     parts = gpu_check.launch_phases(1000.0, 15.0, log)
-    assert list(parts)[6:9] == ["rank_trainer_model", "rank_trainer_optimizer", "rank_trainer_data"]
+    assert list(parts)[7:10] == ["rank_trainer_model", "rank_trainer_optimizer", "rank_trainer_data"]
     assert parts["rank_trainer_model"] == 0.25
     del log["startup"]["trainer_parts"]
     # the rank's ending record splits `after`: the loop beyond its iterations, closing, the group's end, the exit
@@ -286,3 +295,62 @@ def test_a_curve_run_that_failed_is_its_own_row_and_the_other_size_still_fits(tm
     text = gpu_check.write_text_report({"passed": False, "mode": "cpu", "seconds": 1.0, "launch": None,
                                          "steps": {"curves": {**result, "seconds": 0.1}}})
     assert "h48: fail: megatron_app.train: error: out of memory" in text
+
+
+FAKE_LAUNCHER = """
+import json, sys, time
+from megatron_app.train.startup import StartupClock, wait_for_start_gate
+log = sys.argv[sys.argv.index("--log-json") + 1]
+clock = StartupClock()
+time.sleep(0.3)                      # the imports
+clock.mark("imports")
+if wait_for_start_gate(poll_s=0.01):
+    clock.mark("gate")
+time.sleep(0.2)
+for phase in ("process_group", "model_parallel", "trainer"):
+    clock.mark(phase)
+time.sleep(0.3)                      # one iteration
+json.dump({"startup": clock.report(), "iterations": [{"time_ms": 300.0}]}, open(log, "w"))
+"""
+
+
+def test_timed_runs_start_one_ahead_behind_a_gate_that_opens_when_their_turn_comes(tmp_path):
+    """The timing steps' runs: while one runs, the next is started and waits at its start gate (its imports done,
+    nothing past them); its gate opens when its step asks for it, and `exposed` counts only from there. A run no
+    step takes is stopped at the end; a step asking for other flags than foreseen gets a fresh run."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import gpu_check
+
+    fake = tmp_path / "fake_launcher.py"
+    fake.write_text(FAKE_LAUNCHER)
+    check = gpu_check.Check(tmp_path / "out", gpu_check.CPU, sys.executable)
+    check.launcher = [sys.executable, str(fake)]
+    spec = {name: gpu_check.RunSpec.of(name, 1, 1, ["--x", name], 1, trace=True) for name in ("a", "b", "c")}
+    check.timed_plan = [(name, lambda name=name: spec[name]) for name in spec]
+
+    first = check.train("a", 1, 1, ["--x", "a"], 1, trace=True)
+    assert first["rc"] == 0 and "gate_opened" not in first["launch"]
+    assert first["launch"]["exposed"] == first["launch"]["total"]
+    ahead = check._ahead["b"]
+    time.sleep(1.0)   # b is past its imports, at its gate, and stays there
+    assert ahead.process.poll() is None and not (ahead.run_dir / "log.json").exists()
+    second = check.train("b", 1, 1, ["--x", "b"], 1, trace=True)
+    record = second["launch"]
+    assert second["rc"] == 0 and record["gate_opened"] >= 1.0 and record["rank_gate"] >= 0.5
+    assert record["exposed"] == pytest.approx(record["total"] - record["gate_opened"], abs=0.02)
+    assert record["exposed"] < 1.5 and record["ahead_overlap"] == 0.0
+    summary = gpu_check.launch_summary(check.launches)
+    assert summary["started_ahead"] == 1 and summary["ahead_overlap_max"] == 0.0
+
+    waiting = check._ahead["c"]       # started ahead, then asked for with other flags: stopped, run afresh
+    third = check.train("c", 1, 1, ["--x", "other"], 1, trace=True)
+    assert waiting.process.poll() is not None and third["rc"] == 0 and "gate_opened" not in third["launch"]
+    assert not check._ahead           # c is the plan's last: nothing started after it
+
+    check.start_ahead("b")            # a run that ran is not started again
+    assert not check._ahead
+    check.timed_plan.append(("d", lambda: gpu_check.RunSpec.of("d", 1, 1, [], 1)))
+    check.start_ahead("d")            # one no step takes: close() stops it
+    left = check._ahead["d"]
+    check.close()
+    assert left.process.poll() is not None and not check._ahead

@@ -119,6 +119,7 @@ def _train(args) -> None:
     from megatron_app.transport import BackendUnavailable, PeerDied, TransportClosed, TransportTimeout
 
     from .loop import train
+    from .startup import StartGateTimeout
     from .stops import NonFiniteError, TrainingInterrupted
 
     resume_collections()   # torch and megatron-core are in: the model is built with the collector on
@@ -132,6 +133,9 @@ def _train(args) -> None:
     except NonFiniteError as exc:   # every rank stops on the same iteration; one of them names it
         if exc.report:
             say(f"megatron_app.train: rank {rank}: error: {exc}")
+        raise SystemExit(1) from None
+    except StartGateTimeout as exc:   # its harness is gone: nothing ran yet
+        say(f"megatron_app.train: rank {rank}: error: {exc}")
         raise SystemExit(1) from None
     except BackendUnavailable as exc:  # a forced --transport / MEGATRON_APP_TRANSPORT this job cannot honour
         _fail(str(exc))

@@ -31,7 +31,7 @@ from .lr_schedule import build_scheduler, current_lr, varies_lr
 from .optim import AdamSettings, MixedPrecision, build_optimizer, finalize_model_grads
 from .evaluate import evaluate
 from .report import IterationReporter, reduce_lm_loss
-from .startup import EndingClock, StartupClock
+from .startup import EndingClock, StartupClock, wait_for_start_gate
 from .step import forward_step
 from .stops import check_finite, interrupt_follows, interrupted, raise_once_on_ctrl_c
 from .trace_run import start_trace_run
@@ -218,6 +218,8 @@ def train(args) -> None:
     """
     startup = StartupClock()
     startup.mark("imports")
+    if wait_for_start_gate():
+        startup.mark("gate")
     owns_process_group = not dist.is_initialized()
     restore_ctrl_c = raise_once_on_ctrl_c()
     init_distributed(args.device, args.distributed_timeout_minutes)
