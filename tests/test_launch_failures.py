@@ -332,24 +332,26 @@ def test_an_output_path_that_cannot_be_made_is_refused_before_any_rank_starts(tm
 
 @pytest.mark.slow
 def test_an_environment_failure_inside_the_ranks_is_one_line_per_rank_and_one_summary(tmp_path):
-    # The path is fine when the launcher checks the flags; it turns into a file while the ranks start (they take
-    # seconds to import torch), so the ranks' own check of the flags fails.
-    blocker = tmp_path / "a_file"
+    # The path is fine when the launcher and the ranks check the flags; it turns into a file while the ranks wait
+    # at their start gate (train/startup.py), so creating the trace folder fails inside them, past their imports.
+    blocker, gate = tmp_path / "a_file", tmp_path / "gate"
     launcher = subprocess.Popen(
         ["bash", str(REPO / "run_single.sh"), "--pipeline_parallel", "2", "--model_chunks", "1", "--iters", "1",
          "--num-layers", "2", "--trace-dir", str(blocker / "traces")], cwd=REPO,
-        env=run_env(LOG_DIR=str(tmp_path / "logs")), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env=run_env(LOG_DIR=str(tmp_path / "logs"), MEGATRON_APP_START_GATE=str(gate)), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
     err = ""
-    while "ranks: pipeline" not in err:
+    while err.count("waits for its start gate") < 2:
         line = launcher.stderr.readline()
         assert line, err
         err += line
     blocker.write_text("not a directory")
+    gate.touch()
     out, rest = launcher.communicate(timeout=300)
     err += rest
     assert launcher.returncode != 0
     assert "Traceback" not in err and "ChildFailedError" not in err, err[-3000:]
     last = err.strip().splitlines()[-1]
-    # rank 0 says it (one line per node); its exit code or torchrun's SIGTERM, whichever came first
-    assert last.startswith("run_single.sh: rank 0 on ") and " before the first iteration ended: --trace-dir " \
-        f"{blocker}/traces: cannot create the directory there: {blocker} is not a directory; its log: " in last, last
+    # rank 0 (the one that traces first) says it, and the launcher once, naming its log
+    assert last.startswith("run_single.sh: rank 0 on ") and " before the first iteration ended: [Errno 20] Not a " \
+        f"directory: '{blocker}/traces/" in last and "; its log: " in last, last
