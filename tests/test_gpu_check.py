@@ -354,3 +354,21 @@ def test_timed_runs_start_one_ahead_behind_a_gate_that_opens_when_their_turn_com
     left = check._ahead["d"]
     check.close()
     assert left.process.poll() is not None and not check._ahead
+
+
+def test_the_transport_step_checks_the_benchs_cuda_rows_as_the_cuda_test_did():
+    """The pytest step leaves the bench's CUDA test to the transport step, which checks its full run the same way:
+    the H200's rows pass; a row not bit-exact, or one that went another way than planned, fails it."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import gpu_check
+
+    document = json.loads((REPO / "docs/results/gpu/h200_2026-11-27/transport.json").read_text())
+    assert len(document["cuda"]["rows"]) == 7 and gpu_check.cuda_bench_problems(document) == []
+    assert gpu_check.cuda_bench_problems({"rows": []}) == []   # the CPU rehearsal's: no CUDA section
+    rows = document["cuda"]["rows"]
+    rows[0]["bit_exact"] = False
+    rows[1]["ipc_path"] = "slots, registered (cuda ipc off: another PID namespace)"
+    rows[2]["ours_path"] = "pinned staging"
+    assert gpu_check.cuda_bench_problems(document) == [
+        "65536 bytes not bit-exact", "1048576 bytes: ours went by pinned staging",
+        "262144 bytes: ipc went by slots, registered (cuda ipc off: another PID namespace)"]
