@@ -145,6 +145,8 @@ def check_cuda_rows(rows, sizes):
         assert row["slots_over_arena"] == pytest.approx(row["ours_s"] / row["ours_arena_s"])
         assert row["big_slots_over_ours"] == pytest.approx(row["ours_8m_s"] / row["ours_s"])
         assert row["ours_8m_over_pinned"] == pytest.approx(row["ours_8m_gbs"] / row["pinned_gbs"])
+        for name in ("ours", "ipc"):
+            assert row[f"floor_over_{name}"] == pytest.approx(row["turn_us"] / row[f"{name}_us"])
 
 
 def test_cuda_section_rehearsed_on_host_tensors(tmp_path):

@@ -21,6 +21,9 @@ Once per section, the floor a device message pays between two processes sharing 
   turn_us    one way of a ping-pong in which each side runs a one-element device op, waits for it, and sends a
              4-byte host tensor through our transport
   host_msg_us   the same without the device op (our transport's host latency)
+  floor_over_ours, floor_over_ipc   turn_us over each path's one-way time: the share of a message that two processes
+             taking turns on one GPU cost before any copy (on the H200 of 2026-11-27: 197 us, so a 1 MiB message that
+             pinned staging moves in 49 us inside one process could not reach 0.8x of it between two)
 The IPC methods run in two processes of their own after the others (cli.run_cuda): a crash there empties their
 columns only, and the run still fails. Repetitions fill about `seconds` per size and method, at least 2 (plus one
 warm-up): 256 MiB runs a few times.
@@ -346,6 +349,9 @@ def add_cuda_ratios(rows: list) -> list:
             row["big_slots_over_ours"] = row["ours_8m_s"] / row["ours_s"]
             if "pinned" in measured:
                 row["ours_8m_over_pinned"] = row["ours_8m_gbs"] / row["pinned_gbs"]
+        for name in ("ours", "ipc"):   # how much of a message the per-message floor between the processes is
+            if name in measured and "turn_us" in row:
+                row[f"floor_over_{name}"] = row["turn_us"] / row[f"{name}_us"]
         for name in ("ours", "ipc"):
             if name in measured and f"{name}_block" in measured:
                 row[f"{name}_block_over_spin"] = row[f"{name}_block_s"] / row[f"{name}_s"]
@@ -362,4 +368,5 @@ CUDA_COLUMNS = [("size", "size", 0), ("ours us", "ours_us", 1), ("ours GB/s", "o
                 ("ipc blk us", "ipc_block_us", 1), ("ours blk/spin", "ours_block_over_spin", 2),
                 ("ipc blk/spin", "ipc_block_over_spin", 2), ("arena us", "ours_arena_us", 1),
                 ("slots/arena", "slots_over_arena", 2), ("8M-slot us", "ours_8m_us", 1),
-                ("8M/ours", "big_slots_over_ours", 2), ("8M/pinned", "ours_8m_over_pinned", 2)]
+                ("8M/ours", "big_slots_over_ours", 2), ("8M/pinned", "ours_8m_over_pinned", 2),
+                ("floor/ours", "floor_over_ours", 2), ("floor/ipc", "floor_over_ipc", 2)]
