@@ -309,7 +309,7 @@ if wait_for_start_gate(poll_s=0.01):
 time.sleep(0.2)
 for phase in ("process_group", "model_parallel", "trainer"):
     clock.mark(phase)
-time.sleep(0.3)                      # one iteration
+time.sleep(float(__import__("os").environ.get("FAKE_ITERATION_S", "0.3")))   # one iteration
 json.dump({"startup": clock.report(), "iterations": [{"time_ms": 300.0}]}, open(log, "w"))
 """
 
@@ -372,3 +372,32 @@ def test_the_transport_step_checks_the_benchs_cuda_rows_as_the_cuda_test_did():
     assert gpu_check.cuda_bench_problems(document) == [
         "65536 bytes not bit-exact", "1048576 bytes: ours went by pinned staging",
         "262144 bytes: ipc went by slots, registered (cuda ipc off: another PID namespace)"]
+
+
+def test_a_stopped_check_leaves_no_launch_running(tmp_path, monkeypatch):
+    """gpu_check's launches run in sessions of their own (so that one can be stopped whole), out of reach of a signal
+    to gpu_check's group: close() (its SIGTERM/SIGINT handler calls it) stops the running ones and starts no more."""
+    import threading
+
+    sys.path.insert(0, str(REPO / "tools"))
+    import gpu_check
+
+    fake = tmp_path / "fake_launcher.py"
+    fake.write_text(FAKE_LAUNCHER)
+    monkeypatch.setenv("FAKE_ITERATION_S", "120")
+    check = gpu_check.Check(tmp_path / "out", gpu_check.CPU, sys.executable)
+    check.launcher = [sys.executable, str(fake)]
+    results = []
+    runner = threading.Thread(target=lambda: results.append(check.train("long", 1, 1, [], 1)))
+    runner.start()
+    deadline = time.monotonic() + 30
+    while not check._live and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (launch,) = check._live
+    started = time.monotonic()
+    check.close()
+    runner.join(timeout=30)
+    assert results and results[0]["rc"] != 0 and time.monotonic() - started < 15
+    assert launch.process.poll() is not None
+    with pytest.raises(RuntimeError, match="gpu_check is stopping: next not started"):
+        check.train("next", 1, 1, [], 1)

@@ -302,6 +302,8 @@ class Check:
         self._ahead: Dict[str, Launch] = {}    # run name -> its launch, started behind its gate
         self._setup_ends: Dict[str, float] = {}   # run name -> unix time its rank 0 began iterating
         self.launcher = ["bash", str(REPO / "run_single.sh")]
+        self._live: set = set()                # launches started and not yet waited for
+        self._closing = False
 
     def limit(self, seconds: float) -> float:
         """A command's time limit: `seconds`, or what is left of the budget when that is less (at least 1 s)."""
@@ -335,6 +337,8 @@ class Check:
         return run_dir
 
     def _start(self, spec: "RunSpec", gated: bool) -> "Launch":
+        if self._closing:
+            raise RuntimeError(f"gpu_check is stopping: {spec.name} not started")
         run_dir = self._run_dir(spec.name)
         command = [*self.launcher, "--pipeline_parallel", str(spec.pipeline), "--model_chunks",
                    str(spec.chunks), "--device", self.sizes.device, "--iters", str(spec.iters), "--seed", "1234",
@@ -346,7 +350,12 @@ class Check:
             gate = run_dir / "start_gate"
             env.update({START_GATE_ENV: str(gate), START_GATE_OWNER_ENV: str(os.getpid()),
                         START_GATE_TIMEOUT_ENV: str(round(self.limit(1800) + 600))})
-        return Launch(spec, run_dir, command, env, gate)
+        launch = Launch(spec, run_dir, command, env, gate)
+        with self._lock:
+            self._live.add(launch)
+        if self._closing:   # close() ran while this one started: it never saw it
+            launch.stop()
+        return launch
 
     def _start_next_ahead(self, name: str) -> None:
         """Starts the timed plan's run after `name` behind its gate."""
@@ -368,6 +377,8 @@ class Check:
 
     def _finish(self, launch: "Launch") -> dict:
         rc, seconds = launch.wait(self.limit(600))
+        with self._lock:
+            self._live.discard(launch)
         output = launch.output()
         log_json = launch.run_dir / "log.json"
         payload = json.loads(log_json.read_text()) if log_json.exists() else None
@@ -411,9 +422,12 @@ class Check:
                           trace=True)
 
     def close(self) -> None:
-        """Stops the runs started ahead that no step took (a step failed or the budget cut it)."""
+        """Stops every launch still running and those started ahead that no step took (a step failed, the budget
+        cut it, or gpu_check was told to stop), and starts no more: the launches run in sessions of their own, so a
+        signal to gpu_check's process group does not reach them."""
+        self._closing = True
         with self._lock:
-            left, self._ahead = list(self._ahead.values()), {}
+            left, self._ahead = list(self._live | set(self._ahead.values())), {}
         for launch in left:
             launch.stop()
 
@@ -1022,6 +1036,11 @@ def main(argv=None) -> int:
     deadline = None if args.budget_s is None else budget_started + args.budget_s
     check = Check(out, CPU if args.cpu else GPU, sys.executable, deadline)
     check.set_timed_plan(steps)
+
+    def stop_on(signum, _frame):   # a runner's timeout or Ctrl-C: no launch outlives the check
+        check.close()
+        raise SystemExit(128 + signum)
+
     report = {"mode": "cpu rehearsal" if args.cpu else "gpu", "steps": {}}
     if args.setup_seconds is not None:
         report["steps"]["setup"] = {"status": "pass", "seconds": args.setup_seconds}
@@ -1046,6 +1065,7 @@ def main(argv=None) -> int:
         print(f"gpu_check: {name} {result['status']} ({result['seconds']} s)", flush=True)
         return result
 
+    previous = {signum: signal.signal(signum, stop_on) for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
         for phase in PHASES:
             names = [name for name in phase if name in steps]
@@ -1058,6 +1078,8 @@ def main(argv=None) -> int:
             _write(out, report, started)
     finally:
         check.close()
+        for signum, handler in previous.items():   # a caller's process (a test calling main) keeps its own
+            signal.signal(signum, handler)
     report = _write(out, report, started)
     with tarfile.open(out / "runs.tar.gz", "w:gz") as archive:   # every run's output, logs and traces
         archive.add(check.work, arcname="runs", filter=lambda info: None if info.name.endswith("/corpus") or
