@@ -401,3 +401,40 @@ def test_a_stopped_check_leaves_no_launch_running(tmp_path, monkeypatch):
     assert launch.process.poll() is not None
     with pytest.raises(RuntimeError, match="gpu_check is stopping: next not started"):
         check.train("next", 1, 1, [], 1)
+
+
+@pytest.mark.slow
+def test_gpu_check_stopped_by_sigterm_leaves_no_trainer_behind(tmp_path):
+    """A runner's timeout (SIGTERM to gpu_check alone) while a timed run trains and the next waits at its gate:
+    gpu_check exits and no process of either run is left."""
+    import os
+    import signal
+
+    out = tmp_path / "out"
+    check = subprocess.Popen([sys.executable, str(REPO / "tools" / "gpu_check.py"), "--cpu", "--out", str(out),
+                              "--steps", "prediction"], cwd=REPO, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    ahead = out / "work" / "predict-p2v2"
+    deadline = time.monotonic() + 240
+    while not ahead.exists() and time.monotonic() < deadline:   # p1 runs, p2v2 started behind its gate
+        time.sleep(0.2)
+    assert ahead.exists()
+    time.sleep(1.0)
+    check.send_signal(signal.SIGTERM)
+    assert check.wait(timeout=60) == 128 + signal.SIGTERM
+
+    def left() -> list:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmdline = (Path("/proc") / pid / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if str(out) in cmdline:
+                found.append(f"{pid}: {cmdline[:200]}")
+        return found
+
+    deadline = time.monotonic() + 20
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left()
