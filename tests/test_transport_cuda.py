@@ -412,3 +412,40 @@ def test_the_rendezvous_names_this_gpu_and_its_peer_access():
         assert cuda_peer_access(str(torch.cuda.get_device_properties(0).uuid), other) == \
             torch.cuda.can_device_access_peer(0, 1)
     assert cuda_peer_access(mine, "GPU-not-on-this-host") is None
+
+
+PROBE_RANK = textwrap.dedent("""
+    import datetime, json, sys
+    import torch, torch.distributed as dist
+    from megatron_app.transport import ipc_probe
+    rank, port, refuse = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+    torch.zeros(1, device="cuda")
+    if refuse:   # as a rank that cannot map its peer's memory (a GPU hidden from it)
+        def read(blob, nbytes):
+            raise RuntimeError("refused by the test")
+        ipc_probe.CudaProbeDevice.read = staticmethod(read)
+    print(json.dumps(ipc_probe.probe_ipc(store, "probe", rank, [1 - rank], {}, 60)))
+""")
+
+
+@pytest.mark.parametrize("rank_1_refuses", [False, True])
+def test_the_ipc_probe_maps_a_peer_processs_memory_and_reads_its_bytes(rank_1_refuses):
+    """Two processes on this GPU run the rendezvous's probe (ipc_probe.py) for real: each opens the other's exported
+    buffer and reads its pattern back; a rank that cannot turns IPC off towards it, with the reason."""
+    import json
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ranks = [subprocess.Popen([sys.executable, "-c", PROBE_RANK, str(rank), str(port),
+                               "1" if rank == 1 and rank_1_refuses else "0"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    outputs = [rank.communicate(timeout=120) for rank in ranks]
+    assert all(rank.returncode == 0 for rank in ranks), [err[-2000:] for _, err in outputs]
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    assert results[1] == {}
+    expected = ({"1": "rank 1 could not read rank 0's device memory by CUDA IPC (RuntimeError: refused by the test)"}
+                if rank_1_refuses else {})
+    assert results[0] == expected

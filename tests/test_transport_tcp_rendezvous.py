@@ -95,6 +95,43 @@ def test_the_rendezvous_tells_each_transport_which_peers_ipc_cannot_reach(monkey
                 transport.close()
 
 
+def test_the_rendezvous_probes_ipc_between_ranks_that_asked_for_it_and_stages_to_a_rank_that_failed(monkeypatch):
+    """Ranks with CUDA in use that asked for IPC probe each other as their transports open (ipc_probe.py, here with
+    a stand-in for the CUDA calls): the second rank to probe cannot read what the other exports, so the other's
+    transport stages to it and says why; the first read its bytes, so IPC stays on towards the first."""
+    import megatron_app.transport.ipc_probe as ipc_probe
+    import megatron_app.transport.rendezvous as rendezvous
+    from test_ipc_probe import StandInDevice
+
+    registry, by_thread = {}, {}
+
+    class PerRank:   # the rank is its thread: the second thread's reads fail
+        def __getattr__(self, name):
+            device = by_thread.setdefault(threading.get_ident(), StandInDevice(registry, reads_fail=len(by_thread) == 1))
+            return getattr(device, name)
+
+    monkeypatch.setattr(rendezvous, "gpu_identity", lambda: "GPU-same")
+    monkeypatch.setattr(ipc_probe, "CudaProbeDevice", PerRank)
+    opened = _open_all(_store(), 2, "rdvprobe", {0: "auto", 1: "auto"}, cuda_ipc=True)
+    try:
+        assert all(not isinstance(t, Exception) for t in opened.values()), opened
+        assert sum(bool(t._ipc_off) for t in opened.values()) == 1     # one rank stages to the other
+        (stager, why), = [(rank, t._ipc_off) for rank, t in opened.items() if t._ipc_off]
+        assert why == {1 - stager: f"rank {1 - stager} could not read rank {stager}'s device memory by CUDA IPC "
+                                   "(RuntimeError: CUDA error: invalid device context)"}
+    finally:
+        for transport in opened.values():
+            if not isinstance(transport, Exception):
+                transport.close()
+    opened = _open_all(_store(), 2, "rdvnoprobe", {0: "auto", 1: "auto"})   # IPC not asked for: no probe
+    try:
+        assert all(not isinstance(t, Exception) and not t._ipc_off for t in opened.values()), opened
+    finally:
+        for transport in opened.values():
+            if not isinstance(transport, Exception):
+                transport.close()
+
+
 def _store(port=0):
     return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=30))

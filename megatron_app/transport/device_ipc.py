@@ -25,8 +25,9 @@ elsewhere never blocks other traffic. Both paths share the core's link, so messa
 
 On by `cuda_ipc=True` (or MEGATRON_APP_CUDA_IPC=1); where IPC cannot work the link falls back to the staged path
 and says so once: the engine says why (expandable segments, an export that fails), or the rendezvous saw the peer in
-another PID namespace or on a GPU without peer access to ours (backend_choice.ipc_impossible). A receiver that cannot
-open a peer's export for another reason (a GPU it cannot see) ends the run with one line.
+another PID namespace or on a GPU without peer access to ours (backend_choice.ipc_impossible), or its probe found
+that the peer cannot read our device memory (ipc_probe.py: a GPU hidden from it, a driver that refuses). A receiver
+that still cannot open a peer's export (a transport opened without the rendezvous) ends the run with one line.
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ prove (an HMAC of a fresh challenge; the secret itself never goes on the transpo
 
 from __future__ import annotations
 
-import datetime
 import json
 import secrets
 from collections.abc import Iterable
@@ -19,6 +18,9 @@ from ._core import core
 from .backends import BACKENDS, RDMA
 from .backend_choice import (BackendUnavailable, advertised_address, choose_backends, gpu_identity, host_identity,
                              ipc_impossible, pid_namespace, requested_mode)
+from .device_ipc import ipc_requested
+from .ipc_probe import probe_ipc, probe_peers
+from .store_keys import wait_for_keys
 from .transport import Transport
 
 KEY_PREFIX = "megatron_app/link"
@@ -30,14 +32,6 @@ def job_admission_secret(store, prefix: str) -> bytes:
     key = f"{prefix}/admission_secret"
     drawn = secrets.token_hex(ADMISSION_SECRET_BYTES)
     return bytes.fromhex(store.compare_set(key, "", drawn).decode())
-
-
-def _wait(store, keys: list[str], timeout_s: float, what: str) -> None:
-    try:
-        store.wait(keys, datetime.timedelta(seconds=timeout_s))
-    except Exception as error:  # c10d raises DistStoreError / RuntimeError subclasses, by version
-        raise TimeoutError(f"{what} did not appear in the torch.distributed store within {timeout_s:g} s "
-                           f"(is every rank of the job running?): {error}") from None
 
 
 def _read_json(store, key: str) -> dict:
@@ -56,10 +50,12 @@ def open_transport(store, rank: int, world_size: int, job_id: str, peers: Iterab
     round_id = store.add(f"{KEY_PREFIX}/{job_id}/round/{rank}", 1)
     prefix = f"{KEY_PREFIX}/{job_id}/{round_id}"
     built, usable, rdma_detail = core.rdma_status()
+    gpu = gpu_identity()
+    # "ipc": this rank asked for CUDA IPC and uses CUDA: the peers that did too on this host probe it (ipc_probe.py)
     mine = {"host": host_identity(), "rdma": bool(built and usable), "mode": mode, "pid_ns": pid_namespace(),
-            "gpu": gpu_identity()}
+            "gpu": gpu, "ipc": gpu is not None and ipc_requested(transport_options.get("cuda_ipc"))}
     store.set(f"{prefix}/info/{rank}", json.dumps(mine))
-    _wait(store, [f"{prefix}/info/{peer}" for peer in peers], timeout_s, f"peers {peers} of rank {rank}")
+    wait_for_keys(store, [f"{prefix}/info/{peer}" for peer in peers], timeout_s, f"peers {peers} of rank {rank}")
     infos = {rank: mine} | {peer: _read_json(store, f"{prefix}/info/{peer}") for peer in peers}
     disagreeing = sorted(peer for peer in peers if infos[peer]["mode"] != mode)
     if disagreeing:
@@ -79,13 +75,15 @@ def open_transport(store, rank: int, world_size: int, job_id: str, peers: Iterab
     ipc_off = ipc_impossible(rank, peers, {r: info["host"] for r, info in infos.items()},
                              {r: info.get("pid_ns", 0) for r, info in infos.items()},
                              {r: info.get("gpu") for r, info in infos.items()})
+    for peer, why in probe_ipc(store, prefix, rank, probe_peers(rank, infos), ipc_off, timeout_s).items():
+        ipc_off.setdefault(peer, why)   # a reason known beforehand says more than the probe's
     transport = Transport(rank, world_size, job_id, peers=peers, timeout_s=timeout_s, backends=remote,
                           listen_host=host, admission_secret=secret, ipc_off=ipc_off, **transport_options)
     try:
         if remote:
             kinds = sorted(set(remote.values()))
             store.set(f"{prefix}/addr/{rank}", json.dumps({kind: transport.local_address(kind) for kind in kinds}))
-            _wait(store, [f"{prefix}/addr/{peer}" for peer in remote], timeout_s,
+            wait_for_keys(store, [f"{prefix}/addr/{peer}" for peer in remote], timeout_s,
                   f"listening addresses of peers {sorted(remote)}")
             transport.set_peer_addresses({peer: _read_json(store, f"{prefix}/addr/{peer}")[kind]
                                           for peer, kind in remote.items()})
