@@ -57,7 +57,8 @@ WHY_NOT_RUN = {
     "example": "it trains (tests/test_simple_train_loop.py runs examples/simple_train_loop.py at P=1, P=2 and P=2 V=2)",
     "gpu_check": "it is the GPU proof (minutes on a GPU host); its CPU rehearsal runs in tests/test_gpu_check.py",
 }
-GPU_CHECK_FLAGS = {"--out": True, "--wheels": True, "--steps": True, "--cpu": False}   # flag -> takes a value
+GPU_CHECK_FLAGS = {"--out": True, "--wheels": True, "--steps": True, "--cpu": False, "--budget-s": True,
+                   "--no-ahead": False}   # flag -> takes a value
 
 
 @dataclasses.dataclass(frozen=True)

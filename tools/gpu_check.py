@@ -1015,6 +1015,9 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-s", type=float, default=None,
                         help="seconds for all steps: a step is not started once they are spent (reported as 'cut', "
                              "which fails the check), and a running command gets only what is left")
+    parser.add_argument("--no-ahead", action="store_true",
+                        help="start each timed run only when the one before has ended (no start gate; to measure "
+                             "what starting them ahead saves)")
     args = parser.parse_args(argv)
     if args.budget_s is not None and not args.budget_s > 0:
         print(f"gpu_check: --budget-s must be a positive number of seconds, got {args.budget_s}", file=sys.stderr)
@@ -1035,7 +1038,8 @@ def main(argv=None) -> int:
     budget_started = time.monotonic()
     deadline = None if args.budget_s is None else budget_started + args.budget_s
     check = Check(out, CPU if args.cpu else GPU, sys.executable, deadline)
-    check.set_timed_plan(steps)
+    if not args.no_ahead:
+        check.set_timed_plan(steps)
 
     def stop_on(signum, _frame):   # a runner's timeout or Ctrl-C: no launch outlives the check
         check.close()
