@@ -264,17 +264,28 @@ class Launch:
         return rc, time.perf_counter() - self.started
 
     def stop(self) -> None:
-        """Ends the whole process group (run_single.sh, torchrun, the ranks): TERM, then KILL after 10 s."""
-        for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.process.wait(timeout=grace)
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        """Ends the whole process group (run_single.sh, torchrun, the ranks): TERM, then KILL to whatever of it is
+        left after 10 s (a rank may outlive the launcher that started it)."""
+        if not self._signal_group(signal.SIGTERM):
+            return
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            self.process.poll()   # reaps the leader, whose zombie would answer for the group
+            if not self._signal_group(0):
+                return
+            time.sleep(0.05)
+        self._signal_group(signal.SIGKILL)
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def _signal_group(self, sig: int) -> bool:
+        try:
+            os.killpg(self.process.pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
 
     def output(self) -> str:
         """The command, its stdout and stderr, kept as output.txt (and returned)."""
