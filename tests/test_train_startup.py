@@ -104,30 +104,3 @@ def test_a_gate_that_never_opens_or_whose_owner_died_ends_the_wait_with_one_line
         wait_for_start_gate({START_GATE_ENV: gate, START_GATE_OWNER_ENV: str(gone.pid)}, poll_s=0.01)
     assert time.monotonic() - started < 1.0
 
-
-def test_a_gated_trainer_waits_past_its_imports_and_records_the_wait(tmp_path):
-    """The real trainer (P=1, hidden 32): behind a gate it reaches the gate without touching the process group, and
-    its start-up record has the gate's phase between the imports and the process group."""
-    import json
-    import os
-
-    from megatron_app.train.startup import START_GATE_ENV
-
-    gate, log = tmp_path / "gate", tmp_path / "log.json"
-    command = [sys.executable, "-m", "megatron_app.train", "--device", "cpu", "--iters", "1", "--num-layers", "2",
-               "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-               "--global-batch-size", "2", "--micro-batch-size", "1", "--log-json", str(log), "--no-trace"]
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    rank = subprocess.Popen(command, env={**env, START_GATE_ENV: str(gate)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    said = rank.stdout.readline()          # past its imports: it says it waits
-    assert said.strip() == f"megatron_app.train: rank 0 waits for its start gate {gate}", said
-    time.sleep(2.5)
-    assert rank.poll() is None and not log.exists()
-    gate.touch()
-    output = said + rank.communicate(timeout=240)[0]
-    assert rank.returncode == 0, output[-2000:]
-    startup = json.loads(log.read_text())["startup"]
-    assert list(startup["seconds"])[:3] == ["imports", "gate", "process_group"]
-    assert startup["seconds"]["gate"] > 2.0
