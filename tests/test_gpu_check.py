@@ -89,15 +89,15 @@ def test_the_equality_rows_hold_their_tolerance(rehearsal):
 
 @pytest.mark.slow
 def test_the_users_own_loop_runs_and_matches_megatrons_schedule(rehearsal):
-    """examples/simple_train_loop.py, P=2 V=2 under our schedule against P=1 under Megatron's (dropout 0.1): fixed
-    lengths and whole documents regrouped by `balanced`, three iterations each, within the stated tolerance."""
+    """examples/simple_train_loop.py, P=2 V=2 under our schedule against P=1 under Megatron's (dropout 0.1): whole
+    documents regrouped by `balanced`, three iterations, within the stated tolerance (the rehearsal's one row; on a
+    GPU host fixed lengths and `packed` too)."""
     out, _ = rehearsal
     rows = json.loads((out / "report.json").read_text())["steps"]["own-loop"]["rows"]
-    assert set(rows) == {"fixed", "balanced"}
+    assert set(rows) == {"balanced"}
     for row in rows.values():
         assert len(row["losses_p1"]) == len(row["losses_p2v2"]) == 3
         assert row["max_relative_difference"] <= row["tolerance"] == 1e-5
-    assert rows["fixed"]["losses_p1"] != rows["balanced"]["losses_p1"], "the two rows ran other data"
     assert "own-loop" in (out / "report.txt").read_text()
 
 
