@@ -33,7 +33,13 @@ class CudaProbeDevice:
 
     @staticmethod
     def buffer_holding(data: torch.Tensor) -> torch.Tensor:
-        buffer = data.to(torch.device("cuda", torch.cuda.current_device()))
+        """A buffer allocated as device_ipc allocates its ring slots (1 MiB at least: the allocator's large pool),
+        `data` at its start."""
+        from .device_engine import CudaCopyEngine
+        from .device_ipc import MIN_SLOT_BYTES
+
+        buffer = CudaCopyEngine.ipc_buffer(max(MIN_SLOT_BYTES, data.numel()), torch.cuda.current_device())
+        buffer[:data.numel()].copy_(data)
         torch.cuda.current_stream().synchronize()   # the peer reads it from its own process, unordered with ours
         return buffer
 
