@@ -299,7 +299,8 @@ def test_a_curve_run_that_failed_is_its_own_row_and_the_other_size_still_fits(tm
 
 FAKE_LAUNCHER = """
 import json, sys, time
-from megatron_app.train.startup import StartupClock, wait_for_start_gate
+from megatron_app.train.start_gate import wait_for_start_gate
+from megatron_app.train.startup import StartupClock
 log = sys.argv[sys.argv.index("--log-json") + 1]
 clock = StartupClock()
 time.sleep(0.3)                      # the imports

@@ -333,7 +333,7 @@ def test_an_output_path_that_cannot_be_made_is_refused_before_any_rank_starts(tm
 @pytest.mark.slow
 def test_an_environment_failure_inside_the_ranks_is_one_line_per_rank_and_one_summary(tmp_path):
     # The path is fine when the launcher and the ranks check the flags; it turns into a file while the ranks wait
-    # at their start gate (train/startup.py), so creating the trace folder fails inside them, past their imports.
+    # at their start gate (train/start_gate.py), so creating the trace folder fails inside them, past their imports.
     blocker, gate = tmp_path / "a_file", tmp_path / "gate"
     launcher = subprocess.Popen(
         ["bash", str(REPO / "run_single.sh"), "--pipeline_parallel", "2", "--model_chunks", "1", "--iters", "1",

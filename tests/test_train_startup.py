@@ -67,7 +67,7 @@ def test_the_ending_phases_are_consecutive_and_end_at_the_last_mark():
 
 
 def test_without_a_start_gate_nothing_waits():
-    from megatron_app.train.startup import wait_for_start_gate
+    from megatron_app.train.start_gate import wait_for_start_gate
 
     started = time.monotonic()
     assert wait_for_start_gate({}) is False and time.monotonic() - started < 0.1
@@ -76,7 +76,7 @@ def test_without_a_start_gate_nothing_waits():
 def test_the_start_gate_holds_the_rank_until_its_file_exists(tmp_path):
     import threading
 
-    from megatron_app.train.startup import START_GATE_ENV, wait_for_start_gate
+    from megatron_app.train.start_gate import START_GATE_ENV, wait_for_start_gate
 
     gate = tmp_path / "gate"
     opener = threading.Timer(0.3, gate.touch)
@@ -89,8 +89,8 @@ def test_the_start_gate_holds_the_rank_until_its_file_exists(tmp_path):
 def test_a_gate_that_never_opens_or_whose_owner_died_ends_the_wait_with_one_line(tmp_path):
     import pytest
 
-    from megatron_app.train.startup import (START_GATE_ENV, START_GATE_OWNER_ENV, START_GATE_TIMEOUT_ENV,
-                                            StartGateTimeout, wait_for_start_gate)
+    from megatron_app.train.start_gate import (START_GATE_ENV, START_GATE_OWNER_ENV, START_GATE_TIMEOUT_ENV,
+                                               StartGateTimeout, wait_for_start_gate)
 
     gate = str(tmp_path / "never")
     with pytest.raises(StartGateTimeout, match="did not open within 0.2 s"):

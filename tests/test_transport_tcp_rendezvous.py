@@ -107,7 +107,8 @@ def test_the_rendezvous_probes_ipc_between_ranks_that_asked_for_it_and_stages_to
 
     class PerRank:   # the rank is its thread: the second thread's reads fail
         def __getattr__(self, name):
-            device = by_thread.setdefault(threading.get_ident(), StandInDevice(registry, reads_fail=len(by_thread) == 1))
+            second = len(by_thread) == 1
+            device = by_thread.setdefault(threading.get_ident(), StandInDevice(registry, reads_fail=second))
             return getattr(device, name)
 
     monkeypatch.setattr(rendezvous, "gpu_identity", lambda: "GPU-same")

@@ -33,10 +33,10 @@ by side, so do equality and own-loop, and composition and ipc-sends; the other s
 The report's `launch` line: the median seconds of each trainer launch before its rank started, in the rank's
 start-up phases (train/startup.py), in iterations and after them. The timing steps' runs (prediction, curves,
 ipc-sends) are started one ahead: the next run's launcher, torchrun and imports overlap the current run's set-up
-(the first run's overlap the equality step), and its ranks wait behind a start gate (train/startup.py) until the
-current run ends. `exposed` is what a launch added to the check; `ahead_overlap`, how many seconds of its start-up
-before the gate ran on past the previous run's set-up, beside its iterations (0 where the previous set-up was the
-longer).
+(the first run's overlap the equality step), and its ranks wait behind a start gate (train/start_gate.py) until
+the current run ends. `exposed` is what a launch added to the check; `ahead_overlap`, how many seconds of its
+start-up before the gate ran on past the previous run's set-up, beside its iterations (0 where the previous set-up
+was the longer).
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron_app.train.startup import (START_GATE_ENV, START_GATE_OWNER_ENV,  # noqa: E402
-                                        START_GATE_TIMEOUT_ENV)
+from megatron_app.train.start_gate import (START_GATE_ENV, START_GATE_OWNER_ENV,  # noqa: E402
+                                           START_GATE_TIMEOUT_ENV)
 
 # Tolerances on the relative difference of per-iteration losses between P=1 and P=2 V=2.
 # fp32 on CUDA: cuBLAS may pick other kernels (other reduction orders) for the other microbatch shapes a layout
@@ -359,7 +359,7 @@ class Check:
         command += ["--trace-dir", str(run_dir / "trace")] if spec.trace else ["--no-trace"]
         env = dict(os.environ, LOG_DIR=str(run_dir / "logs"), PYTHONUNBUFFERED="1", **dict(spec.env))
         gate = None
-        if gated:   # the rank waits past its imports until the gate file exists (train/startup.py)
+        if gated:   # the rank waits past its imports until the gate file exists (train/start_gate.py)
             gate = run_dir / "start_gate"
             env.update({START_GATE_ENV: str(gate), START_GATE_OWNER_ENV: str(os.getpid()),
                         START_GATE_TIMEOUT_ENV: str(round(self.limit(1800) + 600))})

@@ -119,7 +119,7 @@ def _train(args) -> None:
     from megatron_app.transport import BackendUnavailable, PeerDied, TransportClosed, TransportTimeout
 
     from .loop import train
-    from .startup import StartGateTimeout
+    from .start_gate import StartGateTimeout
     from .stops import NonFiniteError, TrainingInterrupted
 
     resume_collections()   # torch and megatron-core are in: the model is built with the collector on

@@ -31,7 +31,8 @@ from .lr_schedule import build_scheduler, current_lr, varies_lr
 from .optim import AdamSettings, MixedPrecision, build_optimizer, finalize_model_grads
 from .evaluate import evaluate
 from .report import IterationReporter, reduce_lm_loss
-from .startup import EndingClock, StartupClock, wait_for_start_gate
+from .start_gate import wait_for_start_gate
+from .startup import EndingClock, StartupClock
 from .step import forward_step
 from .stops import check_finite, interrupt_follows, interrupted, raise_once_on_ctrl_c
 from .trace_run import start_trace_run

@@ -92,7 +92,8 @@ def probe_ipc(store, prefix: str, rank: int, peers: Iterable[int], known_off: Ma
         entry["error"] = f"rank {rank} could not export device memory: {_first_line(error)}"
     try:
         store.set(f"{prefix}/ipc_probe/{rank}", json.dumps(entry))
-        wait_for_keys(store, [f"{prefix}/ipc_probe/{peer}" for peer in peers], timeout_s, f"IPC probes of peers {peers}")
+        wait_for_keys(store, [f"{prefix}/ipc_probe/{peer}" for peer in peers], timeout_s,
+                      f"IPC probes of peers {peers}")
         failed = {}
         for peer in peers:
             theirs = json.loads(store.get(f"{prefix}/ipc_probe/{peer}").decode())
@@ -103,7 +104,8 @@ def probe_ipc(store, prefix: str, rank: int, peers: Iterable[int], known_off: Ma
             else:
                 failed[peer] = _read_failure(device, bytes.fromhex(theirs["blob"]), peer)
         store.set(f"{prefix}/ipc_probed/{rank}", json.dumps({str(peer): why for peer, why in failed.items()}))
-        wait_for_keys(store, [f"{prefix}/ipc_probed/{peer}" for peer in peers], timeout_s, f"IPC probe results of {peers}")
+        wait_for_keys(store, [f"{prefix}/ipc_probed/{peer}" for peer in peers], timeout_s,
+                      f"IPC probe results of {peers}")
         off = {}
         for peer in peers:
             why = json.loads(store.get(f"{prefix}/ipc_probed/{peer}").decode()).get(str(rank), "")
