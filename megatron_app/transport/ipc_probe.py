@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from .store_keys import wait_for_keys
+from .store_keys import read_json, wait_for_keys
 
 PROBE_BYTES = 4096
 
@@ -96,7 +96,7 @@ def probe_ipc(store, prefix: str, rank: int, peers: Iterable[int], known_off: Ma
                       f"IPC probes of peers {peers}")
         failed = {}
         for peer in peers:
-            theirs = json.loads(store.get(f"{prefix}/ipc_probe/{peer}").decode())
+            theirs = read_json(store, f"{prefix}/ipc_probe/{peer}")
             if peer in known_off:
                 failed[peer] = known_off[peer]
             elif "error" in theirs:
@@ -108,7 +108,7 @@ def probe_ipc(store, prefix: str, rank: int, peers: Iterable[int], known_off: Ma
                       f"IPC probe results of {peers}")
         off = {}
         for peer in peers:
-            why = json.loads(store.get(f"{prefix}/ipc_probed/{peer}").decode()).get(str(rank), "")
+            why = read_json(store, f"{prefix}/ipc_probed/{peer}").get(str(rank), "")
             if why:
                 off[peer] = f"rank {peer} could not read rank {rank}'s device memory by CUDA IPC ({why})"
         return off
@@ -127,4 +127,3 @@ def _read_failure(device, blob: bytes, peer: int) -> str:
     if not torch.equal(got, probe_pattern(peer)):
         return "its buffer read back other bytes than it wrote"
     return ""
-

@@ -20,7 +20,7 @@ from .backend_choice import (BackendUnavailable, advertised_address, choose_back
                              ipc_impossible, pid_namespace, requested_mode)
 from .device_ipc import ipc_requested
 from .ipc_probe import probe_ipc, probe_peers
-from .store_keys import wait_for_keys
+from .store_keys import read_json, wait_for_keys
 from .transport import Transport
 
 KEY_PREFIX = "megatron_app/link"
@@ -32,10 +32,6 @@ def job_admission_secret(store, prefix: str) -> bytes:
     key = f"{prefix}/admission_secret"
     drawn = secrets.token_hex(ADMISSION_SECRET_BYTES)
     return bytes.fromhex(store.compare_set(key, "", drawn).decode())
-
-
-def _read_json(store, key: str) -> dict:
-    return json.loads(store.get(key).decode())
 
 
 def open_transport(store, rank: int, world_size: int, job_id: str, peers: Iterable[int], *,
@@ -56,7 +52,7 @@ def open_transport(store, rank: int, world_size: int, job_id: str, peers: Iterab
             "gpu": gpu, "ipc": gpu is not None and ipc_requested(transport_options.get("cuda_ipc"))}
     store.set(f"{prefix}/info/{rank}", json.dumps(mine))
     wait_for_keys(store, [f"{prefix}/info/{peer}" for peer in peers], timeout_s, f"peers {peers} of rank {rank}")
-    infos = {rank: mine} | {peer: _read_json(store, f"{prefix}/info/{peer}") for peer in peers}
+    infos = {rank: mine} | {peer: read_json(store, f"{prefix}/info/{peer}") for peer in peers}
     disagreeing = sorted(peer for peer in peers if infos[peer]["mode"] != mode)
     if disagreeing:
         theirs = ", ".join(f"rank {peer}: {infos[peer]['mode']}" for peer in disagreeing)
@@ -84,8 +80,8 @@ def open_transport(store, rank: int, world_size: int, job_id: str, peers: Iterab
             kinds = sorted(set(remote.values()))
             store.set(f"{prefix}/addr/{rank}", json.dumps({kind: transport.local_address(kind) for kind in kinds}))
             wait_for_keys(store, [f"{prefix}/addr/{peer}" for peer in remote], timeout_s,
-                  f"listening addresses of peers {sorted(remote)}")
-            transport.set_peer_addresses({peer: _read_json(store, f"{prefix}/addr/{peer}")[kind]
+                          f"listening addresses of peers {sorted(remote)}")
+            transport.set_peer_addresses({peer: read_json(store, f"{prefix}/addr/{peer}")[kind]
                                           for peer, kind in remote.items()})
     except BaseException:
         transport.close()
