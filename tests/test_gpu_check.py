@@ -286,7 +286,7 @@ def test_a_curve_run_that_failed_is_its_own_row_and_the_other_size_still_fits(tm
     sizes = dataclasses.replace(gpu_check.CPU, curve_heads={32: 4, 48: 4})
     check = gpu_check.Check(tmp_path, sizes, sys.executable)
     failed = {"rc": 1, "json": None, "tail": ["megatron_app.train: error: out of memory"], "trace_dir": tmp_path}
-    monkeypatch.setattr(check, "train", lambda name, *_, **__: failed)
+    monkeypatch.setattr(check, "run", lambda spec: failed)
     result = check.curves()
     assert result["status"] == "fail"
     assert result["curves"]["h48"] == {"status": "fail", "run": "curve-h48",
@@ -327,7 +327,7 @@ def test_timed_runs_start_one_ahead_behind_a_gate_that_opens_when_their_turn_com
     check = gpu_check.Check(tmp_path / "out", gpu_check.CPU, sys.executable)
     check.launcher = [sys.executable, str(fake)]
     spec = {name: gpu_check.RunSpec.of(name, 1, 1, ["--x", name], 1, trace=True) for name in ("a", "b", "c")}
-    check.timed_plan = [(name, lambda name=name: spec[name]) for name in spec]
+    check.timed_plan = {name: (lambda name=name: spec[name]) for name in spec}
 
     first = check.train("a", 1, 1, ["--x", "a"], 1, trace=True)
     assert first["rc"] == 0 and "gate_opened" not in first["launch"]
@@ -350,7 +350,7 @@ def test_timed_runs_start_one_ahead_behind_a_gate_that_opens_when_their_turn_com
 
     check.start_ahead("b")            # a run that ran is not started again
     assert not check._ahead
-    check.timed_plan.append(("d", lambda: gpu_check.RunSpec.of("d", 1, 1, [], 1)))
+    check.timed_plan["d"] = lambda: gpu_check.RunSpec.of("d", 1, 1, [], 1)
     check.start_ahead("d")            # one no step takes: close() stops it
     left = check._ahead["d"]
     check.close()

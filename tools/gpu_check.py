@@ -54,6 +54,7 @@ import tarfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
@@ -311,7 +312,7 @@ class Check:
         self._corpus: Optional[dict] = None
         self._sweep = None                     # (file, SyntheticPlan) of the curves runs, written once
         self._lock = threading.Lock()          # steps that run side by side share the corpus and the launches
-        self.timed_plan: List[Tuple[str, Callable[[], RunSpec]]] = []   # set_timed_plan: the timed runs, in order
+        self.timed_plan: Dict[str, Callable[[], RunSpec]] = {}   # set_timed_plan: the timed runs, in order
         self._ahead: Dict[str, Launch] = {}    # run name -> its launch, started behind its gate
         self._setup_ends: Dict[str, float] = {}   # run name -> unix time its rank 0 began iterating
         self.launcher = ["bash", str(REPO / "run_single.sh")]
@@ -327,10 +328,14 @@ class Check:
     # ---- running the trainer ----------------------------------------------------------------------------------
     def train(self, name: str, pipeline: int, chunks: int, flags: List[str], iters: int,
               trace: bool = False, extra_env: Optional[Dict[str, str]] = None) -> dict:
-        """One run_single.sh run; returns {'rc', 'log', 'seconds', 'json', 'trace_dir'}. A timed run (timed_plan)
-        may have been started ahead, behind its start gate: its gate opens now. Then the plan's next run is started
-        behind its own gate, so its launcher, torchrun and imports overlap this run's set-up."""
-        spec = RunSpec.of(name, pipeline, chunks, flags, iters, trace, extra_env)
+        """One run_single.sh run; returns {'rc', 'log', 'seconds', 'json', 'trace_dir'} (run)."""
+        return self.run(RunSpec.of(name, pipeline, chunks, flags, iters, trace, extra_env))
+
+    def run(self, spec: "RunSpec") -> dict:
+        """`spec`'s run, as train. A timed run (timed_plan) may have been started ahead, behind its start gate: its
+        gate opens now. Then the plan's next run is started behind its own gate, so its launcher, torchrun and
+        imports overlap this run's set-up."""
+        name = spec.name
         with self._lock:
             launch = self._ahead.pop(name, None)
         if launch is not None and launch.spec != spec:   # the plan foresaw another run under this name
@@ -370,19 +375,25 @@ class Check:
             launch.stop()
         return launch
 
+    def _planned_beside(self, name: str, step: int) -> Optional[str]:
+        """The timed plan's run `step` places after `name` (-1: before it); None where there is none."""
+        names = list(self.timed_plan)
+        at = names.index(name) + step if name in names else -1
+        return names[at] if 0 <= at < len(names) else None
+
     def _start_next_ahead(self, name: str) -> None:
         """Starts the timed plan's run after `name` behind its gate. Whatever fails here (its flags need the corpus,
         say) is left for that run's own turn to report: `name`'s launch is already running and must be waited for."""
-        names = [planned for planned, _ in self.timed_plan]
-        if name in names and names.index(name) + 1 < len(names) and not self._closing:
+        following = self._planned_beside(name, 1)
+        if following is not None and not self._closing:
             try:
-                self.start_ahead(names[names.index(name) + 1])
+                self.start_ahead(following)
             except Exception:  # noqa: BLE001 - see above
                 pass
 
     def start_ahead(self, name: str) -> None:
         """Starts the timed plan's run `name` behind its gate (once; not where the budget is spent)."""
-        make_spec = dict(self.timed_plan).get(name)
+        make_spec = self.timed_plan.get(name)
         if make_spec is None or (self.deadline is not None and time.monotonic() >= self.deadline):
             return
         with self._lock:
@@ -404,12 +415,10 @@ class Check:
             startup = payload["startup"]
             with self._lock:
                 self._setup_ends[launch.spec.name] = startup["process_started_unix"] + startup["total_s"]
-                if launch.gate is not None:   # its start-up beyond the run before it's set-up: beside iterations
-                    names = [planned for planned, _ in self.timed_plan]
-                    before = names[names.index(launch.spec.name) - 1]
-                    at_gate = startup["process_started_unix"] + startup["seconds"].get("imports", 0.0)
-                    if before in self._setup_ends:
-                        launch_record["ahead_overlap"] = round(max(0.0, at_gate - self._setup_ends[before]), 2)
+                before = self._planned_beside(launch.spec.name, -1)
+                if launch.gate is not None and before in self._setup_ends:   # its start-up past the run before's
+                    at_gate = startup["process_started_unix"] + startup["seconds"].get("imports", 0.0)   # set-up
+                    launch_record["ahead_overlap"] = round(max(0.0, at_gate - self._setup_ends[before]), 2)
                 self.launches[launch.spec.name] = launch_record
         said = [line for line in output.splitlines() if "CUDA IPC to peer" in line]
         return {"rc": rc, "seconds": round(seconds, 1), "json": payload, "launch": launch_record,
@@ -419,20 +428,21 @@ class Check:
     def set_timed_plan(self, steps: List[str]) -> None:
         """The runs of the steps that time something alone, in the order they run: each one's launcher, torchrun
         and imports overlap the one before it (train)."""
-        plan = []
+        plan = {}
         if "prediction" in steps:
-            plan += [self._predicted_plan(name, row) for name, row in PREDICTION_ROWS.items()]
+            plan.update((_predicted_name(row), partial(self._predicted_spec, row, layout[:2]))
+                        for row, layout in PREDICTION_ROWS.items())
         if "curves" in steps:
-            plan += [(f"curve-h{hidden}", lambda hidden=hidden, heads=heads: self._curve_spec(hidden, heads))
-                     for hidden, heads in self.sizes.curve_heads.items()]
+            plan.update((f"curve-h{hidden}", partial(self._curve_spec, hidden, heads))
+                        for hidden, heads in self.sizes.curve_heads.items())
         if "ipc-sends" in steps:
-            plan += [self._predicted_plan(name, row) for name, row in IPC_PREDICTION_ROWS.items()]
+            plan.update((_predicted_name(row), partial(self._predicted_spec, row, layout[:2]))
+                        for row, layout in IPC_PREDICTION_ROWS.items())
         self.timed_plan = plan
 
-    def _predicted_plan(self, row: str, layout: tuple) -> Tuple[str, Callable[[], RunSpec]]:
-        name = f"predict-{row.replace('+', '-')}"
-        return name, lambda: RunSpec.of(name, layout[0], layout[1], self.model_flags(), self.sizes.prediction_iters,
-                                        trace=True, extra_env=TRANSPORT_ENVS[split_row(row)[1]])
+    def _predicted_spec(self, row: str, layout: tuple) -> RunSpec:
+        return RunSpec.of(_predicted_name(row), layout[0], layout[1], self.model_flags(), self.sizes.prediction_iters,
+                          trace=True, extra_env=TRANSPORT_ENVS[split_row(row)[1]])
 
     def _curve_spec(self, hidden: int, heads: int) -> RunSpec:
         return RunSpec.of(f"curve-h{hidden}", 1, 1, self.curve_flags(hidden, heads), self.sizes.curve_iters,
@@ -674,9 +684,7 @@ class Check:
         rows = {}
         for name, (pipeline, chunks, target) in which.items():
             _, transport = split_row(name)
-            spec = self._predicted_plan(name, (pipeline, chunks))[1]()
-            run = self.train(spec.name, pipeline, chunks, list(spec.flags), spec.iters, trace=True,
-                             extra_env=dict(spec.env))
+            run = self.run(self._predicted_spec(name, (pipeline, chunks)))
             if run["rc"] or not run["json"]:
                 rows[name] = {"status": "fail", "error": run["tail"][-1] if run["tail"] else "no output"}
                 continue
@@ -716,7 +724,7 @@ class Check:
         for hidden, heads in self.sizes.curve_heads.items():
             spec = self._curve_spec(hidden, heads)
             name, flags = spec.name, list(spec.flags)
-            run = self.train(name, 1, 1, flags, spec.iters, trace=True)
+            run = self.run(spec)
             if run["rc"] or not run["json"]:   # the other hidden size still gets its curves
                 fitted[f"h{hidden}"] = {"status": "fail", "run": name,
                                         "error": run["tail"][-1] if run["tail"] else "no output"}
@@ -807,6 +815,10 @@ def composition_rows(python: str, curves: Path, rows, work: Path, limit=lambda s
                          "balanced_over_packed": makespans["packed"] / makespans["balanced"],
                          "balanced_over_dp_balanced": makespans["dp-balanced"] / makespans["balanced"]}
     return results
+
+
+def _predicted_name(row: str) -> str:
+    return f"predict-{row.replace('+', '-')}"
 
 
 def cuda_bench_problems(document: dict) -> List[str]:
@@ -1091,7 +1103,7 @@ def main(argv=None) -> int:
         for phase in PHASES:
             names = [name for name in phase if name in steps]
             if names and set(names) <= EARLY_START_STEPS and check.timed_plan:
-                check.start_ahead(check.timed_plan[0][0])
+                check.start_ahead(next(iter(check.timed_plan)))
             with ThreadPoolExecutor(max_workers=max(1, len(names))) as pool:   # a phase's steps run side by side
                 for name, result in zip(names, pool.map(run_step, names)):
                     report["steps"][name] = result
