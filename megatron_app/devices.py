@@ -1,9 +1,10 @@
-"""Where tensors live: every decision about the device, in one module.
+"""Where tensors live: every decision about the device once a run has one, in one module.
 
-Four questions, each answered once: which device a run asked for (``--device auto|cpu|cuda``), which device this
-process computes on (its local rank's GPU, or the CPU), where a model's tensors are (its parameters'), and where a
-small collective's tensor must be (NCCL takes CUDA tensors only; gloo takes CPU ones). Outside the package's layers
-(it imports torch only), so the trainer, the runtime and the emulation read the same rules.
+Three questions, each answered once: which device this process computes on (its local rank's GPU, or the CPU),
+where a model's tensors are (its parameters'), and where a small collective's tensor must be (NCCL takes CUDA
+tensors only; gloo takes CPU ones). Which device a run asked for (``--device auto|cpu|cuda``) is device_choice's,
+which needs no torch. Outside the package's layers (it imports torch only), so the trainer, the runtime and the
+emulation read the same rules.
 """
 
 from __future__ import annotations
@@ -14,21 +15,7 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
-CPU, CUDA, AUTO = "cpu", "cuda", "auto"
-DEVICE_CHOICES = (AUTO, CPU, CUDA)
-
-
-class DeviceUnavailable(ValueError):
-    """The run asked for a device this machine does not have (one line for the user)."""
-
-
-def resolve_device_type(requested: str) -> str:
-    """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``; ``cuda`` without a GPU is refused."""
-    if requested == CUDA and not torch.cuda.is_available():
-        raise DeviceUnavailable("--device cuda requested but no CUDA device is available")
-    if requested == AUTO:
-        return CUDA if torch.cuda.is_available() else CPU
-    return requested
+from megatron_app.device_choice import CPU, CUDA
 
 
 def local_device(device_type: str, environ: Optional[Mapping[str, str]] = None) -> torch.device:

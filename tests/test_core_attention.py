@@ -72,7 +72,7 @@ def test_the_varlen_path_hands_the_kernel_every_document_at_once(monkeypatch, he
     q, k, v = _qkv(heads, groups, 8)
     params = attention_module.packed_documents(BOUNDS, torch.tensor(BOUNDS, dtype=torch.int32), qkv_format="sbhd")
     per_document = attention(q, k, v, None, packed_seq_params=params)
-    monkeypatch.setattr(attention_module, "_VARLEN_KERNEL", reference_kernel)
+    monkeypatch.setattr(attention_module, "varlen_kernel", lambda: reference_kernel)
     monkeypatch.setattr(attention_module.SdpaCoreAttention, "_takes_varlen_kernel", lambda self, query: True)
     through_varlen = attention(q, k, v, None, packed_seq_params=params)
     assert calls == [((22, heads, 8), BOUNDS, 12)]
@@ -92,7 +92,7 @@ def test_the_varlen_kernel_is_never_taken_on_cpu():
 def test_cuda_rows_take_the_varlen_kernel_only_in_half_precision_without_dropout():
     from megatron_app.train import attention as attention_module
 
-    assert attention_module._VARLEN_KERNEL is not None, "this torch has no torch.nn.attention.varlen"
+    assert attention_module.varlen_kernel() is not None, "this torch has no torch.nn.attention.varlen"
     row = torch.zeros(4, 1, 2, 8, device="cuda")
     assert not _attention()._takes_varlen_kernel(row)                              # fp32
     assert _attention()._takes_varlen_kernel(row.bfloat16())
@@ -107,7 +107,7 @@ def test_cuda_varlen_kernel_matches_per_document_sdpa(dtype):
     (tolerance: a few ulps of the dtype over these 12-token documents)."""
     from megatron_app.train import attention as attention_module
 
-    assert attention_module._VARLEN_KERNEL is not None, "this torch has no torch.nn.attention.varlen"
+    assert attention_module.varlen_kernel() is not None, "this torch has no torch.nn.attention.varlen"
     attention = _attention(heads=4, query_groups=2, hidden=256).cuda()
     q, k, v = (t.requires_grad_() for t in _qkv(4, 2, 64, device="cuda", dtype=dtype))
     bounds = torch.tensor(BOUNDS, dtype=torch.int32, device="cuda")

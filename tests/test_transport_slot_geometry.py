@@ -1,12 +1,12 @@
 """The receive slots a transport opens when its caller names none: MEGATRON_APP_SLOT_MIB and MEGATRON_APP_SLOTS
-(transport.default_slot_geometry), read by the runtime's transport and by the launchers' /dev/shm estimate alike."""
+(transport.slot_geometry.default_slot_geometry), read by the runtime's transport and by the launchers' /dev/shm estimate alike."""
 
 import pytest
 import torch
 from transport_helpers.common import job_id_fixture, same_bits  # noqa: F401  (provides the job_id fixture)
 
 from megatron_app.transport import Direction, Transport, make_tag
-from megatron_app.transport.transport import default_slot_geometry
+from megatron_app.transport.slot_geometry import default_slot_geometry
 
 FWD = Direction.FORWARD
 

@@ -32,7 +32,7 @@ def check_schedule(args) -> None:
 
 def check_forced_rdma(args) -> None:
     """MEGATRON_APP_TRANSPORT=rdma on a host without a usable device: one line now, before any rank starts."""
-    from megatron_app.transport import TRANSPORT_ENV, rdma_status, requested_mode
+    from megatron_app.transport import TRANSPORT_ENV, requested_mode
     from megatron_app.transport.backends import RDMA
 
     try:
@@ -41,6 +41,8 @@ def check_forced_rdma(args) -> None:
         _fail(str(exc))
     if args.pipeline_parallel < 2 or mode != RDMA:
         return
+    from megatron_app.transport import rdma_status   # the compiled core, with torch: only when RDMA is forced
+
     built, usable, detail = rdma_status()
     if not usable:
         _fail(f"{TRANSPORT_ENV}=rdma but this host has no usable RDMA device ({detail}); "
@@ -114,7 +116,10 @@ def main(argv=None) -> None:
 
 
 def _train(args) -> None:
-    # Heavy imports only once the flags are known to be good.
+    # Heavy imports only once the flags are known to be good; megatron-core first, its fusers compiled at first use.
+    from megatron_app.lazy_fusers import import_megatron_core
+
+    import_megatron_core()
     from megatron_app.runtime import PipelineStallError
     from megatron_app.transport import BackendUnavailable, PeerDied, TransportClosed, TransportTimeout
 

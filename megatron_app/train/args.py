@@ -45,11 +45,21 @@ def _world_size(environ: Mapping[str, str]) -> int:
     return value
 
 
-def _resolve_device(requested: str) -> str:
-    from megatron_app.devices import DeviceUnavailable, resolve_device_type
+def _resolve_device(requested: str, check_only: bool) -> str:
+    """The ranks ask torch; a launcher's --check-config asks the build and the driver without importing it (the
+    ranks' answer decides what runs, and they validate again)."""
+    from megatron_app.device_choice import DeviceUnavailable, cuda_available_without_torch, resolve_device_type
+
+    def cuda_available() -> bool:
+        answer = cuda_available_without_torch() if check_only else None
+        if answer is None:
+            import torch
+
+            answer = torch.cuda.is_available()
+        return answer
 
     try:
-        return resolve_device_type(requested)
+        return resolve_device_type(requested, cuda_available)
     except DeviceUnavailable as error:
         raise UsageError(str(error)) from None
 
@@ -354,7 +364,7 @@ def validate(args: argparse.Namespace, environ: Mapping[str, str]) -> argparse.N
     _check_architecture(args)
     _check_synthetic_layout(args)
     _derive_microbatches(args)
-    args.device = _resolve_device(args.device)
+    args.device = _resolve_device(args.device, check_only=args.check_config)
     if args.schedule == "megatron" and args.pipeline_parallel > 1 and args.device == "cpu":
         raise UsageError(
             "--schedule megatron with --pipeline_parallel > 1 needs CUDA (Megatron's p2p code is CUDA-only); "

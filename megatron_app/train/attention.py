@@ -14,6 +14,7 @@ documents, (seed, document, position, layer).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from dataclasses import dataclass
@@ -53,9 +54,11 @@ def packed_documents(bounds: Tuple[int, ...], cu_seqlens: torch.Tensor, qkv_form
                            max_seqlen_q=longest, max_seqlen_kv=longest, bounds=tuple(bounds))
 
 
-def _find_varlen_kernel() -> Optional[Callable]:
+@functools.cache
+def varlen_kernel() -> Optional[Callable]:
     """torch's flash varlen attention as f(q, k, v, cu_seqlens, max_len, scale) -> out on [t, heads, dim], causal;
-    None where this torch has none, or its signature cannot take a causal mask and our scale."""
+    None where this torch has none, or its signature cannot take a causal mask and our scale. Looked up at first
+    use: its module imports TorchDynamo (0.4 s of a rank's start-up, for a kernel only CUDA rows take)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -79,8 +82,6 @@ def _find_varlen_kernel() -> Optional[Callable]:
 
     return kernel
 
-
-_VARLEN_KERNEL = _find_varlen_kernel()
 
 
 class SdpaCoreAttention(MegatronModule):
@@ -175,8 +176,8 @@ class SdpaCoreAttention(MegatronModule):
     def _takes_varlen_kernel(self, query) -> bool:
         """The flash varlen kernel runs CUDA fp16/bf16 rows without attention dropout (it has no keyed masks)."""
         dropout_active = self.training and self.dropout_p > 0.0
-        return (_VARLEN_KERNEL is not None and is_cuda(query) and query.dtype in VARLEN_DTYPES
-                and not dropout_active and query.size(-1) % 8 == 0 and query.size(-1) <= 256)
+        return (is_cuda(query) and query.dtype in VARLEN_DTYPES and not dropout_active
+                and query.size(-1) % 8 == 0 and query.size(-1) <= 256 and varlen_kernel() is not None)
 
     def _per_document_forward(self, query, key, value, bounds) -> torch.Tensor:
         """One SDPA call per document: measured on CPU 2.3-2.6x faster than one call with a block-diagonal mask at
@@ -196,7 +197,7 @@ class SdpaCoreAttention(MegatronModule):
         longest = packed_seq_params.max_seqlen_q
         longest = int(longest) if isinstance(longest, int) else max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
         q, k, v = (t.squeeze(1) for t in (query, key, value))
-        context = _VARLEN_KERNEL(q, k, v, cu_seqlens, longest, self.softmax_scale)
+        context = varlen_kernel()(q, k, v, cu_seqlens, longest, self.softmax_scale)
         return context.reshape(context.size(0), 1, -1)
 
     def _attend(self, query, key, value, attention_mask, is_causal: bool, segment: Optional[int] = None):

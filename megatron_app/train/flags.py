@@ -8,6 +8,7 @@ import argparse
 import functools
 from typing import Mapping, Sequence
 
+from megatron_app.device_choice import DEVICE_CHOICES
 from megatron_app.lossy.config import TP_SITES
 from megatron_app.schedule import ADAPTIVE_POLICY_NAMES, DEFAULT_POLICY, STATIC_POLICY_NAMES
 from megatron_app.schedule.composition import COMPOSITION_NAMES, default_composition
@@ -17,7 +18,6 @@ from megatron_app.data.text_tokenizers import TOKENIZER_TYPES
 MEGATRON_SCHEDULE = "megatron"   # Megatron-Core's own forward_backward function, not our runtime
 SCHEDULES = ("app",) + STATIC_POLICY_NAMES + (MEGATRON_SCHEDULE,)
 POLICIES = ADAPTIVE_POLICY_NAMES
-DEVICES = ("auto", "cpu", "cuda")   # megatron_app.devices.DEVICE_CHOICES (it imports torch; this module does not)
 DEFAULT_MICROBATCHES = 8
 DEFAULT_VOCAB_SIZE = 1024  # mock data; with --data-path the size comes from the tokenizer or the data
 DEFAULT_SPLIT = "949,50,1"
@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(train, "--vocab-file", default=None, help="GPT-2 vocab.json (vocabulary size only)")
     _add_flag(train, "--merge-file", default=None, help="GPT-2 merges.txt")
     _add_flag(train, "--tokenizer-json", default=None, help="a Hugging Face tokenizer.json (vocabulary size only)")
-    _add_flag(train, "--device", choices=DEVICES, default="auto",
+    _add_flag(train, "--device", choices=DEVICE_CHOICES, default="auto",
               help="auto: one CUDA device per rank when there is one, else the CPU")
     train.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
                         help="stop the run, with one line naming the iteration and rank, on the first iteration "

@@ -63,7 +63,7 @@ class ShmEstimate:
 
 def estimate(pipeline_parallel: int, tensor_parallel: int, data_parallel: int, ranks_per_node: int,
              node_rank: int = 0, sizes: tuple[int, int] | None = None) -> ShmEstimate:
-    from megatron_app.transport.transport import default_slot_geometry   # the runtime's transport opens with these
+    from megatron_app.transport.slot_geometry import default_slot_geometry   # the runtime's transport opens with these
 
     slot_bytes, num_slots = sizes or default_slot_geometry()
     per_rank = [segment_bytes(rings, slot_bytes, num_slots) for rings in
