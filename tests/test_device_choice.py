@@ -2,6 +2,7 @@
 CUDA driver directly (megatron_app/device_choice.py) instead of importing torch."""
 
 import ctypes
+import json
 import os
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_app.device_choice import (DeviceUnavailable, cuda_available_without_torch, driver_device_count,
+from megatron_app.device_choice import (DeviceUnavailable, cuda_available_without_torch,
                                         resolve_device_type, torch_build_versions)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -143,3 +144,19 @@ def test_check_config_refuses_cuda_without_a_device_in_one_line():
     assert result.returncode == 2
     assert result.stderr.strip() == ("megatron_app.train: error: --device cuda requested but no CUDA device is "
                                      "available")
+
+
+def test_the_launch_imports_bench_times_both_measures_both_ways(tmp_path):
+    """tools/bench_launch_imports.py (BENCHMARKS.md "Launch time"): one repeat, every variant measured."""
+    out = tmp_path / "imports.json"
+    result = subprocess.run([sys.executable, str(REPO / "tools" / "bench_launch_imports.py"), "--repeats", "1",
+                             "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    seconds = json.loads(out.read_text())["seconds"]
+    assert {measure: set(variants) for measure, variants in seconds.items()} == {
+        "check-config": {"no torch", "torch first"}, "rank imports": {"deferred", "eager"}}
+    assert all(len(values) == 1 and values[0] > 0 for variants in seconds.values() for values in variants.values())
+    assert "rank imports: deferred" in result.stdout
+    bad = subprocess.run([sys.executable, str(REPO / "tools" / "bench_launch_imports.py"), "--repeats", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--repeats must be at least 1" in bad.stderr
