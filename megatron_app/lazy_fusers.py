@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import types
 
 
 def compile_on_first_call(compile_function):
@@ -20,7 +21,7 @@ def compile_on_first_call(compile_function):
     def decorate(model=None, **options):
         if model is None:                    # @torch.compile(options...) form
             return lambda function: decorate(function, **options)
-        if not _is_plain_function(model):
+        if not isinstance(model, types.FunctionType):
             return compile_function(model, **options)
         compiled = None
 
@@ -34,12 +35,6 @@ def compile_on_first_call(compile_function):
         return call
 
     return decorate
-
-
-def _is_plain_function(candidate) -> bool:
-    import types
-
-    return isinstance(candidate, types.FunctionType)
 
 
 def import_megatron_core() -> None:

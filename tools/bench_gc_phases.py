@@ -13,15 +13,15 @@ a bad flag.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from megatron_app.bench.fresh_interpreters import load_line, medians_of, parse_repeats, write_json
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD = """
@@ -51,12 +51,7 @@ def one_process(variant: str, scratch: Path) -> tuple:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--json")
-    args = parser.parse_args(argv)
-    if args.repeats < 1:
-        parser.error("--repeats must be at least 1")
+    args = parse_repeats(__doc__.split("\n\n")[0], argv)
     seconds = {variant: {"imports": [], "exit": []} for variant in VARIANTS}
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as scratch:
@@ -65,17 +60,14 @@ def main(argv=None) -> int:
                 imports, exit_s = one_process(variant, Path(scratch))
                 seconds[variant]["imports"].append(imports)
                 seconds[variant]["exit"].append(exit_s)
-    medians = {variant: {phase: statistics.median(values) for phase, values in phases.items()}
-               for variant, phases in seconds.items()}
+    medians = medians_of(seconds)
     for variant in VARIANTS:
         print(f"{variant:>9}: imports {medians[variant]['imports']:.3f} s, exit {medians[variant]['exit']:.3f} s "
               f"(medians of {args.repeats})")
     ratios = {phase: medians["gc_phases"][phase] / medians["default"][phase] for phase in ("imports", "exit")}
-    print(f"gc_phases / default: imports {ratios['imports']:.2f}x, exit {ratios['exit']:.2f}x; load average (1 min) "
-          f"before/after: {load_before:.2f} / {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"benchmark": "bench_gc_phases", "seconds": seconds,
-                                               "median": medians, "ratios": ratios}, indent=1))
+    print(f"gc_phases / default: imports {ratios['imports']:.2f}x, exit {ratios['exit']:.2f}x; "
+          f"{load_line(load_before)}")
+    write_json(args.json, "bench_gc_phases", seconds, medians, ratios)
     return 0
 
 

@@ -17,14 +17,13 @@ Prints medians and ratios. Exit 2 on a bad flag.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from megatron_app.bench.fresh_interpreters import load_line, medians_of, parse_repeats, write_json
 
 REPO = Path(__file__).resolve().parents[1]
 CHECK = """
@@ -64,29 +63,21 @@ def one_process(code: str, variant: str) -> float:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--json")
-    args = parser.parse_args(argv)
-    if args.repeats < 1:
-        parser.error("--repeats must be at least 1")
+    args = parse_repeats(__doc__.split("\n\n")[0], argv)
     seconds = {measure: {variant: [] for variant in variants} for measure, (_, variants) in MEASURES.items()}
     load_before = os.getloadavg()[0]
     for _ in range(args.repeats):
         for measure, (code, variants) in MEASURES.items():
             for variant in variants:
                 seconds[measure][variant].append(one_process(code, variant))
-    medians = {measure: {variant: statistics.median(values) for variant, values in variants.items()}
-               for measure, variants in seconds.items()}
+    medians = medians_of(seconds)
     ratios = {}
     for measure, (_, (now, before)) in MEASURES.items():
         ratios[measure] = medians[measure][now] / medians[measure][before]
         print(f"{measure}: {now} {medians[measure][now]:.3f} s, {before} {medians[measure][before]:.3f} s "
               f"({ratios[measure]:.2f}x; medians of {args.repeats})")
-    print(f"load average (1 min) before/after: {load_before:.2f} / {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"benchmark": "bench_launch_imports", "seconds": seconds,
-                                               "median": medians, "ratios": ratios}, indent=1))
+    print(load_line(load_before))
+    write_json(args.json, "bench_launch_imports", seconds, medians, ratios)
     return 0
 
 

@@ -132,7 +132,7 @@ CPU = Sizes(
     prediction_iters=3,
     curve_heads={32: 4, 48: 4}, curve_sweep=(16, 128, 16), curve_iters=6, curve_skip=1,
     transport_flags=["--backends", "shm", "--quick"],
-    device="cpu", parallel_runs=1,
+    device="cpu", parallel_runs=2,
     rows=["mock-fp32-optim", "balanced-fp32-dropout-llama"],
     # One row: the step's code is the same for each, and tests/test_simple_train_loop.py runs both (fixed lengths and
     # `balanced`) on CPU already; the second row cost the suite's longest test about half a minute.

@@ -27,26 +27,6 @@ SANITIZED_TESTS=(tests/test_transport_roundtrip.py tests/test_transport_tcp.py t
 want_sanitized=${MEGATRON_APP_TEST_SANITIZE:-$([ "$#" -eq 0 ] && echo 1 || echo 0)}
 want_latest=${MEGATRON_APP_TEST_LATEST:-$([ "$#" -eq 0 ] && echo 1 || echo 0)}
 
-# The whole suite: the later passes' set-up (the sanitizer build, .venv-megatron-latest: about 90 s on 2 cores) runs
-# beside the main pytest at the lowest CPU priority, on the cycles the suite leaves idle. Each step keeps its stamp
-# only when it completed, so whatever did not is done again in its place below, with its errors shown there.
-prepare_pid=
-kill_tree() { local child; for child in $(pgrep -P "$1"); do kill_tree "$child"; done; kill "$1" 2>/dev/null || true; }
-trap '[ -z "$prepare_pid" ] || kill_tree "$prepare_pid"' EXIT
-if [ "$#" -eq 0 ] && { [ "$want_sanitized" = 1 ] || [ "$want_latest" = 1 ]; }; then
-    (
-        renice -n 19 -p "$BASHPID" >/dev/null
-        if [ "$want_sanitized" = 1 ]; then
-            MAPP_SANITIZE=address,undefined VENV_PY="$VENV_PY" bash tools/build_sanitized.sh >/dev/null
-        fi
-        if [ "$want_latest" = 1 ]; then
-            # shellcheck source=tools/setup_latest_megatron.sh
-            source tools/setup_latest_megatron.sh
-        fi
-    ) >/dev/null 2>&1 &
-    prepare_pid=$!
-fi
-
 set +e
 if [ "$#" -eq 0 ]; then
     # The whole suite runs on two pytest workers, a test file per worker at a time (module fixtures are built once;
@@ -57,10 +37,6 @@ else
     "$VENV_PY" -m pytest "$@"
 fi
 rc=$?
-if [ -n "$prepare_pid" ]; then
-    wait "$prepare_pid" || echo "run_tests.sh: the later passes' set-up beside the suite failed; it is done again now" >&2
-    prepare_pid=
-fi
 set -e
 if [ "$rc" -eq 5 ]; then
     # pytest: "no tests collected". With a filter that is the user's choice; for the whole suite it is a fault.
