@@ -124,6 +124,18 @@ def test_the_answer_here_is_torchs():
     assert result.stdout.strip() in ("True", "False")
 
 
+@pytest.mark.cuda
+def test_on_a_gpu_host_the_check_sees_what_torch_sees():
+    """gpu_check's pytest step (-m cuda): the driver's count through ctypes is torch's, and `--device auto` resolves
+    to cuda in a launcher's check, without torch."""
+    code = ("import sys\nfrom megatron_app.device_choice import cuda_available_without_torch, driver_device_count\n"
+            "assert cuda_available_without_torch() is True\ncount = driver_device_count()\n"
+            "assert 'torch' not in sys.modules\nimport torch\nassert count == torch.cuda.device_count(), count\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env=without_nvml_check())
+    assert result.returncode == 0, result.stderr
+
+
 def test_check_config_imports_no_torch():
     """The launcher's check of a two-stage run: the device, the transport's mode and /dev/shm, without torch (it
     took 1.2 s here and 5.3 s on a GPU host, once per launch)."""
