@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import os
 
-# MiB a slot and slots in all (shared among the peer rings). A message larger than a slot crosses in slot-size chunks, each a hand-off between the
-# processes: on one H200, 8 MiB slots (4) moved 16-256 MiB CUDA tensors 1.9-2.3x faster than 1 MiB ones (16) and lost
-# at 1-4 MiB (BENCHMARKS.md, 2026-11-27); one run, so the default stays.
+# MiB a slot and slots in all (shared among the peer rings). A message larger than a slot crosses in slot-size
+# chunks, each a hand-off between the processes: on one H200, 8 MiB slots (4) moved 16-256 MiB CUDA tensors 1.9-2.3x
+# faster than 1 MiB ones (16) and lost at 1-4 MiB (BENCHMARKS.md, 2026-11-27); one run, so the default stays.
 SLOT_MIB_ENV, SLOTS_ENV = "MEGATRON_APP_SLOT_MIB", "MEGATRON_APP_SLOTS"
 DEFAULT_SLOT_BYTES, DEFAULT_NUM_SLOTS = 1 << 20, 16
 
