@@ -1,5 +1,6 @@
 """The receive slots a transport opens when its caller names none: MEGATRON_APP_SLOT_MIB and MEGATRON_APP_SLOTS
-(transport.slot_geometry.default_slot_geometry), read by the runtime's transport and by the launchers' /dev/shm estimate alike."""
+(transport.slot_geometry.default_slot_geometry), read by the runtime's transport and by the launchers' /dev/shm
+estimate alike."""
 
 import pytest
 import torch
