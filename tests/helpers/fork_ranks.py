@@ -4,6 +4,7 @@ What torchrun --standalone gives a rank (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_AD
 the ~10 s of CPU that importing torch and megatron-core costs (torch.compile decorators pull in dynamo/inductor): on
 the 2-core CI machine the imports were most of a small multi-rank test. Only for tests; users launch with torchrun.
     python tests/helpers/fork_ranks.py NPROC SCRIPT [ARGS...]
+    python tests/helpers/fork_ranks.py --serve SOCKET     (runs of the above, each a fork of one server: serve())
 Like torchrun: the first rank that fails stops the others, and the exit status is non-zero if any rank failed.
 
 The rule on a CUDA host: this parent process never touches CUDA; each rank initialises CUDA itself, after the fork.
@@ -22,6 +23,7 @@ before the rank script runs start their ranks as fresh interpreters instead: tes
 import contextlib
 import ctypes
 import importlib
+import json
 import os
 import random
 import runpy
@@ -163,14 +165,9 @@ def run_rank(rank: int, world: int, script: str, args: list[str]) -> int:
         return 1
 
 
-def main() -> int:
-    world, script, args = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+def launch(world: int, script: str, args: list[str]) -> int:
+    """Fork the ranks of one run (the imports are done) and wait for them; the first failure stops the others."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    try:
-        check_fork_safe(preload())
-    except ForkUnsafe as unsafe:
-        print(unsafe, file=sys.stderr)
-        return 1
     # The port is picked after the ~10 s of imports, just before rank 0 binds it: picked before, another test's
     # process took it in between once (EADDRINUSE under two pytest workers).
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
@@ -206,6 +203,82 @@ def main() -> int:
             for other in ranks:
                 os.kill(other, signal.SIGKILL)
     return failed
+
+
+def serve(socket_path: str) -> int:
+    """`--serve SOCKET`: import once, then run each request (a JSON line: argv, env, cwd, stdout and stderr files) in
+    a fork of this process, as a fresh `fork_ranks.py ARGV` would run it; answers {"pid"} at once, {"returncode"}
+    when it ends. One request at a time. tests/pipeline_runs.py keeps one such server per pytest worker: a fresh
+    launcher paid ~4 s of CPU for its imports, each of the suite's ~50 runs."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)   # ends with the pytest worker
+    try:
+        check_fork_safe(preload())
+    except ForkUnsafe as unsafe:
+        print(f"unsafe: {unsafe}", flush=True)
+        return 1
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(socket_path)
+    listener.listen(1)
+    print("ready", flush=True)
+    with open(os.devnull, "w") as devnull:   # nobody reads the ready pipe from here on
+        os.dup2(devnull.fileno(), 1)
+    while True:
+        connection, _ = listener.accept()
+        with connection:
+            with connection.makefile("r") as stream:
+                request = json.loads(stream.readline())
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:   # pragma: no cover - runs in the child
+                listener.close()
+                connection.close()
+                os._exit(_serve_one(request))
+            with contextlib.suppress(OSError):   # also here: the client may kill the group before the child sets it
+                os.setpgid(pid, pid)
+            _answer(connection, {"pid": pid})
+            _, status = os.waitpid(pid, 0)
+            _answer(connection, {"returncode": os.waitstatus_to_exitcode(status)})
+
+
+def _answer(connection: socket.socket, message: dict) -> None:
+    with contextlib.suppress(OSError):   # a client that timed out has killed the run and gone
+        connection.sendall((json.dumps(message) + "\n").encode())
+
+
+def _serve_one(request: dict) -> int:
+    """A served request, in its own process group (a timeout kills the group: this launcher and its ranks)."""
+    os.setpgid(0, 0)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    code = 1
+    try:
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+        world, script, args = int(request["argv"][0]), request["argv"][1], request["argv"][2:]
+        sys.argv = [__file__, *request["argv"]]
+        code = launch(world, script, args)
+    except BaseException:  # noqa: BLE001 - reported as a fresh launcher's traceback would be
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return code
+
+
+def main() -> int:
+    if sys.argv[1] == "--serve":
+        return serve(sys.argv[2])
+    world, script, args = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    try:
+        check_fork_safe(preload())
+    except ForkUnsafe as unsafe:
+        print(unsafe, file=sys.stderr)
+        return 1
+    return launch(world, script, args)
 
 
 if __name__ == "__main__":
