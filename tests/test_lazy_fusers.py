@@ -72,3 +72,19 @@ print("ok")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "ok"
+
+
+def test_importing_the_runtime_first_spares_dynamo_too():
+    """`from megatron_app.runtime import ...` before megatron-core (a user's loop, a rank script) imports megatron-core
+    through import_megatron_core: no TorchDynamo, and jit_fuser is the stand-in."""
+    code = """
+import sys, torch
+from megatron_app.runtime.exit_grace import let_collective_threads_finish_at_exit
+import megatron.core.jit as jit
+assert "torch._dynamo" not in sys.modules, "dynamo was imported"
+assert jit.jit_fuser is not torch.compile
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "ok"

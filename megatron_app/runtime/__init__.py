@@ -1,5 +1,9 @@
 """The Megatron-compatible runtime that executes a schedule policy."""
 
+from megatron_app.lazy_fusers import import_megatron_core
+
+import_megatron_core()   # before the modules below import it: its fusions then compile at first call (lazy_fusers)
+
 from .call_contract import ContractAssertionError, ContractRuntimeError, ContractTypeError
 from .executor import MEGATRON_ENTRY_POINTS, PipelineStallError, forward_backward_app
 from .microbatch_lengths import set_microbatch_lengths, take_microbatch_lengths
