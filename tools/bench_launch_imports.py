@@ -48,10 +48,13 @@ else:
 import torch, megatron.core, megatron_app.runtime, megatron_app.train.loop
 print(time.perf_counter() - started)
 """
-MEASURES = {"check-config": (CHECK, ("no torch", "torch first")), "rank imports": (IMPORTS, ("deferred", "eager"))}
+# measure: (child's code, (variant now, variant before), whether the child prints its own seconds; else the wall time
+# of the whole process is taken)
+MEASURES = {"check-config": (CHECK, ("no torch", "torch first"), False),
+            "rank imports": (IMPORTS, ("deferred", "eager"), True)}
 
 
-def one_process(code: str, variant: str) -> float:
+def one_process(code: str, variant: str, child_timed: bool) -> float:
     """Seconds: the child's own print for the imports, the process's wall time for the check."""
     env = dict(os.environ, PYTHONPATH=str(REPO), WORLD_SIZE="2")
     env.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
@@ -59,20 +62,20 @@ def one_process(code: str, variant: str) -> float:
     result = subprocess.run([sys.executable, "-c", code, variant], check=True, timeout=300, env=env,
                             capture_output=True, text=True)
     wall = time.perf_counter() - started
-    return float(result.stdout.strip()) if code is IMPORTS else wall
+    return float(result.stdout.strip()) if child_timed else wall
 
 
 def main(argv=None) -> int:
     args = parse_repeats(__doc__.split("\n\n")[0], argv)
-    seconds = {measure: {variant: [] for variant in variants} for measure, (_, variants) in MEASURES.items()}
+    seconds = {measure: {variant: [] for variant in variants} for measure, (_, variants, _) in MEASURES.items()}
     load_before = os.getloadavg()[0]
     for _ in range(args.repeats):
-        for measure, (code, variants) in MEASURES.items():
+        for measure, (code, variants, child_timed) in MEASURES.items():
             for variant in variants:
-                seconds[measure][variant].append(one_process(code, variant))
+                seconds[measure][variant].append(one_process(code, variant, child_timed))
     medians = medians_of(seconds)
     ratios = {}
-    for measure, (_, (now, before)) in MEASURES.items():
+    for measure, (_, (now, before), _) in MEASURES.items():
         ratios[measure] = medians[measure][now] / medians[measure][before]
         print(f"{measure}: {now} {medians[measure][now]:.3f} s, {before} {medians[measure][before]:.3f} s "
               f"({ratios[measure]:.2f}x; medians of {args.repeats})")
