@@ -4,6 +4,7 @@ import atexit
 import contextlib
 import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -39,10 +40,11 @@ def forked_ranks(nproc: int, script_and_args, timeout: float = 900, **env):
     environment is the server's (PYTEST_CURRENT_TEST aside); a fresh `fork_ranks.py` process otherwise."""
     cmd = [sys.executable, str(HELPERS / "fork_ranks.py"), str(nproc), *map(str, script_and_args)]
     environment = run_env(**env)
-    server = _ForkServer.for_env(environment)
-    if server is None:
-        return subprocess.run(cmd, cwd=REPO, env=environment, capture_output=True, text=True, timeout=timeout)
-    return server.run(cmd, environment, timeout)
+    with _ForkServer.lock:
+        server = _ForkServer.for_env(environment)
+        if server is not None:
+            return server.run(cmd, environment, timeout)
+    return subprocess.run(cmd, cwd=REPO, env=environment, capture_output=True, text=True, timeout=timeout)
 
 
 def _launch_env(environment: dict) -> dict:
@@ -55,6 +57,7 @@ class _ForkServer:
     paid once, not by each run's launcher. Ends with the worker (the server's parent-death signal)."""
     current = None
     lock = threading.Lock()
+    START_TIMEOUT_S = 300
 
     def __init__(self, environment: dict):
         self.env = _launch_env(environment)
@@ -62,37 +65,57 @@ class _ForkServer:
         self.socket_path = str(self.folder / "socket")
         self.process = subprocess.Popen([sys.executable, str(HELPERS / "fork_ranks.py"), "--serve", self.socket_path],
                                         cwd=REPO, env=environment, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                        stderr=subprocess.DEVNULL, text=True)
-        self.ready = self.process.stdout.readline().strip() == "ready"
-        if not self.ready:   # a fresh launcher then says why (fork_ranks' ForkUnsafe line), as before
-            self.close()
+                                        stderr=subprocess.DEVNULL)
         atexit.register(self.close)
+        self.ready = self._wait_ready()
+        if not self.ready:   # fresh launchers then say why (fork_ranks' ForkUnsafe line), as before
+            self.close()
+
+    def _wait_ready(self) -> bool:
+        """Whether the server said "ready" (its imports done) within START_TIMEOUT_S; anything else it prints first
+        (an import's own output) is passed over."""
+        deadline = time.monotonic() + self.START_TIMEOUT_S
+        said = b""
+        while not said.endswith(b"ready\n"):   # the server's last words on this pipe
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.process.stdout], [], [], left)[0]:
+                return False
+            chunk = os.read(self.process.stdout.fileno(), 4096)
+            if not chunk:
+                return False
+            said += chunk
+        return True
 
     @classmethod
     def for_env(cls, environment: dict):
-        """The server for this environment (started, or restarted for another one); None when it cannot serve."""
-        if cls.current is None or cls.current.env != _launch_env(environment) or cls.current.process.poll() is not None:
-            if cls.current is not None:
-                cls.current.close()
-            cls.current = cls(environment)
-        return cls.current if cls.current.ready else None
+        """The server for this environment (started, or restarted after another environment or its end); None when
+        one for this environment could not start (a fresh launcher each time then)."""
+        current = cls.current
+        if current is None or current.env != _launch_env(environment) or (
+                current.ready and current.process.poll() is not None):
+            if current is not None:
+                current.close()
+            cls.current = current = cls(environment)
+        return current if current.ready else None
 
     def run(self, cmd: list, environment: dict, timeout: float) -> subprocess.CompletedProcess:
         """What subprocess.run(cmd, capture_output=True, text=True, timeout=timeout) gives for a fresh launcher."""
-        with self.lock, tempfile.TemporaryDirectory(dir=self.folder) as scratch:
+        with tempfile.TemporaryDirectory(dir=self.folder) as scratch:
             stdout, stderr = Path(scratch) / "stdout", Path(scratch) / "stderr"
             request = {"argv": cmd[2:], "env": environment, "cwd": str(REPO), "stdout": str(stdout),
                        "stderr": str(stderr)}
             deadline = time.monotonic() + timeout
+            pid = None
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+                connection.settimeout(timeout)
                 connection.connect(self.socket_path)
                 stream = connection.makefile("rw")
                 stream.write(json.dumps(request) + "\n")
                 stream.flush()
-                pid = json.loads(stream.readline())["pid"]
                 try:
+                    pid = self._answer(stream)["pid"]
                     connection.settimeout(max(0.0, deadline - time.monotonic()))
-                    returncode = json.loads(stream.readline())["returncode"]
+                    returncode = self._answer(stream)["returncode"]
                 except socket.timeout:
                     _kill_group(pid)
                     raise subprocess.TimeoutExpired(cmd, timeout, output=_read(stdout), stderr=_read(stderr))
@@ -101,6 +124,12 @@ class _ForkServer:
                     raise
             return subprocess.CompletedProcess(cmd, returncode, _read(stdout), _read(stderr))
 
+    def _answer(self, stream) -> dict:
+        line = stream.readline()
+        if not line:
+            raise RuntimeError(f"the fork_ranks server ended during a run (exit status {self.process.poll()})")
+        return json.loads(line)
+
     def close(self) -> None:
         if self.process.poll() is None:
             self.process.kill()
@@ -108,10 +137,11 @@ class _ForkServer:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def _kill_group(pid: int) -> None:
-    """A served launcher and its ranks: their own process group."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)
+def _kill_group(pid) -> None:
+    """A served launcher and its ranks: their own process group (None: not started)."""
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
 
 
 def _read(path: Path) -> str:

@@ -1,7 +1,7 @@
 """tests/pipeline_runs.py forked_ranks() through a pytest worker's fork_ranks server (tests/helpers/fork_ranks.py
 --serve): a run gives what a fresh `fork_ranks.py` launcher gives (exit status, both outputs, the rank's environment),
-a timeout kills the run's launcher and ranks and raises as subprocess.run does, and another environment gets a
-server of its own."""
+a timeout kills the run's launcher and ranks and raises as subprocess.run does, another environment gets a server of
+its own, and a server that does not start leaves the runs to fresh launchers."""
 
 import os
 import subprocess
@@ -74,6 +74,18 @@ def test_another_environment_gets_a_server_of_its_own(script):
     marked = forked_ranks(2, [script], timeout=120, FORK_SERVER_MARKER="yes")
     assert "out 0 of 2 marker=yes" in marked.stdout
     assert pipeline_runs._ForkServer.current is not first and first.process.poll() is not None
+
+
+def test_a_server_that_does_not_start_leaves_fresh_launchers_to_run(script, monkeypatch):
+    """Not ready in time (here: no time at all): the run goes to a fresh launcher, and later runs in the same
+    environment do not try to start a server again."""
+    monkeypatch.setattr(pipeline_runs._ForkServer, "START_TIMEOUT_S", 0)
+    result = forked_ranks(2, [script], timeout=120, FORK_SERVER_MARKER="slow")
+    failed = pipeline_runs._ForkServer.current
+    assert result.returncode == 0 and "out 1 of 2 marker=slow" in result.stdout
+    assert not failed.ready and failed.process.poll() is not None
+    assert forked_ranks(2, [script], timeout=120, FORK_SERVER_MARKER="slow").returncode == 0
+    assert pipeline_runs._ForkServer.current is failed
 
 
 def _alive(pid: int) -> bool:
