@@ -66,7 +66,7 @@ print(f"megatron_app: rdma backend {'built with libibverbs' if with_rdma else 'n
 # MAPP_SANITIZE=address,undefined (or thread): a sanitizer build for tests (tools/build_sanitized.sh builds it
 # apart from the normal extension). Frame pointers and line tables (-g1) keep the reports' stacks readable.
 # ASan/UBSan unoptimised: here the build took 39 s against 79 s at -O1 -g, and the sanitized test files 63 s against
-# 61 s. TSan keeps -O1: unoptimised it is several times slower.
+# 61 s. TSan keeps -O1 (not measured unoptimised).
 SANITIZERS = [name for name in os.environ.get("MAPP_SANITIZE", "").split(",") if name]
 sanitize_flags = ([f"-fsanitize={','.join(SANITIZERS)}", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all",
                    "-g1", "-O1" if "thread" in SANITIZERS else "-O0"] if SANITIZERS else [])

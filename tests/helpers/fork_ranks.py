@@ -168,6 +168,16 @@ def run_rank(rank: int, world: int, script: str, args: list[str]) -> int:
         return 1
 
 
+def preload_for_forks() -> str:
+    """Import PRELOAD and check that ranks forked now can use CUDA: '' when they can, else the refusal (ForkUnsafe's
+    message)."""
+    try:
+        check_fork_safe(preload())
+    except ForkUnsafe as unsafe:
+        return str(unsafe)
+    return ""
+
+
 def launch(world: int, script: str, args: list[str]) -> int:
     """Fork the ranks of one run (the imports are done) and wait for them; the first failure stops the others."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
@@ -214,10 +224,9 @@ def serve(socket_path: str) -> int:
     when it ends. One request at a time. tests/pipeline_runs.py keeps one such server per pytest worker: a fresh
     launcher paid ~4 s of CPU for its imports, each of the suite's ~50 runs."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)   # ends with the pytest worker
-    try:
-        check_fork_safe(preload())
-    except ForkUnsafe as unsafe:
-        print(f"unsafe: {unsafe}", flush=True)
+    refusal = preload_for_forks()
+    if refusal:
+        print(f"unsafe: {refusal}", flush=True)
         return 1
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path)
@@ -276,10 +285,9 @@ def main() -> int:
     if sys.argv[1] == "--serve":
         return serve(sys.argv[2])
     world, script, args = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
-    try:
-        check_fork_safe(preload())
-    except ForkUnsafe as unsafe:
-        print(unsafe, file=sys.stderr)
+    refusal = preload_for_forks()
+    if refusal:
+        print(refusal, file=sys.stderr)
         return 1
     return launch(world, script, args)
 
