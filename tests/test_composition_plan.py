@@ -4,8 +4,8 @@ import pytest
 
 from megatron_app.schedule import PipelineShape, ScheduleConfigError
 from megatron_app.schedule.composition import Composition, loader_composition
-from megatron_app.schedule.composition_plan import (CompositionPlanner, balanced_groups, loader_peak_caps,
-                                                    valid_microbatch_counts)
+from megatron_app.schedule.composition_plan import (CompositionPlanner, balanced_groups, count_limit,
+                                                    loader_peak_caps, valid_microbatch_counts)
 from megatron_app.schedule.length_costs import LengthCostModel
 from megatron_app.schedule.tasks import Kind
 from megatron_app.sim.composition import (BALANCED_ROW, DP_BALANCED_ROW, PACKED_ROW, CompositionSimConfig,
@@ -79,6 +79,27 @@ def test_planner_respects_cap_count_rule_and_is_deterministic(P, V):
 def test_planner_works_from_the_prior_before_any_observation():
     composed = CompositionPlanner(4, 2, final_evaluations=32).plan(LONG_TAIL, 2, LengthCostModel())
     composed.composition.check(len(LONG_TAIL))
+
+
+def test_counts_grow_from_the_loaders_by_at_most_doubling_the_most_run():
+    assert [count_limit(16, run) for run in (0, 3, 16, 40)] == [16, 16, 32, 80]
+
+
+def test_before_any_call_the_plan_keeps_to_the_loaders_count_and_then_at_most_doubles_it():
+    """The prior (cost proportional to tokens) has no per-task cost: at P=2 V=2 every microbatch more shrinks the
+    bubble for free, so unbounded the first plan forms one microbatch per document (an H200 ran 256 so, 20x its
+    later iterations). Bounded by what calls ran, it keeps the loader's 16, then may reach 32, then 64."""
+    lengths = LONG_TAIL * 2
+    planner = CompositionPlanner(2, 2, final_evaluations=32)
+    assert planner.plan(lengths, 4, LengthCostModel()).num_microbatches == len(lengths)
+    counts = [planner.plan(lengths, 4, LengthCostModel(), microbatches_run=run).num_microbatches
+              for run in (0, 16, 32)]
+    assert counts == [16, 32, 64]
+    # a replica given fewer documents than its loader share (a cross-replica plan): 3 documents in microbatches of
+    # 2 make a loader count of 1, which P=2 V=2 does not accept; the smallest count it accepts is the bound then
+    moved = planner.plan(LONG_TAIL[:3], 2, LengthCostModel(), caps=(1e9, 1e9), loader_makespan=1.0,
+                         microbatches_run=0)
+    assert moved.num_microbatches == 2
 
 
 def test_loader_order_packing_meets_the_budget_and_a_valid_count():

@@ -52,6 +52,22 @@ def test_balanced_composition_comes_with_its_plan_before_any_call_and_predicts_o
     assert _take(m) is None        # consumed
 
 
+def test_balanced_grows_its_count_from_the_loaders_by_what_calls_ran():
+    """Before any call the plan keeps the loader's count (the prior cannot price a task's fixed cost); each plan's
+    count is what the next may double."""
+    lengths = LENGTHS * 4        # 32 documents, the loader's 16 microbatches of 2
+    session = current_job().session
+    first = runtime_composition.agree_iteration_plan(lengths, 2, "balanced")
+    assert first.replica(0).num_microbatches <= 16
+    assert session.microbatches_planned == first.replica(0).num_microbatches
+    _take(first.replica(0).num_microbatches)
+    session.microbatches_planned = 16
+    second = runtime_composition.agree_iteration_plan(lengths, 2, "balanced")
+    assert second.replica(0).num_microbatches <= 32
+    assert session.microbatches_planned == max(16, second.replica(0).num_microbatches)
+    _take(second.replica(0).num_microbatches)
+
+
 def test_a_call_with_another_count_is_refused():
     plan = runtime_composition.agree_iteration_plan(LENGTHS, 2, "packed")
     with pytest.raises(ValueError, match="planned 4 microbatches, the forward_backward call runs 5"):

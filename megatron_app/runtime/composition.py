@@ -133,14 +133,18 @@ def decide_iteration_plan(lengths: Sequence[int], micro_batch_size: int, composi
         if planned is not None:
             plan = replace(planned[0], planned_ahead=True, planner_s=planned[1])
         else:
-            plan = plan_iteration(replace(request, replica_speeds=speeds, min_gain=min_gain, plan_order=plans_order),
+            plan = plan_iteration(replace(request, replica_speeds=speeds, min_gain=min_gain, plan_order=plans_order,
+                                          microbatches_run=session.microbatches_planned),
                                   session.shared_costs(), stop=session.planning_stop(start))
             plan = replace(plan, planner_s=time.perf_counter() - start)
+        # this plan runs before the next is made: the next may grow from its count
+        session.microbatches_planned = max(session.microbatches_planned,
+                                           *(replica.composition.num_microbatches for replica in plan.replicas))
         if ahead:
             if session.plan_ahead is None:
                 session.plan_ahead = PlanAhead()
             upcoming = replace(request, lengths=tuple(int(v) for v in next_lengths), replica_speeds=speeds,
-                               min_gain=min_gain,
+                               min_gain=min_gain, microbatches_run=session.microbatches_planned,
                                document_ids=None if next_document_ids is None
                                else tuple(int(i) for i in next_document_ids))
             session.plan_ahead.submit(upcoming, session.shared_costs())

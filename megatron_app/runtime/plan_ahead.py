@@ -26,9 +26,9 @@ def _plan_in_worker(request: PlanRequest, costs) -> Tuple[IterationPlan, float]:
 
 
 def _batch_key(request: PlanRequest) -> PlanRequest:
-    """What must match for an early plan to serve a call: everything but the speeds and the model's error (they
-    may be a call stale)."""
-    return replace(request, replica_speeds=None, min_gain=0.0)
+    """What must match for an early plan to serve a call: everything but the speeds, the model's error and the
+    microbatches run (they may be a call stale)."""
+    return replace(request, replica_speeds=None, min_gain=0.0, microbatches_run=None)
 
 
 class PlanAhead:

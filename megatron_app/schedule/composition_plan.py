@@ -161,6 +161,16 @@ def balanced_groups(weights: Sequence[float], count: int) -> Tuple[Tuple[int, ..
     return tuple(tuple(sorted(group)) for group in groups)
 
 
+def count_limit(loader_count: int, microbatches_run: int) -> int:
+    """The most microbatches a `balanced` plan may form when calls have run at most `microbatches_run` (0: none):
+    the loader's count before any call, then up to twice the most run. A task's fixed cost (several ms a task at
+    hidden 4096 on an H200) is what stops more microbatches from paying; the prior (cost proportional to tokens)
+    has none, and a fit over one narrow range of sizes may put it near 0. So
+    unbounded, the first call of a P=2 V=2 run formed one microbatch per document (256 on an H200: 9.7 s against
+    about 0.5 s for the loader's 8) and the second 50 (2.0 s). Each doubling is measured before the next."""
+    return loader_count if microbatches_run < 1 else max(loader_count, 2 * microbatches_run)
+
+
 def candidate_counts(valid: Sequence[int], loader_count: int, most: int = MAX_CANDIDATE_COUNTS) -> Tuple[int, ...]:
     """All valid counts when few, else a geometric spread of them that keeps the loader's count."""
     if len(valid) <= most:
@@ -219,7 +229,7 @@ class CompositionPlanner:
     def plan(self, document_lengths: Sequence[int], micro_batch_size: int, costs: LengthCostModel,
              stop: Optional[Callable[[float], bool]] = None, caps: Optional[Sequence[float]] = None,
              loader_makespan: Optional[float] = None, large: Optional[bool] = None,
-             min_gain: float = 0.0) -> ComposedPlan:
+             min_gain: float = 0.0, microbatches_run: Optional[int] = None) -> ComposedPlan:
         """stop(predicted_loader_makespan): asked between candidates and search rounds (a driver's time budget).
         caps: per rank activation tokens (default: this batch's loader caps); loader_makespan: the baseline the
         budget is a share of (default: these documents' loader microbatches). Given both, the documents need not
@@ -227,7 +237,9 @@ class CompositionPlanner:
         large: plan as at scale (default: when this batch alone has more than LARGE_TASKS tasks; a job of many
         replicas says so for each of them). min_gain: the share by which another grouping must be predicted
         faster than the loader's microbatches packed to be chosen over them (the cost model's measured error: a
-        smaller predicted gain may be the model's mistake); they are then run with the planned order."""
+        smaller predicted gain may be the model's mistake); they are then run with the planned order.
+        microbatches_run: the most microbatches a call has run so far (None: no bound; count_limit says how it
+        bounds the counts tried)."""
         lengths = tuple(int(v) for v in document_lengths)
         if not lengths or min(lengths) < 1:
             raise ScheduleConfigError(f"document lengths must be positive integers, got {list(document_lengths)!r}")
@@ -243,8 +255,11 @@ class CompositionPlanner:
                                         self.split_backward)
         if not valid:
             raise ScheduleConfigError(f"{len(lengths)} documents form no microbatch count this pipeline accepts")
-        candidates = []
         loader_count = len(lengths) // micro_batch_size
+        if microbatches_run is not None:
+            most = count_limit(loader_count, microbatches_run)
+            valid = tuple(count for count in valid if count <= most) or valid[:1]
+        candidates = []
         has_loader_candidate = len(lengths) % micro_batch_size == 0 and loader_count in valid
         if has_loader_candidate:     # always index 0
             candidates.append(loader_composition(len(lengths), micro_batch_size, packed=True))

@@ -97,6 +97,8 @@ class PlanRequest:
                                              # (the `planned` policy runs the call; balanced always plans)
     groups: Optional[Tuple[Tuple[int, ...], ...]] = None   # packed, one replica: these microbatches (positions
                                              # in loader order) instead of the loader's (synthetic compositions)
+    microbatches_run: Optional[int] = None   # balanced: the most microbatches a call of a replica has run (0: none
+                                             # yet; None: no bound); bounds its counts (composition_plan.count_limit)
 
     def check(self) -> None:
         check_composition_name(self.composition)
@@ -110,6 +112,8 @@ class PlanRequest:
             raise ScheduleConfigError(f"{len(self.document_ids)} document ids for {n} documents")
         if self.replica_speeds is not None and (len(self.replica_speeds) != D or min(self.replica_speeds) <= 0):
             raise ScheduleConfigError(f"replica speeds must be {D} positive numbers, got {self.replica_speeds!r}")
+        if self.microbatches_run is not None and self.microbatches_run < 0:
+            raise ScheduleConfigError(f"microbatches run must be >= 0, got {self.microbatches_run!r}")
         if self.groups is not None:
             if self.composition != PACKED or D != 1:
                 raise ScheduleConfigError(f"given microbatches are packed on one replica, not {self.composition} "
@@ -337,7 +341,8 @@ def _plan_replicas(request: PlanRequest, shares, costs: LengthCostModel, caps, b
     replicas = []
     for share, speed in zip(shares, request.speeds):
         composed = planner.plan([request.lengths[p] for p in share], request.micro_batch_size, costs, stop=stop,
-                                caps=caps, loader_makespan=baseline, large=large, min_gain=request.min_gain)
+                                caps=caps, loader_makespan=baseline, large=large, min_gain=request.min_gain,
+                                microbatches_run=request.microbatches_run)
         replicas.append(ReplicaPlan(tuple(share), composed.composition, composed.plan,
                                     composed.predicted_makespan / speed, speed, composed.packed_fallback))
     return tuple(replicas)
