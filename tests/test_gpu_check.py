@@ -16,7 +16,9 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def rehearsal(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
-    result = subprocess.run(["bash", str(REPO / "tools" / "gpu_check.sh"), "--cpu", "--out", str(out)],
+    # every step, the opt-in one too (gpu_check.py's STEPS)
+    steps = "host,pytest,equality,own-loop,transport,prediction,curves,composition,ipc-sends,slots8"
+    result = subprocess.run(["bash", str(REPO / "tools" / "gpu_check.sh"), "--cpu", "--out", str(out), "--steps", steps],
                             capture_output=True, text=True, timeout=900)
     return out, result
 
@@ -26,7 +28,7 @@ def test_the_rehearsal_runs_every_step_and_writes_both_reports(rehearsal):
     out, result = rehearsal
     report = json.loads((out / "report.json").read_text())
     assert list(report["steps"]) == ["setup", "host", "pytest", "equality", "own-loop", "transport", "prediction",
-                                     "curves", "composition", "ipc-sends"]
+                                     "curves", "composition", "ipc-sends", "slots8"]
     # where the launches' time went: before the rank, the rank's start-up phases, iterations, after
     launch = report["launch"]
     assert launch["launches"] == 4 + 4 + 2 and list(launch["median_alone"]) == [
@@ -55,7 +57,7 @@ def test_the_rehearsal_runs_every_step_and_writes_both_reports(rehearsal):
     rows = report["steps"]["prediction"]["rows"]
     assert set(rows) == {"p1", "p2v2"}
     ipc = report["steps"]["ipc-sends"]["rows"]["p2v2+ipc"]   # the same run by opt-in CUDA IPC: host tensors here
-    slots8 = report["steps"]["ipc-sends"]["rows"]["p2v2+slots8"]   # and staged through 8 MiB slots: measured
+    slots8 = report["steps"]["slots8"]["rows"]["p2v2+slots8"]   # opt-in: staged through 8 MiB slots, measured
     assert slots8["transport"] == "staged, 8 MiB slots x 4" and 0 < slots8["send_share"] <= 1
     assert ipc["transport"] == "ipc (no fallback said)" and set(ipc["transfer_shares"]) == {"pp0", "pp1"}
     assert all(row["errors"] and set(row["span_coverage"]) == ({"pp0"} if name == "p1" else {"pp0", "pp1"})
@@ -185,6 +187,19 @@ def test_a_time_budget_cuts_the_steps_it_cannot_start_and_fails_the_check(tmp_pa
     assert gpu_check.Check(tmp_path, gpu_check.CPU, sys.executable, deadline=time.monotonic() - 1).limit(600) == 1.0
     assert gpu_check.main(["--out", str(tmp_path), "--cpu", "--budget-s", "0"]) == 2
     assert capsys.readouterr().err.strip().endswith("--budget-s must be a positive number of seconds, got 0.0")
+
+
+def test_the_8_mib_slots_run_only_when_the_steps_name_it(tmp_path):
+    """It judges no issue and costs a GPU host's check a launch (its time is a target): opt-in, last."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import gpu_check
+
+    check = gpu_check.Check(tmp_path, gpu_check.GPU, sys.executable)
+    check.set_timed_plan(list(gpu_check.DEFAULT_STEPS))
+    assert list(check.timed_plan)[-1] == "predict-p2v2-ipc" and "predict-p2v2-slots8" not in check.timed_plan
+    check.set_timed_plan([*gpu_check.DEFAULT_STEPS, "slots8"])
+    assert list(check.timed_plan)[-1] == "predict-p2v2-slots8"
+    assert gpu_check.PHASES[-1] == ("slots8",) and "slots8" in gpu_check.STEPS
 
 
 def test_the_steps_of_a_phase_run_side_by_side(tmp_path, monkeypatch):

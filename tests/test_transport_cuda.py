@@ -425,7 +425,13 @@ PROBE_RANK = textwrap.dedent("""
         def read(blob, nbytes):
             raise RuntimeError("refused by the test")
         ipc_probe.CudaProbeDevice.read = staticmethod(read)
-    print(json.dumps(ipc_probe.probe_ipc(store, "probe", rank, [1 - rank], {}, 60)))
+    result = ipc_probe.probe_ipc(store, "probe", rank, [1 - rank], {}, 60)
+    # the store lives in rank 0: it stays until rank 1's last use of it (a set, acknowledged before rank 0 sees it)
+    if rank == 0:
+        store.wait(["probe/test_done"])
+    else:
+        store.set("probe/test_done", "1")
+    print(json.dumps(result))
 """)
 
 
