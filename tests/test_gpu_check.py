@@ -226,6 +226,23 @@ def test_the_steps_of_a_phase_run_side_by_side(tmp_path, monkeypatch):
     assert list(report["steps"]) == ["equality", "own-loop", "transport"] and report["launch"] is None
 
 
+def test_a_run_that_cannot_start_ahead_fails_its_own_step_not_the_check(tmp_path, monkeypatch):
+    """The first timed run starts beside equality and own-loop; what fails there (its flags need the corpus, say)
+    is its own step's to report when its turn comes, and every step still runs and is reported."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import gpu_check
+
+    def cannot_start(self, name):
+        raise RuntimeError("the corpus could not be built")
+
+    monkeypatch.setattr(gpu_check.Check, "start_ahead", cannot_start)
+    monkeypatch.setattr(gpu_check.Check, "own_loop", lambda self: {"status": "pass"})
+    monkeypatch.setattr(gpu_check.Check, "prediction", lambda self: {"status": "fail", "error": "its own turn"})
+    assert gpu_check.main(["--out", str(tmp_path), "--cpu", "--steps", "own-loop,prediction"]) == 1
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["steps"]["own-loop"]["status"] == "pass" and report["steps"]["prediction"]["status"] == "fail"
+
+
 def test_a_launchs_phases_add_up_to_its_time():
     sys.path.insert(0, str(REPO / "tools"))
     import gpu_check
