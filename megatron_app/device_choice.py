@@ -6,7 +6,8 @@ answer took 1.2 s on this project's CPU machine and 5.3 s on a GPU host, once pe
 is true when torch was built with CUDA and the driver reports a device (cudaGetDeviceCount: cuInit, then
 cuDeviceGetCount, which honour CUDA_VISIBLE_DEVICES). Both halves are read here directly: the build from torch's
 generated version.py, the count from the driver library. The ranks still ask torch itself; where the two could
-disagree (a ROCm build, NVML-based checks, a torch that cannot be found) this says it cannot tell.
+disagree (a ROCm build, NVML-based checks, a torch that cannot be found, a driver older than the build's CUDA major,
+for which torch's runtime finds no device) this says it cannot tell.
 Written by hand: no package on PyPI answers this without importing torch or a CUDA runtime.
 """
 
@@ -75,6 +76,25 @@ def driver_device_count(load: Callable = ctypes.CDLL) -> int:
     return count.value
 
 
+def driver_cuda_version(load: Callable = ctypes.CDLL) -> Optional[int]:
+    """The CUDA version the driver supports (cuDriverGetVersion: 1000 x major + 10 x minor), None when unknown."""
+    try:
+        driver = load(DRIVER_LIBRARY)
+    except OSError:
+        return None
+    version = ctypes.c_int(0)
+    if driver.cuDriverGetVersion(ctypes.byref(version)) != 0:
+        return None
+    return version.value
+
+
+def _major(version: str) -> Optional[int]:
+    try:
+        return int(str(version).split(".")[0])
+    except ValueError:
+        return None
+
+
 def cuda_available_without_torch(environ=os.environ, find_spec: Callable = importlib.util.find_spec,
                                  load: Callable = ctypes.CDLL) -> Optional[bool]:
     """What torch.cuda.is_available() would say, or None when this cannot tell without torch."""
@@ -85,4 +105,9 @@ def cuda_available_without_torch(environ=os.environ, find_spec: Callable = impor
         return False                     # a CPU build never sees a GPU
     if environ.get("PYTORCH_NVML_BASED_CUDA_CHECK") == "1":
         return None                      # torch asks NVML instead of the driver then
-    return driver_device_count(load) > 0
+    if driver_device_count(load) == 0:
+        return False
+    driver, build = driver_cuda_version(load), _major(versions["cuda"])
+    if driver is None or build is None or driver // 1000 < build:
+        return None                      # a driver older than the build's major: torch's runtime finds no device
+    return True

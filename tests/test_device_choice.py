@@ -25,10 +25,16 @@ def fake_torch(tmp_path, text):
 
 
 class FakeDriver:
-    """libcuda.so.1's two calls: cuInit's status, and the count cuDeviceGetCount writes."""
+    """libcuda.so.1's three calls: cuInit's status, the count cuDeviceGetCount writes, the CUDA version
+    cuDriverGetVersion writes."""
 
-    def __init__(self, init_status=0, count=1):
-        self.init_status, self.count, self.calls = init_status, count, []
+    def __init__(self, init_status=0, count=1, version=13000):
+        self.init_status, self.count, self.version, self.calls = init_status, count, version, []
+
+    def cuDriverGetVersion(self, pointer):
+        self.calls.append("cuDriverGetVersion")
+        ctypes.cast(pointer, ctypes.POINTER(ctypes.c_int))[0] = self.version
+        return 0
 
     def cuInit(self, flags):
         self.calls.append("cuInit")
@@ -74,7 +80,7 @@ def test_a_cuda_build_asks_the_driver_for_its_devices(tmp_path):
     find_spec = fake_torch(tmp_path, CUDA_BUILD)
     driver = FakeDriver(count=2)
     assert cuda_available_without_torch({}, find_spec=find_spec, load=lambda name: driver) is True
-    assert driver.calls == ["cuInit", "cuDeviceGetCount"]
+    assert driver.calls == ["cuInit", "cuDeviceGetCount", "cuDriverGetVersion"]
     # CUDA_VISIBLE_DEVICES="" or no GPU: cuInit fails with CUDA_ERROR_NO_DEVICE (100)
     assert cuda_available_without_torch({}, find_spec=find_spec, load=lambda name: FakeDriver(100)) is False
     assert cuda_available_without_torch({}, find_spec=find_spec, load=lambda name: FakeDriver(count=0)) is False
@@ -83,6 +89,16 @@ def test_a_cuda_build_asks_the_driver_for_its_devices(tmp_path):
         raise OSError(f"{name}: cannot open shared object file")
 
     assert cuda_available_without_torch({}, find_spec=find_spec, load=missing) is False
+
+
+def test_a_driver_older_than_the_builds_cuda_is_left_to_torch(tmp_path):
+    """torch's CUDA 13.0 runtime on a 12.x driver finds no device (insufficient driver); a later 13.x minor or a
+    newer major one does. Where the driver is older the check asks torch, which says so in one line."""
+    find_spec = fake_torch(tmp_path, CUDA_BUILD)
+    assert cuda_available_without_torch({}, find_spec=find_spec, load=lambda name: FakeDriver(version=12080)) is None
+    for version in (13000, 13020, 14000):
+        assert cuda_available_without_torch({}, find_spec=find_spec,
+                                            load=lambda name: FakeDriver(version=version)) is True
 
 
 def test_rocm_builds_and_nvml_checks_are_left_to_torch(tmp_path):
