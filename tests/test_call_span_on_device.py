@@ -1,7 +1,8 @@
 """A training call's trace span starts where the device reached the call (executor.run's marker on the task clock),
 not where the host entered it: on a GPU the previous step's optimizer can still be running then (7-19 ms of each
 call's host span on an H200 at P=1), and the call's compute spans are the device's. Here a stand-in device that
-completes every event LAG after the host records it, on a CPU run."""
+completes every event LAG after the host records it, on a CPU run. The pipeline time the planner learns from
+(session.record_pipeline_time) is taken from there too."""
 
 import json
 import subprocess
@@ -15,6 +16,7 @@ WORKER = """
 import json, os, sys, time
 os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
 from megatron_app.runtime import executor
+from megatron_app.runtime.session import RuntimeSession
 from megatron_app.runtime.task_clock import CudaEventTaskClock
 from megatron_app.train.args import parse_args
 from megatron_app.train.loop import train
@@ -35,9 +37,14 @@ class LaggingEvent:
 
 
 executor.task_clock_for = lambda device, now: CudaEventTaskClock(now, event_factory=LaggingEvent)
+recorded = []   # each training call's pipeline time as the session learns it
+real_record = RuntimeSession.record_pipeline_time
+RuntimeSession.record_pipeline_time = lambda self, plan, seconds: (recorded.append(seconds),
+                                                                   real_record(self, plan, seconds))
 train(parse_args(["--pipeline_parallel", "1", "--model_chunks", "1", "--num-layers", "2", "--hidden-size", "32",
                   "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "2",
                   "--global-batch-size", "8", "--iters", "3", "--trace-dir", sys.argv[1], "--device", "cpu"]))
+print("RECORDED", json.dumps(recorded))
 """
 
 
@@ -50,12 +57,18 @@ def test_the_call_span_starts_where_the_device_reached_the_call(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     run = read_trace_dir(str(tmp_path / "latest"))
     rank = run.ranks[0]
-    heads = []
+    heads, spans = [], []
     for iteration in run.iterations():
         events = rank.events_of(iteration)
         call = next(e for e in events if e.kind == "iteration")
         tasks = [e for e in events if e.kind in ("forward", "backward")]
         assert tasks and call.start <= min(e.start for e in tasks) and max(e.end for e in tasks) <= call.end
         heads.append(min(e.start for e in tasks) - call.start)
+        spans.append(call.end - call.start)
     # the host's entry was LAG before the device reached the call: a span from there would open with LAG of nothing
     assert max(heads) < LAG_US / 2, json.dumps(heads)
+    # the pipeline time the planner learns from is the same span (the lag is outside the pipeline: it is what the
+    # device still ran of the step before), not the host's LAG longer
+    recorded = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RECORDED "))[9:])
+    assert len(recorded) == len(spans)
+    assert all(abs(seconds * 1e6 - span) < LAG_US / 2 for seconds, span in zip(recorded, spans)), (recorded, spans)
