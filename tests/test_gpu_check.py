@@ -18,8 +18,8 @@ def rehearsal(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
     # every step, the opt-in one too (gpu_check.py's STEPS)
     steps = "host,pytest,equality,own-loop,transport,prediction,curves,composition,ipc-sends,slots8"
-    result = subprocess.run(["bash", str(REPO / "tools" / "gpu_check.sh"), "--cpu", "--out", str(out), "--steps", steps],
-                            capture_output=True, text=True, timeout=900)
+    result = subprocess.run(["bash", str(REPO / "tools" / "gpu_check.sh"), "--cpu", "--out", str(out),
+                             "--steps", steps], capture_output=True, text=True, timeout=900)
     return out, result
 
 
