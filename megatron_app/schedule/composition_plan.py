@@ -165,9 +165,9 @@ def count_limit(loader_count: int, microbatches_run: int) -> int:
     """The most microbatches a `balanced` plan may form when calls have run at most `microbatches_run` (0: none):
     the loader's count before any call, then up to twice the most run. A task's fixed cost (several ms a task at
     hidden 4096 on an H200) is what stops more microbatches from paying; the prior (cost proportional to tokens)
-    has none, and a fit over one narrow range of sizes may put it near 0. So
-    unbounded, the first call of a P=2 V=2 run formed one microbatch per document (256 on an H200: 9.7 s against
-    about 0.5 s for the loader's 8) and the second 50 (2.0 s). Each doubling is measured before the next."""
+    has none, and a fit over one narrow range of sizes may put it near 0. Unbounded, the first call of a P=2 V=2
+    run formed one microbatch per document (256 on an H200: 9.7 s against about 0.5 s for the loader's 8) and the
+    second 50 (2.0 s). Each doubling is measured before the next."""
     return loader_count if microbatches_run < 1 else max(loader_count, 2 * microbatches_run)
 
 
