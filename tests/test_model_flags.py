@@ -19,6 +19,8 @@ def test_defaults_are_the_classic_gpt_and_swiglu_takes_megatron_lms_width():
     assert args.ffn_hidden_size == 384 and args.num_query_groups == args.num_attention_heads
     assert parse_args(["--hidden-size", "96", "--swiglu"], WORLD).ffn_hidden_size == 256   # int(4h * 2/3 / 64) * 64
     assert parse_args(["--swiglu", "--ffn-hidden-size", "100"], WORLD).ffn_hidden_size == 100
+    # a Megatron-LM command line that names the local layers runs as it is
+    assert parse_args(["--transformer-impl", "local"], WORLD).transformer_impl == "local"
 
 
 @pytest.mark.parametrize("argv,fragment", [
@@ -32,6 +34,9 @@ def test_defaults_are_the_classic_gpt_and_swiglu_takes_megatron_lms_width():
     (["--position-embedding-type", "rope", "--rotary-percent", "0"], "--rotary-percent must be in (0, 1]"),
     (["--norm-epsilon", "0"], "--norm-epsilon must be positive"),
     (["--init-method-std", "-1"], "--init-method-std must be positive"),
+    # Megatron-LM's default layers: not supported yet, said in one line (docs/gpu.md, "Limits on a GPU")
+    (["--transformer-impl", "transformer_engine"], "Transformer Engine's layers are not supported yet"),
+    (["--transformer-impl", "te"], "invalid choice"),
 ])
 def test_architecture_mistakes_are_refused_in_one_line(argv, fragment):
     with pytest.raises(UsageError) as error:

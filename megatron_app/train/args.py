@@ -121,6 +121,10 @@ def _check_architecture(args: argparse.Namespace) -> None:
     """Megatron-LM's architecture flags and its derived defaults: the MLP's width (SwiGLU's 2/3 x 4h rounded down to
     a multiple of 64, as Megatron-LM does), the query groups (every head its own without --group-query-attention)."""
     T, heads = args.tensor_parallel, args.num_attention_heads
+    if args.transformer_impl != "local":
+        raise UsageError("--transformer-impl transformer_engine: Transformer Engine's layers are not supported yet "
+                         "(docs/gpu.md, \"Limits on a GPU\"); --transformer-impl local, the default, runs "
+                         "Megatron-Core's own layers")
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu else 4 * args.hidden_size
         if args.ffn_hidden_size < 1:

@@ -132,6 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(model, "--untie-embeddings-and-output-weights", action="store_true",
               help="accepted for Megatron-LM's command lines: the input embedding and the output layer are always "
                    "separate weights here (Megatron-LM ties them without this flag)")
+    _add_flag(model, "--transformer-impl", choices=("local", "transformer_engine"), default="local",
+              help="Megatron-LM's choice of layer implementation: `local` (Megatron-Core's own layers with our "
+                   "attention over packed documents, on CPU and CUDA); `transformer_engine` is refused (not "
+                   "supported yet; Megatron-LM's default)")
     _add_flag(model, "--rotary-base", type=int, default=10000, metavar="B", help="RoPE's base")
     _add_flag(model, "--rotary-percent", type=float, default=1.0, metavar="F",
               help="RoPE: the share of each head's dimensions rotated")
