@@ -37,9 +37,9 @@ class LaggingEvent:
 
 
 executor.task_clock_for = lambda device, now: CudaEventTaskClock(now, event_factory=LaggingEvent)
-recorded = []   # each training call's pipeline time as the session learns it
+recorded = []   # each training call's pipeline time as the session learns it, and the microbatches run so far
 real_record = RuntimeSession.record_pipeline_time
-RuntimeSession.record_pipeline_time = lambda self, plan, seconds: (recorded.append(seconds),
+RuntimeSession.record_pipeline_time = lambda self, plan, seconds: (recorded.append((seconds, self.microbatches_run)),
                                                                    real_record(self, plan, seconds))
 train(parse_args(["--pipeline_parallel", "1", "--model_chunks", "1", "--num-layers", "2", "--hidden-size", "32",
                   "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "2",
@@ -71,4 +71,6 @@ def test_the_call_span_starts_where_the_device_reached_the_call(tmp_path):
     # device still ran of the step before), not the host's LAG longer
     recorded = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RECORDED "))[9:])
     assert len(recorded) == len(spans)
-    assert all(abs(seconds * 1e6 - span) < LAG_US / 2 for seconds, span in zip(recorded, spans)), (recorded, spans)
+    assert all(abs(seconds * 1e6 - span) < LAG_US / 2 for (seconds, _), span in zip(recorded, spans)), (recorded, spans)
+    # each training call's count is what `balanced` may grow from (4 microbatches: global batch 8 of 2)
+    assert [run for _, run in recorded] == [4] * len(spans)

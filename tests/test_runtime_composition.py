@@ -52,20 +52,23 @@ def test_balanced_composition_comes_with_its_plan_before_any_call_and_predicts_o
     assert _take(m) is None        # consumed
 
 
-def test_balanced_grows_its_count_from_the_loaders_by_what_calls_ran():
-    """Before any call the plan keeps the loader's count (the prior cannot price a task's fixed cost); each plan's
-    count is what the next may double."""
-    lengths = LENGTHS * 4        # 32 documents, the loader's 16 microbatches of 2
+def test_balanced_grows_its_count_from_the_loaders_by_what_training_calls_ran(monkeypatch):
+    """At P=2 V=2 the prior (no per-task cost) prices every microbatch more as a smaller bubble: unbounded, the
+    first plan forms one per document. Before any training call it keeps the loader's count; once calls of 8 ran,
+    up to 16. What bounds it is what training calls ran (the executor counts them, the gather takes every rank's),
+    not what was planned: an evaluation's plan or one made ahead does not raise it."""
+    from megatron_app.runtime.layout import JobLayout
+
+    monkeypatch.setattr(runtime_composition, "job_layout", lambda pg_collection=None: JobLayout(0, 1, 2, 2, False))
+    lengths = LENGTHS * 4        # 32 documents, the loader's 8 microbatches of 4 (unbounded: 32)
     session = current_job().session
-    first = runtime_composition.agree_iteration_plan(lengths, 2, "balanced")
-    assert first.replica(0).num_microbatches <= 16
-    assert session.microbatches_planned == first.replica(0).num_microbatches
-    _take(first.replica(0).num_microbatches)
-    session.microbatches_planned = 16
-    second = runtime_composition.agree_iteration_plan(lengths, 2, "balanced")
-    assert second.replica(0).num_microbatches <= 32
-    assert session.microbatches_planned == max(16, second.replica(0).num_microbatches)
-    _take(second.replica(0).num_microbatches)
+    first = runtime_composition.decide_iteration_plan(lengths, 4, "balanced")
+    assert first.replica(0).num_microbatches == 8 and session.microbatches_run == 0
+    again = runtime_composition.decide_iteration_plan(lengths, 4, "balanced")   # planned, never run
+    assert again.replica(0).num_microbatches == 8
+    session.microbatches_run = 8                  # what the executor records after a training call of 8
+    second = runtime_composition.decide_iteration_plan(lengths, 4, "balanced")
+    assert second.replica(0).num_microbatches == 16
 
 
 def test_a_call_with_another_count_is_refused():
@@ -106,7 +109,7 @@ def test_the_planning_rank_learns_every_pipeline_ranks_tasks_once(monkeypatch):
     sent = {"peer": peer.take_unreported()}
 
     def gather_object(mine, gathered, dst):
-        gathered[0], gathered[1] = mine, (0, None, sent.pop("peer", []))
+        gathered[0], gathered[1] = mine, (0, None, sent.pop("peer", []), 12)   # the peer's calls ran 12
 
     monkeypatch.setattr(runtime_composition.dist, "gather_object", gather_object)
     monkeypatch.setattr(runtime_composition.dist, "get_world_size", lambda group=None: 2)
@@ -116,6 +119,7 @@ def test_the_planning_rank_learns_every_pipeline_ranks_tasks_once(monkeypatch):
     assert costs.ranks_seen() == (0, 1) and costs.samples(Kind.FORWARD, 1, rank=1) == 3
     assert costs.seconds(Kind.FORWARD, 1, 500, rank=1) == pytest.approx(3 * costs.seconds(Kind.FORWARD, 1, 500, rank=0))
     assert costs.take_unreported() == []                 # its own samples went out with the gather
+    assert session.microbatches_run == 12                # the most any rank's training call ran
     runtime_composition._gather_measurements(session, layout)
     assert costs.samples(Kind.FORWARD, 1, rank=1) == 3   # nothing learnt twice
 

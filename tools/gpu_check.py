@@ -111,7 +111,7 @@ GPU = Sizes(
     # 3 planned from one size of microbatch) was a quarter of them; on the H200 of 2026-11-27, at 10, `balanced`'s
     # switch from 1-2 to 8 microbatches a call (iterations 4-5, +17% and +11%) was a quarter of 8, beside steady
     # iterations within +-4% but one. Users train for thousands of iterations: the steady state is what to judge.
-    # Each iteration adds about half a second (four such runs: ~8 s).
+    # Each iteration adds about half a second (three such runs by default, four with slots8: ~6-8 s).
     prediction_iters=14,
     # The curves: P=1 runs of the prediction model at hidden 2048 and 4096 (head size 128) on a sweep of 16
     # documents an iteration, 1, 2, 4, 8 or 16 a microbatch, 128..8,192 tokens a microbatch (the composition rows

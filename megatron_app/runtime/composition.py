@@ -37,9 +37,10 @@ def _gather_measurements(session, layout: JobLayout):
     """On the job's first rank: replica -> (its last plan's nominal prediction, its slowest rank's pipeline time),
     from every rank's last training call not yet reported (None elsewhere): a measurement is learnt from once, also
     when an evaluation plans between two training calls. The task durations every other rank measured since its
-    last report join the first rank's cost model (each under its pipeline rank: the stages differ)."""
+    last report join the first rank's cost model (each under its pipeline rank: the stages differ), and the most
+    microbatches any rank's training call ran its session.microbatches_run."""
     costs = session.shared_costs()
-    mine = (layout.dp_rank, session.last_pipeline, costs.take_unreported())
+    mine = (layout.dp_rank, session.last_pipeline, costs.take_unreported(), session.microbatches_run)
     session.last_pipeline = None
     if not layout.distributed or dist.get_world_size() == 1:
         gathered = [mine]
@@ -48,10 +49,11 @@ def _gather_measurements(session, layout: JobLayout):
         dist.gather_object(mine, gathered, dst=0)
     if gathered is None:
         return None
-    for _, _, samples in gathered[1:]:     # the first rank's own are in its model already
+    for _, _, samples, _ in gathered[1:]:     # the first rank's own are in its model already
         costs.observe_reported(samples)
+    session.microbatches_run = max(run for *_, run in gathered)
     times = {}
-    for replica, last, _ in gathered:
+    for replica, last, _, _ in gathered:
         if last is None:
             continue
         predicted, seconds = last
@@ -134,17 +136,14 @@ def decide_iteration_plan(lengths: Sequence[int], micro_batch_size: int, composi
             plan = replace(planned[0], planned_ahead=True, planner_s=planned[1])
         else:
             plan = plan_iteration(replace(request, replica_speeds=speeds, min_gain=min_gain, plan_order=plans_order,
-                                          microbatches_run=session.microbatches_planned),
+                                          microbatches_run=session.microbatches_run),
                                   session.shared_costs(), stop=session.planning_stop(start))
             plan = replace(plan, planner_s=time.perf_counter() - start)
-        # this plan runs before the next is made: the next may grow from its count
-        session.microbatches_planned = max(session.microbatches_planned,
-                                           *(replica.composition.num_microbatches for replica in plan.replicas))
         if ahead:
             if session.plan_ahead is None:
                 session.plan_ahead = PlanAhead()
             upcoming = replace(request, lengths=tuple(int(v) for v in next_lengths), replica_speeds=speeds,
-                               min_gain=min_gain, microbatches_run=session.microbatches_planned,
+                               min_gain=min_gain, microbatches_run=session.microbatches_run,
                                document_ids=None if next_document_ids is None
                                else tuple(int(i) for i in next_document_ids))
             session.plan_ahead.submit(upcoming, session.shared_costs())

@@ -236,6 +236,7 @@ class PipelineStep:
             self.policy.observe_gap(self.task_gap_s)
         self.grad_sync.finish()
         if not self.forward_only:   # before the data-parallel reduction, which waits for the slowest replica
+            self.session.microbatches_run = max(self.session.microbatches_run, self.num_microbatches)
             # from where the device reached the call: the work queued before it (the previous step's optimizer,
             # 7-19 ms on an H200 at P=1) is the time outside the pipeline, which the prediction adds apart
             device_lag_s = (0.0 if host_call_start_us is None or self.device_call_start_us is None

@@ -91,8 +91,9 @@ class RuntimeSession:
         self.replica_speeds = None  # iteration_plan.ReplicaSpeeds on the rank that plans, once replicas are seen
         self.prediction_error = None   # iteration_plan.PredictionError, with it
         self.plan_ahead = None      # plan_ahead.PlanAhead on the rank that plans, once a loop plans ahead
-        self.microbatches_planned = 0   # the most microbatches of a replica a plan made here gave a call (`balanced`
-                                        # grows its count from it: composition_plan.count_limit)
+        # The most microbatches a training call has run: this rank's own, and on the rank that plans every rank's
+        # (gathered with the measurements); `balanced` grows its count from it (composition_plan.count_limit).
+        self.microbatches_run = 0
 
     def shared_costs(self):
         """The learnt task costs (length_costs.LengthCostModel) every planning policy of this process shares: a
