@@ -62,13 +62,18 @@ def torch_build_versions(find_spec: Callable = importlib.util.find_spec) -> Opti
     return found if set(found) == {"cuda", "hip"} else None
 
 
+def _driver(load: Callable):
+    """The CUDA driver library, or None without one."""
+    try:
+        return load(DRIVER_LIBRARY)
+    except OSError:
+        return None
+
+
 def driver_device_count(load: Callable = ctypes.CDLL) -> int:
     """The devices the CUDA driver shows this process (0 without a driver, or when it fails to initialise)."""
-    try:
-        driver = load(DRIVER_LIBRARY)
-    except OSError:
-        return 0
-    if driver.cuInit(0) != 0:    # CUDA_ERROR_NO_DEVICE (no device visible), CUDA_ERROR_NOT_INITIALIZED, ...
+    driver = _driver(load)
+    if driver is None or driver.cuInit(0) != 0:   # CUDA_ERROR_NO_DEVICE (no device visible), NOT_INITIALIZED, ...
         return 0
     count = ctypes.c_int(0)
     if driver.cuDeviceGetCount(ctypes.byref(count)) != 0:
@@ -78,12 +83,9 @@ def driver_device_count(load: Callable = ctypes.CDLL) -> int:
 
 def driver_cuda_version(load: Callable = ctypes.CDLL) -> Optional[int]:
     """The CUDA version the driver supports (cuDriverGetVersion: 1000 x major + 10 x minor), None when unknown."""
-    try:
-        driver = load(DRIVER_LIBRARY)
-    except OSError:
-        return None
+    driver = _driver(load)
     version = ctypes.c_int(0)
-    if driver.cuDriverGetVersion(ctypes.byref(version)) != 0:
+    if driver is None or driver.cuDriverGetVersion(ctypes.byref(version)) != 0:
         return None
     return version.value
 

@@ -393,23 +393,24 @@ class Check:
         return names[at] if 0 <= at < len(names) else None
 
     def start_first_ahead(self) -> None:
-        """The timed plan's first run, behind its gate, beside the steps that time nothing. Whatever fails here is
-        left for that run's own turn to report, as in _start_next_ahead: the steps beside must still run."""
+        """The timed plan's first run, behind its gate, beside the steps that time nothing (they must still run)."""
         if self.timed_plan:
-            try:
-                self.start_ahead(next(iter(self.timed_plan)))
-            except Exception:  # noqa: BLE001 - see above
-                pass
+            self._start_ahead_or_leave(next(iter(self.timed_plan)))
 
     def _start_next_ahead(self, name: str) -> None:
-        """Starts the timed plan's run after `name` behind its gate. Whatever fails here (its flags need the corpus,
-        say) is left for that run's own turn to report: `name`'s launch is already running and must be waited for."""
+        """Starts the timed plan's run after `name` behind its gate (`name`'s launch is running and must be waited
+        for)."""
         following = self._planned_beside(name, 1)
         if following is not None and not self._closing:
-            try:
-                self.start_ahead(following)
-            except Exception:  # noqa: BLE001 - see above
-                pass
+            self._start_ahead_or_leave(following)
+
+    def _start_ahead_or_leave(self, name: str) -> None:
+        """start_ahead(name); whatever fails there (its flags need the corpus, say) is left for that run's own turn to
+        report."""
+        try:
+            self.start_ahead(name)
+        except Exception:  # noqa: BLE001 - see above
+            pass
 
     def start_ahead(self, name: str) -> None:
         """Starts the timed plan's run `name` behind its gate (once; not where the budget is spent)."""
