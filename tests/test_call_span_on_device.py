@@ -48,9 +48,12 @@ print("RECORDED", json.dumps(recorded))
 """
 
 
-def test_the_call_span_starts_where_the_device_reached_the_call(tmp_path):
+def test_the_call_span_starts_where_the_device_reached_the_call(tmp_path, monkeypatch):
     from helpers.fork_ranks import free_port
+    from megatron_app.trace.metrics import iteration_metrics
     from megatron_app.trace.reader import read_trace_dir
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    from gpu_check import host_bound_shares
 
     result = subprocess.run([sys.executable, "-c", WORKER, str(tmp_path), str(free_port()), str(LAG_US)], cwd=REPO,
                             env=run_env(), capture_output=True, text=True, timeout=300)
@@ -63,8 +66,19 @@ def test_the_call_span_starts_where_the_device_reached_the_call(tmp_path):
         call = next(e for e in events if e.kind == "iteration")
         tasks = [e for e in events if e.kind in ("forward", "backward")]
         assert tasks and call.start <= min(e.start for e in tasks) and max(e.end for e in tasks) <= call.end
+        # each device-timed task carries the host's own time in it and how far the device trailed the host at its
+        # start: here the device runs each event LAG behind and takes the host's time for the rest
+        for task in tasks:
+            assert abs(task.extra["queued_us"] - LAG_US) < LAG_US / 2, task.extra
+            assert abs(task.extra["host_us"] - (task.end - task.start)) < LAG_US / 4, (task.extra, task.duration)
         heads.append(min(e.start for e in tasks) - call.start)
         spans.append(call.end - call.start)
+    # the stand-in device takes the host's time in every task: all of it is host-bound, as process_trace and
+    # gpu_check's prediction rows say
+    for iteration in run.iterations():
+        [metrics] = iteration_metrics(run, iteration).ranks
+        assert metrics.host_bound_us == metrics.compute_us > 0
+    assert host_bound_shares(run, skip=0) == {"pp0": 1.0}
     # the host's entry was LAG before the device reached the call: a span from there would open with LAG of nothing
     assert max(heads) < LAG_US / 2, json.dumps(heads)
     # the pipeline time the planner learns from is the same span (the lag is outside the pipeline: it is what the

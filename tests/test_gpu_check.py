@@ -66,6 +66,8 @@ def test_the_rehearsal_runs_every_step_and_writes_both_reports(rehearsal):
     assert set(rows["p2v2"]["task_gap_us"]) == {"pp0", "pp1"} and all(
         gap > 0 for row in rows.values() for gap in row["task_gap_us"].values()), rows
     assert set(rows["p2v2"]["replay"]) == {"without_gaps", "with_gaps"}   # what the gap buys on this host
+    # host-bound shares need device-timed tasks (tests/test_call_span_on_device.py has them): none on CPU
+    assert all(row["host_bound_share"] == {} for row in rows.values()), rows
     # the transport issue's measure on the P=2 V=2 run: shares of the call with a send in flight, receiving, waiting
     shares = rows["p2v2"]["transfer_shares"]
     assert set(shares) == {"pp0", "pp1"} and "transfer_shares" not in rows["p1"]

@@ -50,10 +50,25 @@ def test_event_clock_places_device_spans_on_the_host_clock_at_resolve():
         gpu.host_us = done
         assert clock.stop(started, key) is None
     spans = clock.resolve()
-    assert [key for key, *_ in spans] == ["f0", "f1"]
-    for (_, start, end), (launch, done) in zip(spans, [(0.0, 1.0), (2.0, 3.0)]):
-        assert start == pytest.approx(launch + 1000.0) and end == pytest.approx(done + 1000.0)
+    assert [timed.key for timed in spans] == ["f0", "f1"]
+    for timed, (launch, done) in zip(spans, [(0.0, 1.0), (2.0, 3.0)]):
+        assert timed.start_us == pytest.approx(launch + 1000.0) and timed.end_us == pytest.approx(done + 1000.0)
+        # the host's own span of the task: from start() to stop(), on the same clock
+        assert (timed.host_start_us, timed.host_end_us) == (launch, done)
     assert clock.resolve() == []
+
+
+def test_event_clock_tells_a_task_whose_time_was_the_hosts():
+    """A device idle when the task starts (no lag) and a host that takes 5 ms inside the task before its launches:
+    the device span equals the host's, which the trace then shows (host_us about the span, queued_us about nil)."""
+    gpu = _ShiftedGpu(lag_us=0.0)
+    clock = CudaEventTaskClock(lambda: gpu.host_us, event_factory=gpu.event)
+    started = clock.start()
+    gpu.host_us += 5000.0     # host work inside the task (a stall, or launches the device waits for)
+    clock.stop(started, "stalled")
+    [timed] = clock.resolve()
+    assert timed.end_us - timed.start_us == pytest.approx(timed.host_end_us - timed.host_start_us) == 5000.0
+    assert timed.start_us - timed.host_start_us == pytest.approx(0.0)
 
 
 def test_the_clock_follows_the_device():
@@ -86,6 +101,7 @@ def test_event_spans_match_a_synchronised_timer_on_cuda():
     work()
     clock.stop(started, "work")
     launch_us = (time.monotonic_ns() - launch_begin) / 1e3
-    [(_, start, end)] = clock.resolve()
+    [timed] = clock.resolve()
+    start, end = timed.start_us, timed.end_us
     assert abs((end - start) - synchronised_us) <= max(0.05 * synchronised_us, 200.0), \
         f"events {end - start:.0f} us, synchronised timer {synchronised_us:.0f} us, launches {launch_us:.0f} us"

@@ -7,7 +7,8 @@ import pytest
 from megatron_app.trace import read_trace_dir
 from megatron_app.trace.intervals import busy_fraction, concurrency_steps, interval_deltas, max_concurrency, \
     max_level_per_bin, union_length
-from megatron_app.trace.metrics import CSV_COLUMNS, csv_rows, iteration_metrics
+from megatron_app.trace.metrics import CSV_COLUMNS, csv_rows, host_bound_us, iteration_metrics
+from megatron_app.trace.schema import TraceEvent
 from test_trace_synthetic import plan_greedy, write_plan
 
 
@@ -88,3 +89,22 @@ def test_max_level_per_bin_keeps_short_peaks():
     steps = concurrency_steps(interval_deltas([(1.0, 1.1), (5.0, 25.0), (6.0, 7.0)]))
     assert max_level_per_bin(steps, [0, 10, 20, 30, 40]) == [2, 1, 1, 0]
     assert max_level_per_bin([], [0, 1, 2]) == [0, 0]
+
+
+def test_host_bound_time_counts_the_device_timed_tasks_whose_span_was_the_hosts():
+    """Schema 1.7: a device-timed task whose host_us is at least 90% of its span was the host's time (the device
+    waited for it); one whose host returned early was the device's. Host-timed traces have no such figure."""
+    def task(start, end, **extra):
+        return TraceEvent(rank=0, pp_rank=0, iteration=1, kind="forward", start=start, end=end, chunk=0,
+                          microbatch=0, extra=extra)
+
+    events = [task(0.0, 30.0, host_us=29.0, queued_us=0.0),      # a 30 us span the host spent 29 of: host-bound
+              task(30.0, 40.0, host_us=2.0, queued_us=25.0),     # launched 2 us, ran 10 us behind: the device's
+              task(40.0, 50.0, host_us=9.0, queued_us=0.0)]      # exactly 90%: host-bound
+    assert host_bound_us(events) == 40.0
+    assert host_bound_us([task(0.0, 30.0)]) is None
+
+
+def test_a_host_timed_trace_has_no_host_bound_time(tmp_path):
+    m = metrics_of(tmp_path, plan_greedy(2, 1, 2, forward_us=10, backward_us=20, start_us=0.0))
+    assert [r.host_bound_us for r in m.ranks] == [None, None]

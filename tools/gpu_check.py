@@ -174,10 +174,11 @@ PREDICTION_DEFINITION = (
     "error = predicted_ms / time_ms - 1 per iteration from the third; span_coverage = sum of a rank's compute spans "
     "/ its forward_backward call's span, median over iterations from the third (P=1 target: within 5% of 1); "
     "task_gap_us: per rank, the median of the calls' mean time between tasks run back to back (added to every task "
-    "of the rank by the planner); replay: the cost model replayed on the trace (tools/bench_cost_model.py), median "
-    "|error| of the pipeline without and with that gap; transfer_shares: per rank, the share of the call's span with "
-    "a send in flight (a device tensor's from its data ready on the device to its copies' end, device-timed; a host "
-    "tensor's from posting to the completion the rank saw), taking inputs (recv) and blocked on one (wait), median "
+    "of the rank by the planner); host_bound_share: per rank, the median share of its compute time in tasks the host "
+    "spent at least 90% of the device span in (the device waited for the host: launches or a host stall); replay: "
+    "the cost model replayed on the trace (tools/bench_cost_model.py), median |error| of the pipeline without and "
+    "with that gap; transfer_shares: per rank, the share of the call's span with a send in flight (a device "
+    "tensor's from its data ready on the device to its copies' end, device-timed; a host tensor's from posting to the completion the rank saw), taking inputs (recv) and blocked on one (wait), median "
     "from the third; send_share: the largest rank's (the transport issue's target: under 0.10; not part of the "
     "prediction step's pass)")
 
@@ -731,7 +732,8 @@ class Check:
                 ok = ok and all(abs(c - 1.0) <= 0.05 for c in coverage.values())
             rows[name] = {"status": "pass" if ok else "fail", "target": target,
                           "median_abs_error": median, "errors": errors, "span_coverage": coverage,
-                          "task_gap_us": task_gaps(trace, skip=2), "replay": replayed_errors(trace)}
+                          "task_gap_us": task_gaps(trace, skip=2), "host_bound_share": host_bound_shares(trace, skip=2),
+                          "replay": replayed_errors(trace)}
             if pipeline > 1:   # the transport issue's target for this run: sends in flight under 10% of the iteration
                 rows[name].update(transfer_shares=transfers, send_share=max(t["send"] for t in transfers.values()),
                                   send_share_target=0.10)
@@ -949,6 +951,21 @@ def span_coverage(run, skip: int) -> Dict[str, float]:
     return {rank: shares["compute"] for rank, shares in _median_per_rank(run, skip, compute).items()}
 
 
+def host_bound_shares(run, skip: int) -> Dict[str, float]:
+    """Per pipeline rank: median over iterations of the share of its compute time in tasks whose time was the
+    host's (trace.metrics.host_bound_us: the host spent at least 90% of the task's device span in it); empty for a
+    host-timed trace. Tells launch-bound tasks and host stalls inside tasks from slow kernels."""
+    from megatron_app.trace.metrics import host_bound_us
+    from megatron_app.trace.schema import COMPUTE_KINDS
+
+    def share(events, call):
+        bound = host_bound_us(events)
+        compute = sum(e.duration for e in events if e.kind in COMPUTE_KINDS)
+        return {} if bound is None or compute <= 0 else {"host_bound": bound / compute}
+
+    return {rank: shares["host_bound"] for rank, shares in _median_per_rank(run, skip, share).items()}
+
+
 def replayed_errors(run) -> Dict[str, Optional[float]]:
     """The cost model replayed over this trace (bench/cost_model_replay.py) without and with the time between
     tasks: median |predicted / measured - 1| of the pipeline, so a GPU run says what that term buys there."""
@@ -1037,7 +1054,8 @@ def write_text_report(report: dict) -> str:
                                                    if k not in ("status", "seconds")))
         for row, entry in step.get("rows", {}).items():
             summary = {k: entry[k] for k in ("max_relative_difference", "tolerance", "median_abs_error", "target",
-                                             "span_coverage", "task_gap_us", "replay", "send_share",
+                                             "span_coverage", "task_gap_us", "host_bound_share", "replay",
+                                             "send_share",
                                              "send_share_target",
                                              "balanced_over_packed", "balanced_over_dp_balanced", "transport",
                                              "error")

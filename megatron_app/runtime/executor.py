@@ -208,7 +208,7 @@ class PipelineStep:
     def run(self) -> List[Any]:
         started = time.perf_counter()
         call_marker = self.task_clock.start() if self.task_clock.deferred else None
-        host_call_start_us = None if call_marker is None else self._now()
+        host_call_start_us = None
         if self.policy.plans_iterations:      # inside run(): the trace's iteration time includes planning
             self._adopt_plan()
         self._call_start_us = self._now()     # a plan's predicted starts count from here
@@ -226,11 +226,13 @@ class PipelineStep:
         self._reap_sends(block=True)
         if call_marker is not None:
             self.task_clock.stop(call_marker, _CALL_MARKER)
-        for task, start, end in self.task_clock.resolve():
-            if task is _CALL_MARKER:
-                self.device_call_start_us = start
+        for timed in self.task_clock.resolve():
+            if timed.key is _CALL_MARKER:
+                self.device_call_start_us, host_call_start_us = timed.start_us, timed.host_start_us
                 continue
-            self._task_timed(task, start, end)
+            self._task_timed(timed.key, timed.start_us, timed.end_us,
+                             host_us=timed.host_end_us - timed.host_start_us,
+                             queued_us=timed.start_us - timed.host_start_us)
         self.task_gap_s = None if self.forward_only else self._mean_gap_s()
         if self.task_gap_s is not None:
             self.policy.observe_gap(self.task_gap_s)
@@ -394,9 +396,12 @@ class PipelineStep:
         if span is not None:
             self._task_timed(task, *span)
 
-    def _task_timed(self, task: Task, start_us: float, end_us: float):
-        """Trace a compute task's span and tell the policy its duration (the cost model learns from it)."""
-        self._trace(task.kind.trace_name, start_us, end_us, task)
+    def _task_timed(self, task: Task, start_us: float, end_us: float, **device_timed):
+        """Trace a compute task's span and tell the policy its duration (the cost model learns from it). A device
+        span comes with the host's time in the task (host_us) and how far the device trailed the host at its start
+        (queued_us): the trace then tells a task whose time was the host's."""
+        self._trace(task.kind.trace_name, start_us, end_us, task,
+                    **{name: round(value, 1) for name, value in device_timed.items()})
         self._spans[task] = (start_us, end_us)
         self.policy.observe(task, (end_us - start_us) / 1e6)
 

@@ -8,16 +8,27 @@ event's GPU time is that reading, and every other event's time is the reading mi
 
 Both clocks share one interface: ``start()`` before a task, ``stop(started)`` after it; a clock whose ``deferred`` is
 False returns the task's (start_us, end_us) from stop() at once, a deferred one returns None and hands every span of
-the call over from ``resolve()``.
+the call over from ``resolve()``, each with the host's own span of the task (from start() to stop(): its launches,
+and whatever else the host did meanwhile): a device span about as long as the host's was the host's time, not the
+device's (a launch-bound task, or a host stall inside it).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, List, Optional, Tuple
+from typing import Callable, Hashable, List, NamedTuple, Optional, Tuple
 
 import torch
 
 Span = Tuple[float, float]
+
+
+class TimedTask(NamedTuple):
+    """A deferred clock's answer for one task: its device span and the host's span of it, on the host clock."""
+    key: Hashable
+    start_us: float
+    end_us: float
+    host_start_us: float
+    host_end_us: float
 
 
 class HostTaskClock:
@@ -34,7 +45,7 @@ class HostTaskClock:
     def stop(self, started: float, key: Hashable = None) -> Optional[Span]:
         return started, self._now_us()
 
-    def resolve(self) -> List[Tuple[Hashable, float, float]]:
+    def resolve(self) -> List[TimedTask]:
         return []
 
 
@@ -46,30 +57,32 @@ class CudaEventTaskClock:
     def __init__(self, now_us: Callable[[], float], event_factory: Callable[[], object] = None):
         self._now_us = now_us
         self._event = event_factory or (lambda: torch.cuda.Event(enable_timing=True))
-        self._pending: List[Tuple[Hashable, object, object]] = []
+        self._pending: List[Tuple[Hashable, object, object, float, float]] = []
 
     def start(self):
         event = self._event()
         event.record()
-        return event
+        return event, self._now_us()
 
     def stop(self, started, key: Hashable = None) -> Optional[Span]:
         ended = self._event()
         ended.record()
-        self._pending.append((key, started, ended))
+        event, host_start_us = started
+        self._pending.append((key, event, ended, host_start_us, self._now_us()))
         return None
 
-    def resolve(self) -> List[Tuple[Hashable, float, float]]:
-        """(key, start_us, end_us) of every task since the last resolve, on the host clock. Waits for the stream to
-        reach the last task's end (the call's pipeline is over then anyway)."""
+    def resolve(self) -> List[TimedTask]:
+        """Every task since the last resolve, on the host clock. Waits for the stream to reach the last task's end
+        (the call's pipeline is over then anyway)."""
         if not self._pending:
             return []
         final = self._event()
         final.record()
         final.synchronize()
         final_us = self._now_us()
-        spans = [(key, final_us - started.elapsed_time(final) * 1e3, final_us - ended.elapsed_time(final) * 1e3)
-                 for key, started, ended in self._pending]
+        spans = [TimedTask(key, final_us - started.elapsed_time(final) * 1e3, final_us - ended.elapsed_time(final) * 1e3,
+                           host_start_us, host_end_us)
+                 for key, started, ended, host_start_us, host_end_us in self._pending]
         self._pending = []
         return spans
 

@@ -32,6 +32,7 @@ class RankMetrics:
     bubble_ratio: float
     comm_wait_us: float
     task_gap_us: float | None        # the runtime's mean time between tasks run back to back (its iteration event)
+    host_bound_us: float | None      # device-timed tasks whose time was the host's (host_bound_us()); None: host-timed
     optimizer_us: float
     max_sends_in_flight: int
     sent_bytes: int
@@ -114,11 +115,25 @@ def _rank_metrics(rank: RankTrace, events: list, makespan: float) -> RankMetrics
         comm_wait_us=union_length(spans(WAIT)),
         task_gap_us=next((e.extra["task_gap_us"] for e in events if e.kind == ITERATION and "task_gap_us" in e.extra),
                          None),
+        host_bound_us=host_bound_us(events),
         optimizer_us=union_length(spans(OPTIMIZER)),
         max_sends_in_flight=max_concurrency(interval_deltas((e.start, e.end) for e in sends)),
         sent_bytes=sum(e.nbytes or 0 for e in sends),
         peak_activations=max_concurrency(activation_deltas),
     )
+
+
+HOST_BOUND_SHARE = 0.9   # a device span whose host_us is at least this share of it was the host's time
+
+
+def host_bound_us(events) -> float | None:
+    """The summed spans of the device-timed compute tasks (schema 1.7: extra.host_us) in which the host spent at
+    least HOST_BOUND_SHARE of the span: the device waited for the host there (launches slower than the kernels, or
+    the host busy elsewhere inside the task). None when no task was device-timed (a CPU run: host and span agree)."""
+    timed = [e for e in events if e.kind in COMPUTE_KINDS and "host_us" in e.extra]
+    if not timed:
+        return None
+    return sum(e.duration for e in timed if e.extra["host_us"] >= HOST_BOUND_SHARE * e.duration)
 
 
 _ITERATION_COLUMNS = ["iteration", "microbatches", "makespan_us", "ideal_us", "makespan_over_ideal", "lower_bound_us",

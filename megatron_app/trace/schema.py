@@ -12,8 +12,9 @@ from typing import Any
 
 from megatron_app.schedule.tasks import Kind, TASK_KINDS
 
-SCHEMA_VERSION = "1.6"   # 1.4: iterations count from 1 (FIRST_ITERATION); 1.5: a device send spans its transfer;
-                         # 1.6: an iteration event may carry extra.task_gap_us
+SCHEMA_VERSION = "1.7"   # 1.4: iterations count from 1 (FIRST_ITERATION); 1.5: a device send spans its transfer;
+                         # 1.6: an iteration event may carry extra.task_gap_us; 1.7: a device-timed compute event
+                         # extra.host_us and extra.queued_us
 FORMAT_NAME = "megatron_app.trace"
 FILE_PATTERN = "trace_rank{rank}.jsonl"
 # Iterations count from 1 in every trace, real or simulated, as in the trainer's log ("iter 1/N"), its --log-json and
