@@ -332,6 +332,7 @@ def _refuse_ignored_options(args: argparse.Namespace) -> None:
         raise UsageError("--eval-iters needs --eval-interval N (no evaluation runs without it)")
     if getattr(args, "split", None) is not None and getattr(args, "data_path", None) is None:
         raise UsageError("--split needs --data-path (mock data has no splits)")
+    _refuse_unread_profiling_options(args)
     if getattr(args, "trace_dir", None) is not None:
         if getattr(args, "no_trace", False):
             raise UsageError("--no-trace writes no trace: drop --trace-dir")
@@ -342,6 +343,42 @@ def _refuse_ignored_options(args: argparse.Namespace) -> None:
         if getattr(args, dest, None) is None:
             setattr(args, dest, default)
     args.policy = running_policy_name(args)
+
+
+_PROFILING_OPTIONS = ("use_pytorch_profiler", "profile_step_start", "profile_step_end", "profile_ranks")
+
+
+def _refuse_unread_profiling_options(args: argparse.Namespace) -> None:
+    if not getattr(args, "profile", False):
+        given = [_flag(dest) for dest in _PROFILING_OPTIONS if getattr(args, dest, None) not in (None, False)]
+        if given:
+            raise UsageError(f"{given[0]} takes effect with --profile (Megatron-LM's rule): give both")
+    if getattr(args, "tensorboard_dir", None) is not None and not getattr(args, "use_pytorch_profiler", False):
+        raise UsageError("--tensorboard-dir holds --use-pytorch-profiler's traces only (no TensorBoard scalars are "
+                         "written: --log-json has them): give --profile --use-pytorch-profiler, or drop it")
+
+
+def _check_profiling(args: argparse.Namespace) -> None:
+    """Megatron-LM's profiling flags (profiling.py), once the layout and device are known."""
+    if not args.profile:
+        return
+    start, end = args.profile_step_start, args.profile_step_end
+    if start < 0 or end <= start:
+        raise UsageError(f"--profile-step-start {start} and --profile-step-end {end}: profiling needs "
+                         "0 <= start < end (steps counted from 0)")
+    if start >= args.iters:
+        raise UsageError(f"--profile-step-start {start}: a run of --iters {args.iters} has steps 0..{args.iters - 1} "
+                         "(the log's iterations 1..N): nothing would be profiled")
+    outside = [rank for rank in args.profile_ranks if not 0 <= rank < args.world_size]
+    if outside:
+        raise UsageError(f"--profile-ranks {outside[0]}: this run has global ranks 0..{args.world_size - 1}")
+    if not args.use_pytorch_profiler:
+        if args.device != "cuda":
+            raise UsageError("--profile without --use-pytorch-profiler marks nsys's CUDA capture range: on "
+                             f"--device {args.device} add --use-pytorch-profiler")
+    elif args.tensorboard_dir is None and not writes_traces(args):
+        raise UsageError("--use-pytorch-profiler writes into the run's trace directory: give --tensorboard-dir DIR "
+                         "(this run writes no traces)")
 
 
 def running_policy_name(args: argparse.Namespace) -> str:
@@ -383,6 +420,7 @@ def validate(args: argparse.Namespace, environ: Mapping[str, str]) -> argparse.N
     _check_memory_factor(args)
     _check_split_backward(args)
     _check_schedule_file(args)
+    _check_profiling(args)
     _check_outputs(args)
     return args
 

@@ -25,6 +25,7 @@ DEFAULT_SLOW_FACTOR = 1.5
 DEFAULT_STRAGGLER_FACTOR = 3.0
 DEFAULT_EVAL_ITERS = 10
 DEFAULT_TRACE_DIR = "traces/"
+DEFAULT_PROFILE_STEPS = (10, 12)   # Megatron-LM's --profile-step-start / --profile-step-end
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")   # Megatron-LM's
@@ -355,13 +356,31 @@ def build_parser() -> argparse.ArgumentParser:
               help="save each rank's weights after the last iteration")
     _add_flag(out, "--check-config", action="store_true",
               help="only validate the flags for WORLD_SIZE ranks (launchers run this before starting ranks)")
+
+    profiling = parser.add_argument_group("profiling (Megatron-LM's flags; megatron_app/train/profiling.py)")
+    _add_flag(profiling, "--profile", action="store_true",
+              help="profile steps [--profile-step-start, --profile-step-end) (counted from 0: the defaults are the "
+                   "log's iterations 11-12): with --use-pytorch-profiler, else nsys's capture range (CUDA)")
+    _add_flag(profiling, "--profile-step-start", type=int, default=None, metavar="N",
+              help=f"first profiled step (default {DEFAULT_PROFILE_STEPS[0]})")
+    _add_flag(profiling, "--profile-step-end", type=int, default=None, metavar="N",
+              help=f"profiling ends before this step (default {DEFAULT_PROFILE_STEPS[1]})")
+    _add_flag(profiling, "--use-pytorch-profiler", action="store_true",
+              help="torch.profiler: one Chrome/Perfetto trace per profiled rank (TensorBoard's profiler reads it)")
+    _add_flag(profiling, "--profile-ranks", type=int, nargs="+", default=None, metavar="R",
+              help="global ranks to profile (default 0)")
+    _add_flag(profiling, "--tensorboard-dir", default=None, metavar="DIR",
+              help="where --use-pytorch-profiler writes (default: profile/ in the run's trace directory); "
+                   "no TensorBoard scalars are written (--log-json has them)")
     return parser
 
 
 # Options whose flag defaults to None (so that a given one can be told from a default) and the value an unset one
 # takes once the refusals have run; and what validate() derives for a run that gives none of the flags it reads.
 _FILLED_DEFAULTS = {"slow_factor": DEFAULT_SLOW_FACTOR, "straggler_factor": DEFAULT_STRAGGLER_FACTOR,
-                    "eval_iters": DEFAULT_EVAL_ITERS, "split": DEFAULT_SPLIT, "trace_dir": DEFAULT_TRACE_DIR}
+                    "eval_iters": DEFAULT_EVAL_ITERS, "split": DEFAULT_SPLIT, "trace_dir": DEFAULT_TRACE_DIR,
+                    "profile_step_start": DEFAULT_PROFILE_STEPS[0], "profile_step_end": DEFAULT_PROFILE_STEPS[1],
+                    "profile_ranks": (0,)}
 _DERIVED_DEFAULTS = {"precision": "fp32", "composition": default_composition(planned_by_our_runtime=False),
                      "synthetic_plan": None}
 

@@ -35,6 +35,7 @@ from .start_gate import wait_for_start_gate
 from .startup import EndingClock, StartupClock
 from .step import forward_step
 from .stops import check_finite, interrupt_follows, interrupted, raise_once_on_ctrl_c
+from .profiling import StepProfiler
 from .trace_run import start_trace_run
 
 _RUN_CONFIG_KEYS = (
@@ -73,6 +74,7 @@ class Trainer:
     stop_on_nonfinite: bool = False  # --check-for-nan-in-loss-and-grad
     plan_ahead: bool = False        # --plan-ahead: plan each next global batch while this one trains
     last_lr: Optional[float] = None  # the learning rate of the last step
+    trace_dir: Optional[Path] = None  # this run's trace directory (None: no traces)
 
     @property
     def composes(self) -> bool:
@@ -140,7 +142,8 @@ def build_trainer(args, startup: Optional[StartupClock] = None) -> Trainer:
                    emulation=emulation, train_dataset=train_dataset,
                    dp_rank=dp_rank,
                    saved_iteration=start_iteration or None,
-                   stop_on_nonfinite=args.check_for_nan_in_loss_and_grad, plan_ahead=args.plan_ahead)
+                   stop_on_nonfinite=args.check_for_nan_in_loss_and_grad, plan_ahead=args.plan_ahead,
+                   trace_dir=trace_dir)
 
 
 def train_step(trainer: Trainer, iteration: int) -> Optional[float]:
@@ -211,6 +214,11 @@ def after_iteration(trainer: Trainer, iteration: int) -> bool:
     return not stop
 
 
+def _say(line: Optional[str]) -> None:
+    if line:
+        print(line, flush=True)
+
+
 def train(args) -> None:
     """Run iterations start+1 .. ``args.iters`` on this rank (one process per rank, launched by torchrun);
     start is 0, or the iteration of the checkpoint ``--load`` names.
@@ -227,6 +235,7 @@ def train(args) -> None:
     startup.mark("process_group")
     trainer = None
     loss_layer = None
+    profiler = None
     iteration = None
     ending = None
     try:
@@ -241,8 +250,11 @@ def train(args) -> None:
             add_transport_wrapper(loss_layer.wrap_transport)
         if trainer.reporter.enabled:
             print("megatron_app.train: " + " ".join(f"{k}={v}" for k, v in run_config(args).items()), flush=True)
+        profiler = StepProfiler.from_args(args, dist.get_rank(), trainer.trace_dir)
         ending = EndingClock()
         for iteration in range(trainer.start_iteration + 1, args.iters + 1):
+            if profiler is not None:    # before the iteration's clock: its line times the profiled work
+                profiler.before(iteration)
             start = time.perf_counter()
             loss = train_step(trainer, iteration)
             seconds = time.perf_counter() - start
@@ -254,6 +266,8 @@ def train(args) -> None:
                                     {"lr": trainer.last_lr, **trainer.optimizer.report()})
             if loss_layer is not None:
                 loss_layer.end_iteration(iteration, current_tracer())
+            if profiler is not None:
+                _say(profiler.after(iteration))
             if not after_iteration(trainer, iteration):
                 break
         if args.dump_weights:
@@ -274,6 +288,8 @@ def train(args) -> None:
         raise interrupted(iteration, args.iters, args.save,
                           trainer.saved_iteration if trainer is not None else None, report) from None
     finally:
+        if profiler is not None and profiler.running:   # the run ended inside the range: write what was recorded
+            _say(profiler.finish(iteration))
         if ending is not None:
             ending.mark("loop")
         if loss_layer is not None:

@@ -115,7 +115,8 @@ def check_outputs(args, tracing: bool) -> None:
         check_output_dir("--trace-dir", args.trace_dir)
     if args.log_json:
         check_output_file("--log-json", args.log_json)
-    for flag, path in (("--dump-grads", args.dump_grads), ("--dump-weights", args.dump_weights)):
+    for flag, path in (("--dump-grads", args.dump_grads), ("--dump-weights", args.dump_weights),
+                       ("--tensorboard-dir", getattr(args, "tensorboard_dir", None))):
         if path:
             check_output_dir(flag, path)
     if args.save:

@@ -1,0 +1,78 @@
+"""Megatron-LM's profiling flags. --profile marks training steps [--profile-step-start, --profile-step-end) of the
+ranks --profile-ranks names; Megatron-LM counts steps done from 0, so start 10 and end 12 (its defaults) are the
+log's iterations 11 and 12.
+
+  --use-pytorch-profiler   torch.profiler records those iterations (CPU ops, and CUDA kernels on a GPU, with
+                           shapes) and writes one Chrome/Perfetto trace per rank, ``rank<R>.<ns>.pt.trace.json``
+                           (the name TensorBoard's profiler plugin reads), into --tensorboard-dir, else into
+                           ``profile/`` of the run's trace directory;
+  without it (CUDA only)   the iterations are nsys's capture range: cudaProfilerStart/Stop around them and NVTX
+                           ranges of autograd's ops (run under ``nsys profile --capture-range=cudaProfilerApi
+                           --capture-range-end=stop``), as in Megatron-LM.
+
+The profiler starts before its first iteration's clock and writes after its last iteration is reported, so the
+iteration lines time the profiled work, not the export. A run that ends inside the range writes what was recorded.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+
+class StepProfiler:
+    def __init__(self, first: int, last: int, rank: int, out_dir: Optional[Path], cuda: bool):
+        """Profiles the log's iterations first..last (1-based) of global rank ``rank``; out_dir None: nsys's range."""
+        self.first, self.last, self.rank, self.out_dir, self.cuda = first, last, rank, out_dir, cuda
+        self._profiler = None
+        self._nvtx = None
+
+    @classmethod
+    def from_args(cls, args, rank: int, trace_dir: Optional[Path]) -> Optional["StepProfiler"]:
+        if not args.profile or rank not in args.profile_ranks:
+            return None
+        out_dir = None
+        if args.use_pytorch_profiler:
+            out_dir = Path(args.tensorboard_dir) if args.tensorboard_dir else Path(trace_dir) / "profile"
+        return cls(args.profile_step_start + 1, args.profile_step_end, rank, out_dir, args.device == "cuda")
+
+    @property
+    def running(self) -> bool:
+        return self._profiler is not None or self._nvtx is not None
+
+    def before(self, iteration: int) -> None:
+        if iteration != self.first:
+            return
+        if self.out_dir is None:
+            torch.cuda.cudart().cudaProfilerStart()
+            self._nvtx = torch.autograd.profiler.emit_nvtx(record_shapes=True)
+            self._nvtx.__enter__()
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        self._profiler = profile(activities=activities, record_shapes=True)
+        self._profiler.start()
+
+    def after(self, iteration: int) -> Optional[str]:
+        """At the range's last iteration: stop, write, and say where (a line for the log); else None."""
+        return self.finish(iteration) if iteration == self.last and self.running else None
+
+    def finish(self, iteration: int) -> Optional[str]:
+        """Stop what is running (the range's end, or a run that ended inside it) and write it."""
+        if self._nvtx is not None:
+            self._nvtx.__exit__(None, None, None)
+            self._nvtx = None
+            torch.cuda.cudart().cudaProfilerStop()
+            return f"profile: iterations {self.first}-{iteration} were nsys's capture range on rank {self.rank}"
+        if self._profiler is None:
+            return None
+        profiler, self._profiler = self._profiler, None
+        profiler.stop()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        path = self.out_dir / f"rank{self.rank}.{time.time_ns()}.pt.trace.json"
+        profiler.export_chrome_trace(str(path))
+        return f"profile: iterations {self.first}-{iteration} of rank {self.rank} in {path} (ui.perfetto.dev)"

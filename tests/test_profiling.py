@@ -1,0 +1,98 @@
+"""Megatron-LM's profiling flags (train/profiling.py): their refusals, a torch.profiler trace of the steps asked for
+(the log's iterations start+1..end), a run ending inside the range, and nsys's capture range on CUDA."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_app.train.args import UsageError, parse_args
+from megatron_app.train.profiling import StepProfiler
+from pipeline_runs import REPO
+
+WORLD = {"WORLD_SIZE": "1"}
+SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+         "--vocab-size", "256", "--micro-batch-size", "2", "--global-batch-size", "4", "--device", "cpu"]
+
+
+def test_megatron_lms_defaults_profile_the_logs_iterations_11_and_12():
+    args = parse_args(["--profile", "--use-pytorch-profiler", "--iters", "12"], WORLD)
+    assert (args.profile_step_start, args.profile_step_end, tuple(args.profile_ranks)) == (10, 12, (0,))
+    profiler = StepProfiler.from_args(args, rank=0, trace_dir="run")
+    assert (profiler.first, profiler.last, str(profiler.out_dir)) == (11, 12, "run/profile")
+    assert StepProfiler.from_args(args, rank=1, trace_dir="run") is None     # not a profiled rank
+    assert StepProfiler.from_args(parse_args([], WORLD), rank=0, trace_dir="run") is None
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--use-pytorch-profiler"], "--use-pytorch-profiler takes effect with --profile"),
+    (["--profile-step-start", "3"], "--profile-step-start takes effect with --profile"),
+    (["--profile-ranks", "0"], "--profile-ranks takes effect with --profile"),
+    (["--tensorboard-dir", "tb"], "--tensorboard-dir holds --use-pytorch-profiler's traces only"),
+    (["--profile", "--tensorboard-dir", "tb"], "--tensorboard-dir holds --use-pytorch-profiler's traces only"),
+    (["--profile", "--use-pytorch-profiler", "--profile-step-start", "3", "--profile-step-end", "3"],
+     "needs 0 <= start < end"),
+    (["--profile", "--use-pytorch-profiler", "--profile-step-start", "-1"], "needs 0 <= start < end"),
+    (["--profile", "--use-pytorch-profiler", "--iters", "5"], "--profile-step-start 10: a run of --iters 5"),
+    (["--profile", "--use-pytorch-profiler", "--iters", "12", "--profile-ranks", "0", "1"],
+     "--profile-ranks 1: this run has global ranks 0..0"),
+    (["--profile", "--iters", "12", "--device", "cpu"], "nsys's CUDA capture range: on --device cpu add"),
+    (["--profile", "--use-pytorch-profiler", "--iters", "12", "--no-trace"], "give --tensorboard-dir DIR"),
+])
+def test_profiling_mistakes_are_refused_in_one_line(argv, fragment):
+    with pytest.raises(UsageError) as error:
+        parse_args(argv, WORLD)
+    assert fragment in str(error.value) and "\n" not in str(error.value)
+
+
+def _train(*argv):
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    for launcher_variable in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(launcher_variable, None)
+    result = subprocess.run([sys.executable, "-m", "megatron_app.train", *map(str, argv)], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def _profile_of(directory):
+    [path] = list(directory.glob("rank0.*.pt.trace.json"))
+    events = json.loads(path.read_text())["traceEvents"]
+    return path, {event.get("name") for event in events}
+
+
+def test_the_pytorch_profiler_writes_one_trace_of_the_steps_asked_for(tmp_path):
+    """Steps 1..2 of 3 (counted from 0) are the log's iterations 2-3: one Chrome trace with the model's operators,
+    where --tensorboard-dir says, and a line that says where; the iteration lines are those of a plain run."""
+    out = _train(*SMALL, "--iters", "3", "--no-trace", "--profile", "--use-pytorch-profiler",
+                 "--profile-step-start", "1", "--profile-step-end", "3", "--tensorboard-dir", tmp_path / "tb")
+    path, names = _profile_of(tmp_path / "tb")
+    assert f"profile: iterations 2-3 of rank 0 in {path}" in out
+    assert "aten::mm" in names and any(name.startswith("Optimizer.step#") for name in names if name)
+    # each task of the schedule is a range named as the trace labels it (kind, chunk-microbatch)
+    assert {"forward 0-0", "backward 0-1"} <= names
+    assert sum(line.startswith("iter ") for line in out.splitlines()) == 3
+
+
+def test_a_run_that_ends_inside_the_range_writes_what_was_recorded(tmp_path):
+    """Megatron-LM's default end (step 12) after a run of 3 iterations: iterations 2-3 are written at the end, into
+    the run's trace directory when no --tensorboard-dir is given."""
+    out = _train(*SMALL, "--iters", "3", "--trace-dir", tmp_path / "traces", "--profile", "--use-pytorch-profiler",
+                 "--profile-step-start", "1")
+    path, names = _profile_of((tmp_path / "traces" / "latest" / "profile").resolve())
+    assert "profile: iterations 2-3 of rank 0 in" in out and path.name in out
+    assert "aten::mm" in names
+
+
+@pytest.mark.cuda
+def test_nsys_capture_range_starts_and_stops_on_cuda():
+    """Without --use-pytorch-profiler: cudaProfilerStart/Stop and NVTX ranges around the range (outside nsys both
+    are no-ops that must not fail)."""
+    profiler = StepProfiler(first=1, last=1, rank=0, out_dir=None, cuda=True)
+    profiler.before(1)
+    assert profiler.running
+    torch.ones(4, device="cuda").sum().item()
+    assert "nsys's capture range" in profiler.after(1) and not profiler.running
