@@ -74,6 +74,13 @@ def test_the_pytorch_profiler_writes_one_trace_of_the_steps_asked_for(tmp_path):
     assert "aten::mm" in names and any(name.startswith("Optimizer.step#") for name in names if name)
     # each task of the schedule is a range named as the trace labels it (kind, chunk-microbatch)
     assert {"forward 0-0", "backward 0-1"} <= names
+    # beside it, the operators with the most host time of their own, most first
+    [ops] = list((tmp_path / "tb").glob("rank0.*.ops.json"))
+    summary = json.loads(ops.read_text())
+    assert summary["iterations"] == [2, 3] and summary["rank"] == 0
+    host = [op["self_host_us"] for op in summary["operators"]]
+    assert len(host) == 30 and host == sorted(host, reverse=True) and host[0] > 0
+    assert all(op["calls"] >= 1 and op["self_device_us"] == 0 for op in summary["operators"])   # CPU: no device
     assert sum(line.startswith("iter ") for line in out.splitlines()) == 3
 
 
@@ -85,6 +92,22 @@ def test_a_run_that_ends_inside_the_range_writes_what_was_recorded(tmp_path):
     path, names = _profile_of((tmp_path / "traces" / "latest" / "profile").resolve())
     assert "profile: iterations 2-3 of rank 0 in" in out and path.name in out
     assert "aten::mm" in names
+
+
+def test_a_profiler_that_cannot_start_or_write_says_so_and_training_goes_on(tmp_path, monkeypatch):
+    import torch.profiler
+
+    profiler = StepProfiler(first=2, last=3, rank=0, out_dir=tmp_path / "unwritable", cuda=False)
+    assert profiler.before(1) is None and not profiler.running      # not its iteration
+    monkeypatch.setattr(torch.profiler.profile, "start", lambda self: (_ for _ in ()).throw(RuntimeError("no CUPTI")))
+    assert profiler.before(2) == "profile: not started on rank 0: RuntimeError: no CUPTI"
+    assert not profiler.running and profiler.after(3) is None
+    monkeypatch.undo()
+    (tmp_path / "unwritable").write_text("a file where the directory would go")
+    profiler.before(2)
+    assert profiler.running
+    said = profiler.after(3)
+    assert said.startswith("profile: iterations 2-3 of rank 0 not written: FileExistsError") and not profiler.running
 
 
 @pytest.mark.cuda

@@ -254,7 +254,7 @@ def train(args) -> None:
         ending = EndingClock()
         for iteration in range(trainer.start_iteration + 1, args.iters + 1):
             if profiler is not None:    # before the iteration's clock: its line times the profiled work
-                profiler.before(iteration)
+                _say(profiler.before(iteration))
             start = time.perf_counter()
             loss = train_step(trainer, iteration)
             seconds = time.perf_counter() - start
