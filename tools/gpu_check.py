@@ -169,6 +169,10 @@ PREDICTION_ROWS = {"p1": (1, 1, 0.05), "p2v2": (2, 2, 0.10)}
 # The first timed run starts ahead beside these steps (they time nothing), then waits at its gate through transport.
 EARLY_START_STEPS = {"equality", "own-loop"}
 IPC_PREDICTION_ROWS = {"p2v2+ipc": (2, 2, 0.10)}
+# The prediction rows that train one iteration more under torch.profiler (the trainer's --profile
+# --use-pytorch-profiler), left out of every figure: where its tasks' host time went (the row's `profile`; on the H200
+# of 2026-11-27 some P=1 tasks took 2-10x their like, and host_bound_share says whether that time was the host's).
+PROFILED_ROWS = {"p1"}
 SLOTS8_PREDICTION_ROWS = {"p2v2+slots8": (2, 2, 0.10)}
 PREDICTION_DEFINITION = (
     "error = predicted_ms / time_ms - 1 per iteration from the third; span_coverage = sum of a rank's compute spans "
@@ -180,7 +184,9 @@ PREDICTION_DEFINITION = (
     "with that gap; transfer_shares: per rank, the share of the call's span with a send in flight (a device "
     "tensor's from its data ready on the device to its copies' end, device-timed; a host tensor's from posting to the completion the rank saw), taking inputs (recv) and blocked on one (wait), median "
     "from the third; send_share: the largest rank's (the transport issue's target: under 0.10; not part of the "
-    "prediction step's pass)")
+    "prediction step's pass); profile (P=1): one iteration more under torch.profiler, left out of every figure: its "
+    "trace and operators summary in runs.tar.gz, and top_host_ms, the operators with the most host time of their own "
+    "[name, host ms, device ms]")
 
 
 def own_loop_reference(row: str) -> str:
@@ -464,7 +470,12 @@ class Check:
         self.timed_plan = plan
 
     def _predicted_spec(self, row: str, layout: tuple) -> RunSpec:
-        return RunSpec.of(_predicted_name(row), layout[0], layout[1], self.model_flags(), self.sizes.prediction_iters,
+        flags, iters = self.model_flags(), self.sizes.prediction_iters
+        if row in PROFILED_ROWS:   # steps count from 0: step `iters` is the log's iteration iters + 1
+            flags += ["--profile", "--use-pytorch-profiler", "--profile-step-start", str(iters),
+                      "--profile-step-end", str(iters + 1)]
+            iters += 1
+        return RunSpec.of(_predicted_name(row), layout[0], layout[1], flags, iters,
                           trace=True, extra_env=TRANSPORT_ENVS[split_row(row)[1]])
 
     def _curve_spec(self, hidden: int, heads: int) -> RunSpec:
@@ -719,11 +730,12 @@ class Check:
                 rows[name] = {"status": "fail", "error": run["tail"][-1] if run["tail"] else "no output"}
                 continue
             errors = []
-            for it in run["json"]["iterations"][2:]:   # after warm-up: the first two iterations compile and learn
+            scored = self.sizes.prediction_iters   # a profiled iteration after them is left out
+            for it in run["json"]["iterations"][2:scored]:   # after warm-up: the first two compile and learn
                 predicted = (it.get("composed") or {}).get("predicted_ms")
                 if predicted:
                     errors.append(predicted / it["time_ms"] - 1.0)
-            trace = read_trace_dir(run["trace_dir"] / "latest", pipeline, chunks)
+            trace = through_iteration(read_trace_dir(run["trace_dir"] / "latest", pipeline, chunks), scored)
             coverage = span_coverage(trace, skip=2)
             transfers = transfer_shares(trace, skip=2)
             median = statistics.median(abs(e) for e in errors) if errors else None
@@ -734,6 +746,8 @@ class Check:
                           "median_abs_error": median, "errors": errors, "span_coverage": coverage,
                           "task_gap_us": task_gaps(trace, skip=2), "host_bound_share": host_bound_shares(trace, skip=2),
                           "replay": replayed_errors(trace)}
+            if name in PROFILED_ROWS:
+                rows[name]["profile"] = profile_summary(run["trace_dir"] / "latest" / "profile", self.work)
             if pipeline > 1:   # the transport issue's target for this run: sends in flight under 10% of the iteration
                 rows[name].update(transfer_shares=transfers, send_share=max(t["send"] for t in transfers.values()),
                                   send_share_target=0.10)
@@ -951,6 +965,33 @@ def span_coverage(run, skip: int) -> Dict[str, float]:
     return {rank: shares["compute"] for rank, shares in _median_per_rank(run, skip, compute).items()}
 
 
+def through_iteration(run, last: int):
+    """The trace run without the events of iterations after ``last`` (a profiled one)."""
+    import dataclasses
+
+    from megatron_app.trace.reader import TraceRun
+
+    return TraceRun(run.trace_dir, [dataclasses.replace(rank, events=[e for e in rank.events if e.iteration <= last])
+                                    for rank in run.ranks])
+
+
+def profile_summary(directory: Path, work: Path, most: int = 8) -> dict:
+    """The profiled iteration of a prediction row: its files (as runs.tar.gz holds them) and the operators with the
+    most host time of their own (ms), with their device time; or why there is none."""
+    summaries = sorted(directory.glob("rank*.ops.json"))
+    if not summaries:
+        return {"error": f"no profile in {directory} (the run's output says why)"}
+    summary = json.loads(summaries[0].read_text())
+    trace = next(iter(sorted(directory.glob("rank*.pt.trace.json"))), None)
+
+    def archived(path: Optional[Path]) -> Optional[str]:
+        return None if path is None else "runs/" + str(path.resolve().relative_to(work.resolve()))
+
+    return {"iterations": summary["iterations"], "trace": archived(trace), "operators": archived(summaries[0]),
+            "top_host_ms": [[op["name"], round(op["self_host_us"] / 1e3, 2), round(op["self_device_us"] / 1e3, 2)]
+                            for op in summary["operators"][:most]]}
+
+
 def host_bound_shares(run, skip: int) -> Dict[str, float]:
     """Per pipeline rank: median over iterations of the share of its compute time in tasks whose time was the
     host's (trace.metrics.host_bound_us: the host spent at least 90% of the task's device span in it); empty for a
@@ -1055,7 +1096,7 @@ def write_text_report(report: dict) -> str:
         for row, entry in step.get("rows", {}).items():
             summary = {k: entry[k] for k in ("max_relative_difference", "tolerance", "median_abs_error", "target",
                                              "span_coverage", "task_gap_us", "host_bound_share", "replay",
-                                             "send_share",
+                                             "profile", "send_share",
                                              "send_share_target",
                                              "balanced_over_packed", "balanced_over_dp_balanced", "transport",
                                              "error")
