@@ -352,7 +352,7 @@ def _refuse_unread_profiling_options(args: argparse.Namespace) -> None:
     if not getattr(args, "profile", False):
         given = [_flag(dest) for dest in _PROFILING_OPTIONS if getattr(args, dest, None) not in (None, False)]
         if given:
-            raise UsageError(f"{given[0]} takes effect with --profile (Megatron-LM's rule): give both")
+            raise UsageError(f"{given[0]} takes effect with --profile (alone, Megatron-LM ignores it): give both")
     if getattr(args, "tensorboard_dir", None) is not None and not getattr(args, "use_pytorch_profiler", False):
         raise UsageError("--tensorboard-dir holds --use-pytorch-profiler's traces only (no TensorBoard scalars are "
                          "written: --log-json has them): give --profile --use-pytorch-profiler, or drop it")
