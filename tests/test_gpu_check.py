@@ -73,7 +73,7 @@ def test_the_rehearsal_runs_every_step_and_writes_both_reports(rehearsal):
     # top operators by host time reported
     profile = rows["p1"]["profile"]
     assert profile["iterations"] == [4, 4] and len(rows["p1"]["errors"]) == 1, rows["p1"]   # 3 scored, from the 3rd
-    assert profile["trace"].startswith("runs/predict-p1/") and profile["trace"].endswith(".pt.trace.json")
+    assert profile["trace"].startswith("runs/predict-p1/") and profile["trace"].endswith(".pt.trace.json.gz")
     assert len(profile["top_host_ms"]) == 8 and all(host > 0 for _, host, _ in profile["top_host_ms"])
     assert "profile" not in rows["p2v2"] and '"top_host_ms"' in (out / "report.txt").read_text()
     with tarfile.open(out / "runs.tar.gz") as archive:
@@ -483,3 +483,38 @@ def test_gpu_check_stopped_by_sigterm_leaves_no_trainer_behind(tmp_path):
     while left() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left()
+
+
+def test_the_profiled_iteration_is_left_out_of_the_rows_figures(tmp_path, monkeypatch):
+    """through_iteration cuts a trace after the last scored iteration: every figure of a prediction row reads it
+    (span coverage, gaps, host-bound shares, the replay), so the profiled iteration after it counts in none."""
+    from megatron_app.trace.reader import read_trace_dir
+    from test_trace_synthetic import plan_greedy, write_plan
+
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    import gpu_check
+
+    plan = plan_greedy(2, 1, 2, forward_us=10, backward_us=20, iterations=3, iteration_offset=1)
+    run = read_trace_dir(write_plan(tmp_path / "traces", plan))
+    cut = gpu_check.through_iteration(run, 2)
+    assert run.iterations() == [1, 2, 3] and cut.iterations() == [1, 2]
+    assert all(e.iteration <= 2 for rank in cut.ranks for e in rank.events)
+    assert len(gpu_check.replayed_errors(cut)) == 2 and set(gpu_check.span_coverage(cut, skip=0)) == {"pp0", "pp1"}
+
+
+def test_a_broken_profile_summary_is_the_rows_note_not_the_steps_failure(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    import gpu_check
+
+    profile = tmp_path / "work" / "predict-p1" / "profile"
+    assert gpu_check.profile_summary(profile, tmp_path / "work")["error"].startswith("no profile in")
+    profile.mkdir(parents=True)
+    (profile / "rank0.1.ops.json").write_text('{"iterations": [15, 15], "operators": [{"name": "aten::mm"')
+    assert gpu_check.profile_summary(profile, tmp_path / "work")["error"].startswith("rank0.1.ops.json: JSONDecodeError")
+    (profile / "rank0.1.ops.json").write_text(json.dumps({"iterations": [15, 15], "operators": [
+        {"name": "forward 0-0", "calls": 1, "self_host_us": 27000.0, "self_device_us": 0.0}]}))
+    (profile / "rank0.1.pt.trace.json.gz").write_bytes(b"")
+    summary = gpu_check.profile_summary(profile, tmp_path / "work")
+    assert summary == {"iterations": [15, 15], "trace": "runs/predict-p1/profile/rank0.1.pt.trace.json.gz",
+                       "operators": "runs/predict-p1/profile/rank0.1.ops.json",
+                       "top_host_ms": [["forward 0-0", 27.0, 0.0]]}

@@ -226,3 +226,22 @@ def test_a_directory_of_runs_gives_its_newest_complete_run_whatever_its_shape(tm
     assert (code, err) == (0, ""), err
     assert "pipeline_parallel=2 model_chunks=1" in stdout
     assert all(p.exists() for p in outputs(tmp_path / "traces" / "a", 2, 1))
+
+
+def test_the_host_bound_column_reads_device_timed_tasks(tmp_path, capsys, two_iterations):
+    """Schema 1.7: rank 0's tasks ended as their host did (the device waited for it: 100%), rank 1's device trailed
+    its host by far more than a tenth of each span (0%); a host-timed trace shows '-'."""
+    code, stdout, _ = run_tool(capsys, "--trace-dir", two_iterations, "--out-dir", tmp_path / "plain")
+    assert code == 0 and re.search(r"^\s+0\s+0\s+\d+\s.*\s-\s", stdout, re.M), stdout
+    for path in sorted(Path(two_iterations).glob("trace_rank*.jsonl")):
+        lines = path.read_text().splitlines()
+        events = [json.loads(line) for line in lines[1:]]
+        for event in events:
+            if event["kind"] in ("forward", "backward"):
+                span = event["end"] - event["start"]
+                lag = 0.0 if event["rank"] == 0 else 5.0 * span
+                event.setdefault("extra", {}).update(host_us=span, queued_us=lag)
+        path.write_text("\n".join([lines[0], *map(json.dumps, events)]) + "\n")
+    code, stdout, _ = run_tool(capsys, "--trace-dir", two_iterations, "--out-dir", tmp_path / "device")
+    rows = {int(line.split()[0]): line for line in stdout.splitlines() if re.match(r"^\s+[01]\s+[01]\s", line)}
+    assert code == 0 and "100.0%" in rows[0] and " 0.0%" in rows[1], stdout

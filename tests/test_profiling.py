@@ -1,6 +1,7 @@
 """Megatron-LM's profiling flags (train/profiling.py): their refusals, a torch.profiler trace of the steps asked for
 (the log's iterations start+1..end), a run ending inside the range, and nsys's capture range on CUDA."""
 
+import gzip
 import json
 import os
 import subprocess
@@ -31,6 +32,8 @@ def test_megatron_lms_defaults_profile_the_logs_iterations_11_and_12():
     (["--use-pytorch-profiler"], "--use-pytorch-profiler takes effect with --profile"),
     (["--profile-step-start", "3"], "--profile-step-start takes effect with --profile"),
     (["--profile-ranks", "0"], "--profile-ranks takes effect with --profile"),
+    (["--profile-step-start", "0"], "--profile-step-start takes effect with --profile"),   # 0 is given
+    (["--profile-step-end", "0"], "--profile-step-end takes effect with --profile"),
     (["--tensorboard-dir", "tb"], "--tensorboard-dir holds --use-pytorch-profiler's traces only"),
     (["--profile", "--tensorboard-dir", "tb"], "--tensorboard-dir holds --use-pytorch-profiler's traces only"),
     (["--profile", "--use-pytorch-profiler", "--profile-step-start", "3", "--profile-step-end", "3"],
@@ -59,9 +62,12 @@ def _train(*argv):
 
 
 def _profile_of(directory):
-    [path] = list(directory.glob("rank0.*.pt.trace.json"))
-    events = json.loads(path.read_text())["traceEvents"]
-    return path, {event.get("name") for event in events}
+    """(path, names of its events, how many optimizer steps it holds): the gzipped Chrome trace of rank 0."""
+    [path] = list(directory.glob("rank0.*.pt.trace.json.gz"))
+    with gzip.open(path, "rt") as trace:
+        events = json.load(trace)["traceEvents"]
+    names = [event.get("name") or "" for event in events]
+    return path, set(names), sum(name.startswith("Optimizer.step#") for name in names)
 
 
 def test_the_pytorch_profiler_writes_one_trace_of_the_steps_asked_for(tmp_path):
@@ -69,9 +75,9 @@ def test_the_pytorch_profiler_writes_one_trace_of_the_steps_asked_for(tmp_path):
     where --tensorboard-dir says, and a line that says where; the iteration lines are those of a plain run."""
     out = _train(*SMALL, "--iters", "3", "--no-trace", "--profile", "--use-pytorch-profiler",
                  "--profile-step-start", "1", "--profile-step-end", "3", "--tensorboard-dir", tmp_path / "tb")
-    path, names = _profile_of(tmp_path / "tb")
+    path, names, optimizer_steps = _profile_of(tmp_path / "tb")
     assert f"profile: iterations 2-3 of rank 0 in {path}" in out
-    assert "aten::mm" in names and any(name.startswith("Optimizer.step#") for name in names if name)
+    assert "aten::mm" in names and optimizer_steps == 2     # iterations 2 and 3, not 1 (the window's bounds)
     # each task of the schedule is a range named as the trace labels it (kind, chunk-microbatch)
     assert {"forward 0-0", "backward 0-1"} <= names
     # beside it, the operators with the most host time of their own, most first
@@ -89,9 +95,17 @@ def test_a_run_that_ends_inside_the_range_writes_what_was_recorded(tmp_path):
     the run's trace directory when no --tensorboard-dir is given."""
     out = _train(*SMALL, "--iters", "3", "--trace-dir", tmp_path / "traces", "--profile", "--use-pytorch-profiler",
                  "--profile-step-start", "1")
-    path, names = _profile_of((tmp_path / "traces" / "latest" / "profile").resolve())
+    path, names, optimizer_steps = _profile_of((tmp_path / "traces" / "latest" / "profile").resolve())
     assert "profile: iterations 2-3 of rank 0 in" in out and path.name in out
-    assert "aten::mm" in names
+    assert "aten::mm" in names and optimizer_steps == 2
+
+
+def test_a_resumed_run_profiles_what_is_left_of_the_range_and_says_when_nothing_is():
+    profiler = StepProfiler(first=11, last=12, rank=0, out_dir=None, cuda=False)
+    assert profiler.resumed_at(10) is None and profiler.first == 11      # resumed before the range: all of it
+    assert profiler.resumed_at(11) is None and profiler.first == 12      # inside: what is left
+    said = StepProfiler(first=11, last=12, rank=0, out_dir=None, cuda=False).resumed_at(12)
+    assert said == "profile: iterations 11-12 are before this run's first, 13 (resumed): nothing profiled"
 
 
 def test_a_profiler_that_cannot_start_or_write_says_so_and_training_goes_on(tmp_path, monkeypatch):

@@ -91,16 +91,18 @@ def test_max_level_per_bin_keeps_short_peaks():
     assert max_level_per_bin([], [0, 1, 2]) == [0, 0]
 
 
-def test_host_bound_time_counts_the_device_timed_tasks_whose_span_was_the_hosts():
-    """Schema 1.7: a device-timed task whose host_us is at least 90% of its span was the host's time (the device
-    waited for it); one whose host returned early was the device's. Host-timed traces have no such figure."""
+def test_host_bound_time_counts_the_device_timed_tasks_that_waited_for_the_host():
+    """Schema 1.7: a device-timed task whose device end came within 10% of its span after the host's end had caught
+    up with the host (it waited for it); one still working through earlier work, or on its own kernels after the
+    host returned, was the device's. Host-timed traces have no such figure."""
     def task(start, end, **extra):
         return TraceEvent(rank=0, pp_rank=0, iteration=1, kind="forward", start=start, end=end, chunk=0,
                           microbatch=0, extra=extra)
 
-    events = [task(0.0, 30.0, host_us=29.0, queued_us=0.0),      # a 30 us span the host spent 29 of: host-bound
-              task(30.0, 40.0, host_us=2.0, queued_us=25.0),     # launched 2 us, ran 10 us behind: the device's
-              task(40.0, 50.0, host_us=9.0, queued_us=0.0)]      # exactly 90%: host-bound
+    events = [task(0.0, 30.0, host_us=29.0, queued_us=0.0),      # ended 1 us after the host: host-bound
+              task(30.0, 40.0, host_us=2.0, queued_us=0.0),      # launched in 2 us, kernels ran 8 us more: device's
+              task(40.0, 50.0, host_us=9.0, queued_us=0.0),      # ended exactly 10% of its span after: host-bound
+              task(50.0, 60.0, host_us=10.0, queued_us=5.0)]     # 5 us behind the host all along: the device's
     assert host_bound_us(events) == 40.0
     assert host_bound_us([task(0.0, 30.0)]) is None
 

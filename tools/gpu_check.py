@@ -178,13 +178,15 @@ PREDICTION_DEFINITION = (
     "error = predicted_ms / time_ms - 1 per iteration from the third; span_coverage = sum of a rank's compute spans "
     "/ its forward_backward call's span, median over iterations from the third (P=1 target: within 5% of 1); "
     "task_gap_us: per rank, the median of the calls' mean time between tasks run back to back (added to every task "
-    "of the rank by the planner); host_bound_share: per rank, the median share of its compute time in tasks the host "
-    "spent at least 90% of the device span in (the device waited for the host: launches or a host stall); replay: "
+    "of the rank by the planner); host_bound_share: per rank, the median share of its compute time in tasks whose "
+    "device end came within 10% of their span after the host's (the device waited for the host: launches or a "
+    "host stall); replay: "
     "the cost model replayed on the trace (tools/bench_cost_model.py), median |error| of the pipeline without and "
     "with that gap; transfer_shares: per rank, the share of the call's span with a send in flight (a device "
     "tensor's from its data ready on the device to its copies' end, device-timed; a host tensor's from posting to the completion the rank saw), taking inputs (recv) and blocked on one (wait), median "
     "from the third; send_share: the largest rank's (the transport issue's target: under 0.10; not part of the "
-    "prediction step's pass); profile (P=1): one iteration more under torch.profiler, left out of every figure: its "
+    "prediction step's pass); profile (P=1): one iteration more under torch.profiler, left out of every figure above "
+    "(not of the launch line's time): its "
     "trace and operators summary in runs.tar.gz, and top_host_ms, the operators with the most host time of their own "
     "[name, host ms, device ms]")
 
@@ -981,20 +983,24 @@ def profile_summary(directory: Path, work: Path, most: int = 8) -> dict:
     summaries = sorted(directory.glob("rank*.ops.json"))
     if not summaries:
         return {"error": f"no profile in {directory} (the run's output says why)"}
-    summary = json.loads(summaries[0].read_text())
-    trace = next(iter(sorted(directory.glob("rank*.pt.trace.json"))), None)
+    try:
+        summary = json.loads(summaries[0].read_text())
+        operators = [[op["name"], round(op["self_host_us"] / 1e3, 2), round(op["self_device_us"] / 1e3, 2)]
+                     for op in summary["operators"][:most]]
+    except (ValueError, KeyError, TypeError) as error:   # the row's figures stand without it
+        return {"error": f"{summaries[0].name}: {type(error).__name__}: {error}"}
+    trace = next(iter(sorted(directory.glob("rank*.pt.trace.json.gz"))), None)
 
     def archived(path: Optional[Path]) -> Optional[str]:
         return None if path is None else "runs/" + str(path.resolve().relative_to(work.resolve()))
 
-    return {"iterations": summary["iterations"], "trace": archived(trace), "operators": archived(summaries[0]),
-            "top_host_ms": [[op["name"], round(op["self_host_us"] / 1e3, 2), round(op["self_device_us"] / 1e3, 2)]
-                            for op in summary["operators"][:most]]}
+    return {"iterations": summary.get("iterations"), "trace": archived(trace), "operators": archived(summaries[0]),
+            "top_host_ms": operators}
 
 
 def host_bound_shares(run, skip: int) -> Dict[str, float]:
     """Per pipeline rank: median over iterations of the share of its compute time in tasks whose time was the
-    host's (trace.metrics.host_bound_us: the host spent at least 90% of the task's device span in it); empty for a
+    host's (trace.metrics.host_bound_us: the device's end came within 10% of the span after the host's); empty for a
     host-timed trace. Tells launch-bound tasks and host stalls inside tasks from slow kernels."""
     from megatron_app.trace.metrics import host_bound_us
     from megatron_app.trace.schema import COMPUTE_KINDS

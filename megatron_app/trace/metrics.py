@@ -123,17 +123,21 @@ def _rank_metrics(rank: RankTrace, events: list, makespan: float) -> RankMetrics
     )
 
 
-HOST_BOUND_SHARE = 0.9   # a device span whose host_us is at least this share of it was the host's time
+HOST_BOUND_LAG = 0.1   # a device span that ended within this share of itself after the host's was the host's time
 
 
 def host_bound_us(events) -> float | None:
-    """The summed spans of the device-timed compute tasks (schema 1.7: extra.host_us) in which the host spent at
-    least HOST_BOUND_SHARE of the span: the device waited for the host there (launches slower than the kernels, or
-    the host busy elsewhere inside the task). None when no task was device-timed (a CPU run: host and span agree)."""
-    timed = [e for e in events if e.kind in COMPUTE_KINDS and "host_us" in e.extra]
+    """The summed spans of the device-timed compute tasks (schema 1.7: extra.host_us, extra.queued_us) whose device
+    end came within HOST_BOUND_LAG of their span after the host's end: the device had caught up with the host, so
+    it waited for it (launches slower than the kernels, or the host busy elsewhere inside the task). A device still
+    working through earlier work then is not counted, however long the host took. None when no task was
+    device-timed (a CPU run: host and span agree)."""
+    timed = [e for e in events if e.kind in COMPUTE_KINDS and "host_us" in e.extra and "queued_us" in e.extra]
     if not timed:
         return None
-    return sum(e.duration for e in timed if e.extra["host_us"] >= HOST_BOUND_SHARE * e.duration)
+    # device end - host end = (start + span) - (start - queued + host) = span + queued - host
+    return sum(e.duration for e in timed
+               if e.duration + e.extra["queued_us"] - e.extra["host_us"] <= HOST_BOUND_LAG * e.duration)
 
 
 _ITERATION_COLUMNS = ["iteration", "microbatches", "makespan_us", "ideal_us", "makespan_over_ideal", "lower_bound_us",

@@ -345,12 +345,18 @@ def _refuse_ignored_options(args: argparse.Namespace) -> None:
     args.policy = running_policy_name(args)
 
 
+def _given(value) -> bool:
+    """Whether an option was given: not its unset default (None, or False for a switch). A 0 was given
+    (`0 in (None, False)` is True in Python)."""
+    return value is not None and value is not False
+
+
 _PROFILING_OPTIONS = ("use_pytorch_profiler", "profile_step_start", "profile_step_end", "profile_ranks")
 
 
 def _refuse_unread_profiling_options(args: argparse.Namespace) -> None:
     if not getattr(args, "profile", False):
-        given = [_flag(dest) for dest in _PROFILING_OPTIONS if getattr(args, dest, None) not in (None, False)]
+        given = [_flag(dest) for dest in _PROFILING_OPTIONS if _given(getattr(args, dest, None))]
         if given:
             raise UsageError(f"{given[0]} takes effect with --profile (alone, Megatron-LM ignores it): give both")
     if getattr(args, "tensorboard_dir", None) is not None and not getattr(args, "use_pytorch_profiler", False):
@@ -465,7 +471,7 @@ def _check_precision(args: argparse.Namespace) -> None:
                "loss_scale_window": DEFAULT_LOSS_SCALE_WINDOW, "hysteresis": DEFAULT_HYSTERESIS}
     if not (bf16 or fp16):
         for dest in ("loss_scale", *dynamic, "accumulate_allreduce_grads_in_fp32"):
-            if getattr(args, dest, None) not in (None, False):
+            if _given(getattr(args, dest, None)):
                 raise UsageError(f"{_flag(dest)} applies to --fp16 or --bf16 only (this run trains in fp32)")
         return
     for dest in ("loss_scale", "initial_loss_scale", "min_loss_scale"):

@@ -251,6 +251,10 @@ def train(args) -> None:
         if trainer.reporter.enabled:
             print("megatron_app.train: " + " ".join(f"{k}={v}" for k, v in run_config(args).items()), flush=True)
         profiler = StepProfiler.from_args(args, dist.get_rank(), trainer.trace_dir)
+        behind = None if profiler is None else profiler.resumed_at(trainer.start_iteration)
+        if behind is not None:
+            _say(behind)
+            profiler = None
         ending = EndingClock()
         for iteration in range(trainer.start_iteration + 1, args.iters + 1):
             if profiler is not None:    # before the iteration's clock: its line times the profiled work
@@ -270,6 +274,8 @@ def train(args) -> None:
                 _say(profiler.after(iteration))
             if not after_iteration(trainer, iteration):
                 break
+        if profiler is not None and profiler.running:   # stopped inside the range: what was recorded, not what follows
+            _say(profiler.finish(iteration))
         if args.dump_weights:
             dump_weights(trainer.chunks, args.dump_weights)
     except (Exception, KeyboardInterrupt) as error:   # Ctrl-C, or a peer gone just before this rank's own Ctrl-C
@@ -288,7 +294,7 @@ def train(args) -> None:
         raise interrupted(iteration, args.iters, args.save,
                           trainer.saved_iteration if trainer is not None else None, report) from None
     finally:
-        if profiler is not None and profiler.running:   # the run ended inside the range: write what was recorded
+        if profiler is not None and profiler.running:   # an error inside the range: write what was recorded
             _say(profiler.finish(iteration))
         if ending is not None:
             ending.mark("loop")

@@ -3,8 +3,8 @@ ranks --profile-ranks names; Megatron-LM counts steps done from 0, so start 10 a
 log's iterations 11 and 12.
 
   --use-pytorch-profiler   torch.profiler records those iterations (CPU ops, and CUDA kernels on a GPU, with
-                           shapes) and writes one Chrome/Perfetto trace per rank, ``rank<R>.<ns>.pt.trace.json``
-                           (the name TensorBoard's profiler plugin reads), into --tensorboard-dir, else into
+                           shapes) and writes one Chrome/Perfetto trace per rank, ``rank<R>.<ns>.pt.trace.json.gz``
+                           (gzipped, the name TensorBoard's profiler plugin reads), into --tensorboard-dir, else into
                            ``profile/`` of the run's trace directory, and beside it ``rank<R>.<ns>.ops.json``: the
                            operators with the most time of their own on the host (and their device time);
   without it (CUDA only)   the iterations are nsys's capture range: cudaProfilerStart/Stop around them and NVTX
@@ -14,11 +14,14 @@ log's iterations 11 and 12.
 The profiler starts before its first iteration's clock and writes after its last iteration is reported, so the
 iteration lines time the profiled work, not the export. A run that ends inside the range writes what was recorded.
 A profiler that cannot start or write (no CUPTI on a GPU host, a full disk) says so in one line; training goes on.
+A run resumed (--load) past the range profiles what is left of it, and says so when nothing is.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -44,6 +47,15 @@ class StepProfiler:
             out_dir = Path(args.tensorboard_dir) if args.tensorboard_dir else Path(trace_dir) / "profile"
         return cls(args.profile_step_start + 1, args.profile_step_end, rank, out_dir, args.device == "cuda")
 
+    def resumed_at(self, start_iteration: int) -> Optional[str]:
+        """A run that resumes after iteration ``start_iteration``: the range's first iteration may be behind it.
+        Returns the line that says nothing will be profiled, or None."""
+        if start_iteration >= self.last:
+            return (f"profile: iterations {self.first}-{self.last} are before this run's first, "
+                    f"{start_iteration + 1} (resumed): nothing profiled")
+        self.first = max(self.first, start_iteration + 1)
+        return None
+
     @property
     def running(self) -> bool:
         return self._profiler is not None or self._nvtx is not None
@@ -63,7 +75,11 @@ class StepProfiler:
         if self.out_dir is None:
             torch.cuda.cudart().cudaProfilerStart()
             nvtx = torch.autograd.profiler.emit_nvtx(record_shapes=True)
-            nvtx.__enter__()
+            try:
+                nvtx.__enter__()
+            except Exception:
+                torch.cuda.cudart().cudaProfilerStop()   # no capture range left open
+                raise
             self._nvtx = nvtx
             return
         from torch.profiler import ProfilerActivity, profile
@@ -97,8 +113,11 @@ class StepProfiler:
         profiler.stop()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         stem = self.out_dir / f"rank{self.rank}.{time.time_ns()}"
-        trace = stem.with_name(stem.name + ".pt.trace.json")
-        profiler.export_chrome_trace(str(trace))
+        plain, trace = stem.with_name(stem.name + ".pt.trace.json"), stem.with_name(stem.name + ".pt.trace.json.gz")
+        profiler.export_chrome_trace(str(plain))
+        with open(plain, "rb") as source, gzip.open(trace, "wb") as target:   # about a tenth of the JSON
+            shutil.copyfileobj(source, target)
+        plain.unlink()
         stem.with_name(stem.name + ".ops.json").write_text(json.dumps(
             {"iterations": [self.first, iteration], "rank": self.rank, "operators": top_operators(profiler)},
             indent=1))
