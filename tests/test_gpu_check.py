@@ -69,6 +69,9 @@ def test_the_rehearsal_runs_every_step_and_writes_both_reports(rehearsal):
     assert set(rows["p2v2"]["replay"]) == {"without_gaps", "with_gaps"}   # what the gap buys on this host
     # host-bound shares need device-timed tasks (tests/test_call_span_on_device.py has them): none on CPU
     assert all(row["host_bound_share"] == {} for row in rows.values()), rows
+    # Python's garbage collections in each rank's trace: counted where any ran (a few a call even at this size)
+    assert all(set(pauses) == {"collections", "total_ms", "longest_ms", "inside_tasks"} and pauses["collections"] > 0
+               for row in rows.values() for pauses in row["gc"].values()), rows
     # P=1 trains one iteration more under torch.profiler, left out of every figure: its files are archived and its
     # top operators by host time reported
     profile = rows["p1"]["profile"]

@@ -179,16 +179,17 @@ PREDICTION_DEFINITION = (
     "/ its forward_backward call's span, median over iterations from the third (P=1 target: within 5% of 1); "
     "task_gap_us: per rank, the median of the calls' mean time between tasks run back to back (added to every task "
     "of the rank by the planner); host_bound_share: per rank, the median share of its compute time in tasks whose "
-    "device end came within 10% of their span after the host's (the device waited for the host: launches or a "
-    "host stall); replay: "
-    "the cost model replayed on the trace (tools/bench_cost_model.py), median |error| of the pipeline without and "
-    "with that gap; transfer_shares: per rank, the share of the call's span with a send in flight (a device "
-    "tensor's from its data ready on the device to its copies' end, device-timed; a host tensor's from posting to the completion the rank saw), taking inputs (recv) and blocked on one (wait), median "
-    "from the third; send_share: the largest rank's (the transport issue's target: under 0.10; not part of the "
-    "prediction step's pass); profile (P=1): one iteration more under torch.profiler, left out of every figure above "
-    "(not of the launch line's time): its "
-    "trace and operators summary in runs.tar.gz, and top_host_ms, the operators with the most host time of their own "
-    "[name, host ms, device ms]")
+    "device end came within 10% of their span after the host's (the device waited for the host: launches or a host "
+    "stall); gc: per rank, Python's garbage collections from the third iteration (count, total and longest ms, how "
+    "many inside a task as the host ran it); replay: the cost model replayed on the trace "
+    "(tools/bench_cost_model.py), median |error| of the pipeline without and with that gap; transfer_shares: per "
+    "rank, the share of the call's span with a send in flight (a device tensor's from its data ready on the device "
+    "to its copies' end, device-timed; a host tensor's from posting to the completion the rank saw), taking inputs "
+    "(recv) and blocked on one (wait), median from the third; send_share: the largest rank's (the transport issue's "
+    "target: under 0.10; not part of the prediction step's pass); profile (P=1): one iteration more under "
+    "torch.profiler, left out of every figure above (not of the launch line's time): its trace and operators "
+    "summary in runs.tar.gz, and top_host_ms, the operators with the most host time of their own [name, host ms, "
+    "device ms]")
 
 
 def own_loop_reference(row: str) -> str:
@@ -747,6 +748,7 @@ class Check:
             rows[name] = {"status": "pass" if ok else "fail", "target": target,
                           "median_abs_error": median, "errors": errors, "span_coverage": coverage,
                           "task_gap_us": task_gaps(trace, skip=2), "host_bound_share": host_bound_shares(trace, skip=2),
+                          "gc": gc_pauses(trace, skip=2),
                           "replay": replayed_errors(trace)}
             if name in PROFILED_ROWS:
                 rows[name]["profile"] = profile_summary(run["trace_dir"] / "latest" / "profile", self.work)
@@ -998,6 +1000,33 @@ def profile_summary(directory: Path, work: Path, most: int = 8) -> dict:
             "top_host_ms": operators}
 
 
+def gc_pauses(run, skip: int) -> Dict[str, dict]:
+    """Per pipeline rank, over the iterations from `skip`: Python's garbage collections (the trace's `gc` events):
+    how many, their total and longest ms, and how many fell inside a compute task as the host ran it (a
+    device-timed task's host span: start - queued_us, for host_us)."""
+    from megatron_app.trace.schema import COMPUTE_KINDS, GC
+
+    def host_span(task):
+        if "host_us" in task.extra and "queued_us" in task.extra:
+            start = task.start - task.extra["queued_us"]
+            return start, start + task.extra["host_us"]
+        return task.start, task.end
+
+    result = {}
+    for rank in run.pipeline_view():
+        pauses, inside = [], 0
+        for iteration in run.iterations()[skip:]:
+            events = rank.events_of(iteration)
+            tasks = [host_span(e) for e in events if e.kind in COMPUTE_KINDS]
+            for pause in (e for e in events if e.kind == GC):
+                pauses.append(pause.duration)
+                inside += any(start <= pause.start < end for start, end in tasks)
+        if pauses:
+            result[f"pp{rank.meta.pp_rank}"] = {"collections": len(pauses), "total_ms": round(sum(pauses) / 1e3, 2),
+                                                "longest_ms": round(max(pauses) / 1e3, 2), "inside_tasks": inside}
+    return result
+
+
 def host_bound_shares(run, skip: int) -> Dict[str, float]:
     """Per pipeline rank: median over iterations of the share of its compute time in tasks whose time was the
     host's (trace.metrics.host_bound_us: the device's end came within 10% of the span after the host's); empty for a
@@ -1101,7 +1130,7 @@ def write_text_report(report: dict) -> str:
                                                    if k not in ("status", "seconds")))
         for row, entry in step.get("rows", {}).items():
             summary = {k: entry[k] for k in ("max_relative_difference", "tolerance", "median_abs_error", "target",
-                                             "span_coverage", "task_gap_us", "host_bound_share", "replay",
+                                             "span_coverage", "task_gap_us", "host_bound_share", "gc", "replay",
                                              "profile", "send_share",
                                              "send_share_target",
                                              "balanced_over_packed", "balanced_over_dp_balanced", "transport",

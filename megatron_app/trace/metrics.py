@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from .bounds import iteration_lower_bound
 from .intervals import interval_deltas, max_concurrency, union_length
 from .reader import RankTrace, TraceRun
-from .schema import BACKWARD, COMPUTE_KINDS, FORWARD, ITERATION, OPTIMIZER, SEND, WAIT, WEIGHT
+from .schema import BACKWARD, COMPUTE_KINDS, FORWARD, GC, ITERATION, OPTIMIZER, SEND, WAIT, WEIGHT
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,8 @@ class RankMetrics:
     comm_wait_us: float
     task_gap_us: float | None        # the runtime's mean time between tasks run back to back (its iteration event)
     host_bound_us: float | None      # device-timed tasks whose time was the host's (host_bound_us()); None: host-timed
+    gc_us: float                     # Python's garbage collections in the iteration on this rank (schema 1.7)
+    gc_longest_us: float             # the longest of them
     optimizer_us: float
     max_sends_in_flight: int
     sent_bytes: int
@@ -116,6 +118,8 @@ def _rank_metrics(rank: RankTrace, events: list, makespan: float) -> RankMetrics
         task_gap_us=next((e.extra["task_gap_us"] for e in events if e.kind == ITERATION and "task_gap_us" in e.extra),
                          None),
         host_bound_us=host_bound_us(events),
+        gc_us=sum(e.duration for e in events if e.kind == GC),
+        gc_longest_us=max((e.duration for e in events if e.kind == GC), default=0.0),
         optimizer_us=union_length(spans(OPTIMIZER)),
         max_sends_in_flight=max_concurrency(interval_deltas((e.start, e.end) for e in sends)),
         sent_bytes=sum(e.nbytes or 0 for e in sends),

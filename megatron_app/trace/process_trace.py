@@ -80,7 +80,7 @@ def format_summary(run, metrics: list[IterationMetrics]) -> str:
     lines = [f"pipeline_parallel={run.pipeline_parallel} model_chunks={run.model_chunks} "
              f"policy={run.policy or '-'} source={run.source} ranks={len(run.ranks)}"]
     header = (f"{'rank':>5} {'pp':>3} {'tasks':>5} {'compute ms':>11} {'idle ms':>9} {'bubble':>7} "
-              f"{'wait ms':>9} {'gap us':>7} {'host-bound':>10} {'sends':>5} {'peak act':>8}")
+              f"{'wait ms':>9} {'gap us':>7} {'host-bound':>10} {'gc ms':>6} {'sends':>5} {'peak act':>8}")
     for it in metrics:
         extra = f", iteration time {it.iteration_time_us / 1e3:.3f} ms" if it.iteration_time_us is not None else ""
         bound = "n/a" if it.lower_bound_us is None else f"{it.lower_bound_us / 1e3:.3f} ms"
@@ -92,7 +92,7 @@ def format_summary(run, metrics: list[IterationMetrics]) -> str:
             lines.append(f"{r.global_rank:>5} {r.pp_rank:>3} {r.tasks:>5} {r.compute_us / 1e3:>11.3f} "
                          f"{r.idle_us / 1e3:>9.3f} {r.bubble_ratio:>7.1%} {r.comm_wait_us / 1e3:>9.3f} "
                          f"{'-' if r.task_gap_us is None else f'{r.task_gap_us:.1f}':>7} "
-                         f"{_share(r.host_bound_us, r.compute_us):>10} "
+                         f"{_share(r.host_bound_us, r.compute_us):>10} {r.gc_us / 1e3:>6.1f} "
                          f"{r.max_sends_in_flight:>5} {r.peak_activations:>8}")
     return "\n".join(lines)
 

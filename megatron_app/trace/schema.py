@@ -14,7 +14,7 @@ from megatron_app.schedule.tasks import Kind, TASK_KINDS
 
 SCHEMA_VERSION = "1.7"   # 1.4: iterations count from 1 (FIRST_ITERATION); 1.5: a device send spans its transfer;
                          # 1.6: an iteration event may carry extra.task_gap_us; 1.7: a device-timed compute event
-                         # extra.host_us and extra.queued_us
+                         # extra.host_us and extra.queued_us, and `gc` events
 FORMAT_NAME = "megatron_app.trace"
 FILE_PATTERN = "trace_rank{rank}.jsonl"
 # Iterations count from 1 in every trace, real or simulated, as in the trainer's log ("iter 1/N"), its --log-json and
@@ -33,9 +33,10 @@ ITERATION = "iteration"
 EVAL = "eval"
 LOSS = "loss"  # packet-loss statistics of one link and direction for one iteration (schema 1.1)
 CLOSED = "closed"  # the file's last line once its tracer closed it normally (schema 1.2): the rank finished
+GC = "gc"  # a collection of Python's cyclic garbage collector in the rank's process (schema 1.7)
 
 COMPUTE_KINDS = frozenset(info.trace_name for info in TASK_KINDS.values())   # the schedule's task kinds
-KNOWN_KINDS = COMPUTE_KINDS | {SEND, RECV, WAIT, OPTIMIZER, ITERATION, EVAL, LOSS, CLOSED}
+KNOWN_KINDS = COMPUTE_KINDS | {SEND, RECV, WAIT, OPTIMIZER, ITERATION, EVAL, LOSS, CLOSED, GC}
 SOURCES = frozenset({"runtime", "sim"})
 
 

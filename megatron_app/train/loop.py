@@ -35,6 +35,7 @@ from .start_gate import wait_for_start_gate
 from .startup import EndingClock, StartupClock
 from .step import forward_step
 from .stops import check_finite, interrupt_follows, interrupted, raise_once_on_ctrl_c
+from .gc_trace import CollectionTracer
 from .profiling import StepProfiler
 from .trace_run import start_trace_run
 
@@ -236,6 +237,7 @@ def train(args) -> None:
     trainer = None
     loss_layer = None
     profiler = None
+    collections = None
     iteration = None
     ending = None
     try:
@@ -256,7 +258,10 @@ def train(args) -> None:
             _say(behind)
             profiler = None
         ending = EndingClock()
+        collections = CollectionTracer().start() if trainer.trace_dir is not None else None
         for iteration in range(trainer.start_iteration + 1, args.iters + 1):
+            if collections is not None:
+                collections.iteration = iteration
             if profiler is not None:    # before the iteration's clock: its line times the profiled work
                 _say(profiler.before(iteration))
             start = time.perf_counter()
@@ -294,6 +299,8 @@ def train(args) -> None:
         raise interrupted(iteration, args.iters, args.save,
                           trainer.saved_iteration if trainer is not None else None, report) from None
     finally:
+        if collections is not None:
+            collections.stop()
         if profiler is not None and profiler.running:   # an error inside the range: write what was recorded
             _say(profiler.finish(iteration))
         if ending is not None:
