@@ -333,6 +333,7 @@ def _refuse_ignored_options(args: argparse.Namespace) -> None:
     if getattr(args, "split", None) is not None and getattr(args, "data_path", None) is None:
         raise UsageError("--split needs --data-path (mock data has no splits)")
     _refuse_unread_profiling_options(args)
+    _refuse_unread_collector_options(args)
     if getattr(args, "trace_dir", None) is not None:
         if getattr(args, "no_trace", False):
             raise UsageError("--no-trace writes no trace: drop --trace-dir")
@@ -362,6 +363,17 @@ def _refuse_unread_profiling_options(args: argparse.Namespace) -> None:
     if getattr(args, "tensorboard_dir", None) is not None and not getattr(args, "use_pytorch_profiler", False):
         raise UsageError("--tensorboard-dir holds --use-pytorch-profiler's traces only (no TensorBoard scalars are "
                          "written: --log-json has them): give --profile --use-pytorch-profiler, or drop it")
+
+
+def _refuse_unread_collector_options(args: argparse.Namespace) -> None:
+    if getattr(args, "manual_gc", False):
+        if getattr(args, "manual_gc_interval", None) is not None and args.manual_gc_interval < 0:
+            raise UsageError(f"--manual-gc-interval must be >= 0 (0: no collection between iterations), got "
+                             f"{args.manual_gc_interval}")
+        return
+    for dest, flag in (("manual_gc_interval", "--manual-gc-interval"), ("manual_gc_eval", "--no-manual-gc-eval")):
+        if getattr(args, dest, None) is not None:
+            raise UsageError(f"{flag} takes effect with --manual-gc (alone, Megatron-LM ignores it): give both")
 
 
 def _check_profiling(args: argparse.Namespace) -> None:

@@ -357,6 +357,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(out, "--check-config", action="store_true",
               help="only validate the flags for WORLD_SIZE ranks (launchers run this before starting ranks)")
 
+    collector = parser.add_argument_group("garbage collection (Megatron-LM's flags; megatron_app/train/manual_gc.py)")
+    _add_flag(collector, "--manual-gc", action="store_true",
+              help="Python's garbage collector runs only between iterations, at the same points on every rank: "
+                   "before the first, every --manual-gc-interval, around evaluations")
+    _add_flag(collector, "--manual-gc-interval", type=int, default=None, metavar="N",
+              help="with --manual-gc: collect after every N-th iteration (default 0: never between iterations)")
+    _add_flag(collector, "--no-manual-gc-eval", action="store_false", dest="manual_gc_eval", default=None,
+              help="with --manual-gc: no collection around evaluations")
+
     profiling = parser.add_argument_group("profiling (Megatron-LM's flags; megatron_app/train/profiling.py)")
     _add_flag(profiling, "--profile", action="store_true",
               help="profile steps [--profile-step-start, --profile-step-end) (counted from 0: the defaults are the "
@@ -380,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
 _FILLED_DEFAULTS = {"slow_factor": DEFAULT_SLOW_FACTOR, "straggler_factor": DEFAULT_STRAGGLER_FACTOR,
                     "eval_iters": DEFAULT_EVAL_ITERS, "split": DEFAULT_SPLIT, "trace_dir": DEFAULT_TRACE_DIR,
                     "profile_step_start": DEFAULT_PROFILE_STEPS[0], "profile_step_end": DEFAULT_PROFILE_STEPS[1],
-                    "profile_ranks": (0,)}
+                    "profile_ranks": (0,), "manual_gc_interval": 0, "manual_gc_eval": True}
 _DERIVED_DEFAULTS = {"precision": "fp32", "composition": default_composition(planned_by_our_runtime=False),
                      "synthetic_plan": None}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from .startup import EndingClock, StartupClock
 from .step import forward_step
 from .stops import check_finite, interrupt_follows, interrupted, raise_once_on_ctrl_c
 from .gc_trace import CollectionTracer
+from .manual_gc import ManualCollector
 from .profiling import StepProfiler
 from .trace_run import start_trace_run
 
@@ -197,11 +199,12 @@ def _due(iteration: int, interval: Optional[int]) -> bool:
     return bool(interval) and iteration % interval == 0
 
 
-def after_iteration(trainer: Trainer, iteration: int) -> bool:
+def after_iteration(trainer: Trainer, iteration: int, collector: Optional[ManualCollector] = None) -> bool:
     """Evaluation and checkpointing after ``iteration``; returns False when the run should stop here."""
     args = trainer.args
     if trainer.valid_dataset is not None and _due(iteration, args.eval_interval):
-        loss = evaluate(args, trainer.chunks, trainer.forward_backward, trainer.valid_dataset)
+        with collector.evaluation() if collector is not None else contextlib.nullcontext():
+            loss = evaluate(args, trainer.chunks, trainer.forward_backward, trainer.valid_dataset)
         trainer.reporter.record_validation(iteration, loss)
     stop = _due(iteration, args.exit_interval)
     save_dir = args.save
@@ -238,6 +241,7 @@ def train(args) -> None:
     loss_layer = None
     profiler = None
     collections = None
+    collector = None
     iteration = None
     ending = None
     try:
@@ -259,6 +263,9 @@ def train(args) -> None:
             profiler = None
         ending = EndingClock()
         collections = CollectionTracer().start() if trainer.trace_dir is not None else None
+        collector = ManualCollector.from_args(args)
+        if collector is not None:
+            collector.start()
         for iteration in range(trainer.start_iteration + 1, args.iters + 1):
             if collections is not None:
                 collections.iteration = iteration
@@ -277,7 +284,9 @@ def train(args) -> None:
                 loss_layer.end_iteration(iteration, current_tracer())
             if profiler is not None:
                 _say(profiler.after(iteration))
-            if not after_iteration(trainer, iteration):
+            if collector is not None:     # outside the iteration's clock, at the same point on every rank
+                collector.after_iteration(iteration)
+            if not after_iteration(trainer, iteration, collector):
                 break
         if profiler is not None and profiler.running:   # stopped inside the range: what was recorded, not what follows
             _say(profiler.finish(iteration))
@@ -299,6 +308,8 @@ def train(args) -> None:
         raise interrupted(iteration, args.iters, args.save,
                           trainer.saved_iteration if trainer is not None else None, report) from None
     finally:
+        if collector is not None:
+            collector.stop()
         if collections is not None:
             collections.stop()
         if profiler is not None and profiler.running:   # an error inside the range: write what was recorded
