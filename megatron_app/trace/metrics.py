@@ -33,8 +33,8 @@ class RankMetrics:
     comm_wait_us: float
     task_gap_us: float | None        # the runtime's mean time between tasks run back to back (its iteration event)
     host_bound_us: float | None      # device-timed tasks whose time was the host's (host_bound_us()); None: host-timed
-    gc_us: float                     # Python's garbage collections in the iteration on this rank (schema 1.7)
-    gc_longest_us: float             # the longest of them
+    gc_us: float | None              # Python's garbage collections in the iteration on this rank (schema 1.7);
+    gc_longest_us: float | None      # the longest; None where the rank's file holds no gc event (not recorded)
     optimizer_us: float
     max_sends_in_flight: int
     sent_bytes: int
@@ -102,6 +102,8 @@ def _rank_metrics(rank: RankTrace, events: list, makespan: float) -> RankMetrics
     activation_deltas = [(e.start, 1) for e in events if e.kind == FORWARD]
     activation_deltas += [(e.end, -1) for e in events if e.kind == releasing]
     meta = rank.meta
+    # our training loop records every collection (a few each iteration); a file without any did not record them
+    records_gc = any(e.kind == GC for e in rank.events)
     return RankMetrics(
         global_rank=meta.global_rank,
         pp_rank=meta.pp_rank,
@@ -118,8 +120,8 @@ def _rank_metrics(rank: RankTrace, events: list, makespan: float) -> RankMetrics
         task_gap_us=next((e.extra["task_gap_us"] for e in events if e.kind == ITERATION and "task_gap_us" in e.extra),
                          None),
         host_bound_us=host_bound_us(events),
-        gc_us=sum(e.duration for e in events if e.kind == GC),
-        gc_longest_us=max((e.duration for e in events if e.kind == GC), default=0.0),
+        gc_us=sum(e.duration for e in events if e.kind == GC) if records_gc else None,
+        gc_longest_us=max((e.duration for e in events if e.kind == GC), default=0.0) if records_gc else None,
         optimizer_us=union_length(spans(OPTIMIZER)),
         max_sends_in_flight=max_concurrency(interval_deltas((e.start, e.end) for e in sends)),
         sent_bytes=sum(e.nbytes or 0 for e in sends),

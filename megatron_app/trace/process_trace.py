@@ -92,7 +92,8 @@ def format_summary(run, metrics: list[IterationMetrics]) -> str:
             lines.append(f"{r.global_rank:>5} {r.pp_rank:>3} {r.tasks:>5} {r.compute_us / 1e3:>11.3f} "
                          f"{r.idle_us / 1e3:>9.3f} {r.bubble_ratio:>7.1%} {r.comm_wait_us / 1e3:>9.3f} "
                          f"{'-' if r.task_gap_us is None else f'{r.task_gap_us:.1f}':>7} "
-                         f"{_share(r.host_bound_us, r.compute_us):>10} {r.gc_us / 1e3:>6.1f} "
+                         f"{_share(r.host_bound_us, r.compute_us):>10} "
+                         f"{'-' if r.gc_us is None else f'{r.gc_us / 1e3:.1f}':>6} "
                          f"{r.max_sends_in_flight:>5} {r.peak_activations:>8}")
     return "\n".join(lines)
 

@@ -83,6 +83,10 @@ class Tracer:
     def now_us(self) -> float:
         return time.monotonic_ns() / 1e3 + self._offset_us
 
+    def us_of(self, monotonic_ns: int) -> float:
+        """A time.monotonic_ns() reading taken earlier on this host, on this tracer's clock."""
+        return monotonic_ns / 1e3 + self._offset_us
+
     def record(self, kind: str, start_us: float, end_us: float, *, iteration: int, chunk: int | None = None,
                microbatch: int | None = None, peer: int | None = None, nbytes: int | None = None, **extra) -> None:
         if not self.enabled:

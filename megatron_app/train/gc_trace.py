@@ -7,24 +7,29 @@ repository's 2-core machine a hidden-256 P=1 `balanced` run's 12 iterations held
 0.7 ms) and 11 middle ones (2.5 ms); its one full collection (26-32 ms) ran during set-up. The events say whether
 pauses make a task slow on the host that ran it (on the H200 of 2026-11-27 some P=1 tasks took 10-25 ms longer than
 their like, cause unknown).
+
+The collector's callback runs inside whatever allocated: the tracer's own flush (holding its lock), a transport
+thread. So it only notes the collection; the loop hands the notes to the tracer between iterations (record()).
 """
 
 from __future__ import annotations
 
 import gc
-from typing import Optional
+import time
+from typing import List, Optional, Tuple
 
 from megatron_app.runtime import current_tracer
 from megatron_app.trace.schema import GC
 
 
 class CollectionTracer:
-    """Records each collection between start() and stop(); the loop tells it the iteration (``.iteration = k``).
-    Nothing when the run writes no trace."""
+    """Notes each collection between start() and stop() under ``.iteration`` (the loop's), and records the notes in
+    the rank's trace at record() (and at stop()). Nothing when the run writes no trace."""
 
     def __init__(self):
         self.iteration: Optional[int] = None
-        self._started_us: Optional[float] = None
+        self._started_ns: Optional[int] = None
+        self._noted: List[Tuple[int, int, int, Optional[int], Optional[int]]] = []
 
     def start(self) -> "CollectionTracer":
         gc.callbacks.append(self._collected)
@@ -33,18 +38,25 @@ class CollectionTracer:
     def stop(self) -> None:
         if self._collected in gc.callbacks:
             gc.callbacks.remove(self._collected)
+        self.record()
+
+    def record(self) -> None:
+        """The collections noted so far into the trace, on the tracer's clock."""
+        noted, self._noted = self._noted, []
+        tracer = current_tracer()
+        if tracer is None or not tracer.enabled:
+            return
+        for iteration, start_ns, end_ns, generation, collected in noted:
+            tracer.record(GC, tracer.us_of(start_ns), tracer.us_of(end_ns), iteration=iteration,
+                          generation=generation, collected=collected)
 
     def _collected(self, phase: str, info: dict) -> None:
-        try:   # a callback's exception would be printed by the interpreter at every collection
-            tracer = current_tracer()
-            if tracer is None or not tracer.enabled or self.iteration is None:
-                self._started_us = None
-                return
-            if phase == "start":
-                self._started_us = tracer.now_us()
-            elif self._started_us is not None:
-                tracer.record(GC, self._started_us, tracer.now_us(), iteration=self.iteration,
-                              generation=info.get("generation"), collected=info.get("collected"))
-                self._started_us = None
-        except Exception:
-            self._started_us = None
+        # No tracer call here (above); only a clock read and a list append, which take no lock.
+        if self.iteration is None:
+            return
+        if phase == "start":
+            self._started_ns = time.monotonic_ns()
+        elif self._started_ns is not None:
+            self._noted.append((self.iteration, self._started_ns, time.monotonic_ns(), info.get("generation"),
+                                info.get("collected")))
+            self._started_ns = None

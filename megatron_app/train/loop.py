@@ -35,7 +35,7 @@ from .report import IterationReporter, reduce_lm_loss
 from .start_gate import wait_for_start_gate
 from .startup import EndingClock, StartupClock
 from .step import forward_step
-from .stops import check_finite, interrupt_follows, interrupted, raise_once_on_ctrl_c
+from .stops import check_finite, ctrl_c_seen, interrupt_follows, interrupted, raise_once_on_ctrl_c
 from .gc_trace import CollectionTracer
 from .manual_gc import ManualCollector
 from .profiling import StepProfiler
@@ -215,6 +215,8 @@ def after_iteration(trainer: Trainer, iteration: int, collector: Optional[Manual
         trainer.reporter.note(f"saved checkpoint {directory}")
     if stop and iteration < args.iters:
         trainer.reporter.note(f"stopping after iteration {iteration} (--exit-interval {args.exit_interval})")
+    if collector is not None and not stop:   # last, as Megatron-LM: after evaluation and the checkpoint
+        collector.after_iteration(iteration)
     return not stop
 
 
@@ -235,6 +237,7 @@ def train(args) -> None:
         startup.mark("gate")
     owns_process_group = not dist.is_initialized()
     restore_ctrl_c = raise_once_on_ctrl_c()
+    earlier_ctrl_c = ctrl_c_seen()   # a process that trains twice: only this call's Ctrl-C stops it
     init_distributed(args.device, args.distributed_timeout_minutes)
     startup.mark("process_group")
     trainer = None
@@ -284,10 +287,12 @@ def train(args) -> None:
                 loss_layer.end_iteration(iteration, current_tracer())
             if profiler is not None:
                 _say(profiler.after(iteration))
-            if collector is not None:     # outside the iteration's clock, at the same point on every rank
-                collector.after_iteration(iteration)
             if not after_iteration(trainer, iteration, collector):
                 break
+            if collections is not None:
+                collections.record()
+            if ctrl_c_seen() and not earlier_ctrl_c:   # one whose KeyboardInterrupt a gc callback swallowed
+                raise KeyboardInterrupt
         if profiler is not None and profiler.running:   # stopped inside the range: what was recorded, not what follows
             _say(profiler.finish(iteration))
         if args.dump_weights:
