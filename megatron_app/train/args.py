@@ -332,8 +332,7 @@ def _refuse_ignored_options(args: argparse.Namespace) -> None:
         raise UsageError("--eval-iters needs --eval-interval N (no evaluation runs without it)")
     if getattr(args, "split", None) is not None and getattr(args, "data_path", None) is None:
         raise UsageError("--split needs --data-path (mock data has no splits)")
-    _refuse_unread_profiling_options(args)
-    _refuse_unread_collector_options(args)
+    _refuse_unread_profiling_and_collector_options(args)
     if getattr(args, "trace_dir", None) is not None:
         if getattr(args, "no_trace", False):
             raise UsageError("--no-trace writes no trace: drop --trace-dir")
@@ -352,28 +351,30 @@ def _given(value) -> bool:
     return value is not None and value is not False
 
 
-_PROFILING_OPTIONS = ("use_pytorch_profiler", "profile_step_start", "profile_step_end", "profile_ranks")
+def _refuse_without(args: argparse.Namespace, switch: str, options: Mapping[str, str]) -> None:
+    """Each option (dest -> its flag; None until given) given without the switch is refused: alone, Megatron-LM
+    ignores it."""
+    if getattr(args, switch, False):
+        return
+    given = [flag for dest, flag in options.items() if getattr(args, dest, None) is not None]
+    if given:
+        raise UsageError(f"{given[0]} takes effect with {_flag(switch)} (alone, Megatron-LM ignores it): give both")
 
 
-def _refuse_unread_profiling_options(args: argparse.Namespace) -> None:
-    if not getattr(args, "profile", False):
-        given = [_flag(dest) for dest in _PROFILING_OPTIONS if _given(getattr(args, dest, None))]
-        if given:
-            raise UsageError(f"{given[0]} takes effect with --profile (alone, Megatron-LM ignores it): give both")
+_PROFILING_OPTIONS = {dest: _flag(dest) for dest in ("use_pytorch_profiler", "profile_step_start", "profile_step_end",
+                                                     "profile_ranks")}
+_COLLECTOR_OPTIONS = {"manual_gc_interval": "--manual-gc-interval", "manual_gc_eval": "--no-manual-gc-eval"}
+
+
+def _refuse_unread_profiling_and_collector_options(args: argparse.Namespace) -> None:
+    _refuse_without(args, "profile", _PROFILING_OPTIONS)
     if getattr(args, "tensorboard_dir", None) is not None and not getattr(args, "use_pytorch_profiler", False):
         raise UsageError("--tensorboard-dir holds --use-pytorch-profiler's traces only (no TensorBoard scalars are "
                          "written: --log-json has them): give --profile --use-pytorch-profiler, or drop it")
-
-
-def _refuse_unread_collector_options(args: argparse.Namespace) -> None:
-    if getattr(args, "manual_gc", False):
-        if getattr(args, "manual_gc_interval", None) is not None and args.manual_gc_interval < 0:
-            raise UsageError(f"--manual-gc-interval must be >= 0 (0: no collection between iterations), got "
-                             f"{args.manual_gc_interval}")
-        return
-    for dest, flag in (("manual_gc_interval", "--manual-gc-interval"), ("manual_gc_eval", "--no-manual-gc-eval")):
-        if getattr(args, dest, None) is not None:
-            raise UsageError(f"{flag} takes effect with --manual-gc (alone, Megatron-LM ignores it): give both")
+    _refuse_without(args, "manual_gc", _COLLECTOR_OPTIONS)
+    if getattr(args, "manual_gc_interval", None) is not None and args.manual_gc_interval < 0:
+        raise UsageError(f"--manual-gc-interval must be >= 0 (0: no collection between iterations), got "
+                         f"{args.manual_gc_interval}")
 
 
 def _check_profiling(args: argparse.Namespace) -> None:

@@ -374,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
               help=f"first profiled step (default {DEFAULT_PROFILE_STEPS[0]})")
     _add_flag(profiling, "--profile-step-end", type=int, default=None, metavar="N",
               help=f"profiling ends before this step (default {DEFAULT_PROFILE_STEPS[1]})")
-    _add_flag(profiling, "--use-pytorch-profiler", action="store_true",
+    _add_flag(profiling, "--use-pytorch-profiler", action="store_true", default=None,
               help="torch.profiler: one Chrome/Perfetto trace per profiled rank (TensorBoard's profiler reads it)")
     _add_flag(profiling, "--profile-ranks", type=int, nargs="+", default=None, metavar="R",
               help="global ranks to profile (default 0)")
@@ -389,7 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
 _FILLED_DEFAULTS = {"slow_factor": DEFAULT_SLOW_FACTOR, "straggler_factor": DEFAULT_STRAGGLER_FACTOR,
                     "eval_iters": DEFAULT_EVAL_ITERS, "split": DEFAULT_SPLIT, "trace_dir": DEFAULT_TRACE_DIR,
                     "profile_step_start": DEFAULT_PROFILE_STEPS[0], "profile_step_end": DEFAULT_PROFILE_STEPS[1],
-                    "profile_ranks": (0,), "manual_gc_interval": 0, "manual_gc_eval": True}
+                    "profile_ranks": (0,), "use_pytorch_profiler": False, "manual_gc_interval": 0,
+                    "manual_gc_eval": True}
 _DERIVED_DEFAULTS = {"precision": "fp32", "composition": default_composition(planned_by_our_runtime=False),
                      "synthetic_plan": None}
 
