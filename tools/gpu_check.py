@@ -1004,20 +1004,15 @@ def gc_pauses(run, skip: int) -> Dict[str, dict]:
     """Per pipeline rank, over the iterations from `skip`: Python's garbage collections (the trace's `gc` events):
     how many, their total and longest ms, and how many fell inside a compute task as the host ran it (a
     device-timed task's host span: start - queued_us, for host_us)."""
+    from megatron_app.trace.metrics import host_span
     from megatron_app.trace.schema import COMPUTE_KINDS, GC
-
-    def host_span(task):
-        if "host_us" in task.extra and "queued_us" in task.extra:
-            start = task.start - task.extra["queued_us"]
-            return start, start + task.extra["host_us"]
-        return task.start, task.end
 
     result = {}
     for rank in run.pipeline_view():
         pauses, inside = [], 0
         for iteration in run.iterations()[skip:]:
             events = rank.events_of(iteration)
-            tasks = [host_span(e) for e in events if e.kind in COMPUTE_KINDS]
+            tasks = [host_span(e) or (e.start, e.end) for e in events if e.kind in COMPUTE_KINDS]
             for pause in (e for e in events if e.kind == GC):
                 pauses.append(pause.duration)
                 inside += any(start <= pause.start < end for start, end in tasks)

@@ -103,7 +103,7 @@ def _rank_metrics(rank: RankTrace, events: list, makespan: float) -> RankMetrics
     activation_deltas += [(e.end, -1) for e in events if e.kind == releasing]
     meta = rank.meta
     # our training loop records every collection (a few each iteration); a file without any did not record them
-    records_gc = any(e.kind == GC for e in rank.events)
+    records_gc = GC in rank.kinds()
     return RankMetrics(
         global_rank=meta.global_rank,
         pp_rank=meta.pp_rank,
@@ -132,18 +132,26 @@ def _rank_metrics(rank: RankTrace, events: list, makespan: float) -> RankMetrics
 HOST_BOUND_LAG = 0.1   # a device span that ended within this share of itself after the host's was the host's time
 
 
+def host_span(event) -> tuple[float, float] | None:
+    """A device-timed compute event's span as the host ran it (schema 1.7: it began queued_us before the device
+    did and took host_us), on the same clock; None for a host-timed one (its span is the host's)."""
+    if "host_us" not in event.extra or "queued_us" not in event.extra:
+        return None
+    start = event.start - event.extra["queued_us"]
+    return start, start + event.extra["host_us"]
+
+
 def host_bound_us(events) -> float | None:
-    """The summed spans of the device-timed compute tasks (schema 1.7: extra.host_us, extra.queued_us) whose device
-    end came within HOST_BOUND_LAG of their span after the host's end: the device had caught up with the host, so
-    it waited for it (launches slower than the kernels, or the host busy elsewhere inside the task). A device still
-    working through earlier work then is not counted, however long the host took. None when no task was
-    device-timed (a CPU run: host and span agree)."""
-    timed = [e for e in events if e.kind in COMPUTE_KINDS and "host_us" in e.extra and "queued_us" in e.extra]
+    """The summed spans of the device-timed compute tasks whose device end came within HOST_BOUND_LAG of their span
+    after the host's end (host_span): the device had caught up with the host, so it waited for it (launches slower
+    than the kernels, or the host busy elsewhere inside the task). A device still working through earlier work then
+    is not counted, however long the host took. None when no task was device-timed (a CPU run: host and span
+    agree)."""
+    timed = [(e, host_span(e)) for e in events if e.kind in COMPUTE_KINDS]
+    timed = [(e, span) for e, span in timed if span is not None]
     if not timed:
         return None
-    # device end - host end = (start + span) - (start - queued + host) = span + queued - host
-    return sum(e.duration for e in timed
-               if e.duration + e.extra["queued_us"] - e.extra["host_us"] <= HOST_BOUND_LAG * e.duration)
+    return sum(e.duration for e, (_, host_end) in timed if e.end - host_end <= HOST_BOUND_LAG * e.duration)
 
 
 _ITERATION_COLUMNS = ["iteration", "microbatches", "makespan_us", "ideal_us", "makespan_over_ideal", "lower_bound_us",

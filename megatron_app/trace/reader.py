@@ -26,6 +26,7 @@ class RankTrace:
     meta: TraceMeta
     events: list[TraceEvent]
     _by_iteration: dict[int, list[TraceEvent]] | None = field(default=None, init=False, repr=False)
+    _kinds: frozenset[str] | None = field(default=None, init=False, repr=False)
 
     @property
     def name(self) -> str:
@@ -38,6 +39,12 @@ class RankTrace:
                 index.setdefault(event.iteration, []).append(event)
             self._by_iteration = index
         return self._by_iteration
+
+    def kinds(self) -> frozenset[str]:
+        """The event kinds anywhere in this rank's file (what it recorded at all)."""
+        if self._kinds is None:
+            self._kinds = frozenset(event.kind for event in self.events)
+        return self._kinds
 
     def events_of(self, iteration: int, kinds: Iterable[str] | None = None) -> list[TraceEvent]:
         events = self.by_iteration().get(iteration, [])
