@@ -243,7 +243,7 @@ def train(args) -> None:
     trainer = None
     loss_layer = None
     profiler = None
-    collections = None
+    gc_events = None
     collector = None
     iteration = None
     ending = None
@@ -265,13 +265,13 @@ def train(args) -> None:
             _say(behind)
             profiler = None
         ending = EndingClock()
-        collections = CollectionTracer().start() if trainer.trace_dir is not None else None
+        gc_events = CollectionTracer().start() if trainer.trace_dir is not None else None
         collector = ManualCollector.from_args(args)
         if collector is not None:
             collector.start()
         for iteration in range(trainer.start_iteration + 1, args.iters + 1):
-            if collections is not None:
-                collections.iteration = iteration
+            if gc_events is not None:
+                gc_events.iteration = iteration
             if profiler is not None:    # before the iteration's clock: its line times the profiled work
                 _say(profiler.before(iteration))
             start = time.perf_counter()
@@ -289,8 +289,8 @@ def train(args) -> None:
                 _say(profiler.after(iteration))
             if not after_iteration(trainer, iteration, collector):
                 break
-            if collections is not None:
-                collections.record()
+            if gc_events is not None:
+                gc_events.record()
             if ctrl_c_seen() and not earlier_ctrl_c:   # one whose KeyboardInterrupt a gc callback swallowed
                 raise KeyboardInterrupt
         if profiler is not None and profiler.running:   # stopped inside the range: what was recorded, not what follows
@@ -315,8 +315,8 @@ def train(args) -> None:
     finally:
         if collector is not None:
             collector.stop()
-        if collections is not None:
-            collections.stop()
+        if gc_events is not None:
+            gc_events.stop()
         if profiler is not None and profiler.running:   # an error inside the range: write what was recorded
             _say(profiler.finish(iteration))
         if ending is not None:
