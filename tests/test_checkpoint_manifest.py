@@ -48,7 +48,8 @@ def test_the_tracker_names_the_latest_committed_checkpoint(tmp_path):
     found = find_checkpoint(str(tmp_path))
     assert (found.iteration, found.consumed_samples) == (20, 160)
     assert found.manifest["layout"] == LAYOUT and \
-        found.manifest["model"] == {**MODEL, "precision": "fp32", **ARCHITECTURE_DEFAULTS}
+        found.manifest["model"] == {**MODEL, "precision": "fp32", **ARCHITECTURE_DEFAULTS,
+                                    "untie_embeddings_and_output_weights": False}   # tied now, untied before recorded
     assert found.manifest["files"] == ["model_optim_rng_pp000_tp00.pt", "model_optim_rng_pp001_tp00.pt"]
     assert (tmp_path / TRACKER).read_text().strip() == "20"
     # --load may also name one iteration's directory.

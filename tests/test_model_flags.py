@@ -60,7 +60,7 @@ def test_the_flags_reach_megatron_cores_config_and_model(tmp_path):
     assert isinstance(norm(config=classic, hidden_size=64, eps=classic.layernorm_epsilon), torch.nn.LayerNorm)
 
 
-def test_the_initial_spread_reaches_the_layout_independent_weights_and_untying_is_accepted():
+def test_the_initial_spread_reaches_the_layout_independent_weights_and_the_output_layer_is_tied_unless_untied():
     from megatron_app.train.model import build_transformer_config
     from megatron_app.train.weights import draw_full_parameter
 
@@ -70,6 +70,7 @@ def test_the_initial_spread_reaches_the_layout_independent_weights_and_untying_i
     assert weight.std().item() == pytest.approx(0.1, rel=0.05)
     assert projection.std().item() == pytest.approx(0.1 / (2 * 8) ** 0.5, rel=0.05)   # Megatron's depth scaling
     assert parse_args(["--untie-embeddings-and-output-weights"], WORLD).untie_embeddings_and_output_weights
+    assert not parse_args([], WORLD).untie_embeddings_and_output_weights   # tied, as in Megatron-LM
 
 
 def test_a_checkpoint_of_another_architecture_is_refused(tmp_path):
@@ -84,3 +85,20 @@ def test_a_checkpoint_of_another_architecture_is_refused(tmp_path):
     with pytest.raises(UsageError, match="has position_embedding_type=rope but this run has --position-embedding-type "
                                          "learned_absolute"):
         parse_args([*LLAMA[:-2], "--iters", "4", "--load", str(tmp_path)], WORLD)
+    with pytest.raises(UsageError, match="has untie_embeddings_and_output_weights=False but this run has "
+                                         "--untie-embeddings-and-output-weights True"):
+        parse_args([*LLAMA, "--untie-embeddings-and-output-weights", "--iters", "4", "--load", str(tmp_path)], WORLD)
+
+
+def test_a_checkpoint_from_before_tying_was_recorded_is_an_untied_one(tmp_path):
+    import os
+
+    from megatron_app.train.checkpoint_manifest import commit, iteration_dir, manifest_for
+
+    saved = manifest_for(parse_args(["--iters", "2"], WORLD), 2, 16, files=[])
+    del saved["model"]["untie_embeddings_and_output_weights"]   # every model was untied then
+    os.makedirs(iteration_dir(str(tmp_path), 2))
+    commit(str(tmp_path), saved)
+    assert parse_args(["--untie-embeddings-and-output-weights", "--iters", "4", "--load", str(tmp_path)], WORLD).load
+    with pytest.raises(UsageError, match="has untie_embeddings_and_output_weights=True"):
+        parse_args(["--iters", "4", "--load", str(tmp_path)], WORLD)

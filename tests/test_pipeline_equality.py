@@ -231,8 +231,9 @@ def test_composed_microbatches_match_unpipelined_training(request, tmp_path, rea
 # ranks), no biases, grouped-query attention and rotary embeddings. The reference pads each document into its own row
 # (positions from 0); packed and `balanced` rows hold several documents, so they equal it only if the rotary
 # positions restart at every document, and T=2 only if the gated and grouped weights are split as Megatron splits them.
+# Its output layer is untied from the embedding, as Llama's is (every other row ties them, Megatron-LM's default).
 LLAMA_FLAGS = ("--normalization RMSNorm --swiglu --disable-bias-linear --group-query-attention --num-query-groups 2 "
-               "--position-embedding-type rope")
+               "--position-embedding-type rope --untie-embeddings-and-output-weights")
 LLAMA_ROWS = [(2, 2, 1, ["packed", "balanced"]), (2, 1, 2, ["balanced"])]
 
 

@@ -168,7 +168,10 @@ def _pipelined_iteration(chunks, args, out_dir):
             json.dump({"loss": (total[0] / total[1]).item(), "microbatches": len(store)}, handle)
 
 
-TRAINED_LAYOUTS = {"t2": ["--tensor_parallel", 2], "d2": ["--data_parallel", 2]}
+# Embedding and output weights are tied by default (Megatron-LM's rule): at P=2 V=2 the last stage holds a copy.
+PIPELINED = ["--pipeline_parallel", 2, "--model_chunks", 2, "--schedule", "app"]
+TRAINED_LAYOUTS = {"t2": ["--tensor_parallel", 2], "d2": ["--data_parallel", 2], "p2v2": PIPELINED,
+                   "p2v2_untied": PIPELINED + ["--untie-embeddings-and-output-weights"]}
 
 
 def _finalize_grads_check(chunks, rank, out_dir):
@@ -223,7 +226,8 @@ def _layout_worker(rank, world, port, out_dir):
             parallel_state.destroy_model_parallel()
         for name, extra in TRAINED_LAYOUTS.items():
             argv = _flags(extra) + ["--no-trace", "--log-json", os.path.join(out_dir, f"train_{name}.json"),
-                                    "--dump-grads", os.path.join(out_dir, f"train_{name}_grads")]
+                                    "--dump-grads", os.path.join(out_dir, f"train_{name}_grads"),
+                                    "--dump-weights", os.path.join(out_dir, f"train_{name}_weights")]
             train(parse_args([str(a) for a in argv], environ={"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1"}))
             assert dist.is_initialized()  # train() leaves a caller's process group open
     finally:
@@ -249,7 +253,7 @@ def test_initial_weights_identical_across_layouts(layouts):
     from megatron_app.train.dumps import load_full_weights
 
     reference = load_full_weights(os.path.join(layouts, "d2"))  # D=2: each rank holds the whole model
-    assert len(reference) == 4 * 12 + 2 + 3  # per layer 12 tensors; 2 embeddings; final norm (2) + output
+    assert len(reference) == 4 * 12 + 2 + 2  # per layer 12 tensors; 2 embeddings (one is the output's); final norm
     for name in ("p2v2", "t2"):
         weights = load_full_weights(os.path.join(layouts, name))
         assert set(weights) == set(reference), name
@@ -318,3 +322,41 @@ def test_finalize_model_grads_reduces_over_data_parallel_replicas(layouts):
         assert result["averaged"] == [1.5]  # (1 + 2) / 2
         assert result["per_token"] == [round(3 / 7, 6)]  # (1 + 2) / (3 + 4 tokens)
         assert result["num_tokens"] == 7  # the global count is handed back, as Megatron does
+
+
+def _rank_weights(layouts, name):
+    """Each pipeline rank's own dump (global name -> tensor), before the loaders merge them by name."""
+    directory = os.path.join(layouts, f"train_{name}_weights")
+    return [{key: record["tensor"] for key, record in torch.load(os.path.join(directory, f"weights_rank{rank:05d}.pt"),
+                                                                  weights_only=True).items()} for rank in range(2)]
+
+
+def test_tied_embedding_copies_stay_one_weight_through_pipelined_training(layouts, reference):
+    """P=2 V=2, tied (the default): the last stage's copy of the word embedding is drawn equal to the first stage's,
+    both take the summed gradient, and after 10 steps they are still bit-equal; losses and gradients are P=1's,
+    whose output layer uses the embedding itself."""
+    payload, grads = _trained(layouts, "p2v2")
+    _assert_same_losses(_losses(payload), _losses(reference[0]))
+    _assert_same_grads(grads, reference[1])
+    first, last = _rank_weights(layouts, "p2v2")
+    word = "embedding.word_embeddings.weight"
+    assert word in first and word in last and "output_layer.weight" not in {*first, *last}
+    assert torch.equal(first[word], last[word])
+    initial = load_initial(layouts)
+    assert not torch.equal(first[word], initial[word])   # trained, not merely left alone
+
+
+def test_untied_output_layer_is_a_weight_of_its_own(layouts, reference):
+    payload, _ = _trained(layouts, "p2v2_untied")
+    first, last = _rank_weights(layouts, "p2v2_untied")
+    assert "output_layer.weight" in last and "embedding.word_embeddings.weight" not in last
+    assert first["embedding.word_embeddings.weight"].shape == last["output_layer.weight"].shape
+    assert not torch.equal(first["embedding.word_embeddings.weight"], last["output_layer.weight"])
+    assert _losses(payload)[0] != pytest.approx(_losses(reference[0])[0], rel=1e-5)   # another model than P=1's
+    assert _losses(payload)[-1] < _losses(payload)[0]
+
+
+def load_initial(layouts):
+    from megatron_app.train.dumps import load_full_weights
+
+    return load_full_weights(os.path.join(layouts, "d2"))

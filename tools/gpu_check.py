@@ -157,9 +157,10 @@ TRANSPORT_ENVS = {"default": {}, "ipc": {"MEGATRON_APP_CUDA_IPC": "1"},
 # clipping norm crosses the pipeline ranks' group on the device.
 OPTIMIZER_FLAGS = ["--clip-grad", "1.0", "--weight-decay", "0.01", "--lr-decay-style", "cosine", "--min-lr", "1e-4"]
 # A row's `-llama`: a Llama-shaped model (RMSNorm, SwiGLU, no biases, grouped-query attention, rotary embeddings that
-# restart at every packed document).
+# restart at every packed document, an output layer untied from the embedding); the other rows tie them
+# (Megatron-LM's default), so both kinds of output layer run on the device.
 LLAMA_FLAGS = ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--group-query-attention",
-               "--num-query-groups", "2", "--position-embedding-type", "rope"]
+               "--num-query-groups", "2", "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights"]
 
 
 # The prediction step's runs: (P, V, target of the median |error|); the ipc-sends step's: the P=2 V=2 run with its

@@ -55,6 +55,17 @@ def data_parallel_group(pg_collection=None, with_context_parallel: bool = False)
     return group
 
 
+def embedding_group(pg_collection=None):
+    """The group joining the pipeline's first and last stage (its tied embedding and output weight): pg_collection's
+    when one is given, else parallel_state's. None when there is none to take."""
+    group = getattr(pg_collection, "embd", None)
+    if group is None and _model_parallel_ready():
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_embedding_group(check_initialized=False)
+    return group
+
+
 def data_parallel_rank(pg_collection=None) -> int:
     """This rank's replica: its rank in the data-parallel group (0 without one)."""
     group = data_parallel_group(pg_collection)

@@ -26,7 +26,8 @@ MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", 
 # The architecture flags, with the value a manifest from before they were recorded stands for.
 ARCHITECTURE_DEFAULTS = {"normalization": "LayerNorm", "swiglu": False, "ffn_hidden_size": None,
                          "disable_bias_linear": False, "num_query_groups": None,
-                         "position_embedding_type": "learned_absolute"}
+                         "position_embedding_type": "learned_absolute",
+                         "untie_embeddings_and_output_weights": True}   # untied always, before it was recorded
 # What the run reads: resuming with other data or another length mode changes results without an error, so it is
 # refused unless --allow-data-change-on-resume says the change is meant.
 DATA_KEYS = ("data_path", "variable_seq_lengths", "synthetic_microbatches")

@@ -131,8 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
               help="the weights' initial standard deviation (the output projections' scaled by depth, as Megatron "
                    "does)")
     _add_flag(model, "--untie-embeddings-and-output-weights", action="store_true",
-              help="accepted for Megatron-LM's command lines: the input embedding and the output layer are always "
-                   "separate weights here (Megatron-LM ties them without this flag)")
+              help="separate weights for the input embedding and the output layer (without it they are one "
+                   "weight, as in Megatron-LM; the pipeline's last stage then holds a copy kept equal to the first's)")
     _add_flag(model, "--transformer-impl", choices=("local", "transformer_engine"), default="local",
               help="Megatron-LM's choice of layer implementation: `local` (Megatron-Core's own layers with our "
                    "attention over packed documents, on CPU and CUDA); `transformer_engine` is refused (not "

@@ -2,8 +2,9 @@
 
 Only the layer spec differs from Megatron's local one, on CPU and CUDA alike (core attention -> SdpaCoreAttention,
 dropouts keyed by document); the model is stock Megatron-Core, shaped by Megatron-LM's architecture flags (norm,
-SwiGLU, biases, query groups, rotary embeddings). Embedding and output weights are untied, so no embedding-group
-all-reduce is needed between the first and last pipeline stage.
+SwiGLU, biases, query groups, rotary embeddings). Embedding and output weights are tied unless
+--untie-embeddings-and-output-weights, as in Megatron-LM: the last stage holds a copy of the word embedding, drawn
+equal to it (weights.py) and kept equal by summing both copies' gradients (optim.finalize_model_grads).
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def _gpt_chunk(args, config: TransformerConfig, spec, stage) -> GPTModel:
         max_sequence_length=args.seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         parallel_output=True,
         vp_stage=stage,
         position_embedding_type=args.position_embedding_type,

@@ -40,7 +40,9 @@ from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
-from megatron_app.runtime.layout import data_parallel_group, pipeline_group
+from megatron_app.runtime.layout import data_parallel_group, embedding_group, pipeline_group
+
+from .names import unwrap_chunk
 
 from .flags import completed
 
@@ -317,13 +319,16 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torc
     """Megatron's finalize_model_grads contract without its DDP: average (or, with per-token loss,
     sum then divide by the global token count) every gradient over the data-parallel group.
 
-    Embeddings are untied and sequence parallelism is off, so there is no embedding-group or
-    layernorm all-reduce to do.
+    With tied embedding and output weights (Megatron-LM's default) the pipeline's first and last stage each hold a
+    copy of the weight, and their gradients are summed over the embedding group first, as Megatron's
+    _allreduce_word_embedding_grads does, so both copies take the same step. Sequence parallelism is off, so there is
+    no layernorm all-reduce to do.
     """
     params = _trainable(model)
     for param in params:
         if model_grad(param) is None:  # every DP rank must contribute a tensor of the same layout
             param.grad = torch.zeros_like(param)
+    _sum_tied_embedding_grads(model, pg_collection)
     dp_group = data_parallel_group(pg_collection, with_context_parallel=True)
     dp_size = dist.get_world_size(dp_group)
 
@@ -344,3 +349,24 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torc
     flat.mul_(scale)
     for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
         grad.copy_(reduced)
+
+
+def tied_embedding_copy(chunk: torch.nn.Module) -> Optional[torch.nn.Parameter]:
+    """The chunk's copy of a tied embedding and output weight that another pipeline stage holds too: the first
+    stage's word embedding or the last stage's output weight. None when the chunk holds none, or holds both ends
+    (one pipeline stage: one parameter, whose gradient already sums both uses)."""
+    module = unwrap_chunk(chunk)
+    if not getattr(module, "share_embeddings_and_output_weights", False) or module.pre_process == module.post_process:
+        return None
+    return module.shared_embedding_or_output_weight()
+
+
+def _sum_tied_embedding_grads(model: List[torch.nn.Module], pg_collection=None) -> None:
+    copies = [weight for weight in map(tied_embedding_copy, model) if weight is not None]
+    if not copies:
+        return
+    group = embedding_group(pg_collection)
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    for weight in copies:
+        dist.all_reduce(model_grad(weight), group=group)

@@ -20,6 +20,7 @@ from typing import Callable, Iterator
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.tensor_parallel import layers as megatron_layers
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -86,6 +87,10 @@ def _leave_as_allocated(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return tensor
 
 
+def _outside_embedding_group(module) -> bool:
+    return False
+
+
 def _tag_only(megatron_initializer):
     """Megatron's _initialize_affine_weight_cpu reduced to what our initialisation keeps of it: the tensor-parallel
     tags (partition_dim, stride). Its full-size fp32 master weight per parameter (allocated, cast, split and copied:
@@ -115,16 +120,21 @@ def megatron_draws_skipped(config: TransformerConfig) -> Iterator[None]:
     """While building the model, Megatron's initialisation runs without drawing: its layers allocate their parameters
     and tag the tensor-parallel ones with partition_dim and stride (which the sharding and the clipping read), and
     reinitialize_by_global_name overwrites every parameter afterwards. Megatron's own draw of a 1.6 B-parameter model
-    took about as long as ours, and its master weights longer. The config's init methods and Megatron's initializer
-    are restored on leaving."""
+    took about as long as ours, and its master weights longer. Nor does Megatron copy a tied embedding to the last
+    stage. The config's init methods, Megatron's initializer and its embedding-group test are restored on leaving."""
     saved = {name: getattr(config, name) for name in _MEGATRON_INIT_FIELDS if getattr(config, name, None) is not None}
     megatron_initializer = megatron_layers._initialize_affine_weight_cpu
+    in_embedding_group = LanguageModule._is_in_embd_group
     for name in saved:
         setattr(config, name, _leave_as_allocated)
     megatron_layers._initialize_affine_weight_cpu = _tag_only(megatron_initializer) or megatron_initializer
+    # A tied output weight's copy on the last stage is drawn under the embedding's name like the embedding itself, so
+    # Megatron's copying all-reduce between the stages (which moves the weight to CUDA first) has nothing to do.
+    LanguageModule._is_in_embd_group = _outside_embedding_group
     try:
         yield
     finally:
+        LanguageModule._is_in_embd_group = in_embedding_group
         megatron_layers._initialize_affine_weight_cpu = megatron_initializer
         for name, value in saved.items():
             setattr(config, name, value)
