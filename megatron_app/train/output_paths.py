@@ -86,7 +86,8 @@ def check_output_file(flag: str, path: str) -> None:
 
 
 def gpt_parameter_count(num_layers: int, hidden: int, vocab: int, seq_length: int) -> int:
-    """Parameters of the trainer's GPT (untied embedding and output layer, learnt positions, 4h MLP, biases)."""
+    """Parameters of the trainer's GPT (learnt positions, 4h MLP, biases), the output layer counted apart from the
+    embedding: what a pipelined run stores even when they are tied (the last stage keeps a copy)."""
     per_layer = 12 * hidden * hidden + 13 * hidden
     return 2 * vocab * hidden + seq_length * hidden + num_layers * per_layer + 2 * hidden
 
