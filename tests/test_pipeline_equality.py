@@ -62,7 +62,11 @@ def _assert_same(name, got, reference):
 # tensor-parallel duplicate counted once, after the data-parallel all-reduce: each step's norm must be P=1's.
 OPTIMIZER_FLAGS = ("--clip-grad 0.3 --weight-decay 0.1 --lr 3e-3 --lr-decay-style cosine --min-lr 3e-4 "
                    "--global-batch-size 16")   # the same global batch at D=2
-OPTIMIZER_LAYOUTS = [(2, 2, 1, 1), (2, 1, 2, 1), (2, 1, 1, 2)]
+# The last two: --use-distributed-optimizer (each replica steps its shard of the main parameters, then all-gathers
+# them; the norm adds up the shards' squares), at D=2 alone and with the tied embedding split over two stages.
+DISTRIBUTED = " --use-distributed-optimizer"
+OPTIMIZER_LAYOUTS = [(2, 2, 1, 1, ""), (2, 1, 2, 1, ""), (2, 1, 1, 2, ""), (1, 1, 1, 2, DISTRIBUTED),
+                     (2, 1, 1, 2, DISTRIBUTED)]
 
 
 @pytest.fixture(scope="module")
@@ -72,13 +76,17 @@ def optimizer_reference(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("P,V,T,D", OPTIMIZER_LAYOUTS, ids=[f"P{p}-V{v}-T{t}-D{d}" for p, v, t, d in OPTIMIZER_LAYOUTS])
-def test_clipping_weight_decay_and_lr_schedule_match_unpipelined_training(tmp_path, optimizer_reference, P, V, T, D):
+@pytest.mark.parametrize("P,V,T,D,distributed", OPTIMIZER_LAYOUTS,
+                         ids=[f"P{p}-V{v}-T{t}-D{d}{'-distributed' if x else ''}"
+                              for p, v, t, d, x in OPTIMIZER_LAYOUTS])
+def test_clipping_weight_decay_and_lr_schedule_match_unpipelined_training(tmp_path, optimizer_reference, P, V, T, D,
+                                                                         distributed):
     (reference, ref_steps) = optimizer_reference
     assert [step["lr"] for step in ref_steps] == pytest.approx([3e-3, 3e-4 + 2.7e-3 * 0.75, 3e-4 + 2.7e-3 * 0.25])
     assert all(step["grad_norm"] > 0.3 for step in ref_steps), ref_steps   # every step clipped
-    out = _run(tmp_path, P, V, T, ["app:planned"], D=D, extra=OPTIMIZER_FLAGS)
-    _assert_same(f"P{P} V{V} T{T} D{D} with {OPTIMIZER_FLAGS}", _losses_and_grads(out, "app-planned"), reference)
+    out = _run(tmp_path, P, V, T, ["app:planned"], D=D, extra=OPTIMIZER_FLAGS + distributed)
+    _assert_same(f"P{P} V{V} T{T} D{D} with {OPTIMIZER_FLAGS}{distributed}", _losses_and_grads(out, "app-planned"),
+                 reference)
     steps = json.loads((out / "steps_app-planned.json").read_text())
     for it, (step, want) in enumerate(zip(steps, ref_steps), start=1):
         assert step["lr"] == want["lr"], f"iteration {it}: lr {step['lr']} != {want['lr']}"
@@ -86,17 +94,30 @@ def test_clipping_weight_decay_and_lr_schedule_match_unpipelined_training(tmp_pa
             f"iteration {it}: grad norm {step['grad_norm']} != P=1's {want['grad_norm']}"
 
 
+@pytest.fixture(scope="module")
+def optimizer_bf16_reference(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("optimizer_bf16_reference"), 1, 1, 1, ["megatron"],
+                extra=OPTIMIZER_FLAGS + " --bf16")
+
+
+BF16_OPTIMIZER_LAYOUTS = [(2, 2, 1, ""), (2, 1, 2, DISTRIBUTED)]
+
+
 @pytest.mark.slow
-def test_bf16_with_clipping_and_a_schedule_matches_unpipelined_bf16(tmp_path, tmp_path_factory, optimizer_reference):
+@pytest.mark.parametrize("P,V,D,distributed", BF16_OPTIMIZER_LAYOUTS,
+                         ids=[f"P{p}-V{v}-D{d}{'-distributed' if x else ''}" for p, v, d, x in BF16_OPTIMIZER_LAYOUTS])
+def test_bf16_with_clipping_and_a_schedule_matches_unpipelined_bf16(tmp_path, optimizer_bf16_reference,
+                                                                    optimizer_reference, P, V, D, distributed):
     """--bf16 with the same optimizer flags, against P=1 in bf16 within the tolerance derived for bf16 below (the
     layouts accumulate main_grad in another order, a few fp32 main parameters then round to other bf16 values). Each
     step's norm: the first within 1e-5 (the same parameters); later ones within 2 E, E = |bf16 - fp32| at P=1 that
-    step (the triangle argument of the bf16 section)."""
-    extra = OPTIMIZER_FLAGS + " --bf16"
-    bf16_reference = _run(tmp_path_factory.mktemp("optimizer_bf16_reference"), 1, 1, 1, ["megatron"], extra=extra)
-    out = _run(tmp_path, 2, 2, 1, ["app:planned"], extra=extra)
+    step (the triangle argument of the bf16 section). With --use-distributed-optimizer the bf16 parameters come back
+    from the replicas' fp32 shards by the all-gather."""
+    extra = OPTIMIZER_FLAGS + " --bf16" + distributed
+    bf16_reference = optimizer_bf16_reference
+    out = _run(tmp_path, P, V, 1, ["app:planned"], D=D, extra=extra)
     (fp32_losses_and_grads, fp32_steps) = optimizer_reference
-    _assert_bf16_close("bf16 P2 V2 with " + extra, _losses_and_grads(out, "app-planned"),
+    _assert_bf16_close(f"bf16 P{P} V{V} D{D} with " + extra, _losses_and_grads(out, "app-planned"),
                        _losses_and_grads(bf16_reference), fp32_losses_and_grads)
     ref_steps = json.loads((bf16_reference / "steps_megatron.json").read_text())
     steps = json.loads((out / "steps_app-planned.json").read_text())
@@ -375,6 +396,22 @@ def test_fp16_loss_scaled_pipeline_matches_unpipelined_fp16_training(tmp_path):
             assert report["model_params"] == ["torch.float16"] and report["main_params"] == ["torch.float32"]
             assert report["main_grads"] == ["torch.float16"]     # fp16 accumulates in fp16 unless told (Megatron-LM)
             assert report["skipped_iterations"] == 1 and report["loss_scale"] == 2.0 ** 19, report
+
+
+@pytest.mark.slow
+def test_fp16_distributed_optimizer_replicas_skip_the_same_overflowing_step(tmp_path):
+    """D=2 with --use-distributed-optimizer under fp16's dynamic loss scale (FP16_FLAGS: iteration 2 overflows): each
+    replica checks only its shard of the gradients, so iteration 3 equals P=1's only if both replicas skipped
+    iteration 2. Accumulated and reduced in fp32 here: in fp16 two replicas' sums of 4 microbatches round otherwise
+    than one sum of 8 (6.5e-4 of the word embedding's largest gradient, measured), with or without the option."""
+    flags = FP16_FLAGS + " --accumulate-allreduce-grads-in-fp32 --global-batch-size 16"
+    reference = _run(tmp_path, 1, 1, 1, ["megatron"], "--precision-report", extra=flags)
+    out = _run(tmp_path, 1, 1, 1, ["app:planned"], "--precision-report", D=2, extra=flags + DISTRIBUTED)
+    _assert_same("fp16 D2 distributed", _losses_and_grads(out, "app-planned"), _losses_and_grads(reference))
+    for rank in range(2):
+        report = json.loads((out / f"precision_app-planned_rank{rank}.json").read_text())
+        assert report["model_params"] == ["torch.float16"] and report["main_params"] == ["torch.float32"]
+        assert report["skipped_iterations"] == 1 and report["loss_scale"] == 2.0 ** 19, report
 
 
 @pytest.mark.slow

@@ -91,13 +91,14 @@ def save_checkpoint(save_dir: str, args, chunks: List[torch.nn.Module], optimize
     dist.all_gather_object(rng_states, capture_rng_state(args.device), group=dp_group)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    optimizer_state = optimizer.state_dict()   # every replica: the distributed optimizer gathers its shards
     error = None
     if parallel_state.get_data_parallel_rank() == 0:
         payload = {
             "iteration": iteration,
             "consumed_samples": consumed_samples,
             "model": [chunk.state_dict() for chunk in chunks],
-            "optimizer": optimizer.state_dict(),
+            "optimizer": optimizer_state,
             "opt_param_scheduler": scheduler.state_dict(),
             "rng": rng_states,
         }

@@ -84,7 +84,8 @@ def manifest_for(args, iteration: int, consumed_samples: int, files) -> dict:
                   **{key: values[key] for key in ARCHITECTURE_DEFAULTS}},
         "training": {"global_batch_size": args.global_batch_size, "micro_batch_size": args.micro_batch_size,
                      "seed": args.seed, "iters": args.iters, **data_identity(args),
-                     "lr_schedule": schedule_identity(args)},
+                     "lr_schedule": schedule_identity(args),
+                     "use_distributed_optimizer": bool(values["use_distributed_optimizer"])},
         "files": sorted(files),
     }
 
@@ -254,6 +255,11 @@ def check_compatible(found: FoundCheckpoint, args) -> None:
                               f"resume in {saved_precision}")
     _check_schedule(found, completed(args))
     saved_training = found.manifest.get("training", {})
+    # The optimizer's state is saved in its own form (unsharded either way, but not interchangeable yet).
+    saved_distributed = bool(saved_training.get("use_distributed_optimizer", False))
+    if saved_distributed != bool(values["use_distributed_optimizer"]):
+        raise CheckpointError(f"checkpoint {found.directory} was saved {'with' if saved_distributed else 'without'} "
+                              f"--use-distributed-optimizer; resume {'with' if saved_distributed else 'without'} it")
     here_data = data_identity(args)
     for key in DATA_KEYS:
         if key not in saved_training or values["allow_data_change_on_resume"]:

@@ -230,6 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(optimizer, "--clip-grad", type=float, default=0.0, metavar="NORM",
               help="clip the gradients to this global L2 norm over every rank's parameters, tensor-parallel copies "
                    "counted once (0: no clipping; Megatron-LM's default is 1.0)")
+    _add_flag(optimizer, "--use-distributed-optimizer", action="store_true",
+              help="Megatron's distributed optimizer (ZeRO-1): each data-parallel rank keeps the fp32 main parameters "
+                   "and Adam state of 1/D of the parameters, and the updated shards are all-gathered (gradients "
+                   "are still all-reduced); checkpoints hold the optimizer unsharded")
     _add_flag(optimizer, "--weight-decay", type=float, default=0.0, metavar="WD",
               help="decoupled weight decay (AdamW), none on biases and 1-D parameters as in Megatron-Core "
                    "(Megatron-LM's default is 0.01)")

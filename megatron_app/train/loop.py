@@ -61,7 +61,7 @@ def run_config(args) -> dict:
 class Trainer:
     args: object
     chunks: List[torch.nn.Module]
-    optimizer: object               # optim.Fp32Optimizer or MixedPrecisionOptimizer
+    optimizer: object               # optim.Fp32Optimizer, MixedPrecisionOptimizer or DistributedOptimizer
     scheduler: object               # lr_schedule's (Megatron-Core's OptimizerParamScheduler)
     data_iterator: object  # one iterator, or one per chunk when V > 1
     forward_backward: Callable
@@ -116,7 +116,8 @@ def build_trainer(args, startup: Optional[StartupClock] = None) -> Trainer:
     mark_part("model")
     chunks[0].config.finalize_model_grads_func = finalize_model_grads  # shared by all chunks
     optimizer = build_optimizer(chunks, AdamSettings.from_args(args),
-                                None if emulation is not None else MixedPrecision.from_args(args))
+                                None if emulation is not None else MixedPrecision.from_args(args),
+                                distributed=args.use_distributed_optimizer)
     scheduler = build_scheduler(optimizer, args)
     start_iteration, resume_note = _resume(args, chunks, optimizer, scheduler)
     args.start_iteration = start_iteration
@@ -136,6 +137,8 @@ def build_trainer(args, startup: Optional[StartupClock] = None) -> Trainer:
                                  args.log_json, emulated=emulation is not None, shows_lr=varies_lr(args))
     if resume_note:
         reporter.note(resume_note)
+    if hasattr(optimizer, "describe"):
+        reporter.note(optimizer.describe())
     if trace_dir is not None:
         reporter.note(f"traces: {trace_dir} ({Path(args.trace_dir) / LATEST} points there)")
     mark_part("runtime")

@@ -47,7 +47,7 @@ from .names import unwrap_chunk
 from .flags import completed
 
 
-def _trainable(model: List[torch.nn.Module]) -> List[torch.nn.Parameter]:
+def trainable(model: List[torch.nn.Module]) -> List[torch.nn.Parameter]:
     return [p for chunk in model for p in chunk.parameters() if p.requires_grad]
 
 
@@ -124,7 +124,7 @@ class Fp32Optimizer:
     """AdamW on the fp32 parameters' own gradients, clipped first under --clip-grad (Megatron's FP32Optimizer)."""
 
     def __init__(self, chunks: List[torch.nn.Module], settings: AdamSettings):
-        self.model_params = _trainable(chunks)
+        self.model_params = trainable(chunks)
         self.optimizer = settings.adamw(param_groups(chunks, settings.weight_decay))
         self.clip = GlobalNormClipper(self.model_params, settings.clip_grad) if settings.clip_grad > 0.0 else None
         self.grad_norm: Optional[float] = None
@@ -202,13 +202,33 @@ def _accumulate_main_grad(param: torch.nn.Parameter) -> None:
     param.grad = None
 
 
+def attach_main_grads(params: List[torch.nn.Parameter], mixed: "MixedPrecision") -> list:
+    """Give each parameter a zeroed ``main_grad`` (fp32 when the run accumulates in fp32, else the parameter's
+    precision) and the hook that adds each microbatch's gradient into it; returns the hooks' handles."""
+    grad_dtype = torch.float32 if mixed.accumulate_in_fp32 else None
+    hooks = []
+    for param in params:
+        param.main_grad = torch.zeros_like(param, dtype=grad_dtype or param.dtype)
+        hooks.append(param.register_post_accumulate_grad_hook(_accumulate_main_grad))
+    return hooks
+
+
+def restore_grad_scaler(grad_scaler, saved: dict) -> None:
+    """Megatron's grad scaler from a saved state (its own load_state_dict moves the scale with .cuda(): not on
+    CPU)."""
+    grad_scaler._scale = saved["scale"].to(grad_scaler.scale.device)
+    if hasattr(grad_scaler, "_growth_tracker"):
+        grad_scaler._growth_tracker = saved["growth_tracker"]
+        grad_scaler._hysteresis_tracker = saved["hysteresis_tracker"]
+
+
 class MixedPrecisionOptimizer:
     """Adam on fp32 main copies of half-precision parameters (Megatron's Float16OptimizerWithFloat16Params), with
     main_grad accumulation (its DistributedDataParallel). Also what the log reports: the loss scale and the iterations
     skipped for an overflow."""
 
     def __init__(self, chunks: List[torch.nn.Module], settings: AdamSettings, mixed: MixedPrecision):
-        self.model_params = _trainable(chunks)
+        self.model_params = trainable(chunks)
         self.main_params = [param.detach().clone().float() for param in self.model_params]
         main_of = {id(param): main for param, main in zip(self.model_params, self.main_params)}
         groups = param_groups(chunks, settings.weight_decay)
@@ -217,11 +237,7 @@ class MixedPrecisionOptimizer:
         self.clip = GlobalNormClipper(self.model_params, settings.clip_grad) if settings.clip_grad > 0.0 else None
         self.grad_norm: Optional[float] = None
         self.grad_scaler = mixed.grad_scaler(self.model_params[0].device)
-        grad_dtype = torch.float32 if mixed.accumulate_in_fp32 else None
-        self._hooks = []
-        for param in self.model_params:
-            param.main_grad = torch.zeros_like(param, dtype=grad_dtype or param.dtype)
-            self._hooks.append(param.register_post_accumulate_grad_hook(_accumulate_main_grad))
+        self._hooks = attach_main_grads(self.model_params, mixed)
         self.skipped_iterations = 0
         self.last_step_skipped = False
 
@@ -296,19 +312,22 @@ class MixedPrecisionOptimizer:
                 main.copy_(saved)
         self.skipped_iterations = int(state.get("skipped_iterations", 0))
         if self.grad_scaler is not None and "grad_scaler" in state:
-            saved = state["grad_scaler"]    # Megatron's load_state_dict moves the scale with .cuda(): not on CPU
-            self.grad_scaler._scale = saved["scale"].to(self.grad_scaler.scale.device)
-            if hasattr(self.grad_scaler, "_growth_tracker"):
-                self.grad_scaler._growth_tracker = saved["growth_tracker"]
-                self.grad_scaler._hysteresis_tracker = saved["hysteresis_tracker"]
+            restore_grad_scaler(self.grad_scaler, state["grad_scaler"])
 
 
-def build_optimizer(chunks: List[torch.nn.Module], settings: AdamSettings, mixed: Optional[MixedPrecision] = None):
-    """AdamW as the flags ask (settings); under mixed precision (``mixed``) on fp32 main parameters, and the chunks'
-    config then scales the loss when the run has a loss scale."""
-    if mixed is None:
+def build_optimizer(chunks: List[torch.nn.Module], settings: AdamSettings, mixed: Optional[MixedPrecision] = None,
+                    distributed: bool = False):
+    """AdamW as the flags ask (settings); under mixed precision (``mixed``) on fp32 main parameters, sharded over
+    the data-parallel ranks when ``distributed`` (--use-distributed-optimizer), and the chunks' config then scales
+    the loss when the run has a loss scale."""
+    if distributed:
+        from .distributed_optimizer import DistributedOptimizer
+
+        optimizer = DistributedOptimizer(chunks, settings, mixed)
+    elif mixed is None:
         return Fp32Optimizer(chunks, settings)
-    optimizer = MixedPrecisionOptimizer(chunks, settings, mixed)
+    else:
+        optimizer = MixedPrecisionOptimizer(chunks, settings, mixed)
     if optimizer.grad_scaler is not None:
         chunks[0].config.grad_scale_func = optimizer.scale_loss   # shared by all chunks, as in Megatron-LM
     return optimizer
@@ -324,7 +343,7 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torc
     _allreduce_word_embedding_grads does, so both copies take the same step. Sequence parallelism is off, so there is
     no layernorm all-reduce to do.
     """
-    params = _trainable(model)
+    params = trainable(model)
     for param in params:
         if model_grad(param) is None:  # every DP rank must contribute a tensor of the same layout
             param.grad = torch.zeros_like(param)
