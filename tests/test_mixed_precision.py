@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from megatron_app.train.args import UsageError, parse_args
-from megatron_app.train.optim import AdamSettings, MixedPrecision, MixedPrecisionOptimizer, build_optimizer
+from megatron_app.train.optim import AdamSettings, MixedPrecision, MixedPrecisionOptimizer
+from megatron_app.train.optimizer_choice import build_optimizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = {"WORLD_SIZE": "1"}

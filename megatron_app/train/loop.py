@@ -29,7 +29,8 @@ from .forward_backward import (close_schedule, optimizer_span, runtime_settings,
 from .init import init_distributed, init_model_parallel, seed_all, shutdown
 from .model import build_model_chunks
 from .lr_schedule import build_scheduler, current_lr, varies_lr
-from .optim import AdamSettings, MixedPrecision, build_optimizer, finalize_model_grads
+from .optim import AdamSettings, MixedPrecision, finalize_model_grads
+from .optimizer_choice import build_optimizer
 from .evaluate import evaluate
 from .report import IterationReporter, reduce_lm_loss
 from .start_gate import wait_for_start_gate

@@ -315,24 +315,6 @@ class MixedPrecisionOptimizer:
             restore_grad_scaler(self.grad_scaler, state["grad_scaler"])
 
 
-def build_optimizer(chunks: List[torch.nn.Module], settings: AdamSettings, mixed: Optional[MixedPrecision] = None,
-                    distributed: bool = False):
-    """AdamW as the flags ask (settings); under mixed precision (``mixed``) on fp32 main parameters, sharded over
-    the data-parallel ranks when ``distributed`` (--use-distributed-optimizer), and the chunks' config then scales
-    the loss when the run has a loss scale."""
-    if distributed:
-        from .distributed_optimizer import DistributedOptimizer
-
-        optimizer = DistributedOptimizer(chunks, settings, mixed)
-    elif mixed is None:
-        return Fp32Optimizer(chunks, settings)
-    else:
-        optimizer = MixedPrecisionOptimizer(chunks, settings, mixed)
-    if optimizer.grad_scaler is not None:
-        chunks[0].config.grad_scale_func = optimizer.scale_loss   # shared by all chunks, as in Megatron-LM
-    return optimizer
-
-
 def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torch.Tensor] = None,
                          pg_collection=None, force_all_reduce: Optional[bool] = False) -> None:
     """Megatron's finalize_model_grads contract without its DDP: average (or, with per-token loss,
