@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_app.train.args import UsageError, parse_args
-from megatron_app.train.optim import (AdamSettings, Fp32Optimizer, GlobalNormClipper, MixedPrecision,
-                                      build_optimizer, param_groups)
+from megatron_app.train.optim import AdamSettings, Fp32Optimizer, GlobalNormClipper, MixedPrecision, param_groups
+from megatron_app.train.optimizer_choice import build_optimizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = {"WORLD_SIZE": "1"}
