@@ -34,3 +34,24 @@ def test_pipelined_training_on_cuda_equals_unpipelined(check, row):
     tolerance = gpu_check.tolerance_of(row, "cuda")
     assert len(a) == len(b) == check.sizes.equality_iters
     assert all(abs(x - y) <= tolerance * abs(x) for x, y in zip(a, b)), (a, b, tolerance)
+
+
+@pytest.mark.cuda
+@pytest.mark.training
+def test_the_distributed_optimizer_on_cuda_equals_unpipelined(check):
+    """--use-distributed-optimizer at D=2, both replicas on the one GPU (gloo: the shards' all-gather and the
+    checkpoint's gather of device tensors), bf16 with Megatron-LM's optimizer defaults, against P=1 without it
+    (dropout off: the replicas' microbatches are not P=1's)."""
+    flags = [*check.sizes.equality_model, *gpu_check.equality_flags("mock-bf16-optim", check.corpus()),
+             "--hidden-dropout", "0.0", "--attention-dropout", "0.0"]
+    iters = check.sizes.equality_iters
+    reference = check.train("distributed-optimizer-p1", 1, 1, flags, iters)
+    sharded = check.train("distributed-optimizer-d2", 1, 1, [
+        *flags, "--data_parallel", "2", "--use-distributed-optimizer",
+        "--save", str(check.work / "distributed-optimizer-checkpoint"), "--save-interval", str(iters)], iters)
+    assert reference["rc"] == 0 and sharded["rc"] == 0, (reference["tail"], sharded["tail"])
+    a = [it["loss"] for it in reference["json"]["iterations"]]
+    b = [it["loss"] for it in sharded["json"]["iterations"]]
+    tolerance = gpu_check.tolerance_of("mock-bf16-optim", "cuda")
+    assert len(a) == len(b) == iters
+    assert all(abs(x - y) <= tolerance * abs(x) for x, y in zip(a, b)), (a, b, tolerance)
