@@ -41,6 +41,52 @@ def test_the_shards_cover_every_element_once_in_order():
     assert shard_pieces([3], 3, 4) == ([], 1)   # more replicas than elements: the last holds nothing
 
 
+def _step_worker(rank, world, port, out_dir):
+    """Three clipped AdamW steps of a small module by a DistributedOptimizer over D=2 whose all-gather windows (3
+    elements) cut through parameters, against torch's AdamW on the whole module in this process."""
+    import warnings
+    warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+
+    import megatron_app.train.distributed_optimizer as sharded
+    from megatron_app.train.init import init_model_parallel
+    from megatron_app.train.optim import AdamSettings, Fp32Optimizer
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    init_model_parallel(1, 1, 1, "cpu")
+    sharded._WINDOW = 3
+    try:
+        torch.manual_seed(0)
+        modules = [torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.LayerNorm(3), torch.nn.Linear(3, 2))
+                   for _ in range(2)]
+        modules[1].load_state_dict(modules[0].state_dict())
+        settings = AdamSettings(lr=0.05, weight_decay=0.1, clip_grad=0.5)
+        ours, theirs = sharded.DistributedOptimizer([modules[0]], settings, None), Fp32Optimizer([modules[1]], settings)
+        for step in range(3):
+            for module in modules:
+                for index, param in enumerate(module.parameters()):   # the same gradients on both replicas
+                    param.grad = torch.sin(torch.arange(param.numel(), dtype=torch.float32) + step + index
+                                           ).reshape(param.shape)
+            assert ours.step() and theirs.step()
+        worst = max((a - b).abs().max().item() for a, b in zip(modules[0].parameters(), modules[1].parameters()))
+        with open(os.path.join(out_dir, f"step_rank{rank}.json"), "w") as handle:
+            json.dump({"worst": worst, "held": ours.held_elements(), "numel": ours.numel,
+                       "norms": [ours.grad_norm, theirs.grad_norm]}, handle)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_sharded_step_is_adamws_step_with_the_windows_cutting_through_parameters(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_step_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    results = [json.load(open(tmp_path / f"step_rank{rank}.json")) for rank in range(2)]
+    assert [result["held"] for result in results] == [16, 16] and results[0]["numel"] == 32   # 18 + 6 + 8
+    for result in results:
+        assert result["worst"] <= 1e-7, result
+        assert result["norms"][0] == pytest.approx(result["norms"][1], rel=1e-6) and result["norms"][1] > 0.5
+
+
 def _worker(rank, world, port, out_dir, runs):
     import warnings
     warnings.filterwarnings("ignore")
@@ -98,7 +144,8 @@ def test_the_checkpoint_holds_the_optimizer_unsharded(runs):
     numel = sum(value.numel() for value in payload["model"][0].values() if torch.is_tensor(value)
                 and torch.is_floating_point(value))
     assert saved["numel"] <= numel and saved["step"] == STOP
-    for name in ("main_params", "exp_avg", "exp_avg_sq"):
+    assert "main_params" not in saved   # fp32: the model's own parameters are the main ones, saved with the model
+    for name in ("exp_avg", "exp_avg_sq"):
         assert saved[name].shape == (saved["numel"],) and saved[name].dtype == torch.float32
     half = saved["numel"] // 2   # both replicas' shards were gathered: each half has moments
     assert saved["exp_avg_sq"][:half].abs().sum() > 0 and saved["exp_avg_sq"][half:].abs().sum() > 0

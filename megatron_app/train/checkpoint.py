@@ -91,9 +91,12 @@ def save_checkpoint(save_dir: str, args, chunks: List[torch.nn.Module], optimize
     dist.all_gather_object(rng_states, capture_rng_state(args.device), group=dp_group)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    optimizer_state = optimizer.state_dict()   # every replica: the distributed optimizer gathers its shards
+    writer = parallel_state.get_data_parallel_rank() == 0
+    # Every replica when the optimizer gathers its shards; else only the writer (a state_dict may copy the state).
+    collective = getattr(optimizer, "state_dict_is_collective", False)
+    optimizer_state = optimizer.state_dict() if collective or writer else None
     error = None
-    if parallel_state.get_data_parallel_rank() == 0:
+    if writer:
         payload = {
             "iteration": iteration,
             "consumed_samples": consumed_samples,

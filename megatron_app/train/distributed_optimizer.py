@@ -3,7 +3,8 @@
 Each data-parallel rank keeps the fp32 main parameters and Adam's two moments of one contiguous 1/D of the model's
 parameters (all of a pipeline and tensor rank's trainable parameters flattened in one order, cut into D equal
 shards, as Megatron cuts its gradient buffer), steps only those, and the updated shards are all-gathered back into
-every replica's parameters. Under --bf16 that is 12 of the 18 bytes a parameter takes without it spread over D.
+every replica's parameters. Under --bf16 that is 12 of the 18 bytes a parameter takes without it spread over D; in fp32
+the parameters are their own main copies, and Adam's 8 of 16 bytes are spread.
 
 What differs from Megatron's (whose buffers are allocated on ``torch.cuda`` and need its DDP, optim.py says why we
 have neither): the gradients are all-reduced as without the option (finalize_model_grads), not reduce-scattered, so
@@ -12,14 +13,18 @@ arithmetic is the unsharded optimizer's, element for element (Adam is elementwis
 overflow check add up the shards' parts across the data-parallel group, then across the model-parallel group.
 
 A checkpoint holds the optimizer unsharded (data-parallel rank 0 gathers the shards and writes it), so a run can
-resume under another data-parallel size; every rank then takes its own shard of it.
+resume under another data-parallel size; every rank then takes its own shard of it. Neither the all-gather nor the
+checkpoint's gather holds more than a window of every shard at once beyond this rank's own shard.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
+
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -32,6 +37,9 @@ from megatron_app.runtime.layout import data_parallel_group
 
 from .optim import (AdamSettings, MixedPrecision, attach_main_grads, model_grad, param_groups, restore_grad_scaler,
                     trainable)
+
+
+_WINDOW = 1 << 24   # elements of each shard all-gathered at once (D x 32 MiB in bf16): the step's transient memory
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,8 @@ class DistributedOptimizer:
     """AdamW over this data-parallel rank's shard of fp32 main parameters (fp32 or mixed-precision models alike);
     the same interface as optim.Fp32Optimizer and MixedPrecisionOptimizer."""
 
+    state_dict_is_collective = True   # every replica calls state_dict (it gathers the shards)
+
     def __init__(self, chunks: List[torch.nn.Module], settings: AdamSettings, mixed: Optional[MixedPrecision]):
         self.model_params = trainable(chunks)
         dtypes = {param.dtype for param in self.model_params}
@@ -79,8 +89,9 @@ class DistributedOptimizer:
         self.pieces, self.shard_size = shard_pieces([param.numel() for param in self.model_params], self.dp_rank,
                                                     self.dp_size)
         # This rank's fp32 main parameters: its pieces of the model's parameters.
-        self.main_params = [self._flat(self.model_params[piece.index])[piece.start:piece.end].detach().float().clone()
-                            for piece in self.pieces]
+        # In fp32 a view of the parameter itself (the step updates it in place), else an fp32 copy.
+        self.main_params = [self._main_of(self.model_params[piece.index], piece) for piece in self.pieces]
+        self._starts = list(itertools.accumulate((param.numel() for param in self.model_params), initial=0))
         group_of = {}
         groups = param_groups(chunks, settings.weight_decay)
         for number, group in enumerate(groups):
@@ -106,6 +117,15 @@ class DistributedOptimizer:
     def _flat(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.view(-1)
 
+    def _main_of(self, param: torch.nn.Parameter, piece: Piece) -> torch.Tensor:
+        part = self._flat(param.data)[piece.start:piece.end]
+        return part if param.dtype == torch.float32 else part.float().clone()
+
+    def _bytes_per_element(self) -> int:
+        """What the optimizer keeps for one parameter: Adam's two fp32 moments, and an fp32 main copy of a
+        half-precision parameter."""
+        return 8 if self.model_params[0].dtype == torch.float32 else 12
+
     @property
     def param_groups(self):
         return self.optimizer.param_groups
@@ -116,7 +136,7 @@ class DistributedOptimizer:
 
     def describe(self) -> str:
         """One line for the start of the log: what this rank holds."""
-        mib = 12 / 2 ** 20   # fp32 main parameter, Adam's two moments
+        mib = self._bytes_per_element() / 2 ** 20
         return (f"distributed optimizer: this rank keeps the fp32 main parameters and Adam state of "
                 f"{self.held_elements():,} of its {self.numel:,} parameters ({self.held_elements() * mib:.1f} MiB instead of "
                 f"{self.numel * mib:.1f}; data-parallel size {self.dp_size})")
@@ -201,22 +221,31 @@ class DistributedOptimizer:
         return shard
 
     def _gather_parameters(self) -> None:
-        """Every replica's updated shards, in the model's precision, copied into the parameters (no flat copy of
-        the whole model beside the shards)."""
+        """Every replica's updated shard, in the model's precision, copied into the parameters a window of each shard
+        at a time."""
         shard = self._shard_of(self.main_params, self.model_params[0].dtype)
-        shards = [shard]
-        if self.dp_size > 1:
-            shards = [torch.empty_like(shard) for _ in range(self.dp_size)]
-            dist.all_gather(shards, shard, group=self.group)
-        offset = 0
-        for param in self.model_params:
-            flat, done = self._flat(param.data), 0
-            while done < param.numel():
-                index, within = divmod(offset + done, self.shard_size)
-                take = min(self.shard_size - within, param.numel() - done)
-                flat[done:done + take].copy_(shards[index][within:within + take])
-                done += take
-            offset += param.numel()
+        if self.dp_size == 1:
+            self._copy_into_parameters(0, shard[:self.numel])
+            return
+        for low in range(0, self.shard_size, _WINDOW):
+            window = shard[low:low + _WINDOW]
+            gathered = torch.empty(self.dp_size * len(window), dtype=window.dtype, device=window.device)
+            dist.all_gather(list(gathered.split(len(window))), window, group=self.group)
+            for replica, values in enumerate(gathered.split(len(window))):
+                start = replica * self.shard_size + low
+                self._copy_into_parameters(start, values[:max(0, min(len(values), self.numel - start))])
+
+    def _copy_into_parameters(self, start: int, values: torch.Tensor) -> None:
+        """values into the model's flattened parameters from element ``start`` on."""
+        done = 0
+        index = bisect.bisect_right(self._starts, start) - 1
+        while done < len(values):
+            param = self.model_params[index]
+            within = start + done - self._starts[index]
+            take = min(param.numel() - within, len(values) - done)
+            self._flat(param.data)[within:within + take].copy_(values[done:done + take])
+            done += take
+            index += 1
 
     def report(self) -> dict:
         """For the iteration line and the JSON log, as the unsharded optimizers report."""
@@ -230,23 +259,32 @@ class DistributedOptimizer:
     def _moments(self, name: str) -> List[torch.Tensor]:
         return [self.optimizer.state.get(main, {}).get(name, torch.zeros_like(main)) for main in self.main_params]
 
-    def _unsharded(self, pieces: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
-        """The whole flat tensor on data-parallel rank 0 (None elsewhere): a collective over the replicas."""
-        shard = self._shard_of(pieces, torch.float32)
-        if self.dp_size == 1:
-            return shard[:self.numel].cpu()
+    def _host_group(self):
+        """A gloo group over the replicas for the checkpoint's host tensors: the run's own on CPU, Megatron's gloo copy
+        of it under NCCL."""
         if dist.get_backend(self.group) == "gloo":
-            shard = shard.cpu()   # gloo gathers host tensors; NCCL device ones
-        shards = [torch.empty_like(shard) for _ in range(self.dp_size)] if self.dp_rank == 0 else None
-        dist.gather(shard, shards, dst=dist.get_global_rank(self.group, 0), group=self.group)
-        return torch.cat(shards)[:self.numel].cpu() if self.dp_rank == 0 else None
+            return self.group
+        return parallel_state.get_data_parallel_group_gloo(with_context_parallel=True)
+
+    def _unsharded(self, pieces: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The whole flat tensor on the host of data-parallel rank 0 (None elsewhere): a collective over the replicas,
+        gathered straight into its place in the result."""
+        shard = self._shard_of(pieces, torch.float32).cpu()
+        if self.dp_size == 1:
+            return shard[:self.numel]
+        group = self._host_group()
+        full = torch.empty(self.dp_size * self.shard_size) if self.dp_rank == 0 else None
+        dist.gather(shard, list(full.split(self.shard_size)) if full is not None else None,
+                    dst=dist.get_global_rank(group, 0), group=group)
+        return full[:self.numel] if full is not None else None
 
     def state_dict(self) -> Optional[dict]:
         """Collective over the data-parallel group; the state on its rank 0, None on the others."""
         steps = [float(self.optimizer.state.get(main, {}).get("step", 0.0)) for main in self.main_params]
-        unsharded = {name: self._unsharded(pieces) for name, pieces in
-                     (("main_params", self.main_params), ("exp_avg", self._moments("exp_avg")),
-                      ("exp_avg_sq", self._moments("exp_avg_sq")))}
+        kept = (("exp_avg", self._moments("exp_avg")), ("exp_avg_sq", self._moments("exp_avg_sq")))
+        if self.model_params[0].dtype != torch.float32:   # fp32 main parameters are the model's, saved with it
+            kept = (("main_params", self.main_params),) + kept
+        unsharded = {name: self._unsharded(pieces) for name, pieces in kept}
         if self.dp_rank != 0:
             return None
         state = {"distributed": {"numel": self.numel, "step": max(steps, default=0.0), **unsharded},
@@ -272,7 +310,8 @@ class DistributedOptimizer:
         with torch.no_grad():
             for piece, main in zip(self.pieces, self.main_params):
                 where = slice(low + piece.offset, low + piece.offset + piece.end - piece.start)
-                main.copy_(saved["main_params"][where])
+                if "main_params" in saved:
+                    main.copy_(saved["main_params"][where])
                 if saved["step"] > 0:
                     self.optimizer.state[main] = {
                         "step": torch.tensor(float(saved["step"])),
