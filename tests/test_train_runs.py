@@ -85,8 +85,9 @@ def test_reference_loss_falls_and_log_is_complete(reference):
     assert losses[0] == pytest.approx(torch.log(torch.tensor(256.0)).item(), abs=0.1)  # ~uniform at init
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3
     assert losses[-1] < losses[0]
+    assert len([line for line in stdout.splitlines() if "peak memory in iteration 1:" in line]) == 1
     for entry in payload["iterations"]:
-        assert entry["time_ms"] > 0
+        assert entry["time_ms"] > 0 and entry["peak_memory_mib"] > 0
         assert entry["tokens_per_s"] == pytest.approx(8 * 32 / (entry["time_ms"] / 1e3))
 
 

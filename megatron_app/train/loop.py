@@ -16,6 +16,7 @@ from megatron_app.lossy.training import start_loss_layer
 from megatron_app.runtime import enable_keyed_randomness, set_iteration
 from megatron_app.runtime import add_transport_wrapper, current_tracer, remove_transport_wrapper
 from megatron_app.runtime.peer_gone import peer_behind
+from megatron_app.devices import local_device
 from megatron_app.runtime.layout import data_parallel_rank
 from megatron_app.trace.runs import LATEST
 
@@ -39,6 +40,7 @@ from .step import forward_step
 from .stops import check_finite, ctrl_c_seen, interrupt_follows, interrupted, raise_once_on_ctrl_c
 from .gc_trace import CollectionTracer
 from .manual_gc import ManualCollector
+from .memory_report import IterationMemory
 from .profiling import StepProfiler
 from .trace_run import start_trace_run
 
@@ -224,6 +226,18 @@ def after_iteration(trainer: Trainer, iteration: int, collector: Optional[Manual
     return not stop
 
 
+def _memory_line(memory: IterationMemory, iteration: int, peak_mib: float) -> Optional[str]:
+    """The first iteration's peak, from one rank of each pipeline stage (tensor and data-parallel rank 0), as
+    Megatron-LM reports it."""
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized() or not parallel_state.model_parallel_is_initialized():
+        return memory.describe(iteration, peak_mib, 0, None)
+    if parallel_state.get_tensor_model_parallel_rank() != 0 or parallel_state.get_data_parallel_rank() != 0:
+        return None
+    return memory.describe(iteration, peak_mib, dist.get_rank(), parallel_state.get_pipeline_model_parallel_rank())
+
+
 def _say(line: Optional[str]) -> None:
     if line:
         print(line, flush=True)
@@ -273,20 +287,26 @@ def train(args) -> None:
         collector = ManualCollector.from_args(args)
         if collector is not None:
             collector.start()
+        memory = IterationMemory(local_device(args.device))
         for iteration in range(trainer.start_iteration + 1, args.iters + 1):
             if gc_events is not None:
                 gc_events.iteration = iteration
             if profiler is not None:    # before the iteration's clock: its line times the profiled work
                 _say(profiler.before(iteration))
+            memory.begin()
             start = time.perf_counter()
             loss = train_step(trainer, iteration)
             seconds = time.perf_counter() - start
+            peak_mib = memory.peak_mib()
+            if iteration == trainer.start_iteration + 1:
+                _say(_memory_line(memory, iteration, peak_mib))
             tokens = None if trainer.emulation is not None or not trainer.reporter.enabled else global_batch_tokens(
                 args, trainer.train_dataset, (iteration - 1) * args.global_batch_size)
             composed = trainer.emulation.composition_report(iteration - 1) if trainer.emulation is not None else \
                 None if trainer.last_plan is None else trainer.last_plan.report(trainer.dp_rank)
             trainer.reporter.record(iteration, loss, seconds, tokens, composed,
-                                    {"lr": trainer.last_lr, **trainer.optimizer.report()})
+                                    {"lr": trainer.last_lr, **trainer.optimizer.report(),
+                                     "peak_memory_mib": round(peak_mib, 1)})
             if loss_layer is not None:
                 loss_layer.end_iteration(iteration, current_tracer())
             if profiler is not None:
