@@ -245,3 +245,25 @@ def test_the_host_bound_column_reads_device_timed_tasks(tmp_path, capsys, two_it
     code, stdout, _ = run_tool(capsys, "--trace-dir", two_iterations, "--out-dir", tmp_path / "device")
     rows = {int(line.split()[0]): line for line in stdout.splitlines() if re.match(r"^\s+[01]\s+[01]\s", line)}
     assert code == 0 and "100.0%" in rows[0] and " 0.0%" in rows[1], stdout
+
+
+def test_the_peak_memory_column_and_counter_read_memory_events(tmp_path, capsys, two_iterations):
+    """Schema 1.8: each rank's `memory` event of the iteration gives its row's peak MiB and a counter in the Chrome
+    trace; a trace without them shows '-'."""
+    code, stdout, _ = run_tool(capsys, "--trace-dir", two_iterations, "--out-dir", tmp_path / "plain")
+    assert code == 0 and re.search(r"^\s+1\s+1\s.*\s-$", stdout, re.M), stdout
+    for path in sorted(Path(two_iterations).glob("trace_rank*.jsonl")):
+        lines = path.read_text().splitlines()
+        events = [json.loads(line) for line in lines[1:]]
+        rank, end = events[0]["rank"], max(event["end"] for event in events if event["iteration"] == 1)
+        memory = {"rank": rank, "pp_rank": events[0]["pp_rank"], "iteration": 1, "kind": "memory", "start": end,
+                  "end": end, "extra": {"peak_mib": 1000.0 + 234 * rank, "measure": "allocated"}}
+        path.write_text("\n".join([lines[0], *map(json.dumps, events + [memory])]) + "\n")
+    code, stdout, _ = run_tool(capsys, "--trace-dir", two_iterations, "--out-dir", tmp_path / "memory",
+                               "--iteration", "1")
+    rows = {int(line.split()[0]): line for line in stdout.splitlines() if re.match(r"^\s+[01]\s+[01]\s", line)}
+    assert code == 0 and rows[0].endswith(" 1000") and rows[1].endswith(" 1234"), stdout
+    chrome = json.loads(outputs(tmp_path / "memory", 2, 2)[0].read_text())
+    counters = [e for e in chrome["traceEvents"] if e["ph"] == "C"]
+    assert sorted(e["args"]["MiB"] for e in counters) == [1000.0, 1234.0]
+    assert {e["name"] for e in counters} == {"peak memory MiB (allocated)"}

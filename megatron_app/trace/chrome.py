@@ -8,7 +8,7 @@ Timestamps are microseconds from the first exported event.
 from __future__ import annotations
 
 from .reader import TraceRun
-from .schema import BACKWARD, CLOSED, FORWARD, RECV, SEND, WEIGHT
+from .schema import BACKWARD, CLOSED, FORWARD, MEMORY, RECV, SEND, WEIGHT
 
 _THREADS = ["compute", "recv", "wait", "optimizer", "iteration", "eval"]
 _THREAD_OF_KIND = {FORWARD: "compute", BACKWARD: "compute", WEIGHT: "compute"}
@@ -40,6 +40,10 @@ def chrome_trace(run: TraceRun, iterations: list[int]) -> dict:
             args.update(event.extra)
             name = _event_name(event)
             ts = event.start - origin
+            if event.kind == MEMORY:   # a counter track per rank (Perfetto draws it as a step graph)
+                out.append({"ph": "C", "name": f"peak memory MiB ({event.extra.get('measure', '?')})", "pid": pid,
+                            "ts": ts, "args": {"MiB": event.extra.get("peak_mib", 0.0)}})
+                continue
             if event.kind == SEND:
                 async_id += 1
                 common = {"cat": SEND, "name": name, "pid": pid, "tid": 0, "id": async_id}

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from .bounds import iteration_lower_bound
 from .intervals import interval_deltas, max_concurrency, union_length
 from .reader import RankTrace, TraceRun
-from .schema import BACKWARD, COMPUTE_KINDS, FORWARD, GC, ITERATION, OPTIMIZER, SEND, WAIT, WEIGHT
+from .schema import BACKWARD, COMPUTE_KINDS, FORWARD, GC, ITERATION, MEMORY, OPTIMIZER, SEND, WAIT, WEIGHT
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class RankMetrics:
     host_bound_us: float | None      # device-timed tasks whose time was the host's (host_bound_us()); None: host-timed
     gc_us: float | None              # Python's garbage collections in the iteration on this rank (schema 1.7);
     gc_longest_us: float | None      # the longest; None where the rank's file holds no gc event (not recorded)
+    peak_memory_mib: float | None    # the rank's peak memory in the iteration (schema 1.8 `memory`); None: not recorded
     optimizer_us: float
     max_sends_in_flight: int
     sent_bytes: int
@@ -122,6 +123,7 @@ def _rank_metrics(rank: RankTrace, events: list, makespan: float) -> RankMetrics
         host_bound_us=host_bound_us(events),
         gc_us=sum(e.duration for e in events if e.kind == GC) if records_gc else None,
         gc_longest_us=max((e.duration for e in events if e.kind == GC), default=0.0) if records_gc else None,
+        peak_memory_mib=max((e.extra.get("peak_mib", 0.0) for e in events if e.kind == MEMORY), default=None),
         optimizer_us=union_length(spans(OPTIMIZER)),
         max_sends_in_flight=max_concurrency(interval_deltas((e.start, e.end) for e in sends)),
         sent_bytes=sum(e.nbytes or 0 for e in sends),

@@ -80,7 +80,8 @@ def format_summary(run, metrics: list[IterationMetrics]) -> str:
     lines = [f"pipeline_parallel={run.pipeline_parallel} model_chunks={run.model_chunks} "
              f"policy={run.policy or '-'} source={run.source} ranks={len(run.ranks)}"]
     header = (f"{'rank':>5} {'pp':>3} {'tasks':>5} {'compute ms':>11} {'idle ms':>9} {'bubble':>7} "
-              f"{'wait ms':>9} {'gap us':>7} {'host-bound':>10} {'gc ms':>6} {'sends':>5} {'peak act':>8}")
+              f"{'wait ms':>9} {'gap us':>7} {'host-bound':>10} {'gc ms':>6} {'sends':>5} {'peak act':>8} "
+              f"{'peak MiB':>8}")
     for it in metrics:
         extra = f", iteration time {it.iteration_time_us / 1e3:.3f} ms" if it.iteration_time_us is not None else ""
         bound = "n/a" if it.lower_bound_us is None else f"{it.lower_bound_us / 1e3:.3f} ms"
@@ -94,7 +95,8 @@ def format_summary(run, metrics: list[IterationMetrics]) -> str:
                          f"{'-' if r.task_gap_us is None else f'{r.task_gap_us:.1f}':>7} "
                          f"{_share(r.host_bound_us, r.compute_us):>10} "
                          f"{'-' if r.gc_us is None else f'{r.gc_us / 1e3:.1f}':>6} "
-                         f"{r.max_sends_in_flight:>5} {r.peak_activations:>8}")
+                         f"{r.max_sends_in_flight:>5} {r.peak_activations:>8} "
+                         f"{'-' if r.peak_memory_mib is None else f'{r.peak_memory_mib:.0f}':>8}")
     return "\n".join(lines)
 
 

@@ -12,9 +12,9 @@ from typing import Any
 
 from megatron_app.schedule.tasks import Kind, TASK_KINDS
 
-SCHEMA_VERSION = "1.7"   # 1.4: iterations count from 1 (FIRST_ITERATION); 1.5: a device send spans its transfer;
+SCHEMA_VERSION = "1.8"   # 1.4: iterations count from 1 (FIRST_ITERATION); 1.5: a device send spans its transfer;
                          # 1.6: an iteration event may carry extra.task_gap_us; 1.7: a device-timed compute event
-                         # extra.host_us and extra.queued_us, and `gc` events
+                         # extra.host_us and extra.queued_us, and `gc` events; 1.8: `memory` events
 FORMAT_NAME = "megatron_app.trace"
 FILE_PATTERN = "trace_rank{rank}.jsonl"
 # Iterations count from 1 in every trace, real or simulated, as in the trainer's log ("iter 1/N"), its --log-json and
@@ -34,9 +34,12 @@ EVAL = "eval"
 LOSS = "loss"  # packet-loss statistics of one link and direction for one iteration (schema 1.1)
 CLOSED = "closed"  # the file's last line once its tracer closed it normally (schema 1.2): the rank finished
 GC = "gc"  # a collection of Python's cyclic garbage collector in the rank's process (schema 1.7)
+# A rank's peak memory in an iteration, at the iteration's end, no duration (schema 1.8): extra.peak_mib and
+# extra.measure, "allocated" (CUDA's caching allocator, within the iteration) or "resident" (the process, so far)
+MEMORY = "memory"
 
 COMPUTE_KINDS = frozenset(info.trace_name for info in TASK_KINDS.values())   # the schedule's task kinds
-KNOWN_KINDS = COMPUTE_KINDS | {SEND, RECV, WAIT, OPTIMIZER, ITERATION, EVAL, LOSS, CLOSED, GC}
+KNOWN_KINDS = COMPUTE_KINDS | {SEND, RECV, WAIT, OPTIMIZER, ITERATION, EVAL, LOSS, CLOSED, GC, MEMORY}
 SOURCES = frozenset({"runtime", "sim"})
 
 

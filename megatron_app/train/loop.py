@@ -226,6 +226,16 @@ def after_iteration(trainer: Trainer, iteration: int, collector: Optional[Manual
     return not stop
 
 
+def _trace_memory(iteration: int, peak_mib: float, measure: str) -> None:
+    """The iteration's peak into this rank's trace, at its end (the trace's `memory` event)."""
+    from megatron_app.trace.schema import MEMORY
+
+    tracer = current_tracer()
+    if tracer is not None and tracer.enabled:
+        now = tracer.now_us()
+        tracer.record(MEMORY, now, now, iteration=iteration, peak_mib=round(peak_mib, 1), measure=measure)
+
+
 def _memory_line(memory: IterationMemory, iteration: int, peak_mib: float) -> Optional[str]:
     """The first iteration's peak, from one rank of each pipeline stage (tensor and data-parallel rank 0), as
     Megatron-LM reports it."""
@@ -298,6 +308,7 @@ def train(args) -> None:
             loss = train_step(trainer, iteration)
             seconds = time.perf_counter() - start
             peak_mib = memory.peak_mib()
+            _trace_memory(iteration, peak_mib, memory.measure)
             if iteration == trainer.start_iteration + 1:
                 _say(_memory_line(memory, iteration, peak_mib))
             tokens = None if trainer.emulation is not None or not trainer.reporter.enabled else global_batch_tokens(

@@ -19,6 +19,11 @@ class IterationMemory:
         self.device = device
         self.cuda = device.type == "cuda"
 
+    @property
+    def measure(self) -> str:
+        """What the peak counts (the trace's memory events say it)."""
+        return "allocated" if self.cuda else "resident"
+
     def begin(self) -> None:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
