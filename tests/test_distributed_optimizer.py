@@ -43,7 +43,8 @@ def test_the_shards_cover_every_element_once_in_order():
 
 def _step_worker(rank, world, port, out_dir):
     """Three clipped AdamW steps of a small module by a DistributedOptimizer over D=2 whose all-gather windows (3
-    elements) cut through parameters, against torch's AdamW on the whole module in this process."""
+    elements) cut through parameters and whose last shard is padded, against torch's AdamW on the whole module in
+    this process."""
     import warnings
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
@@ -57,8 +58,8 @@ def _step_worker(rank, world, port, out_dir):
     sharded._WINDOW = 3
     try:
         torch.manual_seed(0)
-        modules = [torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.LayerNorm(3), torch.nn.Linear(3, 2))
-                   for _ in range(2)]
+        modules = [torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.LayerNorm(3),
+                                       torch.nn.Linear(3, 1, bias=False)) for _ in range(2)]
         modules[1].load_state_dict(modules[0].state_dict())
         settings = AdamSettings(lr=0.05, weight_decay=0.1, clip_grad=0.5)
         ours, theirs = sharded.DistributedOptimizer([modules[0]], settings, None), Fp32Optimizer([modules[1]], settings)
@@ -81,7 +82,8 @@ def test_the_sharded_step_is_adamws_step_with_the_windows_cutting_through_parame
 
     mp.start_processes(_step_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
     results = [json.load(open(tmp_path / f"step_rank{rank}.json")) for rank in range(2)]
-    assert [result["held"] for result in results] == [16, 16] and results[0]["numel"] == 32   # 18 + 6 + 8
+    # 18 + 6 + 3 = 27 elements: shards of 14, the second padded by one
+    assert [result["held"] for result in results] == [14, 13] and results[0]["numel"] == 27
     for result in results:
         assert result["worst"] <= 1e-7, result
         assert result["norms"][0] == pytest.approx(result["norms"][1], rel=1e-6) and result["norms"][1] > 0.5

@@ -40,7 +40,7 @@ def chrome_trace(run: TraceRun, iterations: list[int]) -> dict:
             args.update(event.extra)
             name = _event_name(event)
             ts = event.start - origin
-            if event.kind == MEMORY:   # a counter track per rank (Perfetto draws it as a step graph)
+            if event.kind == MEMORY:   # a counter per rank from the iteration's start (Perfetto holds each value)
                 out.append({"ph": "C", "name": f"peak memory MiB ({event.extra.get('measure', '?')})", "pid": pid,
                             "ts": ts, "args": {"MiB": event.extra.get("peak_mib", 0.0)}})
                 continue

@@ -34,8 +34,9 @@ EVAL = "eval"
 LOSS = "loss"  # packet-loss statistics of one link and direction for one iteration (schema 1.1)
 CLOSED = "closed"  # the file's last line once its tracer closed it normally (schema 1.2): the rank finished
 GC = "gc"  # a collection of Python's cyclic garbage collector in the rank's process (schema 1.7)
-# A rank's peak memory in an iteration, at the iteration's end, no duration (schema 1.8): extra.peak_mib and
-# extra.measure, "allocated" (CUDA's caching allocator, within the iteration) or "resident" (the process, so far)
+# A rank's peak memory over an iteration, spanning what was measured (its start to after the optimizer step; schema
+# 1.8): extra.peak_mib and extra.measure, "allocated" (CUDA's caching allocator, within the span) or "resident" (the
+# process's peak so far)
 MEMORY = "memory"
 
 COMPUTE_KINDS = frozenset(info.trace_name for info in TASK_KINDS.values())   # the schedule's task kinds

@@ -13,8 +13,9 @@ arithmetic is the unsharded optimizer's, element for element (Adam is elementwis
 overflow check add up the shards' parts across the data-parallel group, then across the model-parallel group.
 
 A checkpoint holds the optimizer unsharded (data-parallel rank 0 gathers the shards and writes it), so a run can
-resume under another data-parallel size; every rank then takes its own shard of it. Neither the all-gather nor the
-checkpoint's gather holds more than a window of every shard at once beyond this rank's own shard.
+resume under another data-parallel size; every rank then takes its own shard of it. The step's all-gather holds a
+window of every shard at a time beside this rank's own shard; the checkpoint's gather puts each whole unsharded
+tensor in data-parallel rank 0's host memory (what it writes).
 """
 
 from __future__ import annotations

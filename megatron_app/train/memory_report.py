@@ -26,6 +26,7 @@ class IterationMemory:
 
     def begin(self) -> None:
         if self.cuda:
+            torch.cuda.init()   # idempotent; resetting an allocator no tensor has touched yet would raise
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def peak_mib(self) -> float:
