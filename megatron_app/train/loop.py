@@ -226,20 +226,15 @@ def after_iteration(trainer: Trainer, iteration: int, collector: Optional[Manual
     return not stop
 
 
-def _tracer_now() -> Optional[float]:
-    tracer = current_tracer()
-    return tracer.now_us() if tracer is not None and tracer.enabled else None
-
-
-def _trace_memory(iteration: int, from_us: Optional[float], peak_mib: float, measure: str) -> None:
+def _trace_memory(iteration: int, from_ns: int, peak_mib: float, measure: str) -> None:
     """The iteration's peak into this rank's trace: a `memory` event over what it measured (the iteration's start
     to after its optimizer step)."""
     from megatron_app.trace.schema import MEMORY
 
     tracer = current_tracer()
-    if tracer is not None and tracer.enabled and from_us is not None:
-        tracer.record(MEMORY, from_us, tracer.now_us(), iteration=iteration, peak_mib=round(peak_mib, 1),
-                      measure=measure)
+    if tracer is not None and tracer.enabled:
+        tracer.record(MEMORY, tracer.us_of(from_ns), tracer.us_of(time.monotonic_ns()), iteration=iteration,
+                      peak_mib=round(peak_mib, 1), measure=measure)
 
 
 def _memory_line(memory: IterationMemory, iteration: int, peak_mib: float) -> Optional[str]:
@@ -310,12 +305,12 @@ def train(args) -> None:
             if profiler is not None:    # before the iteration's clock: its line times the profiled work
                 _say(profiler.before(iteration))
             memory.begin()
-            memory_from_us = _tracer_now()
+            memory_from_ns = time.monotonic_ns()   # the tracer may not exist yet: the first call makes it
             start = time.perf_counter()
             loss = train_step(trainer, iteration)
             seconds = time.perf_counter() - start
             peak_mib = memory.peak_mib()
-            _trace_memory(iteration, memory_from_us, peak_mib, memory.measure)
+            _trace_memory(iteration, memory_from_ns, peak_mib, memory.measure)
             if iteration == trainer.start_iteration + 1:
                 _say(_memory_line(memory, iteration, peak_mib))
             tokens = None if trainer.emulation is not None or not trainer.reporter.enabled else global_batch_tokens(
