@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
 
+from helpers.fork_ranks import free_port
 from megatron_app.train.distributed_optimizer import shard_pieces
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*not installed")
@@ -80,7 +80,7 @@ def _step_worker(rank, world, port, out_dir):
 def test_the_sharded_step_is_adamws_step_with_the_windows_cutting_through_parameters(tmp_path):
     import torch.multiprocessing as mp
 
-    mp.start_processes(_step_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    mp.start_processes(_step_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
     results = [json.load(open(tmp_path / f"step_rank{rank}.json")) for rank in range(2)]
     # 18 + 6 + 3 = 27 elements: shards of 14, the second padded by one
     assert [result["held"] for result in results] == [14, 13] and results[0]["numel"] == 27
@@ -110,12 +110,6 @@ def _worker(rank, world, port, out_dir, runs):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     import torch.multiprocessing as mp
@@ -124,9 +118,9 @@ def runs(tmp_path_factory):
     two = [("full", "--save", "@full", "--save-interval", STOP),
            ("stopped", "--save", "@stopped", "--exit-interval", STOP),
            ("resumed", "--load", "@stopped")]
-    mp.start_processes(_worker, args=(2, _free_port(), out_dir, two), nprocs=2, start_method="spawn")
+    mp.start_processes(_worker, args=(2, free_port(), out_dir, two), nprocs=2, start_method="spawn")
     one = [("resumed_d1", "--load", "@stopped")]
-    mp.start_processes(_worker, args=(1, _free_port(), out_dir, one), nprocs=1, start_method="spawn")
+    mp.start_processes(_worker, args=(1, free_port(), out_dir, one), nprocs=1, start_method="spawn")
     logs = {name: json.load(open(os.path.join(out_dir, f"{name}.json")))
             for name in ("full", "stopped", "resumed", "resumed_d1")}
     return out_dir, logs

@@ -37,7 +37,7 @@ from megatron.core.transformer.module import param_is_not_shared
 from megatron_app.runtime.layout import data_parallel_group
 
 from .optim import (AdamSettings, MixedPrecision, attach_main_grads, model_grad, param_groups, restore_grad_scaler,
-                    trainable)
+                    skipped_for_overflow, trainable)
 
 
 _WINDOW = 1 << 24   # elements of each shard all-gathered at once (D x 32 MiB in bf16): the step's transient memory
@@ -165,15 +165,8 @@ class DistributedOptimizer:
         if self.mixed is not None:
             for param in self.model_params:
                 param.grad = None
-        self.last_step_skipped = False
-        self.grad_norm = None
-        if self.grad_scaler is not None:
-            found_inf = self._unscale_and_check()
-            self.grad_scaler.update(found_inf)
-            if found_inf:
-                self.skipped_iterations += 1
-                self.last_step_skipped = True
-                return False
+        if skipped_for_overflow(self):
+            return False
         if self.max_norm > 0.0:
             self.grad_norm = self._clip()
         self.optimizer.step()

@@ -213,6 +213,22 @@ def attach_main_grads(params: List[torch.nn.Parameter], mixed: "MixedPrecision")
     return hooks
 
 
+def skipped_for_overflow(optimizer) -> bool:
+    """Megatron's loss-scale rule at a step of an optimizer with a grad_scaler (None: no loss scale) and an
+    _unscale_and_check: unscale and check its gradients, update the scale, count an overflowing iteration as skipped.
+    Returns whether this step is skipped. Also clears the step's report (its norm, whether it was skipped)."""
+    optimizer.last_step_skipped = False
+    optimizer.grad_norm = None
+    if optimizer.grad_scaler is None:
+        return False
+    found_inf = optimizer._unscale_and_check()
+    optimizer.grad_scaler.update(found_inf)
+    if found_inf:
+        optimizer.skipped_iterations += 1
+        optimizer.last_step_skipped = True
+    return found_inf
+
+
 def restore_grad_scaler(grad_scaler, saved: dict) -> None:
     """Megatron's grad scaler from a saved state (its own load_state_dict moves the scale with .cuda(): not on
     CPU)."""
@@ -266,15 +282,8 @@ class MixedPrecisionOptimizer:
         for param, main in zip(self.model_params, self.main_params):
             main.grad = param.main_grad.float()
             param.grad = None
-        self.last_step_skipped = False
-        self.grad_norm = None
-        if self.grad_scaler is not None:
-            found_inf = self._unscale_and_check()
-            self.grad_scaler.update(found_inf)
-            if found_inf:
-                self.skipped_iterations += 1
-                self.last_step_skipped = True
-                return False
+        if skipped_for_overflow(self):
+            return False
         if self.clip is not None:
             self.grad_norm = self.clip([main.grad for main in self.main_params])
         self.optimizer.step()
