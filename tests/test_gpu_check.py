@@ -72,6 +72,9 @@ def test_the_rehearsal_runs_every_step_and_writes_both_reports(rehearsal):
     # Python's garbage collections in each rank's trace: counted where any ran (a few a call even at this size)
     assert all(set(pauses) == {"collections", "total_ms", "longest_ms", "inside_tasks"} and pauses["collections"] > 0
                for row in rows.values() for pauses in row["gc"].values()), rows
+    # each rank's peak memory over the scored iterations (the trace's memory events: the process's resident peak here)
+    assert all(set(row["peak_memory_mib"]) == ({"pp0"} if name == "p1" else {"pp0", "pp1"}) and
+               all(peak > 10 for peak in row["peak_memory_mib"].values()) for name, row in rows.items()), rows
     # a rank's one scored iteration here may hold no collection; over both rows some do, on the rows' own ranks
     assert any(row["gc"] for row in rows.values()) and all(
         set(row["gc"]) <= ({"pp0"} if name == "p1" else {"pp0", "pp1"}) for name, row in rows.items()), rows

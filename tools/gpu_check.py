@@ -749,7 +749,7 @@ class Check:
             rows[name] = {"status": "pass" if ok else "fail", "target": target,
                           "median_abs_error": median, "errors": errors, "span_coverage": coverage,
                           "task_gap_us": task_gaps(trace, skip=2), "host_bound_share": host_bound_shares(trace, skip=2),
-                          "gc": gc_pauses(trace, skip=2),
+                          "gc": gc_pauses(trace, skip=2), "peak_memory_mib": peak_memory(trace, skip=2),
                           "replay": replayed_errors(trace)}
             if name in PROFILED_ROWS:
                 rows[name]["profile"] = profile_summary(run["trace_dir"] / "latest" / "profile", self.work)
@@ -1023,6 +1023,20 @@ def gc_pauses(run, skip: int) -> Dict[str, dict]:
     return result
 
 
+def peak_memory(run, skip: int) -> Dict[str, float]:
+    """Per pipeline rank: its largest peak memory (MiB) of the iterations from `skip` (the trace's `memory` events: on
+    CUDA the allocator's most allocated in an iteration); empty for a trace without them."""
+    from megatron_app.trace.schema import MEMORY
+
+    result = {}
+    for rank in run.pipeline_view():
+        peaks = [e.extra["peak_mib"] for iteration in run.iterations()[skip:] for e in rank.events_of(iteration)
+                 if e.kind == MEMORY and "peak_mib" in e.extra]
+        if peaks:
+            result[f"pp{rank.meta.pp_rank}"] = max(peaks)
+    return result
+
+
 def host_bound_shares(run, skip: int) -> Dict[str, float]:
     """Per pipeline rank: median over iterations of the share of its compute time in tasks whose time was the
     host's (trace.metrics.host_bound_us: the device's end came within 10% of the span after the host's); empty for a
@@ -1127,7 +1141,7 @@ def write_text_report(report: dict) -> str:
         for row, entry in step.get("rows", {}).items():
             summary = {k: entry[k] for k in ("max_relative_difference", "tolerance", "median_abs_error", "target",
                                              "span_coverage", "task_gap_us", "host_bound_share", "gc", "replay",
-                                             "profile", "send_share",
+                                             "peak_memory_mib", "profile", "send_share",
                                              "send_share_target",
                                              "balanced_over_packed", "balanced_over_dp_balanced", "transport",
                                              "error")
