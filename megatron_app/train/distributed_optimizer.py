@@ -37,7 +37,7 @@ from megatron.core.transformer.module import param_is_not_shared
 from megatron_app.runtime.layout import data_parallel_group
 
 from .optim import (AdamSettings, MixedPrecision, attach_main_grads, model_grad, param_groups, restore_grad_scaler,
-                    skipped_for_overflow, trainable)
+                    saved_grad_scaler, skipped_for_overflow, trainable)
 
 
 _WINDOW = 1 << 24   # elements of each shard all-gathered at once (D x 32 MiB in bf16): the step's transient memory
@@ -286,8 +286,7 @@ class DistributedOptimizer:
                                   for group in self.optimizer.param_groups],
                  "skipped_iterations": self.skipped_iterations}
         if self.grad_scaler is not None:
-            state["grad_scaler"] = {key: value.detach().clone() if torch.is_tensor(value) else value
-                                    for key, value in self.grad_scaler.state_dict().items()}
+            state["grad_scaler"] = saved_grad_scaler(self.grad_scaler)
         return state
 
     def load_state_dict(self, state: dict) -> None:

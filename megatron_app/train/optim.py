@@ -229,6 +229,12 @@ def skipped_for_overflow(optimizer) -> bool:
     return found_inf
 
 
+def saved_grad_scaler(grad_scaler) -> dict:
+    """Megatron's grad scaler's state, its tensors copied (what restore_grad_scaler takes back)."""
+    return {key: value.detach().clone() if torch.is_tensor(value) else value
+            for key, value in grad_scaler.state_dict().items()}
+
+
 def restore_grad_scaler(grad_scaler, saved: dict) -> None:
     """Megatron's grad scaler from a saved state (its own load_state_dict moves the scale with .cuda(): not on
     CPU)."""
@@ -310,8 +316,7 @@ class MixedPrecisionOptimizer:
                  "fp32_from_fp16_params": [main.detach().clone() for main in self.main_params],
                  "skipped_iterations": self.skipped_iterations}
         if self.grad_scaler is not None:
-            state["grad_scaler"] = {key: value.detach().clone() if torch.is_tensor(value) else value
-                                    for key, value in self.grad_scaler.state_dict().items()}
+            state["grad_scaler"] = saved_grad_scaler(self.grad_scaler)
         return state
 
     def load_state_dict(self, state: dict) -> None:
