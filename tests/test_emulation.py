@@ -92,9 +92,10 @@ def _config():
 
 def test_emulated_chunk_through_megatrons_step_functions_takes_the_drawn_times():
     """Megatron's forward_step / backward_step (what forward_backward_app calls) on a one-chunk pipeline."""
-    from megatron.core.pipeline_parallel.schedules import backward_step, forward_step
+    from megatron.core.pipeline_parallel.schedules import forward_step
 
     from megatron_app.emulation import compute as emulation
+    from megatron_app.megatron_compat import backward_step   # 0.16's signature or 0.17+'s
     from megatron_app.train.emulation import ComputeEmulation
 
     shape = PipelineShape(1, 1, 2)
