@@ -37,3 +37,19 @@ def real_corpus(tmp_path_factory):
     from real_corpus import build_real_corpus
 
     return build_real_corpus(tmp_path_factory.mktemp("real_corpus"))
+
+
+@pytest.fixture
+def megatron_single_rank(tmp_path):
+    """One gloo rank with Megatron's model-parallel state (every size 1), seeded as the trainer seeds."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_app.train.init import seed_all
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    seed_all(0, "cpu")
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()

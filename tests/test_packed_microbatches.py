@@ -56,21 +56,6 @@ def test_packed_core_attention_keeps_attention_inside_each_document(qkv_format):
     assert not torch.allclose(attention(q, k, v, None)[7:], alone[7:], atol=1e-3)   # the documents do interact
 
 
-@pytest.fixture
-def megatron_single_rank(tmp_path):
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from megatron_app.train.init import seed_all
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    seed_all(0, "cpu")
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-
-
 def _loss_and_grads(model, forward_step_func, batch):
     from megatron_app.train.cpu_compat import CudaDeviceToCpu
 

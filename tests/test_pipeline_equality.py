@@ -248,6 +248,25 @@ def test_composed_microbatches_match_unpipelined_training(request, tmp_path, rea
                 assert any(plan["cross_replica"] for plan in plans), plans
 
 
+# Activation recomputation (Megatron-LM's --recompute-* flags): a layer, or its core attention, rerun in the backward
+# pass redraws its forward's dropout (runtime/recompute_randomness.py), so the gradients are those without it. Packed
+# and `balanced` microbatches key the masks by document, so a rerun must also know its layer and documents.
+RECOMPUTE_ROWS = {"full": "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+                  "selective": "--recompute-activations"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recompute", RECOMPUTE_ROWS)
+def test_recomputed_activations_match_unpipelined_training_without_recomputation(tmp_path, real_corpus,
+                                                                                 varlen_dropout_reference, recompute):
+    compositions = ["packed", "balanced"]
+    out = _run(tmp_path, 2, 2, 1, ["app:planned"], "--compositions", ",".join(compositions), "--dropout", DROPOUT,
+               extra=f"{_varlen_flags(real_corpus)} {RECOMPUTE_ROWS[recompute]}")
+    for composition in compositions:
+        _assert_same(f"recompute {recompute} {composition}", _losses_and_grads(out, f"app-planned_{composition}"),
+                     varlen_dropout_reference)
+
+
 # A Llama-shaped model (Megatron-LM's flags): RMSNorm, SwiGLU (its fc1 split with stride 2 across tensor-parallel
 # ranks), no biases, grouped-query attention and rotary embeddings. The reference pads each document into its own row
 # (positions from 0); packed and `balanced` rows hold several documents, so they equal it only if the rotary

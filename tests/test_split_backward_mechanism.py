@@ -114,21 +114,6 @@ def test_without_an_input_b_is_the_whole_backward_and_w_is_empty(monkeypatch):
     run_weight_backward(None)
 
 
-@pytest.fixture
-def megatron_single_rank(tmp_path):
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from megatron_app.train.init import seed_all
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    seed_all(0, "cpu")
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-
-
 def test_a_gpt_chunk_defers_every_linear_layer_with_identical_gradients(megatron_single_rank):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig

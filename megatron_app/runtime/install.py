@@ -15,7 +15,7 @@ from typing import Optional
 
 from .exit_grace import let_collective_threads_finish_at_exit
 from .settings import AppSettings
-from . import linear_wgrad
+from . import linear_wgrad, recompute_randomness
 from .job import current_job
 
 def install(settings: Optional[AppSettings] = None, *, tracing: bool = True,
@@ -46,6 +46,7 @@ def install(settings: Optional[AppSettings] = None, *, tracing: bool = True,
         settings = dataclasses.replace(settings, trace_dir=None)
     settings.validate()
     let_collective_threads_finish_at_exit()   # a user's loop that exits right after a gloo collective must not abort
+    recompute_randomness.install()   # Megatron's recomputation on CPU, and keyed dropout redrawn equal in it
     job = current_job()
     job.use_settings(settings)
     if job.installation.schedule_functions is None:

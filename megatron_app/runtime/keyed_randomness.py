@@ -4,9 +4,10 @@ Megatron's dropout draws from one random stream per rank in execution order, so 
 in another order (or another P, V) gives other masks, and other losses. Here every transformer layer (and the
 embedding, as layer 0) reseeds the default generator, and Megatron's model-parallel stream, from its key just
 before it runs. The same key gives the same masks on any rank, in any order, and again when activation
-recomputation reruns the layer during backward: the executor names the microbatch of every task it runs, forward
-and backward; outside the executor (Megatron's own schedules) the microbatch Megatron's forward_step sets on the
-layers (``current_microbatch``) is used.
+recomputation reruns a layer, or its core attention, in the backward pass (recompute_randomness.py restores the
+microbatch and layer its forward ran). The executor names the microbatch of every task it runs, forward and
+backward; outside the executor (Megatron's own schedules) the microbatch Megatron's forward_step sets on the layers
+(``current_microbatch``) is used.
 
 Each layer borrows the generators: their state before the layer is put back after it, so code that draws
 between layers or after the forward (data sampling, Megatron's own streams) sees the stream it would see without
@@ -48,6 +49,9 @@ class KeyedRandomness:
         self._borrowed: List = []  # generator states saved by reseed(), restored by give_back()
         self.microbatch_documents: Optional[Tuple[Tuple[DocumentSegment, ...], ...]] = None   # of the next call
         self.current: Optional[Tuple[int, int]] = None   # (microbatch, layer) of the layer running now
+        # the microbatch of the transformer block running now: set when a block starts, and by a recomputation to
+        # the one its forward ran (recompute_randomness.py)
+        self.block_microbatch: Optional[int] = None
 
     def key(self, microbatch: int, layer: int, stream: str) -> int:
         text = f"{self.seed}:{self.iteration}:{microbatch}:{layer}:{stream}".encode()
@@ -88,6 +92,13 @@ class KeyedRandomness:
             torch.cuda.set_rng_state(cuda_state)
         tracker.set_states(tracker_states)
 
+    def recompute_context(self) -> Tuple[Optional[int], Optional[Tuple[int, int]]]:
+        """What keys the randomness of a part that runs now, for its recomputation in the backward pass."""
+        return self.block_microbatch, self.current
+
+    def restore_recompute_context(self, context: Tuple[Optional[int], Optional[Tuple[int, int]]]) -> None:
+        self.block_microbatch, self.current = context
+
     @contextlib.contextmanager
     def microbatch_scope(self, microbatch: int):
         """The executor runs every task (forward, and backward with its recomputation) inside this."""
@@ -127,31 +138,49 @@ class KeyedRandomness:
 
 
 def _chunk_layers(chunk: torch.nn.Module):
-    """(embedding or None, transformer layers) of one model chunk, unwrapping DDP / Float16 wrappers."""
+    """(embedding or None, transformer block, its layers) of one model chunk, unwrapping DDP / Float16 wrappers."""
     from megatron.core.utils import get_attr_wrapped_model
 
     model = get_attr_wrapped_model(chunk, "decoder", return_model_obj=True)
     embedding = getattr(model, "embedding", None) if getattr(model, "pre_process", False) else None
-    return embedding, list(model.decoder.layers)
+    return embedding, model.decoder, list(model.decoder.layers)
 
 
 def enable_keyed_randomness(model_chunks, seed: int) -> KeyedRandomness:
     """Key every layer's randomness of these chunks by (seed, iteration, microbatch, layer), for the current job;
     replaces an earlier call's hooks."""
+    from . import recompute_randomness
+
+    recompute_randomness.install()   # a recomputed layer redraws its forward's masks
     disable_keyed_randomness()
     state = KeyedRandomness(seed)
     chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     for chunk in chunks:
-        embedding, layers = _chunk_layers(chunk)
+        embedding, block, layers = _chunk_layers(chunk)
 
-        def megatron_microbatch(layers=layers):
+        def running_microbatch(layers=layers):
+            if state.block_microbatch is not None:
+                return state.block_microbatch
+            if state.microbatch is not None:
+                return state.microbatch
             return layers[0].current_microbatch if layers and hasattr(layers[0], "current_microbatch") else None
 
         def hook_for(layer_number: int):
             def reseed(module, args):
-                microbatch = state.microbatch if state.microbatch is not None else megatron_microbatch()
-                state.reseed(microbatch, layer_number)
+                state.reseed(running_microbatch(), layer_number)
             return reseed
+
+        outer_blocks: List[Optional[int]] = []
+
+        def block_starts(module, args, running_microbatch=running_microbatch, outer_blocks=outer_blocks):
+            outer_blocks.append(state.block_microbatch)
+            state.block_microbatch = running_microbatch()
+
+        def block_ends(module, args, output, outer_blocks=outer_blocks):
+            state.block_microbatch = outer_blocks.pop() if outer_blocks else None
+
+        state._handles.append(block.register_forward_pre_hook(block_starts))
+        state._handles.append(block.register_forward_hook(block_ends, always_call=True))
 
         def give_back(module, args, output):
             state.give_back()

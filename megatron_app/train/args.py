@@ -154,6 +154,50 @@ def _check_architecture(args: argparse.Namespace) -> None:
                          f"and {args.rotary_base}")
 
 
+def _check_recompute(args: argparse.Namespace) -> None:
+    """Megatron-LM's activation recomputation flags: --recompute-activations means selective; full needs a method and
+    a layer count, selective takes modules; a flag nothing would read is refused (Megatron-LM ignores some silently,
+    and lets --recompute-activations override --recompute-granularity full)."""
+    if args.recompute_activations:
+        if args.recompute_granularity == "full":
+            raise UsageError("--recompute-activations means --recompute-granularity selective (Megatron-LM's rule) and "
+                             "would override --recompute-granularity full: give one of them")
+        args.recompute_granularity = "selective"
+    granularity = args.recompute_granularity
+    if granularity is not None and getattr(args, "emulate_compute", False):
+        raise UsageError("--recompute-granularity recomputes the model's activations; --emulate-compute runs no "
+                         "model: drop one")
+    if granularity != "full":
+        for dest in ("recompute_method", "recompute_num_layers"):
+            if getattr(args, dest) is not None:
+                raise UsageError(f"{_flag(dest)} takes effect with --recompute-granularity full (Megatron-LM "
+                                 f"ignores it otherwise): give both")
+    if granularity != "selective" and args.recompute_modules is not None:
+        raise UsageError("--recompute-modules takes effect with --recompute-granularity selective or "
+                         "--recompute-activations: give one of them")
+    if granularity == "full":
+        layers_per_stage = args.num_layers // args.pipeline_parallel
+        if args.recompute_method is None or args.recompute_num_layers is None:
+            raise UsageError("--recompute-granularity full needs --recompute-method uniform|block and "
+                             "--recompute-num-layers N (Megatron-Core's rule)")
+        if not 1 <= args.recompute_num_layers <= layers_per_stage:
+            raise UsageError(f"--recompute-num-layers must be between 1 and the layers of a pipeline stage "
+                             f"({layers_per_stage}), got {args.recompute_num_layers}")
+        layers_per_chunk = layers_per_stage // args.model_chunks
+        if args.recompute_method == "uniform" and layers_per_chunk % args.recompute_num_layers:
+            raise UsageError(f"--recompute-method uniform: --recompute-num-layers {args.recompute_num_layers} must "
+                             f"divide the {layers_per_chunk} layers of a model chunk (Megatron-Core recomputes them "
+                             "in groups of that many)")
+    if granularity == "selective":
+        args.recompute_modules = list(dict.fromkeys(args.recompute_modules or ["core_attn"]))
+        if "layernorm" in args.recompute_modules:
+            raise UsageError("--recompute-modules layernorm: Megatron-Core recomputes norms with Transformer Engine's "
+                             "FP8 state, which --transformer-impl local lacks: recompute core_attn or mlp")
+        if "mlp" in args.recompute_modules and not args.disable_bias_linear:
+            raise UsageError("--recompute-modules mlp needs --disable-bias-linear: Megatron-Core's recomputed MLP "
+                             "hands back its output bias, which recurses without end in the backward pass")
+
+
 def _read_synthetic_microbatches(args: argparse.Namespace) -> None:
     """--synthetic-microbatches FILE -> args.synthetic_plan (a SyntheticPlan; None without the flag): the file
     readable and consistent, its documents the global batch, packed and variable-length, no other data."""
@@ -422,6 +466,7 @@ def validate(args: argparse.Namespace, environ: Mapping[str, str]) -> argparse.N
     _resolve_vocab_size(args)
     _check_model_split(args)
     _check_architecture(args)
+    _check_recompute(args)
     _check_synthetic_layout(args)
     _derive_microbatches(args)
     args.device = _resolve_device(args.device, check_only=args.check_config)

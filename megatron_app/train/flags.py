@@ -28,6 +28,9 @@ DEFAULT_TRACE_DIR = "traces/"
 DEFAULT_PROFILE_STEPS = (10, 12)   # Megatron-LM's --profile-step-start / --profile-step-end
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")   # Megatron's choices for a dense GPT (no MoE, no MLA)
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")   # Megatron-LM's
 LR_WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 WEIGHT_DECAY_INCR_STYLES = ("constant", "linear", "cosine")
@@ -199,6 +202,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(train, "--distributed-timeout-minutes", type=int, default=10,
               help="how long a collective (e.g. the data-parallel all-reduce) waits for a rank that died on another "
                    "host before it fails (default: %(default)s, as Megatron-LM's)")
+
+    recompute = parser.add_argument_group("activation recomputation (Megatron-LM's flags; megatron_app/runtime/"
+                                          "recompute_randomness.py)")
+    _add_flag(recompute, "--recompute-activations", action="store_true",
+              help="Megatron-LM's short form of --recompute-granularity selective")
+    _add_flag(recompute, "--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
+              help="keep fewer activations and recompute them in the backward pass: `full` reruns whole layers "
+                   "(needs --recompute-method and --recompute-num-layers), `selective` reruns the --recompute-modules "
+                   "of every layer; dropout masks are redrawn equal, so the gradients do not change")
+    _add_flag(recompute, "--recompute-method", choices=RECOMPUTE_METHODS, default=None,
+              help="--recompute-granularity full: `uniform` recomputes every group of --recompute-num-layers layers "
+                   "of a model chunk from its input; `block` recomputes the first --recompute-num-layers layers of "
+                   "each model chunk and keeps the rest")
+    _add_flag(recompute, "--recompute-num-layers", type=int, default=None, metavar="N",
+              help="--recompute-granularity full: the layers of a group (uniform) or recomputed per chunk (block)")
+    _add_flag(recompute, "--recompute-modules", nargs="+", choices=RECOMPUTE_MODULES, default=None, metavar="MODULE",
+              help="--recompute-granularity selective: which parts of each layer to recompute, of "
+                   f"{', '.join(RECOMPUTE_MODULES)} (default: core_attn)")
 
     precision = parser.add_argument_group("mixed precision (Megatron-LM's flags and rules)")
     _add_flag(precision, "--bf16", action="store_true",

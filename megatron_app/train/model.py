@@ -22,6 +22,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_app.devices import local_device
+from megatron_app.runtime import recompute_randomness
 
 from .flags import completed
 from .attention import SdpaCoreAttention
@@ -84,6 +85,12 @@ def build_transformer_config(args) -> TransformerConfig:
         ffn_hidden_size=args.ffn_hidden_size,
         add_bias_linear=not args.disable_bias_linear,
         num_query_groups=args.num_query_groups,
+        # --recompute-*: Megatron-Core's own recomputation; keyed dropout redraws the same masks
+        # (runtime/recompute_randomness.py)
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        recompute_modules=args.recompute_modules,
     )
 
 
@@ -95,6 +102,8 @@ def build_model_chunks(args) -> List[GPTModel]:
     Model-parallel state must be initialised first.
     """
     config = build_transformer_config(args)
+    if config.recompute_granularity is not None:
+        recompute_randomness.install()   # Megatron's recomputation saves CUDA's generator, which a CPU run lacks
     spec = document_layer_spec(args.normalization)
     chunks = []
     with megatron_draws_skipped(config):
