@@ -1,6 +1,7 @@
-"""The equality grid's P=2 V=2 rows on CUDA: padded (loader), packed and balanced, dropout 0.1, fp32 and bf16; the
-ranks share one GPU (gloo). Same rows, flags and tolerances as tools/gpu_check.py's equality step, which states how
-each tolerance was derived; skipped without CUDA."""
+"""The equality grid's P=2 V=2 rows on CUDA: padded (loader), packed and balanced, dropout 0.1, fp32 and bf16, and
+full activation recomputation at P=2 V=2 against P=1 without it; the ranks share one GPU (gloo). Same rows, flags
+and tolerances as tools/gpu_check.py's equality step, which states how each tolerance was derived; skipped without
+CUDA."""
 
 import importlib.util
 import sys
@@ -13,7 +14,8 @@ _spec = importlib.util.spec_from_file_location("gpu_check", REPO / "tools" / "gp
 gpu_check = sys.modules.setdefault("gpu_check", importlib.util.module_from_spec(_spec))
 _spec.loader.exec_module(gpu_check)
 
-ROWS = ["loader-fp32-dropout", "packed-fp32-dropout", "balanced-fp32-dropout", "balanced-bf16-dropout"]
+ROWS = ["loader-fp32-dropout", "packed-fp32-dropout", "balanced-fp32-dropout", "balanced-bf16-dropout",
+        "balanced-bf16-dropout-recompute"]
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +27,10 @@ def check(tmp_path_factory):
 @pytest.mark.training
 @pytest.mark.parametrize("row", ROWS)
 def test_pipelined_training_on_cuda_equals_unpipelined(check, row):
+    reference_flags = check.sizes.equality_model + gpu_check.equality_flags(gpu_check.reference_row(row),
+                                                                             check.corpus())
+    reference = check.train(f"{row}-p1", 1, 1, reference_flags, check.sizes.equality_iters)
     flags = check.sizes.equality_model + gpu_check.equality_flags(row, check.corpus())
-    reference = check.train(f"{row}-p1", 1, 1, flags, check.sizes.equality_iters)
     pipelined = check.train(f"{row}-p2v2", 2, 2, flags, check.sizes.equality_iters)
     assert reference["rc"] == 0 and pipelined["rc"] == 0, (reference["tail"], pipelined["tail"])
     a = [it["loss"] for it in reference["json"]["iterations"]]

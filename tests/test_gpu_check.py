@@ -105,7 +105,7 @@ def test_the_rehearsal_runs_every_step_and_writes_both_reports(rehearsal):
 def test_the_equality_rows_hold_their_tolerance(rehearsal):
     out, _ = rehearsal
     rows = json.loads((out / "report.json").read_text())["steps"]["equality"]["rows"]
-    assert set(rows) == {"mock-fp32-optim", "balanced-fp32-dropout-llama"}
+    assert set(rows) == {"mock-fp32-optim", "balanced-fp32-dropout-llama-recompute"}
     for row in rows.values():
         assert row["max_relative_difference"] <= row["tolerance"] and len(row["losses_p1"]) == 2
 
@@ -330,6 +330,29 @@ def test_ipc_rows_share_their_reference_and_ask_for_ipc(tmp_path, monkeypatch):
     assert rows["balanced-fp32-dropout+ipc-copy"]["status"] == "fail"       # 6.7e-4 over the CPU tolerance
     assert rows["balanced-fp32-dropout+ipc-copy"]["transport"].startswith("CUDA IPC to peer 1 is off")
     assert "transport" not in rows["balanced-fp32-dropout"]
+
+def test_a_recompute_row_recomputes_at_p2v2_only_against_the_p1_run_without_it(tmp_path, monkeypatch):
+    sys.path.insert(0, str(REPO / "tools"))
+    import gpu_check
+
+    calls = {}
+
+    def fake_train(self, name, pipeline, chunks, flags, iters, trace=False, extra_env=None):
+        calls[name] = flags
+        return {"rc": 0, "seconds": 1.0, "json": {"iterations": [{"loss": 2.0}, {"loss": 1.5}]}, "tail": [],
+                "ipc_fallback": None}
+
+    monkeypatch.setattr(gpu_check.Check, "train", fake_train)
+    monkeypatch.setattr(gpu_check.Check, "corpus", lambda self: {"data_path": "d", "tokenizer_json": "t"})
+    sizes = dataclasses.replace(gpu_check.CPU, rows=["balanced-bf16-dropout", "balanced-bf16-dropout-recompute"])
+    result = gpu_check.Check(tmp_path, sizes, sys.executable).equality()
+    assert sorted(calls) == ["eq-balanced-bf16-dropout-p1", "eq-balanced-bf16-dropout-p2v2",
+                             "eq-balanced-bf16-dropout-recompute-p2v2"]
+    recomputing = [name for name, flags in calls.items() if "--recompute-granularity" in flags]
+    assert recomputing == ["eq-balanced-bf16-dropout-recompute-p2v2"]
+    assert calls[recomputing[0]][-len(gpu_check.RECOMPUTE_FLAGS):] == gpu_check.RECOMPUTE_FLAGS
+    assert result["rows"]["balanced-bf16-dropout-recompute"]["status"] == "pass"
+
 
 def test_a_curve_run_that_failed_is_its_own_row_and_the_other_size_still_fits(tmp_path, monkeypatch):
     """A failed launch (or a trace too thin to fit) fails its hidden size's row, not the step's other sizes."""

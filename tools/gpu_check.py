@@ -119,12 +119,12 @@ GPU = Sizes(
     # first two iterations are left out of the fit; the eight after them hold every document count twice.
     curve_heads={2048: 16, 4096: 32}, curve_sweep=(128, 8192, 16), curve_iters=10, curve_skip=2,
     transport_flags=["--device", "cuda"],
-    # Every equality launch at once (7 references, 9 P=2 V=2 runs; own-loop's 5 beside them): on the first H100 a
+    # Every equality launch at once (8 references, 10 P=2 V=2 runs; own-loop's 5 beside them): on the first H100 a
     # launch took 51-68 s with 7 side by side and 55-65 s alone, so a launch waits rather than computes.
-    device="cuda", parallel_runs=16,
+    device="cuda", parallel_runs=18,
     rows=["mock-fp32", "mock-bf16-optim", "loader-fp32-dropout", "packed-fp32-dropout", "balanced-fp32-dropout",
-          "packed-bf16-dropout-llama", "balanced-bf16-dropout", "balanced-fp32-dropout+ipc",
-          "packed-bf16-dropout+ipc-copy"],
+          "packed-bf16-dropout-llama", "balanced-bf16-dropout", "balanced-bf16-dropout-recompute",
+          "balanced-fp32-dropout+ipc", "packed-bf16-dropout+ipc-copy"],
     own_loop_rows=["fixed", "packed", "balanced"],
 )
 CPU = Sizes(
@@ -137,7 +137,7 @@ CPU = Sizes(
     curve_heads={32: 4, 48: 4}, curve_sweep=(16, 128, 16), curve_iters=6, curve_skip=1,
     transport_flags=["--backends", "shm", "--quick"],
     device="cpu", parallel_runs=2,
-    rows=["mock-fp32-optim", "balanced-fp32-dropout-llama"],
+    rows=["mock-fp32-optim", "balanced-fp32-dropout-llama-recompute"],   # its P=1 reference without recomputation
     # One row: the step's code is the same for each, and tests/test_simple_train_loop.py runs both (fixed lengths and
     # `balanced`) on CPU already; the second row cost the suite's longest test about half a minute.
     own_loop_rows=["balanced"],
@@ -161,6 +161,11 @@ OPTIMIZER_FLAGS = ["--clip-grad", "1.0", "--weight-decay", "0.01", "--lr-decay-s
 # (Megatron-LM's default), so both kinds of output layer run on the device.
 LLAMA_FLAGS = ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--group-query-attention",
                "--num-query-groups", "2", "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights"]
+# A row's `-recompute`: Megatron-LM's full activation recomputation at P=2 V=2 only, against P=1 without it (the row
+# without `-recompute`): every layer reruns in the backward pass and must redraw its forward's dropout masks, which on
+# CUDA also restores CUDA's generator (runtime/recompute_randomness.py).
+RECOMPUTE_FLAGS = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+RECOMPUTE = "-recompute"
 
 
 # The prediction step's runs: (P, V, target of the median |error|); the ipc-sends step's: the P=2 V=2 run with its
@@ -204,6 +209,11 @@ def split_row(row: str) -> tuple:
     return data_row, transport or "default"
 
 
+def reference_row(row: str) -> str:
+    """The data row of an equality row's P=1 reference: its own, without the transport and without recomputation."""
+    return split_row(row)[0].replace(RECOMPUTE, "")
+
+
 def equality_flags(row: str, corpus: dict) -> List[str]:
     """A row's trainer flags: data (mock | the copyright corpus, variable lengths), composition, dtype, dropout."""
     data, *rest = row.split("-")
@@ -223,6 +233,8 @@ def equality_flags(row: str, corpus: dict) -> List[str]:
         flags += OPTIMIZER_FLAGS
     if "llama" in rest:
         flags += LLAMA_FLAGS
+    if "recompute" in rest:
+        flags += RECOMPUTE_FLAGS
     return flags
 
 
@@ -623,14 +635,15 @@ class Check:
             return self.train(f"eq-{row}-{name}", pipeline, chunks, flags, self.sizes.equality_iters,
                               extra_env=TRANSPORT_ENVS[transport])
 
-        # P=1 once per data row (a `+ipc` row compares its P=2 V=2 with the same reference); all side by side
-        references = list(dict.fromkeys(split_row(row)[0] for row in self.sizes.rows))
+        # P=1 once per data row (a `+ipc` or `-recompute` row compares its P=2 V=2 with the same reference); all side
+        # by side
+        references = list(dict.fromkeys(reference_row(row) for row in self.sizes.rows))
         launches = [(row, ("p1", 1, 1)) for row in references] + [(row, ("p2v2", 2, 2)) for row in self.sizes.rows]
         with ThreadPoolExecutor(max_workers=self.sizes.parallel_runs) as pool:
             done = dict(zip(((row, layout[0]) for row, layout in launches), pool.map(launch, launches)))
 
         def one_row(row: str) -> dict:
-            reference, pipelined = done[split_row(row)[0], "p1"], done[row, "p2v2"]
+            reference, pipelined = done[reference_row(row), "p1"], done[row, "p2v2"]
             tolerance = tolerance_of(row, self.sizes.device)
             entry = {"tolerance": tolerance, "seconds": [reference["seconds"], pipelined["seconds"]]}
             if split_row(row)[1] != "default":   # the path it asked for, or the line that said it fell back

@@ -49,6 +49,7 @@ _RUN_CONFIG_KEYS = (
     "num_microbatches", "num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
     "micro_batch_size", "global_batch_size", "iters", "seed", "lr", "lr_decay_style", "clip_grad", "weight_decay",
     "hidden_dropout", "attention_dropout", "untie_embeddings_and_output_weights", "use_distributed_optimizer",
+    "recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules",
     "schedule", "policy", "device", "precision",
     "data_path", "variable_seq_lengths", "composition", "calculate_per_token_loss", "split", "eval_interval", "eval_iters", "save",
     "save_interval", "load", "start_iteration",
