@@ -251,8 +251,10 @@ def test_composed_microbatches_match_unpipelined_training(request, tmp_path, rea
 # Activation recomputation (Megatron-LM's --recompute-* flags): a layer, or its core attention, rerun in the backward
 # pass redraws its forward's dropout (runtime/recompute_randomness.py), so the gradients are those without it. Packed
 # and `balanced` microbatches key the masks by document, so a rerun must also know its layer and documents.
+# With --split-backward a chunk holding a reentrant checkpoint runs its whole backward as B (runtime/split_backward.py).
 RECOMPUTE_ROWS = {"full": "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
-                  "selective": "--recompute-activations"}
+                  "selective": "--recompute-activations",
+                  "selective-split-backward": "--recompute-activations --split-backward"}
 
 
 @pytest.mark.slow
