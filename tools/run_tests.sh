@@ -15,7 +15,7 @@ source tools/setup_env.sh
 LATEST_TESTS=(tests/test_megatron_compat.py tests/test_forward_backward_contract.py tests/test_runtime.py
               tests/test_pipeline_equality.py tests/test_megatron_schedule_tests.py tests/test_optimizer_flags.py
               tests/test_model_flags.py tests/test_weight_init.py tests/test_data_path.py tests/test_lazy_fusers.py
-              tests/test_train_runs.py)
+              tests/test_train_runs.py tests/test_recompute.py)
 # The equality grid for the second run: one interleaved layout, one with tensor parallelism and dropout, and the
 # Llama-shaped model's rows (RMSNorm, SwiGLU, GQA, RoPE: the modules most likely to move between versions).
 LATEST_FILTER="not equality or (every_schedule and P2-V2-T1) or (dropout and P2-V2-T2) or llama"
