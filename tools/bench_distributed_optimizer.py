@@ -14,47 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
-import socket
 import statistics
 import sys
-import tempfile
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _rank(rank: int, world: int, port: int, flags, out_dir: str) -> None:
-    import warnings
-    warnings.filterwarnings("ignore")
-    import torch
-    import torch.distributed as dist
-
-    from megatron_app.train.args import parse_args
-    from megatron_app.train.loop import train
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        train(parse_args(flags, environ={"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1"}))
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
-        json.dump({"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}, handle)
-
-
-def run_once(flags, world: int) -> float:
-    """The largest peak resident memory (MiB) over the ranks of one run."""
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_rank, args=(world, _free_port(), flags, out_dir), nprocs=world, start_method="spawn")
-        return max(json.load(open(os.path.join(out_dir, f"rank{rank}.json")))["peak_rss_mib"]
-                   for rank in range(world))
+from megatron_app.bench.peak_memory import run_once
 
 
 def parameter_count(hidden: int, layers: int, vocab: int, seq: int) -> int:
@@ -82,7 +45,7 @@ def main(argv=None) -> int:
     peaks = {name: [] for name in flags}
     for repeat in range(opts.repeats):
         for name, run_flags in flags.items():
-            peaks[name].append(run_once(run_flags, opts.data_parallel))
+            peaks[name].append(run_once(run_flags, opts.data_parallel).max_peak_rss_mib)
             print(f"repeat {repeat + 1}: {name} peak {peaks[name][-1]:.0f} MiB", flush=True)
     parameters = parameter_count(opts.hidden_size, opts.num_layers, opts.vocab_size, opts.seq_length)
     plain, distributed = statistics.median(peaks["plain"]), statistics.median(peaks["distributed"])
