@@ -75,7 +75,7 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def parse_options(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--hidden-size", type=int, default=128)
@@ -93,6 +93,11 @@ def main(argv=None) -> int:
         parser.error("--iters must be at least 2: the 1st iteration warms up and is not timed")
     if opts.repeats < 1:
         parser.error("--repeats must be at least 1")
+    return opts
+
+
+def main(argv=None) -> int:
+    opts = parse_options(argv)
     flags = mode_flags(model_flags(opts))
     peaks = {mode: [] for mode in flags}
     peaks_per_rank = {mode: [] for mode in flags}

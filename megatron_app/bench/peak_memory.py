@@ -62,11 +62,10 @@ def _rank(rank: int, world: int, port: int, flags: Sequence[str], out_dir: str) 
 def run_once(flags: Sequence[str], world: int) -> PeakMemoryRun:
     """Train with the trainer's ``flags`` on ``world`` spawned ranks; a rank's failure raises here.
     The run's --log-json is this function's own (flags must not give one)."""
-    import torch.multiprocessing as mp
-
     flags = [str(flag) for flag in flags]
     if any(flag == "--log-json" or flag.startswith("--log-json=") for flag in flags):
         raise ValueError("run_once reads the iteration times from its own --log-json: drop the flag")
+    import torch.multiprocessing as mp   # here, not at the top: a refused call costs no torch import
     with tempfile.TemporaryDirectory() as out_dir:
         log_json = os.path.join(out_dir, LOG_NAME)
         mp.start_processes(_rank, args=(world, free_port(), flags + ["--log-json", log_json], out_dir),
