@@ -13,7 +13,8 @@ is what recomputation saves; the ratio understates it by the fixed part.
 
 The defaults make activations dominate: eight heads over 512 tokens give attention scores (heads x seq^2 a sequence)
 far larger than the 128-wide layers' weights, and two microbatches of four sequences are both in flight on the first
-stage. One run takes about 20 s (none) to 27 s (full) on 2 loaded CPU cores.
+stage. One run takes about 20 s (none) to 27 s (full) on 2 loaded CPU cores, so --repeats 1 about 70 s and the
+default 2 about 2.5 min.
 
     python tools/bench_recompute.py [--num-layers 8 --hidden-size 128 --num-attention-heads 8 --seq-length 512
         --micro-batch-size 4 --global-batch-size 8 --iters 3 --repeats 2] [--json out.json] [-- more trainer flags]
