@@ -85,6 +85,10 @@ def test_damaged_manifests_and_trackers_are_named(tmp_path):
         find_checkpoint(str(tmp_path))
     with pytest.raises(CheckpointError, match="is not a directory"):
         find_checkpoint(str(tmp_path / "absent"))
+    # Megatron-LM's `--save DIR --load DIR`: a first run finds nothing there yet and starts fresh
+    assert find_checkpoint(str(tmp_path / "absent"), save_dir=str(tmp_path / "." / "absent")) is None
+    with pytest.raises(CheckpointError, match="is not a directory"):
+        find_checkpoint(str(tmp_path / "absent"), save_dir=str(tmp_path / "elsewhere"))
 
 
 @pytest.mark.parametrize("overrides, fragment", [

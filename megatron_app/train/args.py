@@ -26,7 +26,8 @@ _POSITIVE_INT_FLAGS = (
     "pipeline_parallel", "model_chunks", "tensor_parallel", "num_layers", "hidden_size",
     "num_attention_heads", "seq_length", "vocab_size", "micro_batch_size", "iters",
     "make_vocab_size_divisible_by", "distributed_timeout_minutes", "eval_interval", "eval_iters", "save_interval",
-    "exit_interval", "num_layers_per_virtual_pipeline_stage", "loss_scale_window", "hysteresis",
+    "exit_interval", "num_layers_per_virtual_pipeline_stage", "loss_scale_window", "hysteresis", "log_interval",
+    "max_position_embeddings",
 )
 
 
@@ -125,6 +126,14 @@ def _check_architecture(args: argparse.Namespace) -> None:
         raise UsageError("--transformer-impl transformer_engine: Transformer Engine's layers are not supported yet "
                          "(docs/gpu.md, \"Limits on a GPU\"); --transformer-impl local, the default, runs "
                          "Megatron-Core's own layers")
+    if args.attention_backend not in ("auto", "local"):
+        raise UsageError(f"--attention-backend {args.attention_backend} picks Transformer Engine's kernels, which are "
+                         "not supported yet; `auto` or `local` run our core attention")
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    elif args.max_position_embeddings < args.seq_length:
+        raise UsageError(f"--max-position-embeddings {args.max_position_embeddings} must be at least --seq-length "
+                         f"{args.seq_length} (Megatron-LM's rule)")
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu else 4 * args.hidden_size
         if args.ffn_hidden_size < 1:
@@ -330,7 +339,7 @@ def _check_checkpointing(args: argparse.Namespace) -> None:
     from .checkpoint_manifest import CheckpointError, check_compatible, find_checkpoint
 
     try:
-        found = find_checkpoint(args.load)
+        found = find_checkpoint(args.load, args.save)
         if found is not None:
             check_compatible(found, args)
     except CheckpointError as exc:

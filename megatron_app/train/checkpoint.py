@@ -129,7 +129,7 @@ def load_checkpoint(load_dir: str, args, chunks: List[torch.nn.Module], optimize
     None: ``load_dir`` holds no checkpoint yet (the caller starts from scratch). RNG states are restored when
     the data-parallel size is the one that saved them; the model and optimizer under any data-parallel size.
     """
-    found = find_checkpoint(load_dir)
+    found = find_checkpoint(load_dir, getattr(args, "save", None))
     if found is None:
         return None, False
     check_compatible(found, args)

@@ -27,7 +27,8 @@ MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", 
 ARCHITECTURE_DEFAULTS = {"normalization": "LayerNorm", "swiglu": False, "ffn_hidden_size": None,
                          "disable_bias_linear": False, "num_query_groups": None,
                          "position_embedding_type": "learned_absolute",
-                         "untie_embeddings_and_output_weights": True}   # untied always, before it was recorded
+                         "untie_embeddings_and_output_weights": True,   # untied always, before it was recorded
+                         "max_position_embeddings": None}   # --seq-length, checked above, before it was recorded
 # What the run reads: resuming with other data or another length mode changes results without an error, so it is
 # refused unless --allow-data-change-on-resume says the change is meant.
 DATA_KEYS = ("data_path", "variable_seq_lengths", "synthetic_microbatches")
@@ -202,11 +203,15 @@ def _read_manifest(directory: str) -> dict:
     return manifest
 
 
-def find_checkpoint(load_dir: str) -> Optional[FoundCheckpoint]:
+def find_checkpoint(load_dir: str, save_dir: Optional[str] = None) -> Optional[FoundCheckpoint]:
     """The checkpoint ``--load DIR`` means: DIR itself when it holds a manifest (one iteration's directory),
-    else the iteration DIR's tracker names; None when DIR has neither (nothing saved there yet)."""
+    else the iteration DIR's tracker names; None when DIR has neither (nothing saved there yet), or does not exist
+    yet but is the run's --save directory too (Megatron-LM's `--save DIR --load DIR`: the first run starts fresh)."""
     if not os.path.isdir(load_dir):
-        raise CheckpointError(f"--load {load_dir} is not a directory")
+        if save_dir is not None and not os.path.exists(load_dir) and \
+                os.path.abspath(load_dir) == os.path.abspath(save_dir):
+            return None
+        raise CheckpointError(f"--load {load_dir} is not a directory (one that is also --save may not exist yet)")
     if os.path.isfile(os.path.join(load_dir, MANIFEST)):
         return FoundCheckpoint(load_dir, _read_manifest(load_dir))
     tracker = os.path.join(load_dir, TRACKER)

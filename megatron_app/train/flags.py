@@ -102,6 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(model, "--hidden-size", type=int, default=64, help="model width")
     _add_flag(model, "--num-attention-heads", type=int, default=4, help="attention heads")
     _add_flag(model, "--seq-length", type=int, default=64, help="tokens per sequence")
+    _add_flag(model, "--max-position-embeddings", type=int, default=None, metavar="N",
+              help="the learned position embeddings' table size, at least --seq-length (Megatron-LM's flag; "
+                   "default: --seq-length)")
+    _add_flag(model, "--attention-softmax-in-fp32", action="store_true",
+              help="accepted for Megatron-LM's scripts, with no effect: Megatron applies it to its own unfused "
+                   "softmax; our core attention runs torch's fused attention kernels, which keep their own "
+                   "accumulation, and computes the softmax in fp32 where it applies dropout itself")
+    _add_flag(model, "--attention-backend", choices=("auto", "local", "flash", "fused", "unfused"), default="auto",
+              help="Megatron-LM's choice of attention kernels: `auto` and `local` run our core attention (torch's "
+                   "fused scaled-dot-product attention, per document when packed); `flash`, `fused` and `unfused` "
+                   "are Transformer Engine's and refused")
     _add_flag(model, "--vocab-size", type=int, default=None,
               help=f"total vocabulary, end-of-document token included (default: {DEFAULT_VOCAB_SIZE} on mock data; "
                    "with --data-path the tokenizer's or the data's size, padded like Megatron)")
@@ -375,6 +386,10 @@ def build_parser() -> argparse.ArgumentParser:
               help=f"where each run's per-rank traces go, one directory per run (default: {DEFAULT_TRACE_DIR})")
     _add_flag(out, "--no-trace", action="store_true", help="write no trace files")
     _add_flag(out, "--log-json", default=None, metavar="FILE", help="per-iteration loss/time/throughput")
+    _add_flag(out, "--log-interval", type=int, default=1, metavar="N",
+              help="print one iteration line every N iterations (and after the last), its loss and time averaged "
+                   "over them, as Megatron-LM does (default: every iteration; Megatron-LM's is 100); --log-json "
+                   "keeps every iteration")
     _add_flag(out, "--dump-grads", default=None, metavar="DIR",
               help="save each rank's gradients of iteration 1 (before the optimizer step)")
     _add_flag(out, "--dump-weights", default=None, metavar="DIR",

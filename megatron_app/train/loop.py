@@ -138,7 +138,8 @@ def build_trainer(args, startup: Optional[StartupClock] = None) -> Trainer:
     trace_dir = start_trace_run(args.trace_dir) if writes_traces(args) else None   # else no run directory
     forward_backward = select_forward_backward_func(runtime_settings(args, trace_dir), args.device)
     reporter = IterationReporter(run_config(args), args.iters, args.global_batch_size * args.seq_length,
-                                 args.log_json, emulated=emulation is not None, shows_lr=varies_lr(args))
+                                 args.log_json, emulated=emulation is not None, shows_lr=varies_lr(args),
+                                 log_interval=args.log_interval)
     if resume_note:
         reporter.note(resume_note)
     if hasattr(optimizer, "describe"):
@@ -331,6 +332,7 @@ def train(args) -> None:
                 gc_events.record()
             if ctrl_c_seen() and not earlier_ctrl_c:   # one whose KeyboardInterrupt a gc callback swallowed
                 raise KeyboardInterrupt
+        trainer.reporter.flush()   # a run stopped inside a --log-interval (--exit-interval) shows its last ones
         if profiler is not None and profiler.running:   # stopped inside the range: what was recorded, not what follows
             _say(profiler.finish(iteration))
         if args.dump_weights:

@@ -125,7 +125,7 @@ def _gpt_chunk(args, config: TransformerConfig, spec, stage) -> GPTModel:
         config=config,
         transformer_layer_spec=spec,
         vocab_size=args.vocab_size,
-        max_sequence_length=args.seq_length,
+        max_sequence_length=args.max_position_embeddings or args.seq_length,   # validate() fills it; drivers may not
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,

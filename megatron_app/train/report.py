@@ -49,10 +49,11 @@ def write_json_atomic(path: str, payload: dict) -> None:
 
 
 class IterationReporter:
-    """Prints one line per iteration and keeps the JSON log up to date (reporting rank only)."""
+    """Prints one line every ``log_interval`` iterations (Megatron-LM's --log-interval) and keeps the JSON log up to
+    date with every iteration (reporting rank only)."""
 
     def __init__(self, run_config: dict, iters: int, tokens_per_iteration: int,
-                 log_json: Optional[str], emulated: bool = False, shows_lr: bool = False):
+                 log_json: Optional[str], emulated: bool = False, shows_lr: bool = False, log_interval: int = 1):
         """``emulated``: --emulate-compute replaced the model by timed waits, so the loss means nothing: the line
         says so instead of printing it (the JSON log keeps the number, marked "emulated"). ``shows_lr``: the
         learning rate varies (a schedule): the line shows each step's."""
@@ -62,6 +63,8 @@ class IterationReporter:
         self.log_json = log_json
         self.emulated = emulated
         self.shows_lr = shows_lr
+        self.log_interval = log_interval
+        self._interval: List[dict] = []   # the JSON entries of the iterations since the last line
         self.payload = {"schema": LOG_SCHEMA, "config": run_config, "iterations": [], "validation": []}
         if emulated:
             self.payload["emulated"] = True
@@ -76,27 +79,50 @@ class IterationReporter:
         if not self.enabled:
             return
         tokens_per_s = (self.tokens_per_iteration if tokens is None else tokens) / seconds
-        planned = "" if composed is None else f" | {composed['composition']} {composed['num_microbatches']} microbatches"
-        if composed is not None and composed.get("predicted_ms") is not None:
-            planned += f" | predicted {composed['predicted_ms']:.1f} ms"
-        shown = "emulated compute, no real loss" if self.emulated else f"loss {loss:.4f}"
-        optimizer = optimizer or {}
-        if self.shows_lr and optimizer.get("lr") is not None:
-            planned += f" | lr {optimizer['lr']:.3e}"
-        if optimizer.get("grad_norm") is not None:
-            planned += f" | grad norm {optimizer['grad_norm']:.4g}"
-        if "loss_scale" in optimizer:
-            planned += (f" | loss scale {optimizer['loss_scale']:g} | skipped iterations "
-                        f"{optimizer['skipped_iterations']}" + (" (this one: gradients overflowed)"
-                                                                if optimizer["skipped"] else ""))
-        print(f"iter {iteration}/{self.iters} | {shown} | {seconds * 1e3:.1f} ms | "
-              f"{tokens_per_s:.0f} tokens/s{planned}", flush=True)
-        self.payload["iterations"].append({
-            "iteration": iteration, "loss": loss, "time_ms": seconds * 1e3, "tokens_per_s": tokens_per_s,
-            **({} if composed is None else {"composed": composed}),
-            **optimizer,
-        })
+        entry = {"iteration": iteration, "loss": loss, "time_ms": seconds * 1e3, "tokens_per_s": tokens_per_s,
+                 **({} if composed is None else {"composed": composed}), **(optimizer or {})}
+        self.payload["iterations"].append(entry)
+        self._interval.append(entry)
+        if iteration % self.log_interval == 0 or iteration == self.iters:
+            self.flush()
         self._write()
+
+    def flush(self) -> None:
+        """The line of the iterations recorded since the last one (none: nothing), as Megatron-LM's: the loss and
+        the time per iteration averaged over them, the tokens per second of them all, the last step's learning
+        rate, gradient norm and loss scale."""
+        entries, self._interval = self._interval, []
+        if not entries:
+            return
+        last, count = entries[-1], len(entries)
+        time_ms = sum(entry["time_ms"] for entry in entries) / count
+        tokens_per_s = sum(entry["tokens_per_s"] * entry["time_ms"] for entry in entries) / (time_ms * count)
+        if self.emulated:
+            shown = "emulated compute, no real loss"
+        else:
+            shown = f"loss {sum(entry['loss'] for entry in entries) / count:.4f}"
+            if count > 1:
+                shown += f" (mean of {count})"
+        planned = ""
+        composed = last.get("composed")
+        if composed is not None:
+            planned = f" | {composed['composition']} {composed['num_microbatches']} microbatches"
+            predicted = [entry["composed"]["predicted_ms"] for entry in entries
+                         if entry.get("composed", {}).get("predicted_ms") is not None]
+            if predicted:
+                planned += f" | predicted {sum(predicted) / len(predicted):.1f} ms"
+        if self.shows_lr and last.get("lr") is not None:
+            planned += f" | lr {last['lr']:.3e}"
+        if last.get("grad_norm") is not None:
+            planned += f" | grad norm {last['grad_norm']:.4g}"
+        if "loss_scale" in last:
+            skipped_now = sum(1 for entry in entries if entry.get("skipped"))
+            planned += f" | loss scale {last['loss_scale']:g} | skipped iterations {last['skipped_iterations']}"
+            if skipped_now:
+                planned += (" (this one: gradients overflowed)" if count == 1
+                            else f" ({skipped_now} of these {count}: gradients overflowed)")
+        print(f"iter {last['iteration']}/{self.iters} | {shown} | {time_ms:.1f} ms | "
+              f"{tokens_per_s:.0f} tokens/s{planned}", flush=True)
 
     def record_startup(self, startup: Optional[dict]) -> None:
         """The rank's start-up phases (startup.StartupClock.report), kept in the JSON log as "startup"."""
