@@ -245,8 +245,8 @@ def check_compatible(found: FoundCheckpoint, args) -> None:
     for key, default in ARCHITECTURE_DEFAULTS.items():
         saved_value = found.manifest["model"].get(key, default)
         here_value = values[key]
-        if default is None and saved_value is None:   # derived (4h, every head its own group) before recorded
-            continue
+        if default is None and None in (saved_value, here_value):   # derived (4h, --seq-length, ...): not recorded,
+            continue                                                # or a driver's args validate() did not fill
         if saved_value != here_value:
             raise CheckpointError(
                 f"checkpoint {found.directory} has {key}={saved_value} but this run has "
