@@ -121,6 +121,7 @@ def test_the_first_ctrl_c_raises_and_the_ones_after_it_are_ignored():
     code = textwrap.dedent("""
         import os, signal, time
         from megatron_app.train.stops import raise_once_on_ctrl_c
+        signal.signal(signal.SIGINT, signal.default_int_handler)   # a suite started with `nohup ... &` ignores it
         restore = raise_once_on_ctrl_c()
         restore()                               # no Ctrl-C: Python's own handler is back
         print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)

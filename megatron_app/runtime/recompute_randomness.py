@@ -8,31 +8,38 @@ functions of its random module, `_get_all_rng_states` and `_set_all_rng_states`.
   dropout reads the running layer. A rerun in the backward pass would key by the microbatch of the moment (under
   Megatron's own 1F1B, the one that last ran forward) and, rerunning only core attention, by the last layer that ran.
 
-install() replaces the two functions, process-wide and once: the saved state also holds the keyed randomness's
-context (KeyedRandomness.recompute_context) and CUDA's generator only while CUDA runs. With CUDA running and no keyed
+install() replaces the two functions once per process (Megatron's module is the process's, whichever job made the
+model), keeping Megatron's own on that module: the saved state also holds the keyed randomness's context
+(KeyedRandomness.recompute_context) and CUDA's generator only while CUDA runs. With CUDA running and no keyed
 randomness they save and restore exactly what Megatron's do, so nothing else changes.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 
 from .job import current_job
 
-_megatron_functions: Optional[Tuple] = None   # Megatron's (_get_all_rng_states, _set_all_rng_states) once replaced
+_MEGATRONS_OWN = "_megatron_app_replaced_rng_functions"   # on Megatron's random module once install() ran
 
 
 def install() -> None:
-    global _megatron_functions
-    if _megatron_functions is not None:
-        return
     from megatron.core.tensor_parallel import random as megatron_random
 
-    _megatron_functions = (megatron_random._get_all_rng_states, megatron_random._set_all_rng_states)
+    if hasattr(megatron_random, _MEGATRONS_OWN):
+        return
+    setattr(megatron_random, _MEGATRONS_OWN,
+            (megatron_random._get_all_rng_states, megatron_random._set_all_rng_states))
     megatron_random._get_all_rng_states = saved_states
     megatron_random._set_all_rng_states = restore_states
+
+
+def _megatron_functions() -> Tuple:
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    return getattr(megatron_random, _MEGATRONS_OWN)
 
 
 def _cuda_runs() -> bool:
@@ -43,7 +50,7 @@ def saved_states() -> tuple:
     """The generators' states (CPU; CUDA's or None; Megatron's named streams) and the keyed randomness's context."""
     from megatron.core.tensor_parallel import random as megatron_random
 
-    megatron_get, _ = _megatron_functions
+    megatron_get, _ = _megatron_functions()
     if _cuda_runs():
         states = tuple(megatron_get())
     else:
@@ -55,7 +62,7 @@ def saved_states() -> tuple:
 def restore_states(cpu_state, cuda_state, tracker_states, keyed_context=None) -> None:
     from megatron.core.tensor_parallel import random as megatron_random
 
-    _, megatron_set = _megatron_functions
+    _, megatron_set = _megatron_functions()
     if cuda_state is not None:
         megatron_set(cpu_state, cuda_state, tracker_states)
     else:
