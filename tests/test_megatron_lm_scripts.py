@@ -124,7 +124,8 @@ def test_a_checkpoint_with_another_position_table_is_refused(tmp_path):
 
 
 # examples/gpt3/train_gpt3_175b_distributed.sh of Megatron-LM, its flags as written but for the sizes (and the data,
-# mock here), --rampup-batch-size (batch-size ramp-up is not supported) and --tensorboard-dir.
+# mock here), --rampup-batch-size (batch-size ramp-up is not supported) and --tensorboard-dir (it needs the optional
+# tensorboard package: tests/test_tensorboard_scalars.py).
 GPT3_EXAMPLE = """
     --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128
     --attention-backend auto

@@ -34,8 +34,6 @@ def test_megatron_lms_defaults_profile_the_logs_iterations_11_and_12():
     (["--profile-ranks", "0"], "--profile-ranks takes effect with --profile"),
     (["--profile-step-start", "0"], "--profile-step-start takes effect with --profile"),   # 0 is given
     (["--profile-step-end", "0"], "--profile-step-end takes effect with --profile"),
-    (["--tensorboard-dir", "tb"], "--tensorboard-dir holds --use-pytorch-profiler's traces only"),
-    (["--profile", "--tensorboard-dir", "tb"], "--tensorboard-dir holds --use-pytorch-profiler's traces only"),
     (["--profile", "--use-pytorch-profiler", "--profile-step-start", "3", "--profile-step-end", "3"],
      "needs 0 <= start < end"),
     (["--profile", "--use-pytorch-profiler", "--profile-step-start", "-1"], "needs 0 <= start < end"),
@@ -72,7 +70,9 @@ def _profile_of(directory):
 
 def test_the_pytorch_profiler_writes_one_trace_of_the_steps_asked_for(tmp_path):
     """Steps 1..2 of 3 (counted from 0) are the log's iterations 2-3: one Chrome trace with the model's operators,
-    where --tensorboard-dir says, and a line that says where; the iteration lines are those of a plain run."""
+    where --tensorboard-dir says (beside the run's TensorBoard scalars), and a line that says where; the iteration
+    lines are those of a plain run."""
+    pytest.importorskip("tensorboard")   # --tensorboard-dir also writes scalars (tests/test_tensorboard_scalars.py)
     out = _train(*SMALL, "--iters", "3", "--no-trace", "--profile", "--use-pytorch-profiler",
                  "--profile-step-start", "1", "--profile-step-end", "3", "--tensorboard-dir", tmp_path / "tb")
     path, names, optimizer_steps = _profile_of(tmp_path / "tb")
@@ -88,6 +88,7 @@ def test_the_pytorch_profiler_writes_one_trace_of_the_steps_asked_for(tmp_path):
     assert len(host) == 30 and host == sorted(host, reverse=True) and host[0] > 0
     assert all(op["calls"] >= 1 and op["self_device_us"] == 0 for op in summary["operators"])   # CPU: no device
     assert sum(line.startswith("iter ") for line in out.splitlines()) == 3
+    assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 1   # both in one directory, as Megatron-LM
 
 
 def test_a_run_that_ends_inside_the_range_writes_what_was_recorded(tmp_path):

@@ -20,6 +20,7 @@ from .flags import (DEFAULT_HYSTERESIS, DEFAULT_INITIAL_LOSS_SCALE, DEFAULT_LOSS
                     DEFAULT_MICROBATCHES, DEFAULT_MIN_LOSS_SCALE, DEFAULT_SPLIT, DEFAULT_VOCAB_SIZE, MEGATRON_SCHEDULE,
                     POLICIES, SCHEDULES, UsageError, _FILLED_DEFAULTS, build_parser, lr_schedule_iterations,
                     writes_traces)
+from .tensorboard_scalars import REQUIREMENTS as TENSORBOARD_REQUIREMENTS, tensorboard_importable
 
 
 _POSITIVE_INT_FLAGS = (
@@ -421,9 +422,6 @@ _COLLECTOR_OPTIONS = {"manual_gc_interval": "--manual-gc-interval", "manual_gc_e
 
 def _refuse_unread_profiling_and_collector_options(args: argparse.Namespace) -> None:
     _refuse_without(args, "profile", _PROFILING_OPTIONS)
-    if getattr(args, "tensorboard_dir", None) is not None and not getattr(args, "use_pytorch_profiler", False):
-        raise UsageError("--tensorboard-dir holds --use-pytorch-profiler's traces only (no TensorBoard scalars are "
-                         "written: --log-json has them): give --profile --use-pytorch-profiler, or drop it")
     _refuse_without(args, "manual_gc", _COLLECTOR_OPTIONS)
     if getattr(args, "manual_gc_interval", None) is not None and args.manual_gc_interval < 0:
         raise UsageError(f"--manual-gc-interval must be >= 0 (0: no collection between iterations), got "
@@ -494,8 +492,16 @@ def validate(args: argparse.Namespace, environ: Mapping[str, str]) -> argparse.N
     _check_split_backward(args)
     _check_schedule_file(args)
     _check_profiling(args)
+    _check_tensorboard(args)
     _check_outputs(args)
     return args
+
+
+def _check_tensorboard(args: argparse.Namespace) -> None:
+    """--tensorboard-dir's scalars (tensorboard_scalars.py) need the optional tensorboard package."""
+    if getattr(args, "tensorboard_dir", None) is not None and not tensorboard_importable():
+        raise UsageError("--tensorboard-dir writes TensorBoard scalars, which need the tensorboard package: "
+                         f"pip install -r {TENSORBOARD_REQUIREMENTS}")
 
 
 def _check_outputs(args: argparse.Namespace) -> None:

@@ -419,8 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(profiling, "--profile-ranks", type=int, nargs="+", default=None, metavar="R",
               help="global ranks to profile (default 0)")
     _add_flag(profiling, "--tensorboard-dir", default=None, metavar="DIR",
-              help="where --use-pytorch-profiler writes (default: profile/ in the run's trace directory); "
-                   "no TensorBoard scalars are written (--log-json has them)")
+              help="TensorBoard scalars of each iteration (Megatron-LM's tags: lm loss, learning-rate, grad-norm, "
+                   "...; needs requirements-tensorboard.txt); --use-pytorch-profiler's traces also go there "
+                   "(default: profile/ in the run's trace directory)")
     return parser
 
 

@@ -33,9 +33,10 @@ from .lr_schedule import build_scheduler, current_lr, varies_lr
 from .optim import AdamSettings, MixedPrecision, finalize_model_grads
 from .optimizer_choice import build_optimizer
 from .evaluate import evaluate
-from .report import IterationReporter, reduce_lm_loss
+from .report import IterationReporter, is_reporting_rank, reduce_lm_loss
 from .start_gate import wait_for_start_gate
 from .startup import EndingClock, StartupClock
+from .tensorboard_scalars import TensorBoardScalars
 from .step import forward_step
 from .stops import check_finite, ctrl_c_seen, interrupt_follows, interrupted, raise_once_on_ctrl_c
 from .gc_trace import CollectionTracer
@@ -137,9 +138,12 @@ def build_trainer(args, startup: Optional[StartupClock] = None) -> Trainer:
     mark_part("data")
     trace_dir = start_trace_run(args.trace_dir) if writes_traces(args) else None   # else no run directory
     forward_backward = select_forward_backward_func(runtime_settings(args, trace_dir), args.device)
+    scalars = None
+    if args.tensorboard_dir and is_reporting_rank():   # the iteration lines' numbers, from the rank that prints them
+        scalars = TensorBoardScalars.open(args.tensorboard_dir, args.global_batch_size, emulated=emulation is not None)
     reporter = IterationReporter(run_config(args), args.iters, args.global_batch_size * args.seq_length,
                                  args.log_json, emulated=emulation is not None, shows_lr=varies_lr(args),
-                                 log_interval=args.log_interval)
+                                 log_interval=args.log_interval, scalars=scalars)
     if resume_note:
         reporter.note(resume_note)
     if hasattr(optimizer, "describe"):
@@ -365,6 +369,7 @@ def train(args) -> None:
             remove_transport_wrapper(loss_layer.wrap_transport)
             loss_layer.close()
         if trainer is not None:
+            trainer.reporter.close()   # --tensorboard-dir's scalars: what was flushed is readable whatever comes next
             if trainer.emulation is not None:
                 trainer.emulation.close()
             close_schedule(args.schedule)

@@ -53,10 +53,13 @@ class IterationReporter:
     date with every iteration (reporting rank only)."""
 
     def __init__(self, run_config: dict, iters: int, tokens_per_iteration: int,
-                 log_json: Optional[str], emulated: bool = False, shows_lr: bool = False, log_interval: int = 1):
+                 log_json: Optional[str], emulated: bool = False, shows_lr: bool = False, log_interval: int = 1,
+                 scalars=None):
         """``emulated``: --emulate-compute replaced the model by timed waits, so the loss means nothing: the line
         says so instead of printing it (the JSON log keeps the number, marked "emulated"). ``shows_lr``: the
-        learning rate varies (a schedule): the line shows each step's."""
+        learning rate varies (a schedule): the line shows each step's. ``scalars``: where each iteration's entry and
+        each validation also go, flushed as they come (--tensorboard-dir: tensorboard_scalars.TensorBoardScalars;
+        its ``iteration(entry)``, ``validation(iteration, loss, ppl)`` and ``close()``); closed by close()."""
         self.enabled = is_reporting_rank()
         self.iters = iters
         self.tokens_per_iteration = tokens_per_iteration
@@ -64,6 +67,7 @@ class IterationReporter:
         self.emulated = emulated
         self.shows_lr = shows_lr
         self.log_interval = log_interval
+        self.scalars = scalars
         self._interval: List[dict] = []   # the JSON entries of the iterations since the last line
         self.payload = {"schema": LOG_SCHEMA, "config": run_config, "iterations": [], "validation": []}
         if emulated:
@@ -83,6 +87,8 @@ class IterationReporter:
                  **({} if composed is None else {"composed": composed}), **(optimizer or {})}
         self.payload["iterations"].append(entry)
         self._interval.append(entry)
+        if self.scalars is not None:
+            self.scalars.iteration(entry)
         if iteration % self.log_interval == 0 or iteration == self.iters:
             self.flush()
         self._write()
@@ -142,7 +148,15 @@ class IterationReporter:
         perplexity = math.exp(min(loss, 700.0))
         print(f"validation at iter {iteration} | loss {loss:.4f} | ppl {perplexity:.2f}", flush=True)
         self.payload["validation"].append({"iteration": iteration, "loss": loss, "ppl": perplexity})
+        if self.scalars is not None:
+            self.scalars.validation(iteration, loss, perplexity)
         self._write()
+
+    def close(self) -> None:
+        """The end of the run: close the scalars' sink (its last events are on disk once this returns)."""
+        scalars, self.scalars = self.scalars, None
+        if scalars is not None:
+            scalars.close()
 
     def note(self, text: str) -> None:
         """One line for the user (resume, checkpoint, early exit)."""
