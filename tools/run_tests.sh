@@ -9,6 +9,22 @@ cd "$repo_root"
 # shellcheck source=tools/setup_env.sh
 source tools/setup_env.sh
 
+# The optional requirement of --tensorboard-dir (requirements-tensorboard.txt; not in requirements.txt, which
+# tools/gpu_check.sh installs from a carried folder of wheels), for its tests. pip runs as setup_env.sh's does, so
+# PIP_NO_INDEX / PIP_FIND_LINKS hold; where it cannot install, one line says so and those tests skip (no stamp: the
+# next run tries again).
+tensorboard_stamp="$venv/.tensorboard-$(file_hash requirements-tensorboard.txt)"
+if [ ! -f "$tensorboard_stamp" ]; then
+    log "installing the optional TensorBoard requirement (requirements-tensorboard.txt)"
+    pip_quiet -r requirements-tensorboard.txt
+    if "$VENV_PY" -c 'import tensorboard' 2>/dev/null; then
+        rm -f "$venv"/.tensorboard-*
+        touch "$tensorboard_stamp"
+    else
+        log "tensorboard did not install (see pip's output above): the --tensorboard-dir tests will skip"
+    fi
+fi
+
 # The newest supported megatron-core gets the tests that exercise Megatron's API in a second environment: after
 # the whole suite, LATEST_TESTS; after a targeted run, the same selection, but only with MEGATRON_APP_TEST_LATEST=1
 # (=0 skips the second run also after the whole suite).
