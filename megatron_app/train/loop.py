@@ -337,6 +337,7 @@ def train(args) -> None:
             if ctrl_c_seen() and not earlier_ctrl_c:   # one whose KeyboardInterrupt a gc callback swallowed
                 raise KeyboardInterrupt
         trainer.reporter.flush()   # a run stopped inside a --log-interval (--exit-interval) shows its last ones
+        trainer.reporter.close()   # --tensorboard-dir's scalars: a failure to close is the run's error
         if profiler is not None and profiler.running:   # stopped inside the range: what was recorded, not what follows
             _say(profiler.finish(iteration))
         if args.dump_weights:
@@ -369,7 +370,8 @@ def train(args) -> None:
             remove_transport_wrapper(loss_layer.wrap_transport)
             loss_layer.close()
         if trainer is not None:
-            trainer.reporter.close()   # --tensorboard-dir's scalars: what was flushed is readable whatever comes next
+            with contextlib.suppress(Exception):   # after an error: each iteration's scalars were flushed already
+                trainer.reporter.close()
             if trainer.emulation is not None:
                 trainer.emulation.close()
             close_schedule(args.schedule)
