@@ -143,3 +143,43 @@ def test_megatron_lms_gpt3_example_flags_parse_as_megatron_reads_them(tmp_path):
                       {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
     assert (args.pipeline_parallel, args.iters, args.precision, args.max_position_embeddings) == (2, 3, "fp16", 128)
     assert (args.log_interval, args.lr_decay_style, args.clip_grad, args.adam_beta2) == (100, "cosine", 1.0, 0.95)
+
+
+@pytest.mark.parametrize("flags,line", [
+    ("--train-samples 80 --train-iters 10", "both give the run's length"),
+    ("--lr-decay-samples 64", "counts the schedule in samples: give --train-samples"),
+    ("--train-samples 80 --lr-warmup-iters 2", "give --lr-warmup-samples instead of --lr-warmup-iters"),
+    ("--train-samples 4 --global-batch-size 8", "less than one global batch"),
+    ("--train-samples 80 --lr-decay-style cosine --lr-decay-samples 0", "--lr-decay-samples must be positive"),
+])
+def test_sample_based_training_flags_are_megatron_lms_rules(flags, line):
+    with pytest.raises(UsageError, match=line):
+        parse_args(flags.split(), ENV)
+
+
+def test_a_sample_based_schedule_is_megatron_lms_counted_in_samples():
+    """--train-samples 84 at global batch 8: 10 iterations (Megatron-LM floors), and a warm-up of 12 samples (an
+    iteration and a half) and a cosine decay over 60, exactly as Megatron's scheduler steps through them by samples."""
+    import torch
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_app.train.lr_schedule import build_scheduler, current_lr
+
+    args = parse_args("--train-samples 84 --global-batch-size 8 --lr 1e-3 --min-lr 1e-5 --lr-decay-style cosine "
+                      "--lr-warmup-samples 12 --lr-decay-samples 60".split(), ENV)
+    assert args.iters == 10
+
+    def optimizer():
+        return torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=0.0)
+
+    ours = build_scheduler(optimizer(), args)
+    megatron = OptimizerParamScheduler(optimizer(), init_lr=0.0, max_lr=1e-3, min_lr=1e-5, lr_warmup_steps=12,
+                                       lr_decay_steps=60, lr_decay_style="cosine", start_wd=0.0, end_wd=0.0,
+                                       wd_incr_steps=84, wd_incr_style="constant")
+    seen = []
+    for _ in range(args.iters):
+        seen.append(current_lr(ours))
+        assert seen[-1] == pytest.approx(current_lr(megatron), rel=1e-12, abs=1e-15)
+        ours.step(8)
+        megatron.step(8)
+    assert seen[1] == pytest.approx(1e-3 * 8 / 12) and seen[-1] == pytest.approx(1e-5)   # mid-warm-up; decayed

@@ -164,6 +164,48 @@ def _check_architecture(args: argparse.Namespace) -> None:
                          f"and {args.rotary_base}")
 
 
+_SAMPLE_COUNTS = {"lr_decay_samples": "lr_decay_iters", "lr_warmup_samples": "lr_warmup_iters",
+                  "lr_wsd_decay_samples": "lr_wsd_decay_iters"}
+
+
+def _refuse_mixed_training_length(args: argparse.Namespace) -> None:
+    """Megatron-LM's rules, before defaults fill in: the run's length and its schedule in iterations or in samples,
+    not both; a sample count only with --train-samples."""
+    if args.train_samples is None:
+        for dest in _SAMPLE_COUNTS:
+            if getattr(args, dest) is not None:
+                raise UsageError(f"{_flag(dest)} counts the schedule in samples: give --train-samples N instead of "
+                                 "--train-iters, or the schedule in iterations")
+        return
+    if args.iters is not None:
+        raise UsageError("--train-samples and --train-iters (--iters) both give the run's length: drop one")
+    for samples, iterations in _SAMPLE_COUNTS.items():
+        if getattr(args, iterations) is not None:
+            raise UsageError(f"--train-samples counts the schedule in samples: give {_flag(samples)} instead of "
+                             f"{_flag(iterations)}")
+
+
+def _resolve_training_length_in_samples(args: argparse.Namespace) -> None:
+    """--train-samples: the run's iterations (N // global batch, as Megatron-LM) and its schedule's lengths in
+    iterations of the global batch (fractional where the samples are not a multiple: the schedule, which counts
+    samples, then sees exactly Megatron-LM's)."""
+    if args.train_samples is None:
+        return
+    batch = args.global_batch_size
+    for dest in ("train_samples",) + tuple(_SAMPLE_COUNTS):
+        if getattr(args, dest) is not None and getattr(args, dest) < (1 if dest != "lr_warmup_samples" else 0):
+            raise UsageError(f"{_flag(dest)} must be positive, got {getattr(args, dest)}")
+    args.iters = args.train_samples // batch
+    if args.iters < 1:
+        raise UsageError(f"--train-samples {args.train_samples} is less than one global batch ({batch} samples)")
+    if args.lr_decay_samples is not None or args.lr_decay_style != "constant":   # a constant lr has no decay
+        args.lr_decay_iters = (args.lr_decay_samples or args.train_samples) / batch
+    if args.lr_warmup_samples is not None:
+        args.lr_warmup_iters = args.lr_warmup_samples / batch
+    if args.lr_wsd_decay_samples is not None:
+        args.lr_wsd_decay_iters = args.lr_wsd_decay_samples / batch
+
+
 def _check_recompute(args: argparse.Namespace) -> None:
     """Megatron-LM's activation recomputation flags: --recompute-activations means selective; full needs a method and
     a layer count, selective takes modules; a flag nothing would read is refused (Megatron-LM ignores some silently,
@@ -468,6 +510,7 @@ def validate(args: argparse.Namespace, environ: Mapping[str, str]) -> argparse.N
     _check_scalars(args)
     _read_synthetic_microbatches(args)   # before the batch size is derived: the file says it
     _resolve_virtual_stages(args)
+    _refuse_mixed_training_length(args)
     _refuse_ignored_options(args)
     _derive_layout(args, environ)
     _resolve_vocab_size(args)
@@ -476,6 +519,7 @@ def validate(args: argparse.Namespace, environ: Mapping[str, str]) -> argparse.N
     _check_recompute(args)
     _check_synthetic_layout(args)
     _derive_microbatches(args)
+    _resolve_training_length_in_samples(args)
     args.device = _resolve_device(args.device, check_only=args.check_config)
     if args.schedule == "megatron" and args.pipeline_parallel > 1 and args.device == "cpu":
         raise UsageError(

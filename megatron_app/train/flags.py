@@ -24,6 +24,7 @@ DEFAULT_SPLIT = "949,50,1"
 DEFAULT_SLOW_FACTOR = 1.5
 DEFAULT_STRAGGLER_FACTOR = 3.0
 DEFAULT_EVAL_ITERS = 10
+DEFAULT_ITERS = 5
 DEFAULT_TRACE_DIR = "traces/"
 DEFAULT_PROFILE_STEPS = (10, 12)   # Megatron-LM's --profile-step-start / --profile-step-end
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -159,8 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flag(train, "--micro-batch-size", type=int, default=2, help="sequences per microbatch")
     _add_flag(train, "--global-batch-size", type=int, default=None,
               help=f"sequences per iteration (default: {DEFAULT_MICROBATCHES} microbatches per data-parallel rank)")
-    _add_flag(train, "--iters", type=int, default=5, help="iterations to train, counted from 1 as in the log",
+    _add_flag(train, "--iters", type=int, default=None,
+              help=f"iterations to train, counted from 1 as in the log (default: {DEFAULT_ITERS})",
               megatron=["--train-iters"])
+    _add_flag(train, "--train-samples", type=int, default=None, metavar="N",
+              help="Megatron-LM's sample-based length instead of --train-iters: N // --global-batch-size iterations; "
+                   "the learning-rate schedule then counts samples (--lr-decay-samples, --lr-warmup-samples, "
+                   "--lr-wsd-decay-samples)")
     _add_flag(train, "--seed", type=int, default=1234, help="seeds the model, data order and dropout")
     _add_flag(train, "--lr", type=float, default=1e-3,
               help="Adam's learning rate (the peak of a --lr-decay-style schedule)")
@@ -291,6 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
               help="iterations of linear warm-up from --lr-warmup-init to --lr (default: 0)")
     _add_flag(optimizer, "--lr-warmup-fraction", type=float, default=None, metavar="F",
               help="the warm-up as a fraction of --lr-decay-iters (instead of --lr-warmup-iters)")
+    _add_flag(optimizer, "--lr-decay-samples", type=int, default=None, metavar="N",
+              help="with --train-samples: samples of the decay (default: --train-samples)")
+    _add_flag(optimizer, "--lr-warmup-samples", type=int, default=None, metavar="N",
+              help="with --train-samples: samples of linear warm-up (default: 0, or --lr-warmup-fraction's share)")
+    _add_flag(optimizer, "--lr-wsd-decay-samples", type=int, default=None, metavar="N",
+              help="with --train-samples: WSD's anneal, in samples")
     _add_flag(optimizer, "--lr-warmup-init", type=float, default=0.0, metavar="LR", help="where warm-up starts")
     _add_flag(optimizer, "--min-lr", type=float, default=0.0, metavar="LR", help="where the decay ends")
     _add_flag(optimizer, "--override-opt-param-scheduler", action="store_true",
@@ -427,7 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Options whose flag defaults to None (so that a given one can be told from a default) and the value an unset one
 # takes once the refusals have run; and what validate() derives for a run that gives none of the flags it reads.
-_FILLED_DEFAULTS = {"slow_factor": DEFAULT_SLOW_FACTOR, "straggler_factor": DEFAULT_STRAGGLER_FACTOR,
+_FILLED_DEFAULTS = {"iters": DEFAULT_ITERS,
+                    "slow_factor": DEFAULT_SLOW_FACTOR, "straggler_factor": DEFAULT_STRAGGLER_FACTOR,
                     "eval_iters": DEFAULT_EVAL_ITERS, "split": DEFAULT_SPLIT, "trace_dir": DEFAULT_TRACE_DIR,
                     "profile_step_start": DEFAULT_PROFILE_STEPS[0], "profile_step_end": DEFAULT_PROFILE_STEPS[1],
                     "profile_ranks": (0,), "use_pytorch_profiler": False, "manual_gc_interval": 0,
