@@ -269,6 +269,17 @@ def test_recomputed_activations_match_unpipelined_training_without_recomputation
                      varlen_dropout_reference)
 
 
+@pytest.mark.slow
+def test_recomputation_with_tensor_parallelism_matches_unpipelined_training(tmp_path, real_corpus,
+                                                                            varlen_dropout_reference):
+    """P=2 T=2: the rerun layers' tensor-parallel collectives run again in the backward pass, and each rank's share of
+    the attention dropout must be redrawn as its forward drew it."""
+    out = _run(tmp_path, 2, 1, 2, ["app:planned"], "--compositions", "balanced", "--dropout", DROPOUT,
+               extra=f"{_varlen_flags(real_corpus)} {RECOMPUTE_ROWS['full']}")
+    _assert_same("recompute full P2 T2 balanced", _losses_and_grads(out, "app-planned_balanced"),
+                 varlen_dropout_reference)
+
+
 # A Llama-shaped model (Megatron-LM's flags): RMSNorm, SwiGLU (its fc1 split with stride 2 across tensor-parallel
 # ranks), no biases, grouped-query attention and rotary embeddings. The reference pads each document into its own row
 # (positions from 0); packed and `balanced` rows hold several documents, so they equal it only if the rotary
