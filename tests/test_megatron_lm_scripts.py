@@ -183,3 +183,33 @@ def test_a_sample_based_schedule_is_megatron_lms_counted_in_samples():
         ours.step(8)
         megatron.step(8)
     assert seen[1] == pytest.approx(1e-3 * 8 / 12) and seen[-1] == pytest.approx(1e-5)   # mid-warm-up; decayed
+
+
+def test_exit_duration_stops_every_rank_after_the_same_iteration_with_a_checkpoint(tmp_path):
+    """--exit-duration-in-mins (Megatron-LM's, for a job's time limit): P=2, a limit of 1.2 s; both ranks agree on
+    the iteration (a collective), save it, and exit 0."""
+    import re
+    import subprocess
+
+    from pipeline_runs import REPO, run_env
+
+    checkpoints = tmp_path / "checkpoints"
+    result = subprocess.run(["bash", str(REPO / "run_single.sh"), "--pipeline_parallel", "2", "--iters", "100000",
+                             "--exit-duration-in-mins", "0.02", "--num-layers", "2", "--hidden-size", "32",
+                             "--seq-length", "32", "--no-trace", "--save", str(checkpoints)],
+                            cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    stopped = re.search(r"stopping after iteration (\d+) \(--exit-duration-in-mins 0\.02: ([\d.]+) minutes",
+                        result.stdout)
+    assert stopped, result.stdout[-2000:]
+    iteration = int(stopped.group(1))
+    assert 0 < iteration < 100000 and float(stopped.group(2)) >= 0.02
+    assert (checkpoints / "latest_iteration.txt").read_text().strip() == str(iteration)
+    saved = sorted(path.name for path in (checkpoints / f"iter_{iteration:07d}").iterdir())
+    assert [name for name in saved if name.startswith("model_optim_rng_")] == ["model_optim_rng_pp000_tp00.pt",
+                                                                              "model_optim_rng_pp001_tp00.pt"]
+
+
+def test_exit_duration_must_be_positive():
+    with pytest.raises(UsageError, match="--exit-duration-in-mins must be positive"):
+        parse_args(["--exit-duration-in-mins", "0"], ENV)

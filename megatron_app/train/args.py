@@ -74,6 +74,8 @@ def _check_scalars(args: argparse.Namespace) -> None:
         raise UsageError(f"--seed must be non-negative, got {args.seed}")
     if not args.lr > 0:
         raise UsageError(f"--lr must be positive, got {args.lr}")
+    if args.exit_duration_in_mins is not None and not args.exit_duration_in_mins > 0:
+        raise UsageError(f"--exit-duration-in-mins must be positive, got {args.exit_duration_in_mins}")
     for dest in ("hidden_dropout", "attention_dropout"):
         if not 0.0 <= getattr(args, dest) < 1.0:
             raise UsageError(f"{_flag(dest)} must be in [0, 1), got {getattr(args, dest)}")

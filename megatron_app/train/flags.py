@@ -375,6 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(otherwise refused: the run would silently read other samples)")
     _add_flag(ckpt, "--exit-interval", type=int, default=None, metavar="N",
               help="stop after an iteration that is a multiple of N (saving first when --save is given)")
+    _add_flag(ckpt, "--exit-duration-in-mins", type=float, default=None, metavar="M",
+              help="stop after the first iteration that ends M minutes or more after the run began (saving first "
+                   "when --save is given), every rank at the same one, as Megatron-LM does: for a job's time limit")
 
     lossy = parser.add_argument_group("packet loss (lossy-network research; see megatron_app/lossy/config.py)")
     _add_flag(lossy, "--loss-model", default="none", metavar="MODEL",
