@@ -213,3 +213,42 @@ def test_exit_duration_stops_every_rank_after_the_same_iteration_with_a_checkpoi
 def test_exit_duration_must_be_positive():
     with pytest.raises(UsageError, match="--exit-duration-in-mins must be positive"):
         parse_args(["--exit-duration-in-mins", "0"], ENV)
+
+
+def test_sigterm_under_exit_signal_handler_saves_and_stops_every_rank_after_the_same_iteration(tmp_path):
+    """SLURM signals every process of a job step: here run_single.sh's whole process group (torchrun and both ranks)
+    gets SIGTERM once iteration 3 is printed. The ranks finish their iteration, agree, save it and stop."""
+    import os
+    import re
+    import signal
+    import subprocess
+
+    from pipeline_runs import REPO, run_env
+
+    checkpoints = tmp_path / "checkpoints"
+    run = subprocess.Popen(["bash", str(REPO / "run_single.sh"), "--pipeline_parallel", "2", "--iters", "100000",
+                            "--exit-signal-handler", "--num-layers", "2", "--hidden-size", "32", "--seq-length", "32",
+                            "--no-trace", "--save", str(checkpoints)], cwd=REPO, env=run_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    output = []
+    try:
+        for line in run.stdout:
+            output.append(line)
+            if "iter 3/100000" in line:
+                os.killpg(run.pid, signal.SIGTERM)
+                break
+        output.extend(run.stdout)
+        run.wait(timeout=300)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    text = "".join(output)
+    stopped = re.search(r"stopping after iteration (\d+) \(--exit-signal-handler: SIGTERM received\)", text)
+    assert stopped, text[-3000:]
+    iteration = int(stopped.group(1))
+    assert 3 <= iteration < 100000
+    assert (checkpoints / "latest_iteration.txt").read_text().strip() == str(iteration)
+    saved = sorted(path.name for path in (checkpoints / f"iter_{iteration:07d}").iterdir())
+    assert [name for name in saved if name.startswith("model_optim_rng_")] == ["model_optim_rng_pp000_tp00.pt",
+                                                                              "model_optim_rng_pp001_tp00.pt"]
+    assert "Traceback" not in text, text[-3000:]

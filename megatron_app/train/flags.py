@@ -375,6 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(otherwise refused: the run would silently read other samples)")
     _add_flag(ckpt, "--exit-interval", type=int, default=None, metavar="N",
               help="stop after an iteration that is a multiple of N (saving first when --save is given)")
+    _add_flag(ckpt, "--exit-signal-handler", action="store_true",
+              help="on SIGTERM (SLURM's before a job's time limit; torchrun passes it on) finish the iteration, save "
+                   "it when --save is given and stop, every rank after the same iteration, as Megatron-LM does")
     _add_flag(ckpt, "--exit-duration-in-mins", type=float, default=None, metavar="M",
               help="stop after the first iteration that ends M minutes or more after the run began (saving first "
                    "when --save is given), every rank at the same one, as Megatron-LM does: for a job's time limit")

@@ -16,7 +16,7 @@ from megatron_app.lossy.training import start_loss_layer
 from megatron_app.runtime import enable_keyed_randomness, set_iteration
 from megatron_app.runtime import add_transport_wrapper, current_tracer, remove_transport_wrapper
 from megatron_app.runtime.peer_gone import peer_behind
-from megatron_app.devices import collective_device, local_device
+from megatron_app.devices import local_device
 from megatron_app.runtime.layout import data_parallel_rank
 from megatron_app.trace.runs import LATEST
 
@@ -38,7 +38,8 @@ from .start_gate import wait_for_start_gate
 from .startup import EndingClock, StartupClock
 from .tensorboard_scalars import TensorBoardScalars
 from .step import forward_step
-from .stops import check_finite, ctrl_c_seen, interrupt_follows, interrupted, raise_once_on_ctrl_c
+from .stops import (ExitSignal, any_rank, check_finite, ctrl_c_seen, interrupt_follows, interrupted,
+                    raise_once_on_ctrl_c)
 from .gc_trace import CollectionTracer
 from .manual_gc import ManualCollector
 from .memory_report import IterationMemory
@@ -84,6 +85,7 @@ class Trainer:
     last_lr: Optional[float] = None  # the learning rate of the last step
     trace_dir: Optional[Path] = None  # this run's trace directory (None: no traces)
     run_started_s: Optional[float] = None  # time.monotonic() when the run began (--exit-duration-in-mins)
+    exit_signal: Optional[ExitSignal] = None  # --exit-signal-handler's
 
     @property
     def composes(self) -> bool:
@@ -220,10 +222,14 @@ def after_iteration(trainer: Trainer, iteration: int, collector: Optional[Manual
             loss = evaluate(args, trainer.chunks, trainer.forward_backward, trainer.valid_dataset)
         trainer.reporter.record_validation(iteration, loss)
     stop = _due(iteration, args.exit_interval)
-    minutes = None
+    why = f"--exit-interval {args.exit_interval}"
     if not stop and args.exit_duration_in_mins is not None:
         minutes = (time.monotonic() - trainer.run_started_s) / 60.0
-        stop = _any_rank(minutes >= args.exit_duration_in_mins)
+        stop = any_rank(minutes >= args.exit_duration_in_mins)
+        why = f"--exit-duration-in-mins {args.exit_duration_in_mins:g}: {minutes:.2f} minutes since the run began"
+    if not stop and trainer.exit_signal is not None:
+        stop = any_rank(trainer.exit_signal.received)
+        why = "--exit-signal-handler: SIGTERM received"
     save_dir = args.save
     if save_dir and (_due(iteration, args.save_interval) or stop or iteration == args.iters):
         directory = save_checkpoint(save_dir, args, trainer.chunks, trainer.optimizer, trainer.scheduler, iteration,
@@ -231,22 +237,10 @@ def after_iteration(trainer: Trainer, iteration: int, collector: Optional[Manual
         trainer.saved_iteration = iteration
         trainer.reporter.note(f"saved checkpoint {directory}")
     if stop and iteration < args.iters:
-        why = f"--exit-interval {args.exit_interval}" if minutes is None else \
-            f"--exit-duration-in-mins {args.exit_duration_in_mins:g}: {minutes:.2f} minutes since the run began"
         trainer.reporter.note(f"stopping after iteration {iteration} ({why})")
     if collector is not None and not stop:   # last, as Megatron-LM: after evaluation and the checkpoint
         collector.after_iteration(iteration)
     return not stop
-
-
-def _any_rank(flag: bool) -> bool:
-    """Whether any rank's flag is set (a collective: every rank stops at the same iteration, as Megatron-LM's
-    all-reduce of its `done` flag makes them)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return flag
-    done = torch.tensor([int(flag)], dtype=torch.int32, device=collective_device())
-    dist.all_reduce(done, op=dist.ReduceOp.MAX)
-    return bool(done.item())
 
 
 def _trace_memory(iteration: int, from_ns: int, peak_mib: float, measure: str) -> None:
@@ -289,6 +283,7 @@ def train(args) -> None:
         startup.mark("gate")
     owns_process_group = not dist.is_initialized()
     restore_ctrl_c = raise_once_on_ctrl_c()
+    exit_signal = ExitSignal().install() if args.exit_signal_handler else None
     earlier_ctrl_c = ctrl_c_seen()   # a process that trains twice: only this call's Ctrl-C stops it
     run_started_s = time.monotonic()   # after the start gate: a run waiting its turn has not begun
     init_distributed(args.device, args.distributed_timeout_minutes)
@@ -306,6 +301,7 @@ def train(args) -> None:
         startup.mark("model_parallel")
         trainer = build_trainer(args, startup)
         trainer.run_started_s = run_started_s
+        trainer.exit_signal = exit_signal
         startup.mark("trainer")
         trainer.reporter.record_startup(startup.report())
         loss_layer = start_loss_layer(args, dist.get_rank())  # before the first step creates the transport
@@ -401,3 +397,5 @@ def train(args) -> None:
             ending.mark("process_group")
             trainer.reporter.record_ending(ending.report())
         restore_ctrl_c()
+        if exit_signal is not None:
+            exit_signal.restore()

@@ -7,6 +7,10 @@ weights. The lowest rank that saw one names it; the others exit quietly.
 
 Ctrl-C: the terminal sends SIGINT to every rank (and torchrun sends it again); the loop turns the first into
 TrainingInterrupted, which says where the run was and what is saved, and ignores the rest while it cleans up.
+
+SIGTERM under --exit-signal-handler (Megatron-LM's; SLURM sends it before a job's time limit, and torchrun passes it
+on): remembered, not obeyed at once. After each iteration the ranks agree in one all-reduce (any_rank) whether one got
+it, and all save that iteration and stop, as after --exit-duration-in-mins.
 """
 
 from __future__ import annotations
@@ -114,6 +118,39 @@ def interrupt_follows(error: BaseException) -> bool:
     except KeyboardInterrupt:
         return True
     return False
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether any rank's flag is set: a collective, so every rank stops after the same iteration (Megatron-LM's
+    all-reduce of its `done` flag)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    done = torch.tensor([int(flag)], dtype=torch.int32, device=collective_device())
+    dist.all_reduce(done, op=dist.ReduceOp.MAX)
+    return bool(done.item())
+
+
+class ExitSignal:
+    """--exit-signal-handler: SIGTERM sets ``received`` instead of ending the process; restore() puts the previous
+    handler back. Off the main thread (where no handler can be set) it does nothing."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        self.signum = signum
+        self.received = False
+        self._previous = None
+
+    def install(self) -> "ExitSignal":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(self.signum, self._remember)
+        return self
+
+    def _remember(self, signum, frame) -> None:
+        self.received = True
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(self.signum, self._previous)
+            self._previous = None
 
 
 def raise_once_on_ctrl_c() -> Callable[[], None]:
