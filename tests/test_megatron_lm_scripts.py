@@ -54,12 +54,14 @@ def test_a_run_stopped_inside_an_interval_shows_its_last_iterations_once(reporte
                                                                  ["iter 6/10", "loss 2.0000 (mean of 2)"]]
 
 
-def test_an_interval_counts_its_skipped_iterations(reporter, capsys):
+def test_an_interval_counts_its_skipped_iterations_and_leaves_their_loss_out(reporter, capsys):
     log = reporter(4, 4)
-    for iteration, skipped in zip(range(1, 5), (False, True, True, False)):
-        log.record(iteration, 2.0, 0.5, optimizer={"loss_scale": 1024.0, "skipped_iterations": 2 if iteration > 2
-                                                   else int(skipped), "skipped": skipped})
-    assert _lines(capsys)[-1].endswith("| loss scale 1024 | skipped iterations 2 (2 of these 4: gradients overflowed)")
+    for iteration, skipped, loss in zip(range(1, 5), (False, True, True, False), (2.0, float("inf"), 9.0, 4.0)):
+        log.record(iteration, loss, 0.5, optimizer={"loss_scale": 1024.0, "skipped_iterations": 2 if iteration > 2
+                                                    else int(skipped), "skipped": skipped})
+    line = _lines(capsys)[-1]
+    assert "| loss 3.0000 (mean of 2) |" in line   # the two that stepped, as Megatron-LM averages
+    assert line.endswith("| loss scale 1024 | skipped iterations 2 (2 of these 4: gradients overflowed)")
 
 
 def test_every_iteration_has_its_line_by_default(reporter, capsys):
@@ -121,6 +123,8 @@ def test_a_checkpoint_with_another_position_table_is_refused(tmp_path):
         check_compatible(FoundCheckpoint(str(tmp_path), manifest), parse_args([], ENV))
     del manifest["model"]["max_position_embeddings"]   # from before it was recorded: --seq-length's
     check_compatible(FoundCheckpoint(str(tmp_path), manifest), parse_args([], ENV))
+    with pytest.raises(CheckpointError, match="max_position_embeddings=64 but this run has --max-position-embeddings"):
+        check_compatible(FoundCheckpoint(str(tmp_path), manifest), parse_args(["--max-position-embeddings", "96"], ENV))
 
 
 # examples/gpt3/train_gpt3_175b_distributed.sh of Megatron-LM, its flags as written but for the sizes (and the data,
@@ -150,11 +154,34 @@ def test_megatron_lms_gpt3_example_flags_parse_as_megatron_reads_them(tmp_path):
     ("--lr-decay-samples 64", "counts the schedule in samples: give --train-samples"),
     ("--train-samples 80 --lr-warmup-iters 2", "give --lr-warmup-samples instead of --lr-warmup-iters"),
     ("--train-samples 4 --global-batch-size 8", "less than one global batch"),
-    ("--train-samples 80 --lr-decay-style cosine --lr-decay-samples 0", "--lr-decay-samples must be positive"),
+    ("--train-samples 80 --lr-decay-style cosine --lr-decay-samples 0", "--lr-decay-samples must be a positive"),
+    # the schedule's refusals name the flags of the run's unit
+    ("--train-samples 80 --lr-decay-style WSD", "WSD needs --lr-wsd-decay-samples N"),
+    ("--train-samples 80 --lr-decay-samples 50", "--lr-decay-samples shapes a decay; --lr-decay-style constant"),
+    ("--train-samples 80 --lr-warmup-samples 8 --lr-warmup-fraction 0.1", "--lr-warmup-samples and --lr-warmup-"),
+    ("--train-samples 80 --lr-decay-style cosine --lr-warmup-samples 80",
+     r"warm-up \(80 samples\) must end before --lr-decay-samples \(80, default --train-samples\)"),
 ])
 def test_sample_based_training_flags_are_megatron_lms_rules(flags, line):
     with pytest.raises(UsageError, match=line):
         parse_args(flags.split(), ENV)
+
+
+def test_sample_counts_megatron_lm_accepts_are_accepted():
+    """Counts that are no whole number of iterations (Megatron's scheduler counts samples), and an explicit zero
+    warm-up in the other unit (Megatron-LM's default)."""
+    args = parse_args("--train-samples 100 --global-batch-size 8 --lr-decay-style cosine --lr-decay-samples 4 "
+                      "--lr-warmup-samples 0 --lr-warmup-iters 0".split(), ENV)
+    assert args.iters == 12
+    parse_args("--train-samples 100 --global-batch-size 8 --lr-decay-style cosine --lr-warmup-samples 98".split(), ENV)
+    parse_args("--train-iters 10 --lr-warmup-samples 0".split(), ENV)
+
+
+def test_a_constant_lr_counted_in_samples_warms_up_over_its_share_of_the_samples():
+    from megatron_app.train.flags import lr_schedule_samples
+
+    args = parse_args("--train-samples 100 --global-batch-size 8 --lr-warmup-fraction 0.5".split(), ENV)
+    assert lr_schedule_samples(args) == (50.0, 100, None, 100)   # Megatron-LM's: half of the 100 samples, not 96
 
 
 def test_a_sample_based_schedule_is_megatron_lms_counted_in_samples():
@@ -176,6 +203,7 @@ def test_a_sample_based_schedule_is_megatron_lms_counted_in_samples():
     megatron = OptimizerParamScheduler(optimizer(), init_lr=0.0, max_lr=1e-3, min_lr=1e-5, lr_warmup_steps=12,
                                        lr_decay_steps=60, lr_decay_style="cosine", start_wd=0.0, end_wd=0.0,
                                        wd_incr_steps=84, wd_incr_style="constant")
+    assert (ours.lr_warmup_steps, ours.lr_decay_steps, ours.wd_incr_steps) == (12, 60, 84)   # samples, as given
     seen = []
     for _ in range(args.iters):
         seen.append(current_lr(ours))
@@ -252,3 +280,4 @@ def test_sigterm_under_exit_signal_handler_saves_and_stops_every_rank_after_the_
     assert [name for name in saved if name.startswith("model_optim_rng_")] == ["model_optim_rng_pp000_tp00.pt",
                                                                               "model_optim_rng_pp001_tp00.pt"]
     assert "Traceback" not in text, text[-3000:]
+    assert "run_single.sh: stopped by SIGTERM" in text, text[-3000:]   # the launcher waited it out, then said so

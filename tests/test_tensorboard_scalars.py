@@ -156,6 +156,10 @@ def test_tensorboard_dir_without_the_package_is_refused_in_one_line(monkeypatch,
     assert str(error.value) == ("--tensorboard-dir writes TensorBoard scalars, which need the tensorboard package: "
                                 "pip install -r requirements-tensorboard.txt")
     parse_args([], WORLD)   # a run without it never asks
+    # the profiler's traces need no package: they still go there, and the run says the scalars do not
+    args = parse_args(["--tensorboard-dir", str(tmp_path / "tb"), "--profile", "--use-pytorch-profiler",
+                       "--iters", "12"], WORLD)
+    assert "gets the profiler's traces only" in args.tensorboard_scalars_note
 
 
 def test_without_the_package_the_trainer_imports_and_runs_without_it_but_refuses_the_flag(tmp_path):

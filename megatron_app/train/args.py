@@ -18,8 +18,8 @@ from megatron_app.schedule.policies import policies_taking
 
 from .flags import (DEFAULT_HYSTERESIS, DEFAULT_INITIAL_LOSS_SCALE, DEFAULT_LOSS_SCALE_WINDOW,  # noqa: F401
                     DEFAULT_MICROBATCHES, DEFAULT_MIN_LOSS_SCALE, DEFAULT_SPLIT, DEFAULT_VOCAB_SIZE, MEGATRON_SCHEDULE,
-                    POLICIES, SCHEDULES, UsageError, _FILLED_DEFAULTS, build_parser, lr_schedule_iterations,
-                    writes_traces)
+                    POLICIES, SCHEDULES, UsageError, _FILLED_DEFAULTS, build_parser, counts_samples,
+                    lr_schedule_lengths, schedule_flag, writes_traces)
 from .tensorboard_scalars import REQUIREMENTS as TENSORBOARD_REQUIREMENTS, tensorboard_importable
 
 
@@ -173,39 +173,34 @@ _SAMPLE_COUNTS = {"lr_decay_samples": "lr_decay_iters", "lr_warmup_samples": "lr
 def _refuse_mixed_training_length(args: argparse.Namespace) -> None:
     """Megatron-LM's rules, before defaults fill in: the run's length and its schedule in iterations or in samples,
     not both; a sample count only with --train-samples."""
+    def given(dest: str) -> bool:   # an explicit zero warm-up is Megatron-LM's default, allowed either way
+        return getattr(args, dest) is not None and not (dest.startswith("lr_warmup") and getattr(args, dest) == 0)
+
     if args.train_samples is None:
         for dest in _SAMPLE_COUNTS:
-            if getattr(args, dest) is not None:
+            if given(dest):
                 raise UsageError(f"{_flag(dest)} counts the schedule in samples: give --train-samples N instead of "
                                  "--train-iters, or the schedule in iterations")
         return
     if args.iters is not None:
         raise UsageError("--train-samples and --train-iters (--iters) both give the run's length: drop one")
     for samples, iterations in _SAMPLE_COUNTS.items():
-        if getattr(args, iterations) is not None:
+        if given(iterations):
             raise UsageError(f"--train-samples counts the schedule in samples: give {_flag(samples)} instead of "
                              f"{_flag(iterations)}")
 
 
 def _resolve_training_length_in_samples(args: argparse.Namespace) -> None:
-    """--train-samples: the run's iterations (N // global batch, as Megatron-LM) and its schedule's lengths in
-    iterations of the global batch (fractional where the samples are not a multiple: the schedule, which counts
-    samples, then sees exactly Megatron-LM's)."""
+    """--train-samples: the run's iterations, N // global batch as Megatron-LM counts them. The schedule stays in
+    samples (flags.lr_schedule_samples hands them to Megatron's scheduler as given)."""
     if args.train_samples is None:
         return
-    batch = args.global_batch_size
-    for dest in ("train_samples",) + tuple(_SAMPLE_COUNTS):
-        if getattr(args, dest) is not None and getattr(args, dest) < (1 if dest != "lr_warmup_samples" else 0):
-            raise UsageError(f"{_flag(dest)} must be positive, got {getattr(args, dest)}")
-    args.iters = args.train_samples // batch
+    if args.train_samples < 1:
+        raise UsageError(f"--train-samples must be positive, got {args.train_samples}")
+    args.iters = args.train_samples // args.global_batch_size
     if args.iters < 1:
-        raise UsageError(f"--train-samples {args.train_samples} is less than one global batch ({batch} samples)")
-    if args.lr_decay_samples is not None or args.lr_decay_style != "constant":   # a constant lr has no decay
-        args.lr_decay_iters = (args.lr_decay_samples or args.train_samples) / batch
-    if args.lr_warmup_samples is not None:
-        args.lr_warmup_iters = args.lr_warmup_samples / batch
-    if args.lr_wsd_decay_samples is not None:
-        args.lr_wsd_decay_iters = args.lr_wsd_decay_samples / batch
+        raise UsageError(f"--train-samples {args.train_samples} is less than one global batch "
+                         f"({args.global_batch_size} samples)")
 
 
 def _check_recompute(args: argparse.Namespace) -> None:
@@ -544,10 +539,16 @@ def validate(args: argparse.Namespace, environ: Mapping[str, str]) -> argparse.N
 
 
 def _check_tensorboard(args: argparse.Namespace) -> None:
-    """--tensorboard-dir's scalars (tensorboard_scalars.py) need the optional tensorboard package."""
-    if getattr(args, "tensorboard_dir", None) is not None and not tensorboard_importable():
+    """--tensorboard-dir's scalars (tensorboard_scalars.py) need the optional tensorboard package; without it the
+    directory still takes --use-pytorch-profiler's traces (which need no package), and the run says so."""
+    if getattr(args, "tensorboard_dir", None) is None or tensorboard_importable():
+        return
+    if not getattr(args, "use_pytorch_profiler", False):
         raise UsageError("--tensorboard-dir writes TensorBoard scalars, which need the tensorboard package: "
                          f"pip install -r {TENSORBOARD_REQUIREMENTS}")
+    args.tensorboard_scalars_note = (f"--tensorboard-dir {args.tensorboard_dir} gets the profiler's traces only: "
+                                     f"its scalars need the tensorboard package (pip install -r "
+                                     f"{TENSORBOARD_REQUIREMENTS})")
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
@@ -641,41 +642,48 @@ def _check_optimizer(args: argparse.Namespace) -> None:
             raise UsageError(f"{_flag(dest)} must be in [0, 1), got {getattr(args, dest)}")
     if not args.adam_eps > 0.0:
         raise UsageError(f"--adam-eps must be positive, got {args.adam_eps}")
-    style, decay = args.lr_decay_style, args.lr_decay_iters
-    if decay is not None and decay < 1:
-        raise UsageError(f"--lr-decay-iters must be a positive integer, got {decay}")
-    if args.lr_warmup_iters is not None and args.lr_warmup_fraction is not None:
-        raise UsageError("--lr-warmup-iters and --lr-warmup-fraction both give the warm-up: drop one")
-    if args.lr_warmup_iters is not None and args.lr_warmup_iters < 0:
-        raise UsageError(f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
+    # The schedule's lengths in the run's unit: --lr-*-iters, or --lr-*-samples under --train-samples.
+    unit, length_flag = ("samples", "--train-samples") if counts_samples(args) else ("iterations", "--iters")
+    given = {what: getattr(args, schedule_flag(args, what)[2:].replace("-", "_"))
+             for what in ("decay", "warmup", "wsd_decay")}
+    style = args.lr_decay_style
+    if given["decay"] is not None and given["decay"] < 1:
+        raise UsageError(f"{schedule_flag(args, 'decay')} must be a positive integer, got {given['decay']}")
+    if given["warmup"] is not None and args.lr_warmup_fraction is not None:
+        raise UsageError(f"{schedule_flag(args, 'warmup')} and --lr-warmup-fraction both give the warm-up: drop one")
+    if given["warmup"] is not None and given["warmup"] < 0:
+        raise UsageError(f"{schedule_flag(args, 'warmup')} must be >= 0, got {given['warmup']}")
     if args.lr_warmup_fraction is not None and not 0.0 <= args.lr_warmup_fraction < 1.0:
         raise UsageError(f"--lr-warmup-fraction must be in [0, 1), got {args.lr_warmup_fraction}")
     if style == "constant":
-        for dest in ("lr_decay_iters", "min_lr"):
-            if getattr(args, dest):
-                raise UsageError(f"{_flag(dest)} shapes a decay; --lr-decay-style constant has none (give linear, "
+        for flag, value in ((schedule_flag(args, "decay"), given["decay"]), ("--min-lr", args.min_lr)):
+            if value:
+                raise UsageError(f"{flag} shapes a decay; --lr-decay-style constant has none (give linear, "
                                  "cosine or inverse-square-root)")
     if style == "WSD":
-        if args.lr_wsd_decay_iters is None:
-            raise UsageError("--lr-decay-style WSD needs --lr-wsd-decay-iters N (the anneal at the decay's end)")
+        if given["wsd_decay"] is None:
+            raise UsageError(f"--lr-decay-style WSD needs {schedule_flag(args, 'wsd_decay')} N (the anneal at the "
+                             "decay's end)")
         args.lr_wsd_decay_style = args.lr_wsd_decay_style or "exponential"
     else:
-        for dest in ("lr_wsd_decay_iters", "lr_wsd_decay_style"):
-            if getattr(args, dest) is not None:
-                raise UsageError(f"{_flag(dest)} shapes WSD's anneal: give --lr-decay-style WSD")
+        for flag, value in ((schedule_flag(args, "wsd_decay"), given["wsd_decay"]),
+                            ("--lr-wsd-decay-style", args.lr_wsd_decay_style)):
+            if value is not None:
+                raise UsageError(f"{flag} shapes WSD's anneal: give --lr-decay-style WSD")
     if args.min_lr > args.lr:
         raise UsageError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
-    warmup, decay = lr_schedule_iterations(args)
+    warmup, decay, wsd = lr_schedule_lengths(args)
     if not warmup and args.lr_warmup_init:
-        raise UsageError("--lr-warmup-init is where a warm-up starts; give --lr-warmup-iters or --lr-warmup-fraction")
+        raise UsageError(f"--lr-warmup-init is where a warm-up starts; give {schedule_flag(args, 'warmup')} or "
+                         "--lr-warmup-fraction")
     if args.lr_warmup_init > args.lr:
         raise UsageError(f"--lr-warmup-init {args.lr_warmup_init} is above --lr {args.lr}")
     if warmup and warmup >= decay:
-        raise UsageError(f"the warm-up ({warmup:g} iterations) must end before --lr-decay-iters ({decay}, default "
-                         "--iters)")
-    if style == "WSD" and not 0 < args.lr_wsd_decay_iters <= decay - warmup:
-        raise UsageError(f"--lr-wsd-decay-iters {args.lr_wsd_decay_iters} must be 1..{decay - warmup:g} (the decay's "
-                         f"{decay} iterations, default --iters, after the warm-up's {warmup:g})")
+        raise UsageError(f"the warm-up ({warmup:g} {unit}) must end before {schedule_flag(args, 'decay')} ({decay}, "
+                         f"default {length_flag})")
+    if style == "WSD" and not 0 < wsd <= decay - warmup:
+        raise UsageError(f"{schedule_flag(args, 'wsd_decay')} {wsd} must be 1..{decay - warmup:g} (the decay's "
+                         f"{decay} {unit}, default {length_flag}, after the warm-up's {warmup:g})")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise UsageError("--override-opt-param-scheduler takes this run's schedule, "
                          "--use-checkpoint-opt-param-scheduler the checkpoint's: give one")

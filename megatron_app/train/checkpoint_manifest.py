@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from .flags import completed, lr_schedule_iterations
+from .flags import completed, counts_samples, lr_schedule_lengths
 
 SCHEMA = "megatron_app.checkpoint/1"
 MANIFEST = "manifest.json"
@@ -28,7 +28,7 @@ ARCHITECTURE_DEFAULTS = {"normalization": "LayerNorm", "swiglu": False, "ffn_hid
                          "disable_bias_linear": False, "num_query_groups": None,
                          "position_embedding_type": "learned_absolute",
                          "untie_embeddings_and_output_weights": True,   # untied always, before it was recorded
-                         "max_position_embeddings": None}   # --seq-length, checked above, before it was recorded
+                         "max_position_embeddings": None}   # --seq-length before it was recorded (check_compatible)
 # What the run reads: resuming with other data or another length mode changes results without an error, so it is
 # refused unless --allow-data-change-on-resume says the change is meant.
 DATA_KEYS = ("data_path", "variable_seq_lengths", "synthetic_microbatches")
@@ -95,16 +95,18 @@ def schedule_identity(args) -> dict:
     """The learning-rate schedule and weight decay a run trains with (what a resumed run must agree on); the decay's
     length and floor only where there is a decay (a constant lr may go on past the --iters it was saved with)."""
     args = completed(args)
-    warmup, decay = lr_schedule_iterations(args)
+    warmup, decay, wsd = lr_schedule_lengths(args)
     identity = {"lr": args.lr, "lr_decay_style": args.lr_decay_style, "lr_warmup_iters": warmup,
                 "lr_warmup_init": args.lr_warmup_init, "weight_decay": args.weight_decay}
+    if counts_samples(args):   # the lengths below are samples (absent: iterations, as every run before it was kept)
+        identity["schedule_counts"] = "samples"
     if args.weight_decay_incr_style != "constant":
         identity.update(weight_decay_incr_style=args.weight_decay_incr_style,
                         start_weight_decay=args.start_weight_decay, end_weight_decay=args.end_weight_decay)
     if args.lr_decay_style != "constant":
         identity.update(lr_decay_iters=decay, min_lr=args.min_lr)
     if args.lr_decay_style == "WSD":
-        identity.update(lr_wsd_decay_iters=args.lr_wsd_decay_iters, lr_wsd_decay_style=args.lr_wsd_decay_style)
+        identity.update(lr_wsd_decay_iters=wsd, lr_wsd_decay_style=args.lr_wsd_decay_style)
     return identity
 
 
@@ -244,6 +246,8 @@ def check_compatible(found: FoundCheckpoint, args) -> None:
                 f"--{key.replace('_', '-')} {values[key]}")
     for key, default in ARCHITECTURE_DEFAULTS.items():
         saved_value = found.manifest["model"].get(key, default)
+        if key == "max_position_embeddings" and saved_value is None:   # before it was recorded: the sequence's
+            saved_value = found.manifest["model"].get("seq_length")
         here_value = values[key]
         if default is None and None in (saved_value, here_value):   # derived (4h, --seq-length, ...): not recorded,
             continue                                                # or a driver's args validate() did not fill
@@ -276,5 +280,7 @@ def check_compatible(found: FoundCheckpoint, args) -> None:
                 f"checkpoint {found.directory} was trained with {_describe_data(key, saved)} but this run has "
                 f"{_describe_data(key, here_data[key])}; resume with the same, or pass {DATA_OVERRIDE_FLAG}")
     if found.iteration >= args.iters:
-        raise CheckpointError(f"checkpoint {found.directory} is at iteration {found.iteration}, and --iters is "
-                              f"{args.iters}: nothing left to train (raise --iters)")
+        length = f"--train-samples {args.train_samples} make {args.iters} iterations" if counts_samples(args) else \
+            f"--iters is {args.iters}"
+        raise CheckpointError(f"checkpoint {found.directory} is at iteration {found.iteration}, and {length}: nothing "
+                              f"left to train (raise {'--train-samples' if counts_samples(args) else '--iters'})")

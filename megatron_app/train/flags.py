@@ -461,14 +461,39 @@ def _parser_defaults() -> Mapping[str, object]:
             if action.default is not argparse.SUPPRESS}
 
 
-def lr_schedule_iterations(args) -> tuple:
-    """(warm-up, decay) of the learning-rate schedule in iterations, as Megatron-LM derives them: the decay over
-    --lr-decay-iters (default --iters), the warm-up --lr-warmup-iters or --lr-warmup-fraction x the decay."""
+def counts_samples(args) -> bool:
+    """Whether the run's length and schedule are counted in samples (Megatron-LM's --train-samples), not iterations."""
+    return completed(args).train_samples is not None
+
+
+def schedule_flag(args, what: str) -> str:
+    """The flag that gives the schedule's ``what`` (decay, warmup, wsd_decay) in the run's unit."""
+    return f"--lr-{what.replace('_', '-')}-{'samples' if counts_samples(args) else 'iters'}"
+
+
+def lr_schedule_lengths(args) -> tuple:
+    """(warm-up, decay, WSD anneal or None) of the learning-rate schedule in the run's unit (samples under
+    --train-samples, else iterations), as Megatron-LM derives them: the decay over --lr-decay-* (default: the run's
+    length), the warm-up --lr-warmup-* or --lr-warmup-fraction x the decay."""
     args = completed(args)
-    decay = args.lr_decay_iters or args.iters
+    if counts_samples(args):
+        decay, warmup, wsd = args.lr_decay_samples or args.train_samples, args.lr_warmup_samples, \
+            args.lr_wsd_decay_samples
+    else:
+        decay, warmup, wsd = args.lr_decay_iters or args.iters, args.lr_warmup_iters, args.lr_wsd_decay_iters
     if args.lr_warmup_fraction is not None:
-        return args.lr_warmup_fraction * decay, decay
-    return args.lr_warmup_iters or 0, decay
+        warmup = args.lr_warmup_fraction * decay
+    return warmup or 0, decay, wsd
+
+
+def lr_schedule_samples(args) -> tuple:
+    """lr_schedule_lengths in samples, what Megatron's scheduler counts (an iteration is the global batch); and the
+    samples over which an increasing weight decay rises (the run's)."""
+    args = completed(args)
+    per_unit = 1 if counts_samples(args) else args.global_batch_size
+    warmup, decay, wsd = lr_schedule_lengths(args)
+    run = args.train_samples if counts_samples(args) else args.iters * args.global_batch_size
+    return warmup * per_unit, decay * per_unit, None if wsd is None else wsd * per_unit, run
 
 
 def writes_traces(args) -> bool:

@@ -36,7 +36,7 @@ from .evaluate import evaluate
 from .report import IterationReporter, is_reporting_rank, reduce_lm_loss
 from .start_gate import wait_for_start_gate
 from .startup import EndingClock, StartupClock
-from .tensorboard_scalars import TensorBoardScalars
+from .tensorboard_scalars import TensorBoardScalars, tensorboard_importable
 from .step import forward_step
 from .stops import (ExitSignal, any_rank, check_finite, ctrl_c_seen, interrupt_follows, interrupted,
                     raise_once_on_ctrl_c)
@@ -143,7 +143,11 @@ def build_trainer(args, startup: Optional[StartupClock] = None) -> Trainer:
     forward_backward = select_forward_backward_func(runtime_settings(args, trace_dir), args.device)
     scalars = None
     if args.tensorboard_dir and is_reporting_rank():   # the iteration lines' numbers, from the rank that prints them
-        scalars = TensorBoardScalars.open(args.tensorboard_dir, args.global_batch_size, emulated=emulation is not None)
+        if tensorboard_importable():
+            scalars = TensorBoardScalars.open(args.tensorboard_dir, args.global_batch_size,
+                                              emulated=emulation is not None)
+        else:   # validate() let the profiler's traces go there alone
+            _say(getattr(args, "tensorboard_scalars_note", "tensorboard is not installed: no scalars are written"))
     reporter = IterationReporter(run_config(args), args.iters, args.global_batch_size * args.seq_length,
                                  args.log_json, emulated=emulation is not None, shows_lr=varies_lr(args),
                                  log_interval=args.log_interval, scalars=scalars)
@@ -230,6 +234,8 @@ def after_iteration(trainer: Trainer, iteration: int, collector: Optional[Manual
     if not stop and trainer.exit_signal is not None:
         stop = any_rank(trainer.exit_signal.received)
         why = "--exit-signal-handler: SIGTERM received"
+    if stop:
+        trainer.reporter.flush()   # the --log-interval line of the iterations up to here comes first
     save_dir = args.save
     if save_dir and (_due(iteration, args.save_interval) or stop or iteration == args.iters):
         directory = save_checkpoint(save_dir, args, trainer.chunks, trainer.optimizer, trainer.scheduler, iteration,
@@ -286,7 +292,13 @@ def train(args) -> None:
     exit_signal = ExitSignal().install() if args.exit_signal_handler else None
     earlier_ctrl_c = ctrl_c_seen()   # a process that trains twice: only this call's Ctrl-C stops it
     run_started_s = time.monotonic()   # after the start gate: a run waiting its turn has not begun
-    init_distributed(args.device, args.distributed_timeout_minutes)
+    try:
+        init_distributed(args.device, args.distributed_timeout_minutes)
+    except BaseException:   # before the try below: its clean-up would not put the handlers back
+        restore_ctrl_c()
+        if exit_signal is not None:
+            exit_signal.restore()
+        raise
     startup.mark("process_group")
     trainer = None
     loss_layer = None

@@ -14,14 +14,14 @@ from typing import Optional, Tuple
 
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from .flags import completed, lr_schedule_iterations
+from .flags import completed, lr_schedule_samples
 
 
 def schedule_samples(args) -> Tuple[float, int]:
-    """(warm-up, decay) in samples, as Megatron-LM derives them from iterations and the global batch."""
-    warmup, decay = lr_schedule_iterations(args)
-    batch = completed(args).global_batch_size
-    return warmup * batch, decay * batch
+    """(warm-up, decay) in samples, as Megatron-LM derives them (from iterations and the global batch, or given in
+    samples under --train-samples)."""
+    warmup, decay, _, _ = lr_schedule_samples(args)
+    return warmup, decay
 
 
 def start_weight_decay(args) -> float:
@@ -38,16 +38,14 @@ def end_weight_decay(args) -> float:
 def build_scheduler(optimizer, args) -> OptimizerParamScheduler:
     """Sets every parameter group's lr and weight_decay (x its wd_mult) for the first iteration."""
     args = completed(args)
-    warmup, decay = schedule_samples(args)
+    warmup, decay, wsd, run = lr_schedule_samples(args)
     return OptimizerParamScheduler(
         optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=warmup,
         lr_decay_steps=decay, lr_decay_style=args.lr_decay_style, start_wd=start_weight_decay(args),
-        end_wd=end_weight_decay(args), wd_incr_steps=args.iters * args.global_batch_size,
-        wd_incr_style=args.weight_decay_incr_style,
+        end_wd=end_weight_decay(args), wd_incr_steps=run, wd_incr_style=args.weight_decay_incr_style,
         use_checkpoint_opt_param_scheduler=bool(args.use_checkpoint_opt_param_scheduler),
         override_opt_param_scheduler=bool(args.override_opt_param_scheduler),
-        wsd_decay_steps=None if args.lr_wsd_decay_iters is None else args.lr_wsd_decay_iters * args.global_batch_size,
-        lr_wsd_decay_style=args.lr_wsd_decay_style)
+        wsd_decay_steps=wsd, lr_wsd_decay_style=args.lr_wsd_decay_style)
 
 
 def varies_lr(args) -> bool:

@@ -105,10 +105,11 @@ class IterationReporter:
         tokens_per_s = sum(entry["tokens_per_s"] * entry["time_ms"] for entry in entries) / (time_ms * count)
         if self.emulated:
             shown = "emulated compute, no real loss"
-        else:
-            shown = f"loss {sum(entry['loss'] for entry in entries) / count:.4f}"
-            if count > 1:
-                shown += f" (mean of {count})"
+        else:   # as Megatron-LM: the iterations that stepped (an overflow's loss may be inf), else all
+            counted = [entry for entry in entries if not entry.get("skipped")] or entries
+            shown = f"loss {sum(entry['loss'] for entry in counted) / len(counted):.4f}"
+            if len(counted) > 1:
+                shown += f" (mean of {len(counted)})"
         planned = ""
         composed = last.get("composed")
         if composed is not None:

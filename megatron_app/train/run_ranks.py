@@ -11,8 +11,10 @@ collective lost its peer), and torchrun's "first observed failure" may be any of
 first: the trainer's one-line error ("megatron_app.train: ... error: ..."), else an exception that is not such a
 consequence (its traceback's last line, also when torch.distributed prefixed every line with "[rankN]: "), the
 earliest as the ranks' output arrived here; only when no rank left one, torchrun's root cause (a rank killed by a
-signal). A Ctrl-C (SIGINT) ends with the ranks' own line, not a failure line: the exit status is 130. Otherwise
-the exit status is torchrun's. Standard library only: it starts before anything heavy.
+signal). A Ctrl-C (SIGINT) ends with the ranks' own line, not a failure line: the exit status is 130. A SIGTERM
+(SLURM's, to every process of the job step) is waited out too, so torchrun's and the ranks' output keeps flowing while
+--exit-signal-handler saves; a run it stopped ends with 143 and one line saying so. Otherwise the exit status is
+torchrun's. Standard library only: it starts before anything heavy.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ _CONSEQUENCES = ("TransportClosed", "PeerDied", "TransportTimeout", "PipelineSta
                  "SignalException")
 _CONSEQUENCE_TEXT = ("Connection closed by peer", "Connection reset by peer", "closed its transport", "Broken pipe")
 _INTERRUPTED = 130
+_TERMINATED = 128 + signal.SIGTERM
 
 
 @dataclass
@@ -258,6 +261,9 @@ def main(argv=None) -> int:
     # The terminal's Ctrl-C reaches torchrun and the ranks directly (same process group); we only note it and wait
     # for them to finish (the ranks say where they stopped).
     previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
+    # SIGTERM likewise: dying at once would close torchrun's stderr under the ranks while they save
+    terminated = []
+    previous_term = signal.signal(signal.SIGTERM, lambda *_: terminated.append(True))
     try:
         with open(agent_log_path, "w", encoding="utf-8") as agent_log:
             process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1)
@@ -275,8 +281,13 @@ def main(argv=None) -> int:
             returncode = process.wait()
     finally:
         signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGTERM, previous_term)
     if returncode != 0 and interrupted:
         return _INTERRUPTED
+    if returncode != 0 and terminated:
+        say(f"{args.name}: stopped by SIGTERM (torchrun exit status {returncode}; the ranks' lines above say where, "
+            "and --exit-signal-handler saves the iteration first)")
+        return _TERMINATED
     if returncode != 0:
         say(failure_line(args.name, args.log_dir, agent_log_path, "".join(agent_lines), returncode, arrival,
                          multi_host=nodes_of(command) > 1))
