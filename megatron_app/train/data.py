@@ -23,7 +23,7 @@ from megatron_app.megatron_compat import null_tokenizer
 from megatron_app.data.document_data import DocumentDataset, pad_to_longest, padded_lengths, sample_length
 from megatron_app.data.synthetic_documents import SyntheticDocuments
 
-from .flags import DEFAULT_SPLIT, completed  # noqa: F401 (DEFAULT_SPLIT re-exported)
+from .flags import DEFAULT_SPLIT, completed, counts_samples  # noqa: F401 (DEFAULT_SPLIT re-exported)
 
 # "Unable to save MockGPTDataset indexes because path_to_cache is None", once per split and rank.
 logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)
@@ -39,8 +39,10 @@ def build_tokenizer(vocab_size: int):
 
 
 def train_samples(args) -> int:
-    """Samples of the whole run (--iters is the total, also when resuming), as in Megatron-LM; the dataset's
-    sample order depends on it, so a resumed run must build the same number."""
+    """Samples of the whole run (--iters is the total, also when resuming; --train-samples itself when given), as in
+    Megatron-LM; the dataset's sample order depends on it, so a resumed run must build the same number."""
+    if counts_samples(args):
+        return args.train_samples
     return args.iters * args.global_batch_size
 
 
