@@ -100,17 +100,16 @@ def parse_options(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     opts = parse_options(argv)
     flags = mode_flags(model_flags(opts))
-    peaks = {mode: [] for mode in flags}
-    peaks_per_rank = {mode: [] for mode in flags}
-    iteration_ms = {mode: [] for mode in flags}
+    runs = {mode: [] for mode in flags}
     for repeat in range(opts.repeats):
         for mode, run_flags in flags.items():
             run = run_once(run_flags, PIPELINE_STAGES)
-            peaks[mode].append(run.max_peak_rss_mib)
-            peaks_per_rank[mode].append(list(run.peak_rss_mib))
-            iteration_ms[mode].append(list(run.iteration_ms))
+            runs[mode].append(run)
             print(f"repeat {repeat + 1}: {mode} peak {run.max_peak_rss_mib:.0f} MiB, iterations "
                   f"{', '.join(f'{ms:.0f}' for ms in run.iteration_ms)} ms", flush=True)
+    peaks = {mode: [run.max_peak_rss_mib for run in done] for mode, done in runs.items()}
+    peaks_per_rank = {mode: [list(run.peak_rss_mib) for run in done] for mode, done in runs.items()}
+    iteration_ms = {mode: [list(run.iteration_ms) for run in done] for mode, done in runs.items()}
     summary = summarise(peaks, iteration_ms)
     print(format_table(summary))
     if opts.json:

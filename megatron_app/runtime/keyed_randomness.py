@@ -170,14 +170,11 @@ def enable_keyed_randomness(model_chunks, seed: int) -> KeyedRandomness:
                 state.reseed(running_microbatch(), layer_number)
             return reseed
 
-        outer_blocks: List[Optional[int]] = []
-
-        def block_starts(module, args, running_microbatch=running_microbatch, outer_blocks=outer_blocks):
-            outer_blocks.append(state.block_microbatch)
+        def block_starts(module, args, running_microbatch=running_microbatch):   # blocks never nest
             state.block_microbatch = running_microbatch()
 
-        def block_ends(module, args, output, outer_blocks=outer_blocks):
-            state.block_microbatch = outer_blocks.pop() if outer_blocks else None
+        def block_ends(module, args, output):
+            state.block_microbatch = None
 
         state._handles.append(block.register_forward_pre_hook(block_starts))
         state._handles.append(block.register_forward_hook(block_ends, always_call=True))

@@ -19,7 +19,7 @@ from megatron_app.schedule.policies import policies_taking
 from .flags import (DEFAULT_HYSTERESIS, DEFAULT_INITIAL_LOSS_SCALE, DEFAULT_LOSS_SCALE_WINDOW,  # noqa: F401
                     DEFAULT_MICROBATCHES, DEFAULT_MIN_LOSS_SCALE, DEFAULT_SPLIT, DEFAULT_VOCAB_SIZE, MEGATRON_SCHEDULE,
                     POLICIES, SCHEDULES, UsageError, _FILLED_DEFAULTS, build_parser, counts_samples,
-                    lr_schedule_lengths, schedule_flag, writes_traces)
+                    lr_schedule_lengths, schedule_dest, schedule_flag, writes_traces)
 from .tensorboard_scalars import REQUIREMENTS as TENSORBOARD_REQUIREMENTS, tensorboard_importable
 
 
@@ -644,8 +644,7 @@ def _check_optimizer(args: argparse.Namespace) -> None:
         raise UsageError(f"--adam-eps must be positive, got {args.adam_eps}")
     # The schedule's lengths in the run's unit: --lr-*-iters, or --lr-*-samples under --train-samples.
     unit, length_flag = ("samples", "--train-samples") if counts_samples(args) else ("iterations", "--iters")
-    given = {what: getattr(args, schedule_flag(args, what)[2:].replace("-", "_"))
-             for what in ("decay", "warmup", "wsd_decay")}
+    given = {what: getattr(args, schedule_dest(args, what)) for what in ("decay", "warmup", "wsd_decay")}
     style = args.lr_decay_style
     if given["decay"] is not None and given["decay"] < 1:
         raise UsageError(f"{schedule_flag(args, 'decay')} must be a positive integer, got {given['decay']}")

@@ -466,9 +466,13 @@ def counts_samples(args) -> bool:
     return completed(args).train_samples is not None
 
 
+def schedule_dest(args, what: str) -> str:
+    """The option that gives the schedule's ``what`` (decay, warmup, wsd_decay) in the run's unit."""
+    return f"lr_{what}_{'samples' if counts_samples(args) else 'iters'}"
+
+
 def schedule_flag(args, what: str) -> str:
-    """The flag that gives the schedule's ``what`` (decay, warmup, wsd_decay) in the run's unit."""
-    return f"--lr-{what.replace('_', '-')}-{'samples' if counts_samples(args) else 'iters'}"
+    return "--" + schedule_dest(args, what).replace("_", "-")
 
 
 def lr_schedule_lengths(args) -> tuple:

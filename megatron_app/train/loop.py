@@ -227,13 +227,16 @@ def after_iteration(trainer: Trainer, iteration: int, collector: Optional[Manual
         trainer.reporter.record_validation(iteration, loss)
     stop = _due(iteration, args.exit_interval)
     why = f"--exit-interval {args.exit_interval}"
-    if not stop and args.exit_duration_in_mins is not None:
+    reasons = []   # (this rank's flag, why) of the stops every rank must agree on
+    if args.exit_duration_in_mins is not None:
         minutes = (time.monotonic() - trainer.run_started_s) / 60.0
-        stop = any_rank(minutes >= args.exit_duration_in_mins)
-        why = f"--exit-duration-in-mins {args.exit_duration_in_mins:g}: {minutes:.2f} minutes since the run began"
-    if not stop and trainer.exit_signal is not None:
-        stop = any_rank(trainer.exit_signal.received)
-        why = "--exit-signal-handler: SIGTERM received"
+        reasons.append((minutes >= args.exit_duration_in_mins, f"--exit-duration-in-mins "
+                        f"{args.exit_duration_in_mins:g}: {minutes:.2f} minutes since the run began"))
+    if trainer.exit_signal is not None:
+        reasons.append((trainer.exit_signal.received, "--exit-signal-handler: SIGTERM received"))
+    if not stop and reasons:
+        agreed = [text for (_, text), seen in zip(reasons, any_rank(*(flag for flag, _ in reasons))) if seen]
+        stop, why = bool(agreed), agreed[0] if agreed else why
     if stop:
         trainer.reporter.flush()   # the --log-interval line of the iterations up to here comes first
     save_dir = args.save

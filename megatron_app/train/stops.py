@@ -120,14 +120,14 @@ def interrupt_follows(error: BaseException) -> bool:
     return False
 
 
-def any_rank(flag: bool) -> bool:
-    """Whether any rank's flag is set: a collective, so every rank stops after the same iteration (Megatron-LM's
-    all-reduce of its `done` flag)."""
+def any_rank(*flags: bool) -> List[bool]:
+    """For each flag, whether any rank has it set: one collective for all of them, so every rank stops after the
+    same iteration (Megatron-LM's all-reduce of its `done` flag)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return flag
-    done = torch.tensor([int(flag)], dtype=torch.int32, device=collective_device())
+        return list(flags)
+    done = torch.tensor([int(flag) for flag in flags], dtype=torch.int32, device=collective_device())
     dist.all_reduce(done, op=dist.ReduceOp.MAX)
-    return bool(done.item())
+    return [bool(value) for value in done.tolist()]
 
 
 class ExitSignal:
